@@ -1,0 +1,686 @@
+"""The layout spec language: syntax only.
+
+A spec file says, for one framework and model family, how every stored tensor
+maps onto logical tensors. This module turns its text into a tree (``Spec``)
+and checks nothing but syntax; meaning (axes exist, degrees divide, every
+logical axis is covered once) is checked by ``reshard.layout.resolve``.
+
+Grammar (one statement per line; ``#`` starts a comment)::
+
+    statement := 'let' NAME '=' expr                      size variable
+               | 'index' NAME '<' expr                    range of a name capture
+               | 'include' PATH                           logical declarations of a model
+               | 'logical' PATTERN ['as' NAME] '=' dims   a full, unpadded, unfused tensor
+               | 'section' NAME ['per' NAME*] ['states' NAME*]
+               | 'blob' PATTERN ['regenerate']            non-tensor state, as bytes
+               | 'flat' PATTERN '=' NAME ('|' flatop)*    a flat buffer built from a section
+               | PATTERN ['->' REF] ['@' place] '=' dims      a stored tensor (-> and @ in any order)
+    place     := 'first' | 'last' | 'lastonly'              pipeline stage (lastonly: last, if not also first)
+    dims      := 'scalar' | term+
+    term      := atom (split | pad)*
+    atom      := NAME | '{' NAME '}' | '(' term* ')' | '[' part ('|' part)* ']'
+    part      := NAME ':' term+ | 'pad' ':' expr
+    split     := '/' NAME [':' ('chunk' | '(' expr (',' expr)* ')')]
+    pad       := '~' eatom [':' ('zero' | 'last')]
+    flatop    := 'reverse' | 'align' expr | 'buckets' expr | 'pad' expr | 'split' NAME
+               | 'perparam' | 'coalesce'
+    expr      := sum; sum := prod (('+'|'-') prod)*; prod := eatom (('*'|'/'|'//') eatom)*
+    eatom     := INT | NAME | NAME '(' expr (',' expr)* ')' | '(' expr ')'
+    PATTERN   := a name such as ``decoder.layers.{i/pp}.mlp.linear_fc1.weight``;
+                 ``{x}`` captures index x, ``{x/axis}`` its local index under a split
+
+The published, normative version of this grammar is ``specs/README.md``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from reshard.errors import SpecError
+
+__all__ = [
+    "Axis",
+    "Blob",
+    "Call",
+    "Capture",
+    "Concat",
+    "Expr",
+    "Flat",
+    "FlatOp",
+    "Include",
+    "Index",
+    "IndexDecl",
+    "Let",
+    "Logical",
+    "Num",
+    "Op",
+    "Part",
+    "Pattern",
+    "Pos",
+    "Product",
+    "Pad",
+    "Section",
+    "Spec",
+    "Split",
+    "Stored",
+    "Term",
+    "Var",
+    "parse_spec",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Pos:
+    """Where a token sits: 1-based line and column, length in characters."""
+
+    line: int
+    col: int
+    length: int = 1
+    source: str = ""  # the file, when a spec includes others
+
+
+# --- expressions (sizes) -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Num:
+    value: int
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Var:
+    name: str
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    op: str  # one of + - * / //
+    left: Expr
+    right: Expr
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    fn: str  # cdiv, roundup, lcm, min, max
+    args: tuple[Expr, ...]
+    pos: Pos
+
+
+Expr = Num | Var | Op | Call
+
+# --- dims (terms) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Axis:
+    """A named extent of a logical tensor; its size is the variable of the same name."""
+
+    name: str
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Index:
+    """``{i}`` as a dim: the values of capture ``i`` stacked (layers on a leading dim)."""
+
+    name: str
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Product:
+    """``(a b c)``: row-major composition of terms into one dim."""
+
+    terms: tuple[Term, ...]
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One part of a concatenation: ``ref: terms`` (a logical tensor's axes) or ``pad: n``."""
+
+    ref: str | None  # None for a pad part
+    terms: tuple[Term, ...]
+    size: Expr | None  # pad parts only
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Concat:
+    """``[q: ... | k: ... | pad: n]``: parts stacked along one dim."""
+
+    parts: tuple[Part, ...]
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """``term/axis``: the term's extent divided over a mesh axis.
+
+    ``mode`` is ``even`` (must divide), ``chunk`` (torch.chunk) or ``widths``.
+    """
+
+    term: Term
+    axis: str
+    mode: str
+    widths: tuple[Expr, ...]
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Pad:
+    """``term~m``: extent rounded up to a multiple of ``m``; ``policy`` fills the rest."""
+
+    term: Term
+    multiple: Expr
+    policy: str  # zero | last
+    pos: Pos
+
+
+Term = Axis | Index | Product | Concat | Split | Pad
+
+# --- statements ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    name: str
+    axis: str | None  # {i/pp}: local index under a split over pp
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Pattern:
+    """A tensor name with captures: literal pieces and ``Capture``s, in order."""
+
+    parts: tuple[str | Capture, ...]
+    text: str
+    pos: Pos
+
+    @property
+    def captures(self) -> tuple[Capture, ...]:
+        return tuple(p for p in self.parts if isinstance(p, Capture))
+
+    def format(self, values: dict[str, object]) -> str:
+        return "".join(p if isinstance(p, str) else str(values[p.name]) for p in self.parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Let:
+    name: str
+    expr: Expr
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class IndexDecl:
+    name: str
+    size: Expr
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Include:
+    path: str
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Logical:
+    pattern: Pattern
+    alias: str | None
+    dims: tuple[Term, ...] | None  # None: a 0-d scalar
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    name: str
+    axes: tuple[str, ...]
+    states: tuple[str, ...]
+    pos: Pos
+    axes_pos: tuple[Pos, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    pattern: Pattern
+    ref: str | None  # alias or logical name; None: the logical tensor of the same name
+    place: str | None  # first | last | lastonly (pipeline stage)
+    dims: tuple[Term, ...] | None
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Blob:
+    pattern: Pattern
+    regenerate: bool
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class FlatOp:
+    op: str  # reverse | align | buckets | pad | split | perparam
+    arg: Expr | str | None
+    pos: Pos
+
+
+@dataclass(frozen=True, slots=True)
+class Flat:
+    pattern: Pattern
+    source: str  # the section whose items are flattened
+    ops: tuple[FlatOp, ...]
+    pos: Pos
+
+
+Statement = Let | IndexDecl | Include | Logical | Section | Stored | Blob | Flat
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """A parsed spec: statements in file order, plus the text for error messages."""
+
+    source: str
+    statements: tuple[Statement, ...]
+    lines: tuple[str, ...] = field(repr=False, compare=False)
+    included: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), repr=False, compare=False)
+    """Source name and lines of each included file, for messages."""
+
+    def error(self, message: str, pos: Pos | None) -> SpecError:
+        if pos is None:
+            return SpecError(message, source=self.source)
+        source, lines = self.source, self.lines
+        if pos.source and pos.source != self.source:
+            source, lines = pos.source, dict(self.included).get(pos.source, ())
+        text = lines[pos.line - 1] if 0 < pos.line <= len(lines) else ""
+        return SpecError(message, source=source, line=pos.line, col=pos.col, length=pos.length, text=text)
+
+
+# --- the parser ----------------------------------------------------------------------
+
+KEYWORDS = ("let", "index", "include", "logical", "section", "blob", "flat")
+FLAT_OPS = ("reverse", "align", "buckets", "pad", "split", "perparam", "coalesce")
+PLACES = ("first", "last", "lastonly")
+FUNCTIONS = ("cdiv", "roundup", "lcm", "min", "max")
+
+_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<int>[0-9]+)|(?P<punct>->|//|[()\[\]{}|:/~=,*+\-@<])|(?P<bad>\S))")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(slots=True)
+class _Tok:
+    kind: str  # name | int | punct | word | end
+    text: str
+    col: int  # 1-based
+
+
+class _Line:
+    """Tokens of one line, with a cursor; errors point into the line."""
+
+    def __init__(self, spec_source: str, lineno: int, text: str) -> None:
+        self.source = spec_source
+        self.lineno = lineno
+        self.text = text
+        self.toks: list[_Tok] = []
+        self.i = 0
+
+    def fail(self, message: str, tok: _Tok | None = None) -> SpecError:
+        tok = tok or self.peek()
+        return SpecError(message, source=self.source, line=self.lineno, col=tok.col, length=len(tok.text) or 1, text=self.text)
+
+    def pos(self, tok: _Tok) -> Pos:
+        return Pos(self.lineno, tok.col, max(1, len(tok.text)), self.source)
+
+    def peek(self, ahead: int = 0) -> _Tok:
+        return self.toks[min(self.i + ahead, len(self.toks) - 1)]
+
+    def next(self) -> _Tok:
+        tok = self.peek()
+        self.i = min(self.i + 1, len(self.toks) - 1)
+        return tok
+
+    def at(self, text: str) -> bool:
+        tok = self.peek()
+        return tok.kind in ("punct", "name") and tok.text == text
+
+    def expect(self, text: str, what: str | None = None) -> _Tok:
+        tok = self.peek()
+        if tok.text != text or tok.kind not in ("punct", "name"):
+            raise self.fail(f"expected '{text}'{' ' + what if what else ''}, found {_describe(tok)}")
+        return self.next()
+
+    def name(self, what: str) -> _Tok:
+        tok = self.peek()
+        if tok.kind != "name":
+            raise self.fail(f"expected {what}, found {_describe(tok)}")
+        return self.next()
+
+    def word(self, what: str) -> _Tok:
+        """The next whitespace-delimited run of characters (a tensor name or path)."""
+        tok = self.peek()
+        if tok.kind == "end":
+            raise self.fail(f"expected {what}, found end of line")
+        start = tok.col - 1
+        end = start
+        while end < len(self.text) and not self.text[end].isspace():
+            end += 1
+        # Re-tokenize after the word.
+        self._tokenize(end)
+        return _Tok("word", self.text[start:end], start + 1)
+
+    def _tokenize(self, start: int) -> None:
+        toks: list[_Tok] = []
+        pos = start
+        text = self.text
+        while True:
+            m = _TOKEN.match(text, pos)
+            if m is None or m.end() == m.start() or text[m.start() :].strip() == "" or text[m.start() :].lstrip().startswith("#"):
+                break
+            kind = m.lastgroup or "bad"
+            toks.append(_Tok(kind, m.group(kind), m.start(kind) + 1))
+            pos = m.end()
+        end_col = len(text.split("#", 1)[0].rstrip()) + 1
+        toks.append(_Tok("end", "", end_col))
+        self.toks = toks
+        self.i = 0
+
+
+def _describe(tok: _Tok) -> str:
+    return "end of line" if tok.kind == "end" else f"'{tok.text}'"
+
+
+def parse_spec(text: str, source: str = "<spec>") -> Spec:
+    """Parse spec text into a ``Spec``; syntax only.
+
+    Args:
+      text: the spec file's contents.
+      source: a name for messages, usually the file path.
+
+    Raises:
+      SpecError: with ``source:line:col``, the line, and a caret under the token.
+
+    >>> spec = parse_spec("logical w = f h\\nsection model\\nw = f/tp h")
+    >>> [type(s).__name__ for s in spec.statements]
+    ['Logical', 'Section', 'Stored']
+    """
+    lines = tuple(text.splitlines())
+    statements: list[Statement] = []
+    for lineno, raw in enumerate(lines, start=1):
+        line = _Line(source, lineno, raw)
+        line._tokenize(0)
+        if line.peek().kind == "end":
+            continue
+        statements.append(_statement(line))
+        if line.peek().kind != "end":
+            raise line.fail(f"unexpected {_describe(line.peek())} after the end of the statement")
+    return Spec(source=source, statements=tuple(statements), lines=lines)
+
+
+def _statement(ln: _Line) -> Statement:
+    first = ln.peek()
+    kw = first.text if first.kind == "name" and first.text in KEYWORDS and _keyword_follows(ln) else None
+    if kw == "let":
+        ln.next()
+        name = ln.name("a variable name")
+        ln.expect("=")
+        return Let(name.text, _expr(ln), ln.pos(name))
+    if kw == "index":
+        ln.next()
+        name = ln.name("an index name")
+        ln.expect("<", "between the index name and its range")
+        return IndexDecl(name.text, _expr(ln), ln.pos(name))
+    if kw == "include":
+        ln.next()
+        path = ln.word("a spec path")
+        return Include(path.text, ln.pos(path))
+    if kw == "logical":
+        ln.next()
+        pattern = _pattern(ln, ln.word("a logical tensor name"))
+        alias = None
+        if ln.at("as"):
+            ln.next()
+            alias = ln.name("an alias after 'as'").text
+        ln.expect("=")
+        return Logical(pattern, alias, _dims(ln), pattern.pos)
+    if kw == "section":
+        ln.next()
+        name = ln.name("a section name")
+        axes: list[str] = []
+        axes_pos: list[Pos] = []
+        states: list[str] = []
+        if ln.at("per"):
+            ln.next()
+            while ln.peek().kind == "name" and ln.peek().text != "states":
+                axes_pos.append(ln.pos(ln.peek()))
+                axes.append(ln.next().text)
+        if ln.at("states"):
+            ln.next()
+            while ln.peek().kind == "name":
+                states.append(ln.next().text)
+            if not states:
+                raise ln.fail(f"expected state names after 'states', found {_describe(ln.peek())}")
+        return Section(name.text, tuple(axes), tuple(states) or ("param",), ln.pos(name), tuple(axes_pos))
+    if kw == "blob":
+        ln.next()
+        pattern = _pattern(ln, ln.word("a blob name"))
+        regen = False
+        if ln.at("regenerate"):
+            ln.next()
+            regen = True
+        return Blob(pattern, regen, pattern.pos)
+    if kw == "flat":
+        ln.next()
+        pattern = _pattern(ln, ln.word("a flat buffer name"))
+        ln.expect("=")
+        source = ln.name("the name of the section to flatten")
+        ops: list[FlatOp] = []
+        while ln.at("|"):
+            ln.next()
+            ops.append(_flatop(ln))
+        return Flat(pattern, source.text, tuple(ops), pattern.pos)
+    # A stored tensor rule.
+    pattern = _pattern(ln, ln.word("a stored tensor name or a keyword (" + ", ".join(KEYWORDS) + ")"))
+    ref = None
+    place = None
+    while ln.at("->") or ln.at("@"):  # in either order
+        if ln.next().text == "->":
+            if ref is not None:
+                raise ln.fail("a second '->'")
+            ref = ln.word("a logical tensor name or alias after '->'").text
+            continue
+        tok = ln.name("'first', 'last' or 'lastonly' after '@'")
+        if tok.text not in PLACES or place is not None:
+            raise ln.fail(f"unknown placement '{tok.text}' (expected one of: {', '.join(PLACES)})" if place is None else "a second '@'", tok)
+        place = tok.text
+    ln.expect("=", "after the stored tensor name")
+    return Stored(pattern, ref, place, _dims(ln), pattern.pos)
+
+
+def _keyword_follows(ln: _Line) -> bool:
+    # 'logical = ...' would be a stored tensor called 'logical'; a keyword is followed by more.
+    nxt = ln.peek(1)
+    return not (nxt.kind == "punct" and nxt.text in ("=", "->", "@"))
+
+
+def _pattern(ln: _Line, tok: _Tok) -> Pattern:
+    parts: list[str | Capture] = []
+    text = tok.text
+    i = 0
+    lit = ""
+    while i < len(text):
+        ch = text[i]
+        if ch == "}":
+            raise SpecError("unbalanced '}' in name", source=ln.source, line=ln.lineno, col=tok.col + i, text=ln.text)
+        if ch != "{":
+            lit += ch
+            i += 1
+            continue
+        close = text.find("}", i)
+        if close < 0:
+            raise SpecError("unclosed '{' in name (expected '{name}' or '{name/axis}')", source=ln.source, line=ln.lineno, col=tok.col + i, text=ln.text)
+        body = text[i + 1 : close]
+        name, _, axis = body.partition("/")
+        bad = next((x for x in ([name, axis] if "/" in body else [name]) if not _NAME.fullmatch(x)), None)
+        if bad is not None:
+            raise SpecError(
+                f"bad capture '{{{body}}}' (expected '{{name}}' or '{{name/axis}}')",
+                source=ln.source, line=ln.lineno, col=tok.col + i, length=close - i + 1, text=ln.text,
+            )
+        if lit:
+            parts.append(lit)
+            lit = ""
+        parts.append(Capture(name, axis or None, Pos(ln.lineno, tok.col + i, close - i + 1, ln.source)))
+        i = close + 1
+    if lit:
+        parts.append(lit)
+    return Pattern(tuple(parts), text, ln.pos(tok))
+
+
+def _dims(ln: _Line) -> tuple[Term, ...] | None:
+    if ln.at("scalar"):
+        ln.next()
+        return None
+    terms = _terms(ln, stop=("end",))
+    if not terms:
+        raise ln.fail(f"expected dims (axis names, '(', '[', '{{') or 'scalar', found {_describe(ln.peek())}")
+    return terms
+
+
+def _terms(ln: _Line, stop: tuple[str, ...]) -> tuple[Term, ...]:
+    out: list[Term] = []
+    while True:
+        tok = ln.peek()
+        if tok.kind == "end" or (tok.kind == "punct" and tok.text in stop):
+            return tuple(out)
+        out.append(_term(ln))
+
+
+def _term(ln: _Line) -> Term:
+    tok = ln.peek()
+    term: Term
+    if tok.kind == "name":
+        ln.next()
+        term = Axis(tok.text, ln.pos(tok))
+    elif tok.text == "{" and tok.kind == "punct":
+        ln.next()
+        name = ln.name("an index name inside '{ }'")
+        ln.expect("}")
+        term = Index(name.text, ln.pos(name))
+    elif tok.text == "(" and tok.kind == "punct":
+        ln.next()
+        inner = _terms(ln, stop=(")",))
+        ln.expect(")", "to close '('")
+        term = Product(inner, ln.pos(tok))
+    elif tok.text == "[" and tok.kind == "punct":
+        ln.next()
+        parts = [_part(ln)]
+        while ln.at("|"):
+            ln.next()
+            parts.append(_part(ln))
+        ln.expect("]", "to close '['")
+        term = Concat(tuple(parts), ln.pos(tok))
+    else:
+        raise ln.fail(f"expected an axis name, '(', '[' or '{{', found {_describe(tok)}")
+    while ln.peek().kind == "punct" and ln.peek().text in ("/", "~"):
+        op = ln.next()
+        if op.text == "/":
+            axis = ln.name("a mesh axis after '/'")
+            mode, widths = "even", ()
+            if ln.at(":"):
+                ln.next()
+                if ln.at("("):
+                    ln.next()
+                    ws = [_expr(ln)]
+                    while ln.at(","):
+                        ln.next()
+                        ws.append(_expr(ln))
+                    ln.expect(")", "to close the widths")
+                    mode, widths = "widths", tuple(ws)
+                else:
+                    m = ln.name("'chunk' or '(widths)' after ':'")
+                    if m.text not in ("chunk", "even"):
+                        raise ln.fail(f"unknown split mode '{m.text}' (expected one of: chunk, even, (w1, w2, ...))", m)
+                    mode = m.text
+            term = Split(term, axis.text, mode, widths, ln.pos(axis))
+        else:
+            multiple = _eatom(ln)
+            policy = "zero"
+            if ln.at(":"):
+                ln.next()
+                p = ln.name("'zero' or 'last' after ':'")
+                if p.text not in ("zero", "last"):
+                    raise ln.fail(f"unknown pad policy '{p.text}' (expected one of: zero, last)", p)
+                policy = p.text
+            term = Pad(term, multiple, policy, ln.pos(op))
+    return term
+
+
+def _part(ln: _Line) -> Part:
+    name = ln.name("a part name (a logical tensor alias) or 'pad'")
+    ln.expect(":", "after the part name")
+    if name.text == "pad":
+        return Part(None, (), _expr(ln), ln.pos(name))
+    terms = _terms(ln, stop=("|", "]"))
+    if not terms:
+        raise ln.fail(f"expected the axes of part '{name.text}', found {_describe(ln.peek())}")
+    return Part(name.text, terms, None, ln.pos(name))
+
+
+def _flatop(ln: _Line) -> FlatOp:
+    tok = ln.name("a flat operation (" + ", ".join(FLAT_OPS) + ")")
+    if tok.text not in FLAT_OPS:
+        raise ln.fail(f"unknown flat operation '{tok.text}' (expected one of: {', '.join(FLAT_OPS)})", tok)
+    if tok.text in ("reverse", "perparam", "coalesce"):
+        return FlatOp(tok.text, None, ln.pos(tok))
+    if tok.text == "split":
+        return FlatOp("split", ln.name("a mesh axis after 'split'").text, ln.pos(tok))
+    return FlatOp(tok.text, _expr(ln), ln.pos(tok))
+
+
+# Expressions: precedence climbing over + - and * / //.
+
+
+def _expr(ln: _Line) -> Expr:
+    left = _prod(ln)
+    while ln.peek().kind == "punct" and ln.peek().text in ("+", "-"):
+        op = ln.next()
+        left = Op(op.text, left, _prod(ln), ln.pos(op))
+    return left
+
+
+def _prod(ln: _Line) -> Expr:
+    left = _eatom(ln)
+    while ln.peek().kind == "punct" and ln.peek().text in ("*", "/", "//"):
+        op = ln.next()
+        left = Op(op.text, left, _eatom(ln), ln.pos(op))
+    return left
+
+
+def _eatom(ln: _Line) -> Expr:
+    tok = ln.peek()
+    if tok.kind == "int":
+        ln.next()
+        return Num(int(tok.text), ln.pos(tok))
+    if tok.kind == "name":
+        ln.next()
+        if ln.at("("):
+            if tok.text not in FUNCTIONS:
+                raise ln.fail(f"unknown function '{tok.text}' (expected one of: {', '.join(FUNCTIONS)})", tok)
+            ln.next()
+            args = [_expr(ln)]
+            while ln.at(","):
+                ln.next()
+                args.append(_expr(ln))
+            ln.expect(")", f"to close {tok.text}(")
+            return Call(tok.text, tuple(args), ln.pos(tok))
+        return Var(tok.text, ln.pos(tok))
+    if tok.kind == "punct" and tok.text == "(":
+        ln.next()
+        inner = _expr(ln)
+        ln.expect(")", "to close '('")
+        return inner
+    raise ln.fail(f"expected a number, a name or '(', found {_describe(tok)}")

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import numpy as np
+
+from reshard.arrays import apply, gather, scatter
+from reshard.layout import Layout, resolve
+from reshard.planner import plan
+from reshard.spec import parse_spec
+from reshard.topology import parse_topology
+
+
+def logical_values(layout: Layout, states: tuple[str, ...] = ("param",), dtype=np.float32) -> dict:
+    """Distinct, position-dependent values for every logical tensor and state.
+
+    Tensor k, state s holds ``arange + 100000 * (k + 1) + 7777 * s``, so any
+    element moved to a wrong place, tensor or state shows up.
+    """
+    out = {}
+    for s_index, state in enumerate(states):
+        for k, (name, t) in enumerate(sorted(layout.tensors.items())):
+            n = int(np.prod(t.shape))
+            if t.blob:
+                out[(name, state)] = (np.arange(n) * 7 + k + s_index).astype(np.uint8)
+            else:
+                base = np.arange(n, dtype=np.float64) + 100000 * (k + 1) + 7777 * s_index
+                out[(name, state)] = base.astype(dtype).reshape(t.shape)
+    return out
+
+
+def layouts(text: str, sizes: dict, a: str, b: str, **kw) -> tuple[Layout, Layout]:
+    spec = parse_spec(text, "fact.spec")
+    return resolve(spec, parse_topology(a), sizes, **kw), resolve(spec, parse_topology(b), sizes, **kw)
+
+
+def convert(src: Layout, dst: Layout, items: dict) -> dict:
+    """Plan src -> dst, prove the plan, and carry it out in memory."""
+    p = plan(src, dst)
+    p.validate()
+    return apply(p, items)
+
+
+def assert_round_trip(src: Layout, dst: Layout, values: dict) -> dict:
+    """Move ``values`` laid out as ``src`` to ``dst`` and back, bit-exactly.
+
+    Returns the destination items. Checks: the destination items equal a direct
+    lay-out of the logical values (padding included), the logical tensors
+    gathered from them equal the originals, and the way back restores the
+    source items byte for byte.
+    """
+    src_items = scatter(src, values)
+    dst_items = convert(src, dst, src_items)
+    expected = scatter(dst, values)
+    assert dst_items.keys() == expected.keys()
+    for item, arr in expected.items():
+        np.testing.assert_array_equal(dst_items[item].view(np.uint8), arr.view(np.uint8), err_msg=str(item))
+    gathered = gather(dst, dst_items)
+    for key, arr in gathered.items():
+        np.testing.assert_array_equal(arr, values[key], err_msg=str(key))
+    back = convert(dst, src, dst_items)
+    for item, arr in src_items.items():
+        np.testing.assert_array_equal(back[item].view(np.uint8), arr.view(np.uint8), err_msg=str(item))
+    return dst_items
+
+
+def items_by_key(layout: Layout, items: dict, **unit) -> dict[str, np.ndarray]:
+    """The items of one unit, by key, reshaped to their stored shapes."""
+    want = tuple(sorted(unit.items()))
+    return {
+        it.key: items[it].reshape(layout.items[it].shape)
+        for it in items
+        if tuple(sorted((a, c) for a, c in it.unit if a in unit)) == want
+    }

@@ -1,0 +1,197 @@
+"""The spec language: what parses, what resolves, and the exact errors for what does not."""
+
+from __future__ import annotations
+
+import pytest
+
+from reshard.catalog import available_specs, load_spec
+from reshard.errors import ReshardError, SpecError, TopologyError
+from reshard.layout import resolve
+from reshard.spec import Concat, Flat, Logical, Pad, Product, Section, Split, Stored, parse_spec
+from reshard.topology import parse_topology
+
+VALID = [
+    # (spec text, kinds of statements)
+    ("logical w = f h", ["Logical"]),
+    ("let qpg = heads / g\nindex i < layers", ["Let", "IndexDecl"]),
+    ("section model per tp pp states param master", ["Section"]),
+    ("w = (g/tp [q: qpg hd | k: hd | v: hd]) h  # comment", ["Stored"]),
+    ("emb -> embed @first = (vocab~(128*tp):last)/tp h", ["Stored"]),
+    ("out @lastonly -> embed = v h", ["Stored"]),
+    ("w = (n)/dp:chunk h/tp:(3, 5)", ["Stored"]),
+    ("step = scalar", ["Stored"]),
+    ("blob args\nblob rng regenerate", ["Blob", "Blob"]),
+    ("flat opt.{state}.{bucket} = model | reverse | align 64 | buckets cap | pad lcm(dp, 128) | split dp", ["Flat"]),
+    ("flat opt = model | perparam | pad 2 * dp | split dp", ["Flat"]),
+    ("include llama", ["Include"]),
+    ("decoder.layers.{i/pp}.experts.{e/ep}.w = {j}/ep [pad: 3 | a: x] h", ["Stored"]),
+    ("\n# only a comment\n   \n", []),
+]
+
+
+@pytest.mark.parametrize("text,kinds", VALID, ids=[t.split("\n")[0][:40] for t, _ in VALID])
+def test_valid_specs_parse_to_the_expected_statements(text, kinds):
+    spec = parse_spec(text)
+    assert [type(s).__name__ for s in spec.statements] == kinds
+
+
+def test_a_stored_rule_keeps_its_structure():
+    spec = parse_spec("qkv = (g/tp [q: qpg hd | k: hd]) h~(8*tp):last")
+    (rule,) = spec.statements
+    assert isinstance(rule, Stored)
+    prod, pad = rule.dims
+    assert isinstance(prod, Product) and isinstance(prod.terms[0], Split) and prod.terms[0].axis == "tp"
+    assert isinstance(prod.terms[1], Concat) and [p.ref for p in prod.terms[1].parts] == ["q", "k"]
+    assert isinstance(pad, Pad) and pad.policy == "last"
+
+
+def test_keywords_can_still_name_stored_tensors():
+    spec = parse_spec("logical = n\nsection -> s = n")
+    assert [type(s) for s in spec.statements] == [Stored, Stored]
+    assert [s.pattern.text for s in spec.statements] == ["logical", "section"]
+
+
+SYNTAX_ERRORS = [
+    ("x = (g/tp", "bad.spec:1:10: expected ')' to close '(', found end of line\n    x = (g/tp\n             ^"),
+    ("x = [q: a | ]", "bad.spec:1:13: expected a part name (a logical tensor alias) or 'pad', found ']'\n    x = [q: a | ]\n                ^"),
+    ("logical a.{i = h", "bad.spec:1:11: unclosed '{' in name (expected '{name}' or '{name/axis}')\n    logical a.{i = h\n              ^"),
+    ("x.{i/} = h", "bad.spec:1:3: bad capture '{i/}' (expected '{name}' or '{name/axis}')\n    x.{i/} = h\n      ^^^^"),
+    ("x -> y @mid = h", "bad.spec:1:9: unknown placement 'mid' (expected one of: first, last, lastonly)\n    x -> y @mid = h\n            ^^^"),
+    ("x = h/tp:foo", "bad.spec:1:10: unknown split mode 'foo' (expected one of: chunk, even, (w1, w2, ...))\n    x = h/tp:foo\n             ^^^"),
+    ("x = h~4:ones", "bad.spec:1:9: unknown pad policy 'ones' (expected one of: zero, last)\n    x = h~4:ones\n            ^^^^"),
+    ("let a = b +", "bad.spec:1:12: expected a number, a name or '(', found end of line\n    let a = b +\n               ^"),
+    ("let a = sqrt(b)", "bad.spec:1:9: unknown function 'sqrt' (expected one of: cdiv, roundup, lcm, min, max)\n    let a = sqrt(b)\n            ^^^^"),
+    ("section s per tp states", "bad.spec:1:24: expected state names after 'states', found end of line\n    section s per tp states\n                           ^"),
+    ("flat f = m | spin", "bad.spec:1:14: unknown flat operation 'spin' (expected one of: reverse, align, buckets, pad, split, perparam, coalesce)\n    flat f = m | spin\n                 ^^^^"),
+    ("x = h )", "bad.spec:1:7: expected an axis name, '(', '[' or '{', found ')'\n    x = h )\n          ^"),
+    ("x h", "bad.spec:1:3: expected '=' after the stored tensor name, found 'h'\n    x h\n      ^"),
+    ("x =", "bad.spec:1:4: expected dims (axis names, '(', '[', '{') or 'scalar', found end of line\n    x =\n       ^"),
+    ("index i 4", "bad.spec:1:9: expected '<' between the index name and its range, found '4'\n    index i 4\n            ^"),
+    ("x = a $ b", "bad.spec:1:7: expected an axis name, '(', '[' or '{', found '$'\n    x = a $ b\n          ^"),
+]
+
+
+@pytest.mark.parametrize("text,message", SYNTAX_ERRORS, ids=[t for t, _ in SYNTAX_ERRORS])
+def test_syntax_errors_point_at_the_token(text, message):
+    with pytest.raises(SpecError) as e:
+        parse_spec(text, "bad.spec")
+    assert str(e.value) == message
+
+
+MEANING_ERRORS = [
+    # (spec text, sizes, topology, exact message)
+    ("logical w = f h\nsection model per tp\nw = f/tq h", {"f": 4, "h": 2}, "tp=2",
+     "bad.spec:3:7: unknown mesh axis 'tq' (expected one of: tp, pp, dp, cp, ep, edp)\n    w = f/tq h\n          ^^"),
+    ("logical w = f h\nsection model per tp\nw = (gg/tp) h", {"f": 4, "h": 2}, "tp=2",
+     "bad.spec:3:6: unknown axis 'gg' for w (its axes: f, h)\n    w = (gg/tp) h\n         ^^"),
+    ("logical w = f h\nsection model per tp\nw = f/tp", {"f": 4, "h": 2}, "tp=2",
+     "bad.spec:3:1: w axis 'h' is not stored by this rule\n    w = f/tp\n    ^"),
+    ("logical w = f h\nsection model per tp\nw = f/tp h/tp", {"f": 4, "h": 2}, "tp=2",
+     "bad.spec:3:7: w is sharded twice over 'tp'\n    w = f/tp h/tp\n          ^^"),
+    ("logical w = f h\nsection model\nw = f/tp h", {"f": 4, "h": 2}, "tp=2",
+     "bad.spec:3:7: split over 'tp' but section 'model' is stored per nothing (add 'tp' to its 'per' axes)\n    w = f/tp h\n          ^^"),
+    ("logical w = f h\nsection model per tp\nv = f h", {"f": 6, "h": 2}, "tp=4",
+     "bad.spec:3:1: no logical tensor named 'v' (map it with '-> name')\n    v = f h\n    ^"),
+    ("logical w = f h\nw = f h", {"f": 6, "h": 2}, "",
+     "bad.spec:2:1: a stored tensor, blob or flat buffer must come after a 'section' line\n    w = f h\n    ^"),
+    ("logical w = f h f", {"f": 6, "h": 2}, "",
+     "bad.spec:1:13: axis 'f' appears twice in logical tensor w\n    logical w = f h f\n                ^"),
+    ("let q = a / b\nlogical w = q", {"a": 6, "b": 4}, "",
+     "bad.spec:1:11: 6 / 4 is not a whole number (use // to round down or cdiv() to round up)\n    let q = a / b\n              ^"),
+    ("let q = a / b", {"a": 8, "b": 4, "q": 3}, "",
+     "bad.spec:1:5: 'q' is given as 3 but the spec computes 2\n    let q = a / b\n        ^"),
+    ("logical w = n\nsection model per tp\nw = [w: n | w: n]", {"n": 6}, "",
+     "bad.spec:3:13: part 'w' appears twice\n    w = [w: n | w: n]\n                ^"),
+    ("logical w = n\nsection model per tp\nw = [u: n]", {"n": 6}, "",
+     "bad.spec:3:6: unknown logical tensor 'u' (aliases: w)\n    w = [u: n]\n         ^"),
+    ("logical layers.{i}.w = n", {"n": 6}, "",
+     "bad.spec:1:16: unknown index 'i' (declared: none; add 'index i < N')\n    logical layers.{i}.w = n\n                   ^^^"),
+    ("index i < L\nlogical layers.{i}.w = n\nsection model per tp\nblocks.{i/pp}.w -> layers.{i}.w = n", {"n": 6, "L": 4}, "pp=2",
+     "bad.spec:4:8: '{i/pp}' needs 'pp' among the section's 'per' axes\n    blocks.{i/pp}.w -> layers.{i}.w = n\n           ^^^^^^"),
+    ("logical w = n\nsection model per tp\nw = n~0", {"n": 6}, "",
+     "bad.spec:3:6: pad multiple must be positive, got 0\n    w = n~0\n         ^"),
+    ("logical w = f/tp h", {"f": 4, "h": 2}, "",
+     "bad.spec:1:15: a logical tensor's dims are axis names and (products); splits, pads, concatenations and indices "
+     "belong to stored tensors\n    logical w = f/tp h\n                  ^^"),
+    ("index i < 3\nlogical layers.{i}.w = n\nsection model per pp\nw -> layers.{i}.w = n", {"n": 6}, "",
+     "bad.spec:4:1: capture {i} of layers.{i}.w is not given by this rule's name or dims\n    w -> layers.{i}.w = n\n    ^"),
+    ("logical w = n\nsection s per xp\nw = n", {"n": 6}, "",
+     "bad.spec:2:15: unknown mesh axis 'xp' (expected one of: tp, pp, dp, cp, ep, edp)\n    section s per xp\n                  ^^"),
+    ("logical w = n\nsection s per tp tp\nw = n", {"n": 6}, "",
+     "bad.spec:2:18: mesh axis 'tp' is listed twice\n    section s per tp tp\n                     ^^"),
+    ("logical w = n", {}, "",
+     "bad.spec:1:13: unknown axis 'n' (sizes known: none)\n    logical w = n\n                ^"),
+    ("logical w = n\nsection model\nw = n\nw = n", {"n": 2}, "",
+     "bad.spec: two rules store model[] param:w (rules 'w' and 'w')"),
+    ("logical w = n\nsection m per dp\nw = n/dp:(1, 2)", {"n": 4}, "dp=2",
+     "bad.spec:3:7: widths 1 + 2 must be 2 non-negative numbers summing to n(4)\n    w = n/dp:(1, 2)\n          ^^"),
+    ("logical a = n\nlogical b = n\nsection m\nx = [a: n] [b: n]", {"n": 4}, "",
+     "bad.spec:4:12: a stored tensor may have one concatenation\n    x = [a: n] [b: n]\n               ^"),
+    ("logical w = n\nsection m\nw -> w = [w: n]", {"n": 4}, "",
+     "bad.spec:3:1: '-> name' cannot be combined with a concatenation; the parts name their tensors\n    w -> w = [w: n]\n    ^"),
+    ("logical w = n\nsection m per tp\nw = n\nsection o per tp states s\nflat f = nope | split tp", {"n": 4}, "",
+     "bad.spec:5:6: unknown section 'nope' (declared: m, o)\n    flat f = nope | split tp\n         ^"),
+    ("logical w = n\nlogical u = n\nsection m\nw = n\nu = n\nsection o per dp states s\nflat f = m | buckets 2 | split dp",
+     {"n": 4}, "dp=2",
+     "bad.spec:7:6: this flat buffer has several buckets: put '{bucket}' in its name or add '| coalesce'\n"
+     "    flat f = m | buckets 2 | split dp\n         ^"),
+]
+
+
+@pytest.mark.parametrize("text,sizes,topology,message", MEANING_ERRORS, ids=[m.split(":", 3)[-1][:50] for *_, m in MEANING_ERRORS])
+def test_meaning_errors_name_the_position_and_what_was_expected(text, sizes, topology, message):
+    with pytest.raises(SpecError) as e:
+        resolve(parse_spec(text, "bad.spec"), parse_topology(topology), sizes)
+    assert str(e.value) == message
+
+
+DIVISIBILITY_ERRORS = [
+    ("logical w = f h\nsection model per tp\nw = f/tp h", {"f": 6, "h": 2}, "tp=4", "w: f(6) is not divisible by tp(4)"),
+    ("let qpg = heads / g\nindex i < L\nlogical layers.{i}.k = (g hd) h\nsection m per tp pp\n"
+     "layers.{i/pp}.k -> layers.{i}.k = (g/tp hd) h", {"heads": 8, "g": 8, "hd": 2, "h": 2, "L": 8}, "tp=3",
+     "layers.0.k: g(8) is not divisible by tp(3)"),
+    ("index e < E\nlogical x.{e} = n\nsection m per ep\nl.{e/ep} -> x.{e} = n", {"E": 8, "n": 1}, "ep=3,dp=3",
+     "l.{e/ep}: e(8) is not divisible by ep(3)"),
+    ("index i < L\nlogical l.{i} = n\nsection m per pp\nb.{i/pp} -> l.{i} = n", {"L": 10, "n": 1}, "pp=4",
+     "b.{i/pp}: num_layers(10) is not divisible by pp(4) * vpp(1) = 4; give explicit stages, e.g. stages=3+3+2+2"),
+]
+
+
+@pytest.mark.parametrize("text,sizes,topology,message", DIVISIBILITY_ERRORS, ids=[m for *_, m in DIVISIBILITY_ERRORS])
+def test_divisibility_errors_name_the_tensor_and_show_the_arithmetic(text, sizes, topology, message):
+    with pytest.raises(TopologyError) as e:
+        resolve(parse_spec(text, "bad.spec"), parse_topology(topology), sizes)
+    assert str(e.value) == message
+
+
+def test_errors_in_an_included_spec_point_into_that_file(tmp_path):
+    (tmp_path / "model.spec").write_text("logical w = f h\nlogical u = f zz\n")
+    (tmp_path / "top.spec").write_text("include model\nsection m\nw = f h\n")
+    with pytest.raises(SpecError) as e:
+        resolve(load_spec(tmp_path / "top.spec"), parse_topology(""), {"f": 2, "h": 2})
+    assert str(e.value).endswith("model.spec:2:15: unknown axis 'zz' (sizes known: f, h)\n    logical u = f zz\n                  ^^")
+
+
+def test_include_cycles_and_missing_specs_are_errors(tmp_path):
+    (tmp_path / "a.spec").write_text("include b\n")
+    (tmp_path / "b.spec").write_text("include a\n")
+    with pytest.raises(SpecError, match="include cycle: a.spec -> b.spec -> a.spec"):
+        load_spec(tmp_path / "a.spec")
+    with pytest.raises(SpecError, match=r"^no spec 'nonexistent' \(shipped specs: "):
+        load_spec("nonexistent")
+
+
+SHIPPED_SIZES = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 4, "vocab_div": 8}
+
+
+@pytest.mark.parametrize("name", available_specs())
+def test_every_shipped_spec_parses_and_resolves(name):
+    spec = load_spec(name)
+    assert any(isinstance(s, Logical) for s in spec.statements)
+    if any(isinstance(s, (Stored, Flat)) for s in spec.statements):
+        assert any(isinstance(s, Section) for s in spec.statements)
+        try:
+            layout = resolve(spec, parse_topology("tp=2,pp=2,dp=2"), SHIPPED_SIZES | {"bucket_size": 0})
+        except ReshardError as e:  # a spec for another model family needs other sizes
+            pytest.fail(f"{name}: {e}")
+        assert layout.fragments
