@@ -35,7 +35,7 @@ TOPOLOGY_VARS = ("tp", "pp", "dp", "cp", "ep", "edp", "vpp")
 BYTES_AXIS = "nbytes"
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(frozen=True, slots=True, order=True, eq=True)
 class Item:
     """One stored array: what one rank group writes under one key.
 
@@ -48,6 +48,14 @@ class Item:
     chunk: int
     state: str
     key: str
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Items key every dict of a plan; hash the five fields once, not at each lookup.
+        object.__setattr__(self, "_hash", hash((self.section, self.unit, self.chunk, self.state, self.key)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __str__(self) -> str:
         where = ",".join(f"{a}={c}" for a, c in self.unit)

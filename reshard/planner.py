@@ -14,17 +14,17 @@ otherwise the first replica in item order, so each source span is read once.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import networkx as nx
+import numpy as np
 
 from reshard.errors import PlanError
-from reshard.geometry import Box, intersect, subtract
+from reshard.geometry import Box, contains, intersect, subtract
 from reshard.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
 
 __all__ = ["Copy", "Plan", "plan"]
@@ -62,7 +62,7 @@ class Plan:
     src_items: Mapping[Item, ItemInfo]
     dst_items: Mapping[Item, ItemInfo]
     copies: tuple[Copy, ...]
-    """Sorted by destination item, then destination offset."""
+    """Grouped by destination item (in the destination layout's order), then by destination offset."""
     tensors: Mapping[str, LogicalTensor]
 
     def by_dst(self) -> dict[Item, list[Copy]]:
@@ -209,10 +209,10 @@ class Plan:
 def plan(src: Layout, dst: Layout) -> Plan:
     """Compute the copies that turn items laid out as ``src`` into items laid out as ``dst``.
 
-    Pure: reads only the two layouts. Cost is O(F log F) in the number of
-    fragments for the usual tilings (fragments of one tensor mostly disjoint
-    along one axis); a tensor whose fragments all overlap on every axis
-    degrades to quadratic in its own fragment count.
+    Pure: reads only the two layouts. Cost: per logical tensor and state,
+    a vectorized pass over its source boxes for each destination fragment,
+    so O(D * S) elementary comparisons for D destination and S source
+    fragments of that tensor (both small per tensor: a few per rank).
 
     Raises:
       PlanError: a destination fragment the source cannot fill (naming the
@@ -232,14 +232,25 @@ def plan(src: Layout, dst: Layout) -> Plan:
         raise PlanError("the layouts disagree on logical tensors:\n  " + "\n  ".join(problems[:20]))
 
     sources: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
+    own: dict[tuple[Item, str, str], list[Fragment]] = defaultdict(list)
     for f in src.fragments:
         if not f.fill:
             sources[(f.tensor, f.state)].append(f)
+            own[(f.item, f.tensor, f.state)].append(f)
     covers = {key: _Cover(frags) for key, frags in sources.items()}
 
     copies: list[Copy] = []
     missing: list[str] = []
     for f in dst.fragments:
+        # The same item in the source holds the whole box: copy in place (plan(A, A) is item -> itself).
+        same = next((s for s in own.get((f.item, f.tensor, f.state), ()) if contains(s.box, f.box)), None)
+        if same is not None:
+            copies.append(Copy(
+                src=same.item, src_offset=_offset_of(same, f.box), src_strides=same.strides,
+                dst=f.item, dst_offset=f.offset, dst_strides=f.strides,
+                lengths=f.box.lengths, tensor=f.tensor, state=f.state, box=f.box,
+            ))
+            continue
         cover = covers.get((f.tensor, f.state))
         got = 0
         if cover is not None:
@@ -262,7 +273,8 @@ def plan(src: Layout, dst: Layout) -> Plan:
     if missing:
         more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
         raise PlanError("the source does not hold everything the destination needs:\n  " + "\n  ".join(missing[:20]) + more)
-    copies.sort(key=lambda c: (c.dst, c.dst_offset))
+    rank_of = {item: k for k, item in enumerate(dst.items)}
+    copies.sort(key=lambda c: (rank_of[c.dst], c.dst_offset))
     return Plan(
         src_items=MappingProxyType(dict(src.items)),
         dst_items=MappingProxyType(dict(dst.items)),
@@ -274,49 +286,48 @@ def plan(src: Layout, dst: Layout) -> Plan:
 class _Cover:
     """Disjoint boxes covering what the source stores of one (tensor, state).
 
-    Each box keeps every fragment that holds it (its replicas), in item order.
-    Boxes are indexed along the axis where the fragments differ most, so a
-    query scans only boxes that can overlap there.
+    Each box keeps every fragment that holds it exactly (its replicas), in
+    item order; a box that only partly overlaps earlier ones keeps just its
+    new part. Queries test every box's bounds at once with numpy, so a query
+    costs one vectorized pass over the tensor's boxes.
     """
 
     def __init__(self, frags: list[Fragment]) -> None:
-        frags = sorted(frags, key=lambda f: (f.item, f.box.offsets))
+        # Replicas are preferred in the order the source layout lists them (item order).
         replicas: dict[Box, list[Fragment]] = {}
         for f in frags:
             replicas.setdefault(f.box, []).append(f)
-        rank = len(frags[0].box.offsets)
-        self.axis = max(range(rank), key=lambda k: len({b.offsets[k] for b in replicas})) if rank else None
-        self.entries: list[tuple[Box, list[Fragment]]] = []
-        self.starts: list[int] = []
-        self.maxlen = 0
-        for box, alts in replicas.items():
+        boxes = list(replicas)
+        lo, hi = _bounds(boxes)
+        # Boxes that overlap no other box are taken whole; the rest, in order, minus what came before.
+        overlaps = ((lo[:, None, :] < hi[None, :, :]) & (hi[:, None, :] > lo[None, :, :])).all(axis=2)
+        np.fill_diagonal(overlaps, False)
+        entries: list[tuple[Box, list[Fragment]]] = []
+        taken: list[Box] = []
+        for k, box in enumerate(boxes):
+            if not overlaps[k].any():
+                entries.append((box, replicas[box]))
+                continue
             pieces = [box]
-            for other, _ in list(self._candidates(box)):
+            for other in taken:
                 pieces = [p for piece in pieces for p in subtract(piece, other)]
-                if not pieces:
-                    break
-            for piece in pieces:
-                self._add(piece, alts)
+            taken.append(box)
+            entries += [(p, replicas[box]) for p in pieces]
+        self.entries = entries
+        self.lo, self.hi = _bounds([b for b, _ in entries])
 
-    def _add(self, box: Box, alts: list[Fragment]) -> None:
-        start = box.offsets[self.axis] if self.axis is not None else 0
-        at = bisect.bisect_right(self.starts, start)
-        self.starts.insert(at, start)
-        self.entries.insert(at, (box, alts))
-        if self.axis is not None:
-            self.maxlen = max(self.maxlen, box.lengths[self.axis])
+    def query(self, box: Box) -> list[tuple[Box, list[Fragment]]]:
+        if len(self.entries) <= 4:
+            return self.entries
+        hit = ((self.lo < np.asarray(box.ends)) & (self.hi > np.asarray(box.offsets))).all(axis=1)
+        return [self.entries[k] for k in np.flatnonzero(hit)]
 
-    def _candidates(self, box: Box) -> Iterable[tuple[Box, list[Fragment]]]:
-        if self.axis is None:
-            return list(self.entries)
-        lo = box.offsets[self.axis]
-        hi = lo + box.lengths[self.axis]
-        first = bisect.bisect_left(self.starts, lo - self.maxlen + 1)
-        last = bisect.bisect_left(self.starts, hi)
-        return self.entries[first:last]
 
-    def query(self, box: Box) -> Iterable[tuple[Box, list[Fragment]]]:
-        return self._candidates(box)
+def _bounds(boxes: list[Box]) -> tuple[np.ndarray, np.ndarray]:
+    rank = len(boxes[0].offsets) if boxes else 0
+    lo = np.array([b.offsets for b in boxes], dtype=np.int64).reshape(len(boxes), rank)
+    hi = lo + np.array([b.lengths for b in boxes], dtype=np.int64).reshape(len(boxes), rank)
+    return lo, hi
 
 
 def _offset_of(f: Fragment, box: Box) -> int:
