@@ -69,6 +69,9 @@ def gather(layout: Layout, items: Mapping[Item, np.ndarray]) -> dict[tuple[str, 
     for key, mask in seen.items():
         if not mask.all():
             raise PlanError(f"{key[0]} [{key[1]}]: {int((~mask).sum())} elements are stored nowhere")
+    absent = sorted({n for n, t in layout.tensors.items() if not t.blob} - {name for name, _ in seen})
+    if absent:
+        raise PlanError(f"{', '.join(absent[:5])}{' ...' if len(absent) > 5 else ''}: stored nowhere")
     return {key: a.reshape(layout.tensors[key[0]].shape) for key, a in out.items()}
 
 

@@ -68,7 +68,8 @@ class ItemInfo:
     shape: tuple[int, ...]
     """Local stored shape, in elements."""
     mapped: int
-    """Elements that hold logical data; the rest is padding."""
+    """Elements written from logical data (padding that repeats logical data, pad policy ``last``, included);
+    the rest is zero padding, or made by the format (``fill``)."""
     fill: str = "zero"
     """What the unmapped elements hold when written: ``zero``, or ``regenerate`` (the format makes them)."""
     rule: str = ""
@@ -121,6 +122,35 @@ class Layout:
     def states(self) -> tuple[str, ...]:
         return tuple(sorted({f.state for f in self.fragments}))
 
+    def to_json(self) -> dict:
+        """The fragment index as JSON-ready data; ``Layout.from_json`` restores an equal layout."""
+        items = list(self.items)
+        index = {it: k for k, it in enumerate(items)}
+        return {
+            "topology": str(self.topology),
+            "tensors": {n: {"shape": list(t.shape), "axes": list(t.axes), "view": list(t.view), "blob": t.blob}
+                        for n, t in self.tensors.items()},
+            "items": [{"section": it.section, "unit": [list(u) for u in it.unit], "chunk": it.chunk, "state": it.state,
+                       "key": it.key, "shape": list(self.items[it].shape), "mapped": self.items[it].mapped,
+                       "fill": self.items[it].fill, "rule": self.items[it].rule} for it in items],
+            "fragments": [[f.tensor, f.state, list(f.box.offsets), list(f.box.lengths), index[f.item], f.offset,
+                           list(f.strides), f.fill] for f in self.fragments],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Layout:
+        from reshard.topology import parse_topology
+
+        items = [Item(d["section"], tuple((a, c) for a, c in d["unit"]), d["chunk"], d["state"], d["key"]) for d in data["items"]]
+        infos = {it: ItemInfo(shape=tuple(d["shape"]), mapped=d["mapped"], fill=d["fill"], rule=d["rule"])
+                 for it, d in zip(items, data["items"])}
+        tensors = {n: LogicalTensor(name=n, shape=tuple(t["shape"]), axes=tuple(t["axes"]), view=tuple(t["view"]), blob=t["blob"])
+                   for n, t in data["tensors"].items()}
+        frags = tuple(Fragment(tensor=t, state=s, box=Box(tuple(o), tuple(n)), item=items[i], offset=off,
+                               strides=tuple(st), fill=fl) for t, s, o, n, i, off, st, fl in data["fragments"])
+        return cls(topology=parse_topology(data["topology"]), tensors=MappingProxyType(tensors),
+                   items=MappingProxyType(infos), fragments=frags)
+
 
 # --- resolution ------------------------------------------------------------------------
 
@@ -152,7 +182,7 @@ def resolve(
     """Resolve ``spec`` for ``topology`` and model ``sizes`` into a ``Layout``.
 
     Args:
-      spec: a parsed spec with includes expanded (``reshard.specs.load_spec``).
+      spec: a parsed spec with includes expanded (``reshard.catalog.load_spec``).
       topology: the parallel layout.
       sizes: model dimensions by variable name (``h``, ``g``, ``layers``, ...).
       blob_sizes: byte size of each blob (non-tensor state) by name.
@@ -194,18 +224,24 @@ class _Resolver:
             self.env[name] = self.topo.degree(name)
         for name, value in self.sizes.items():
             if name in TOPOLOGY_VARS:
+                if int(value) != self.env[name]:
+                    raise SpecError(f"size '{name}' = {value} disagrees with the topology's {name}({self.env[name]})")
                 continue
             self.env[name] = int(value)
         sections: list[tuple[S.Section, list[S.Statement]]] = []
         for st in self.spec.statements:
             if isinstance(st, S.Include):
-                raise self.err(f"include '{st.path}' was not expanded; load specs with reshard.specs.load_spec", st.pos)
+                raise self.err(f"include '{st.path}' was not expanded; load specs with reshard.catalog.load_spec", st.pos)
             if isinstance(st, S.Let):
+                if st.name in TOPOLOGY_VARS:
+                    raise self.err(f"'{st.name}' is a topology degree; it cannot be redefined", st.pos)
                 value = self.eval(st.expr)
                 if st.name in self.sizes and int(self.sizes[st.name]) != value:
                     raise self.err(f"'{st.name}' is given as {self.sizes[st.name]} but the spec computes {value}", st.pos)
                 self.env[st.name] = value
             elif isinstance(st, S.IndexDecl):
+                if st.name in self.indexes:
+                    raise self.err(f"index '{st.name}' is declared twice", st.pos)
                 self.indexes[st.name] = self.eval(st.size)
             elif isinstance(st, S.Logical):
                 self.declare(st)
@@ -368,6 +404,8 @@ class _Resolver:
                         yield rule, values
                 i += 1
                 continue
+            if getattr(rule, "place", None) is not None:
+                raise self.err(f"a rule with '{{{layer.name}/pp}}' sits on the stage of its layer; drop '@{rule.place}'", rule.pos)
             j = i
             while j < len(rules) and _layer_name(rules[j]) == layer.name:
                 j += 1
@@ -382,6 +420,8 @@ class _Resolver:
         place = rule.place if isinstance(rule, S.Stored) else None
         if place == "lastonly" and not pipelined:
             return False
+        if pipelined and place is None and _stacks_over_pp(rule):
+            return True  # layers stacked on a dim split over pp: one item per (stage, chunk)
         if not pipelined or place is None:
             return chunk == 0
         if place == "first":
@@ -415,6 +455,8 @@ class _Resolver:
                 choices.append([(v, v) for v in range(self.index_size(cap))])
             else:
                 n = self.index_size(cap)
+                if cap.axis not in MESH_AXES:
+                    raise self.err(f"unknown mesh axis '{cap.axis}' (expected one of: {', '.join(MESH_AXES)})", cap.pos)
                 if cap.axis not in coords:
                     raise self.err(f"'{{{cap.name}/{cap.axis}}}' needs '{cap.axis}' among the section's 'per' axes", cap.pos)
                 d = self.topo.degree(cap.axis)
@@ -534,13 +576,15 @@ class _Resolver:
             out = []
             for state in states:
                 item = Item(sec.name, unit, chunk, state, key)
-                self.add_item(item, ItemInfo(shape=(n,), mapped=0 if rule.regenerate else n, fill="regenerate" if rule.regenerate else "zero", rule=rule.pattern.text))
+                self.add_item(item, ItemInfo(shape=(n,), mapped=0 if rule.regenerate else n, fill="regenerate" if rule.regenerate else "zero", rule=rule.pattern.text), rule.pos)
                 if not rule.regenerate and n:
                     self.add_frag(Fragment(tensor=name, state=state, box=Box((0,), (n,)), item=item, offset=0, strides=(1,)), sec)
                 out.append(item)
             return out
         ctx = _Ctx(self.spec, self.topo, self.env, self.indexes, coords, chunk, key, _layer_name(rule))
         shape, combos = self.dims(rule, ctx)
+        if _stacks_over_pp(rule) and 0 in shape:
+            return []  # no layer of this stack on this (stage, chunk)
         item_strides = row_major_strides(shape)
         frags: list[tuple] = []
         mapped = 0
@@ -567,15 +611,15 @@ class _Resolver:
         out = []
         for state in states:
             item = Item(sec.name, unit, chunk, state, key)
-            self.add_item(item, ItemInfo(shape=shape, mapped=mapped, rule=rule.pattern.text))
+            self.add_item(item, ItemInfo(shape=shape, mapped=mapped, rule=rule.pattern.text), rule.pos)
             for name, box, base, strides, fill in frags:
                 self.add_frag(Fragment(tensor=name, state=state, box=box, item=item, offset=base, strides=strides, fill=fill), sec)
             out.append(item)
         return out
 
-    def add_item(self, item: Item, info: ItemInfo) -> None:
+    def add_item(self, item: Item, info: ItemInfo, pos: S.Pos | None = None) -> None:
         if item in self.items:
-            raise SpecError(f"two rules store {item} (rules '{self.items[item].rule}' and '{info.rule}')", source=self.spec.source)
+            raise self.err(f"two rules store {item} (rules '{self.items[item].rule}' and '{info.rule}')", pos)
         self.items[item] = info
         self.item_frags[item] = []
 
@@ -639,7 +683,7 @@ class _Resolver:
             for state in states:
                 key = fl.pattern.format({"state": state, "bucket": b})
                 item = Item(sec.name, unit, chunk, state, key)
-                self.add_item(item, ItemInfo(shape=(length,), mapped=mapped, rule=fl.pattern.text))
+                self.add_item(item, ItemInfo(shape=(length,), mapped=mapped, rule=fl.pattern.text), fl.pos)
                 for name, box, base, strides, fill in geo:
                     if not fill:
                         self.add_frag(Fragment(tensor=name, state=state, box=box, item=item, offset=base, strides=strides), sec)
@@ -655,6 +699,21 @@ def _name(rule: S.Statement) -> str:
 
 def _pp_capture(rule: S.Statement) -> S.Capture | None:
     return next((c for c in rule.pattern.captures if c.axis == "pp"), None) if hasattr(rule, "pattern") else None
+
+
+def _stacks_over_pp(rule: S.Statement) -> bool:
+    def walk(t: S.Term) -> bool:
+        if isinstance(t, S.Split):
+            return (t.axis == "pp" and isinstance(t.term, S.Index)) or walk(t.term)
+        if isinstance(t, S.Pad):
+            return walk(t.term)
+        if isinstance(t, S.Product):
+            return any(walk(x) for x in t.terms)
+        if isinstance(t, S.Concat):
+            return any(walk(x) for p in t.parts for x in p.terms)
+        return False
+
+    return isinstance(rule, S.Stored) and any(walk(t) for t in rule.dims or ())
 
 
 def _layer_name(rule: S.Statement) -> str | None:
@@ -807,6 +866,8 @@ def _flat_layout(fl: S.Flat, numels: list[int], coords: dict[str, int], r: _Reso
             coalesce = True
     if min(align, pad) <= 0:
         raise r.err("align and pad take positive numbers", fl.pos)
+    if perparam and (align > 1 or bucket_size or coalesce):
+        raise r.err("'perparam' pads and splits each param on its own; it cannot be combined with align, buckets or coalesce", fl.pos)
     d = r.topo.degree(split) if split else 1
     c = coords[split] if split else 0
     if perparam:

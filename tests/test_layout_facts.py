@@ -481,3 +481,36 @@ blob rng_state regenerate
         np.testing.assert_array_equal(got["args"], values[("args", "param")])
     rng = [it for it in b.items if it.key == "rng_state"]
     assert len(rng) == 4 and all(b.items[it].fill == "regenerate" and b.items[it].mapped == 0 for it in rng)
+
+
+def test_the_fragment_index_round_trips_through_json():
+    import json
+
+    from reshard.catalog import load_spec
+    from reshard.layout import Layout, resolve
+    from reshard.topology import parse_topology
+
+    sizes = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 4, "vocab_div": 8, "bucket_size": 0}
+    layout = resolve(load_spec("megatron-llama-distopt"), parse_topology("tp=2,pp=2,dp=2,vpp=2"), sizes)
+    back = Layout.from_json(json.loads(json.dumps(layout.to_json())))
+    assert back.fragments == layout.fragments
+    assert dict(back.items) == dict(layout.items)
+    assert dict(back.tensors) == dict(layout.tensors)
+    assert back.topology == layout.topology
+
+
+def test_stacked_layers_with_virtual_pipeline_make_one_item_per_stage_and_chunk():
+    text = """
+index i < layers
+logical layers.{i}.w = h
+section model per pp
+stack -> layers.{i}.w = {i}/pp h
+"""
+    a, b = layouts(text, {"layers": 8, "h": 2}, "pp=2,vpp=2", "pp=1")
+    assert sorted((it.unit, it.chunk, a.items[it].shape) for it in a.items) == [
+        ((("pp", 0),), 0, (2, 2)), ((("pp", 0),), 1, (2, 2)), ((("pp", 1),), 0, (2, 2)), ((("pp", 1),), 1, (2, 2))]
+    values = logical_values(a)
+    items = scatter(a, values)
+    stage1_chunk1 = next(v for it, v in items.items() if it.unit == (("pp", 1),) and it.chunk == 1)
+    np.testing.assert_array_equal(stage1_chunk1.reshape(2, 2)[1], values[("layers.7.w", "param")])
+    assert_round_trip(a, b, values)

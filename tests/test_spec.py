@@ -122,7 +122,7 @@ MEANING_ERRORS = [
     ("logical w = n", {}, "",
      "bad.spec:1:13: unknown axis 'n' (sizes known: none)\n    logical w = n\n                ^"),
     ("logical w = n\nsection model\nw = n\nw = n", {"n": 2}, "",
-     "bad.spec: two rules store model[] param:w (rules 'w' and 'w')"),
+     "bad.spec:4:1: two rules store model[] param:w (rules 'w' and 'w')\n    w = n\n    ^"),
     ("logical w = n\nsection m per dp\nw = n/dp:(1, 2)", {"n": 4}, "dp=2",
      "bad.spec:3:7: widths 1 + 2 must be 2 non-negative numbers summing to n(4)\n    w = n/dp:(1, 2)\n          ^^"),
     ("logical a = n\nlogical b = n\nsection m\nx = [a: n] [b: n]", {"n": 4}, "",
