@@ -28,7 +28,7 @@ from reshard.errors import SpecError, TopologyError
 from reshard.geometry import Box, restrict, row_major_strides, split_range
 from reshard.topology import Topology
 
-__all__ = ["Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "resolve"]
+__all__ = ["Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "dims_of", "resolve"]
 
 MESH_AXES = ("tp", "pp", "dp", "cp", "ep", "edp")
 TOPOLOGY_VARS = ("tp", "pp", "dp", "cp", "ep", "edp", "vpp")
@@ -90,6 +90,50 @@ class LogicalTensor:
     """Size of each axis; the view is a row-major reshape of ``shape``."""
     blob: bool = False
     """Non-tensor state stored as bytes."""
+    dim_axes: tuple[int, ...] = ()
+    """How many view axes make up each dim, in order (``(3, 1)`` for ``(g qpg hd) h``)."""
+
+
+def dims_of(tensor: LogicalTensor) -> tuple[tuple[int, ...], ...]:
+    """Which view axes make up each of the tensor's dims (axis indices, row-major)."""
+    counts = tensor.dim_axes or (1,) * len(tensor.shape)
+    if len(counts) != len(tensor.shape) or sum(counts) != len(tensor.axes):
+        raise ValueError(f"{tensor.name}: dim_axes {counts} do not fit shape {tensor.shape} and axes {tensor.axes}")
+    out, k = [], 0
+    for n in counts:
+        out.append(tuple(range(k, k + n)))
+        k += n
+    return tuple(out)
+
+
+def box_fragments(tensor: LogicalTensor, offsets: tuple[int, ...], lengths: tuple[int, ...],
+                  strides: tuple[int, ...], base: int = 0) -> list[tuple[Box, int, tuple[int, ...]]]:
+    """A box over a tensor's own dims, stored strided in an item, as boxes of its axis view.
+
+    ``offsets``/``lengths`` are per dim of ``tensor.shape``; ``strides`` are the
+    item's element strides per dim and ``base`` the item offset of the box's
+    first element. A range of a dim composed of several axes becomes the few
+    view boxes ``restrict`` cuts it into. Returns ``(box, item offset, strides
+    per view axis)`` for each: what a ``Fragment`` needs.
+    """
+    per_dim = []
+    for group, o, n, st in zip(dims_of(tensor), offsets, lengths, strides):
+        sizes = tuple(tensor.view[k] for k in group)
+        local = row_major_strides(sizes)
+        pieces = restrict((0,) * len(group), sizes, local, 0, o, o + n)
+        per_dim.append([(group, offs, lens, b - o, tuple(x * st for x in local)) for offs, lens, b in pieces])
+    out = []
+    for combo in itertools.product(*per_dim):
+        offs = [0] * len(tensor.axes)
+        lens = [1] * len(tensor.axes)
+        strd = [0] * len(tensor.axes)
+        at = base
+        for (group, o, n, rel, st), dim_stride in zip(combo, strides):
+            for k, oo, nn, ss in zip(group, o, n, st):
+                offs[k], lens[k], strd[k] = oo, nn, ss
+            at += rel * dim_stride
+        out.append((Box(tuple(offs), tuple(lens)), at, tuple(strd)))
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,8 +172,8 @@ class Layout:
         index = {it: k for k, it in enumerate(items)}
         return {
             "topology": str(self.topology),
-            "tensors": {n: {"shape": list(t.shape), "axes": list(t.axes), "view": list(t.view), "blob": t.blob}
-                        for n, t in self.tensors.items()},
+            "tensors": {n: {"shape": list(t.shape), "axes": list(t.axes), "view": list(t.view), "blob": t.blob,
+                            "dim_axes": list(t.dim_axes)} for n, t in self.tensors.items()},
             "items": [{"section": it.section, "unit": [list(u) for u in it.unit], "chunk": it.chunk, "state": it.state,
                        "key": it.key, "shape": list(self.items[it].shape), "mapped": self.items[it].mapped,
                        "fill": self.items[it].fill, "rule": self.items[it].rule} for it in items],
@@ -144,8 +188,8 @@ class Layout:
         items = [Item(d["section"], tuple((a, c) for a, c in d["unit"]), d["chunk"], d["state"], d["key"]) for d in data["items"]]
         infos = {it: ItemInfo(shape=tuple(d["shape"]), mapped=d["mapped"], fill=d["fill"], rule=d["rule"])
                  for it, d in zip(items, data["items"])}
-        tensors = {n: LogicalTensor(name=n, shape=tuple(t["shape"]), axes=tuple(t["axes"]), view=tuple(t["view"]), blob=t["blob"])
-                   for n, t in data["tensors"].items()}
+        tensors = {n: LogicalTensor(name=n, shape=tuple(t["shape"]), axes=tuple(t["axes"]), view=tuple(t["view"]), blob=t["blob"],
+                                    dim_axes=tuple(t.get("dim_axes", ()))) for n, t in data["tensors"].items()}
         frags = tuple(Fragment(tensor=t, state=s, box=Box(tuple(o), tuple(n)), item=items[i], offset=off,
                                strides=tuple(st), fill=fl) for t, s, o, n, i, off, st, fl in data["fragments"])
         return cls(topology=parse_topology(data["topology"]), tensors=MappingProxyType(tensors),
@@ -306,9 +350,11 @@ class _Resolver:
     def declare(self, st: S.Logical) -> None:
         axes: list[tuple[str, S.Pos]] = []
         shape: list[int] = []
+        counts: list[int] = []
         for term in st.dims or ():
             dim_axes = _logical_axes(term, self)
             axes += dim_axes
+            counts.append(len(dim_axes))
             shape.append(math.prod(self.axis_size(a, p) for a, p in dim_axes))
         names = [a for a, _ in axes]
         for a, p in axes:
@@ -326,7 +372,7 @@ class _Resolver:
         view = tuple(self.axis_size(a, p) for a, p in axes)
         for values in self.capture_values(st.pattern):
             name = st.pattern.format(values)
-            self.tensors[name] = LogicalTensor(name=name, shape=tuple(shape), axes=tuple(names), view=view)
+            self.tensors[name] = LogicalTensor(name=name, shape=tuple(shape), axes=tuple(names), view=view, dim_axes=tuple(counts))
         self.logicals.append(st)
 
     def declare_blob(self, st: S.Blob) -> None:
@@ -343,7 +389,7 @@ class _Resolver:
             if not st.regenerate and name not in self.blob_sizes:
                 raise self.err(f"the byte size of blob '{name}' is unknown (give it in blob_sizes)", st.pos)
             n = self.blob_sizes.get(name, 0)
-            self.tensors[name] = LogicalTensor(name=name, shape=(n,), axes=(BYTES_AXIS,), view=(n,), blob=True)
+            self.tensors[name] = LogicalTensor(name=name, shape=(n,), axes=(BYTES_AXIS,), view=(n,), blob=True, dim_axes=(1,))
 
     def axis_size(self, name: str, pos: S.Pos) -> int:
         if name not in self.env:

@@ -181,7 +181,8 @@ class Plan:
             "items": [_item_json(it) for it in items],
             "src_items": {str(index[it]): _info_json(i) for it, i in self.src_items.items()},
             "dst_items": {str(index[it]): _info_json(i) for it, i in self.dst_items.items()},
-            "tensors": {n: {"shape": list(t.shape), "axes": list(t.axes), "view": list(t.view), "blob": t.blob} for n, t in self.tensors.items()},
+            "tensors": {n: {"shape": list(t.shape), "axes": list(t.axes), "view": list(t.view), "blob": t.blob, "dim_axes": list(t.dim_axes)}
+                        for n, t in self.tensors.items()},
             "copies": [
                 [index[c.src], c.src_offset, list(c.src_strides), index[c.dst], c.dst_offset, list(c.dst_strides),
                  list(c.lengths), c.tensor, c.state, list(c.box.offsets)]
@@ -192,7 +193,8 @@ class Plan:
     @classmethod
     def from_json(cls, data: dict) -> Plan:
         items = [Item(d["section"], tuple((a, c) for a, c in d["unit"]), d["chunk"], d["state"], d["key"]) for d in data["items"]]
-        tensors = {n: LogicalTensor(name=n, shape=tuple(t["shape"]), axes=tuple(t["axes"]), view=tuple(t["view"]), blob=t["blob"]) for n, t in data["tensors"].items()}
+        tensors = {n: LogicalTensor(name=n, shape=tuple(t["shape"]), axes=tuple(t["axes"]), view=tuple(t["view"]), blob=t["blob"],
+                                    dim_axes=tuple(t["dim_axes"])) for n, t in data["tensors"].items()}
         copies = tuple(
             Copy(src=items[s], src_offset=so, src_strides=tuple(ss), dst=items[d], dst_offset=do, dst_strides=tuple(ds),
                  lengths=tuple(ln), tensor=t, state=st, box=Box(tuple(bo), tuple(ln)))
