@@ -1,0 +1,122 @@
+"""What a checkpoint format provides: reading a source, and writing a target.
+
+A format adapter turns a directory written by a framework into a ``Source``
+(its spec, topology, model sizes, the resolved ``Layout`` and, for every
+stored item, where its bytes sit in which file), and writes a ``Target``
+directory the framework itself can load, pulling each item's bytes from a
+``Fill`` callback window by window so no file is ever held in memory whole.
+
+Items are always stored row-major and contiguous: an item's bytes are
+``numel * itemsize`` bytes at ``Located.offset`` in ``Located.path``. Copying
+is bit-level, so the executor only needs each dtype's item size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from reshard.errors import CheckpointFormatError
+from reshard.layout import Item, Layout
+from reshard.spec import Spec
+from reshard.topology import Topology
+
+__all__ = ["DTYPE_SIZES", "Fill", "Format", "Located", "Source", "Target", "itemsize"]
+
+# torch dtype names (without "torch.") and their sizes in bytes.
+DTYPE_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
+}
+
+
+def itemsize(dtype: str) -> int:
+    try:
+        return DTYPE_SIZES[dtype]
+    except KeyError:
+        raise CheckpointFormatError(f"unsupported dtype '{dtype}' (supported: {', '.join(DTYPE_SIZES)})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Where one stored item's bytes are: ``numel * itemsize(dtype)`` bytes at ``offset``."""
+
+    path: Path
+    offset: int
+    """Byte offset of the item's first element in ``path``."""
+    dtype: str
+
+
+@dataclass(slots=True, kw_only=True)
+class Source:
+    """A checkpoint opened for reading: how it is laid out and where every item is."""
+
+    format: str
+    path: Path
+    spec_name: str
+    spec: Spec
+    topology: Topology
+    sizes: dict[str, int]
+    layout: Layout
+    where: Mapping[Item, Located]
+    """Every item of ``layout`` that holds logical data."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Non-tensor state the format carries to a target of the same format (args, iteration, config, ...)."""
+    blob_sizes: dict[str, int] = field(default_factory=dict)
+
+    def item_dtype(self, item: Item) -> str:
+        return self.where[item].dtype
+
+
+@dataclass(slots=True, kw_only=True)
+class Target:
+    """What to write: the destination layout, each item's dtype, and format state."""
+
+    format: str
+    spec_name: str
+    spec: Spec
+    topology: Topology
+    sizes: dict[str, int]
+    layout: Layout
+    dtypes: Mapping[Item, str]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Fill = Callable[[Item, int, int], "bytes | memoryview"]
+"""``fill(item, lo, hi)``: the bytes of the item's elements ``[lo, hi)`` (row-major), padding included."""
+
+
+class Format(Protocol):
+    """One checkpoint format. Adapters live in ``reshard/formats/<name>.py``."""
+
+    name: str
+
+    def detect(self, path: Path) -> bool:
+        """Whether ``path`` (a directory) holds a checkpoint of this format. Cheap: names and headers only."""
+        ...
+
+    def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
+        """Read metadata (never tensor data) and resolve the layout. ``spec``/``sizes`` override detection.
+
+        Raises CheckpointFormatError naming the file and the reason.
+        """
+        ...
+
+    def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
+        """The layout this format would write for ``source``'s model at ``topology``."""
+        ...
+
+    def write(self, target: Target, out: Path, fill: Fill, *, progress: Callable[[int], None] | None = None) -> list[Path]:
+        """Write every file of ``target`` under directory ``out`` (which exists and is empty).
+
+        Item bytes come only from ``fill``, in windows of at most a few MiB each;
+        ``progress(nbytes)`` is called as tensor bytes are written. Returns the
+        files written, relative to ``out``.
+        """
+        ...
+
+
+def dtype_map(mapping: Mapping[Item, str]) -> dict[Item, str]:
+    return dict(mapping)

@@ -1,0 +1,518 @@
+"""Read and write safetensors files without holding them in memory, and plan HF shards.
+
+The format (huggingface/safetensors README, "Format"): 8 bytes ``N``, an
+unsigned little-endian 64-bit header length; ``N`` bytes of UTF-8 JSON that
+MUST begin with ``{`` and MAY be padded with trailing spaces, mapping each
+tensor name to ``{"dtype", "shape", "data_offsets": [BEGIN, END]}`` and the
+optional ``__metadata__`` to a string-to-string map; then the byte buffer.
+``data_offsets`` are relative to the start of the byte buffer, and the
+buffer "needs to be entirely indexed, and cannot contain holes".
+
+``read_header`` enforces every rule above before a single tensor byte is
+read; ``SafetensorsWriter`` writes a file byte-identical to
+``safetensors.torch.save_file`` for the same tensors, streaming each tensor's
+bytes in; ``plan_shards`` splits a state dict into shard files the way
+``save_pretrained`` does. No torch at runtime.
+
+Dtypes are torch names without ``torch.`` (``bfloat16``, ``float32``, ...),
+as everywhere in reshard; safetensors' own codes (``BF16``, ``F32``) stay in
+this module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType, TracebackType
+from typing import Any
+
+from reshard.errors import CheckpointFormatError
+
+__all__ = [
+    "INDEX_NAME",
+    "MAX_HEADER_SIZE",
+    "WEIGHTS_NAME",
+    "SafetensorsHeader",
+    "SafetensorsWriter",
+    "ShardPlan",
+    "TensorInfo",
+    "parse_size",
+    "plan_shards",
+    "read_header",
+]
+
+# safetensors refuses headers above 100 MB; so do we, which also bounds what we read.
+MAX_HEADER_SIZE = 100_000_000
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_N_LEN = 8
+_FIELDS = ("dtype", "shape", "data_offsets")
+
+# safetensors dtype code -> (torch name, bytes per element). Sub-byte codes (F4, F6_*) are not supported.
+_DTYPES: dict[str, tuple[str, int]] = {
+    "BOOL": ("bool", 1),
+    "U8": ("uint8", 1),
+    "I8": ("int8", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+    "I16": ("int16", 2),
+    "U16": ("uint16", 2),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I32": ("int32", 4),
+    "U32": ("uint32", 4),
+    "F32": ("float32", 4),
+    "C64": ("complex64", 8),
+    "F64": ("float64", 8),
+    "I64": ("int64", 8),
+    "U64": ("uint64", 8),
+}
+_CODES = {torch_name: code for code, (torch_name, _) in _DTYPES.items()}
+# Declaration order of safetensors' Rust `Dtype` enum (increasing alignment), the same in
+# every release from 0.6 on. Its serializer sorts tensors by this rank, highest first, then by name.
+_ENUM_ORDER = (
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+)
+_RANK = {code: k for k, code in enumerate(_ENUM_ORDER)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorInfo:
+    """One tensor of a safetensors file."""
+
+    dtype: str
+    """Torch dtype name (``bfloat16``), mapped from the file's code (``BF16``)."""
+    shape: tuple[int, ...]
+    """In elements."""
+    data_offset: int
+    """Absolute byte offset of the first element in the file (not relative to the byte buffer)."""
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SafetensorsHeader:
+    """A validated safetensors header."""
+
+    path: Path
+    tensors: Mapping[str, TensorInfo]
+    """By name, in file order (increasing ``data_offset``)."""
+    metadata: Mapping[str, str] | None
+    """The ``__metadata__`` map, or None when the file has none."""
+    data_start: int
+    """Absolute byte offset of the byte buffer: 8 + the header length."""
+    file_size: int
+    """In bytes."""
+
+
+def read_header(path: str | Path) -> SafetensorsHeader:
+    """Read and validate the header of the safetensors file ``path``; no tensor data is read.
+
+    Checks, in order: the 8-byte length fits the file and the 100 MB limit;
+    the header begins with ``{``, is UTF-8 JSON without duplicate keys;
+    ``__metadata__`` maps strings to strings; every tensor has exactly
+    ``dtype`` (a known, whole-byte code), ``shape`` (non-negative integers)
+    and ``data_offsets`` (two non-negative integers, ``BEGIN <= END``), holds
+    exactly ``prod(shape) * itemsize`` bytes and ends inside the byte buffer;
+    the tensors neither overlap nor leave a hole, and they end exactly at the
+    end of the file.
+
+    Raises:
+      CheckpointFormatError: ``"<path>: tensor '<name>': <reason>"``, or
+        ``"<path>: <reason>"`` when the problem is not one tensor's.
+
+    >>> read_header("model.safetensors").tensors["lm_head.weight"].dtype   # doctest: +SKIP
+    'bfloat16'
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < _N_LEN:
+                raise _error(path, f"file is {size} bytes, shorter than the 8-byte header length")
+            n = int.from_bytes(f.read(_N_LEN), "little")
+            if n > MAX_HEADER_SIZE:
+                raise _error(path, f"header length {n} exceeds the limit of {MAX_HEADER_SIZE} bytes")
+            if _N_LEN + n > size:
+                raise _error(path, f"header length {n} runs past the end of the file ({size} bytes)")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read ({e.strerror})") from None
+    if not raw.startswith(b"{"):
+        found = repr(raw[:1].decode("latin-1")) if raw else "an empty header"
+        raise _error(path, f"header must begin with '{{', found {found}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _error(path, f"header is not valid UTF-8 ({e.reason} at byte {_N_LEN + e.start})") from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKeyError as e:
+        raise _error(path, f"header has key '{e.args[0]}' twice") from None
+    except json.JSONDecodeError as e:
+        raise _error(path, f"header is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise _error(path, "header is not valid JSON: nested too deeply") from None
+    data_start = _N_LEN + n
+    data_len = size - data_start
+    metadata = _metadata(path, obj.pop("__metadata__", None)) if "__metadata__" in obj else None
+    spans: list[tuple[int, int, str]] = []
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in obj.items():
+        begin, end, info = _tensor(path, name, entry, data_start, data_len)
+        spans.append((begin, end, name))
+        tensors[name] = info
+    _check_cover(path, sorted(spans), data_len)
+    ordered = {name: tensors[name] for _, _, name in sorted(spans)}
+    return SafetensorsHeader(path=path, tensors=MappingProxyType(ordered), metadata=metadata,
+                             data_start=data_start, file_size=size)
+
+
+class _DuplicateKeyError(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def _error(path: Path, reason: str, tensor: str | None = None) -> CheckpointFormatError:
+    where = f"{path}: tensor '{tensor}'" if tensor is not None else str(path)
+    return CheckpointFormatError(f"{where}: {reason}")
+
+
+def _metadata(path: Path, value: Any) -> Mapping[str, str]:
+    if not isinstance(value, dict):
+        raise _error(path, f"__metadata__ must be an object of strings, got {_json_type(value)}")
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise _error(path, f"__metadata__ value of '{k}' must be a string, got {_json_type(v)}")
+    return MappingProxyType(dict(value))
+
+
+def _tensor(path: Path, name: str, entry: Any, data_start: int, data_len: int) -> tuple[int, int, TensorInfo]:
+    if not isinstance(entry, dict):
+        raise _error(path, f"entry must be an object with dtype, shape and data_offsets, got {_json_type(entry)}", name)
+    missing = [k for k in _FIELDS if k not in entry]
+    if missing:
+        raise _error(path, "missing " + ", ".join(f"'{k}'" for k in missing), name)
+    extra = [k for k in entry if k not in _FIELDS]
+    if extra:
+        raise _error(path, f"unexpected key '{extra[0]}' (expected dtype, shape, data_offsets)", name)
+    code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(code, str) or code not in _DTYPES:
+        raise _error(path, f"unsupported dtype {json.dumps(code)} (supported: {', '.join(_DTYPES)})", name)
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise _error(path, f"shape must be a list of non-negative integers, got {json.dumps(shape)}", name)
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise _error(path, f"data_offsets must be two non-negative integers, got {json.dumps(offsets)}", name)
+    begin, end = offsets
+    dtype, size = _DTYPES[code]
+    if end < begin:
+        raise _error(path, f"data_offsets [{begin}, {end}] end before they begin", name)
+    need = math.prod(shape) * size
+    if end - begin != need:
+        reason = f"data_offsets [{begin}, {end}] hold {end - begin} bytes but {code} {shape} needs {need}"
+        raise _error(path, reason, name)
+    if end > data_len:
+        raise _error(path, f"data_offsets [{begin}, {end}] end past the byte buffer ({data_len} bytes)", name)
+    info = TensorInfo(dtype=dtype, shape=tuple(shape), data_offset=data_start + begin, nbytes=need)
+    return begin, end, info
+
+
+def _check_cover(path: Path, spans: list[tuple[int, int, str]], data_len: int) -> None:
+    """Spans (sorted) must tile [0, data_len) exactly: no overlap, no hole (the spec's no-polyglot rule)."""
+    at, last = 0, None
+    for begin, end, name in spans:
+        if last is not None and begin < at:
+            raise _error(path, f"tensors '{last[2]}' [{last[0]}, {last[1]}] and '{name}' [{begin}, {end}] overlap")
+        if begin > at:
+            where = f"between '{last[2]}' and '{name}'" if last else f"before '{name}'"
+            raise _error(path, f"byte buffer bytes [{at}, {begin}) belong to no tensor ({where})")
+        at, last = end, (begin, end, name)
+    if at != data_len:
+        where = f"after '{last[2]}'" if last else "the header names no tensors"
+        raise _error(path, f"byte buffer bytes [{at}, {data_len}) belong to no tensor ({where})")
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _json_type(x: Any) -> str:
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return "a boolean"
+    if isinstance(x, (int, float)):
+        return "a number"
+    if isinstance(x, str):
+        return "a string"
+    return "an array" if isinstance(x, list) else "an object"
+
+
+class SafetensorsWriter:
+    """Write one safetensors file, tensor bytes streamed in, header computed up front.
+
+    The tensor order and the header bytes are exactly those of
+    ``safetensors.torch.save_file``: tensors sorted by dtype alignment, widest
+    first, then by name; compact JSON with ``__metadata__`` first; the header
+    padded with spaces to a multiple of 8 bytes. (``save_file`` writes a
+    ``__metadata__`` of several keys in hash order; here they keep the order
+    given, so only files with at most one metadata key are guaranteed
+    byte-identical.)
+
+    The file is created at its final size; ``write(name, data)`` appends the
+    next bytes of tensor ``name`` (each tensor is written front to back, any
+    tensor at any time); ``close()`` checks every tensor is complete. Used as
+    a context manager, an exception (or an incomplete file) removes the file.
+
+    Args:
+      path: the file to create (replaced if it exists).
+      tensors: name -> (torch dtype name, shape in elements).
+      metadata: the ``__metadata__`` string map, e.g. ``{"format": "pt"}``; None for none.
+
+    >>> with SafetensorsWriter("a.safetensors", {"w": ("float32", (2, 3))}) as w:   # doctest: +SKIP
+    ...     w.write("w", bytes(24))
+    """
+
+    def __init__(self, path: str | Path, tensors: Mapping[str, tuple[str, Sequence[int]]],
+                 metadata: Mapping[str, str] | None = None) -> None:
+        self.path = Path(path)
+        header, self.tensors = _layout(self.path, tensors, metadata)
+        self.size = _N_LEN + len(header) + sum(t.nbytes for t in self.tensors.values())
+        """Final file size in bytes."""
+        self._written = dict.fromkeys(self.tensors, 0)
+        try:
+            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise CheckpointFormatError(f"{self.path}: cannot create ({e.strerror})") from None
+        try:
+            os.ftruncate(self._fd, self.size)
+            self._pwrite(len(header).to_bytes(_N_LEN, "little") + header, 0)
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """Tensor names in file order."""
+        return tuple(self.tensors)
+
+    def write(self, name: str, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data`` to tensor ``name`` (its next bytes, row-major)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointFormatError(f"{self.path}: tensor '{name}' is not in this file")
+        if self._fd is None:
+            raise CheckpointFormatError(f"{self.path}: write to tensor '{name}' after the file was closed")
+        view = memoryview(data).cast("B")
+        done = self._written[name]
+        if done + len(view) > info.nbytes:
+            raise _error(self.path, f"writing {len(view)} bytes at byte {done} overflows its {info.nbytes} bytes", name)
+        self._pwrite(view, info.data_offset + done)
+        self._written[name] = done + len(view)
+
+    def _pwrite(self, data: bytes | memoryview, offset: int) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        while len(view):
+            n = os.pwrite(self._fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    def close(self) -> None:
+        """Finish the file; raises (and removes the file) if a tensor is incomplete."""
+        if self._fd is None:
+            return
+        short = [f"'{n}' ({self._written[n]} of {t.nbytes} bytes)"
+                 for n, t in self.tensors.items() if self._written[n] != t.nbytes]
+        if short:
+            self.abort()
+            raise CheckpointFormatError(f"{self.path}: incomplete, tensors not fully written: {', '.join(short)}")
+        fd, self._fd = self._fd, None
+        os.close(fd)
+
+    def abort(self) -> None:
+        """Close and remove the partial file."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is not None:
+            self.abort()
+        else:
+            self.close()
+
+
+def _layout(path: Path, tensors: Mapping[str, tuple[str, Sequence[int]]],
+            metadata: Mapping[str, str] | None) -> tuple[bytes, dict[str, TensorInfo]]:
+    """The padded header bytes and each tensor's place, in safetensors' serializer order."""
+    entries = []
+    for name, (dtype, shape) in tensors.items():
+        if not isinstance(name, str) or name == "__metadata__":
+            raise CheckpointFormatError(f"{path}: invalid tensor name {name!r}")
+        code = _CODES.get(dtype)
+        if code is None:
+            raise _error(path, f"unsupported dtype '{dtype}' (supported: {', '.join(_CODES)})", name)
+        shape = tuple(shape)
+        if not all(_is_count(d) for d in shape):
+            raise _error(path, f"shape must be non-negative integers, got {shape}", name)
+        entries.append((-_RANK[code], name, code, shape))
+    entries.sort()
+    parts = []
+    if metadata is not None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise CheckpointFormatError(f"{path}: __metadata__ must map strings to strings")
+        parts.append('"__metadata__":' + _dumps(dict(metadata)))
+    infos: list[tuple[str, str, tuple[int, ...], int, int]] = []
+    at = 0
+    for _, name, code, shape in entries:
+        nbytes = math.prod(shape) * _DTYPES[code][1]
+        entry = f'{{"dtype":"{code}","shape":{_dumps(list(shape))},"data_offsets":[{at},{at + nbytes}]}}'
+        parts.append(f"{_dumps(name)}:{entry}")
+        infos.append((name, code, shape, at, nbytes))
+        at += nbytes
+    try:
+        header = ("{" + ",".join(parts) + "}").encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise CheckpointFormatError(
+            f"{path}: a tensor name or metadata string is not encodable as UTF-8 ({e.reason})") from None
+    header += b" " * (-len(header) % _N_LEN)
+    if len(header) > MAX_HEADER_SIZE:
+        raise CheckpointFormatError(
+            f"{path}: header of {len(header)} bytes exceeds the limit of {MAX_HEADER_SIZE} bytes")
+    start = _N_LEN + len(header)
+    out = {name: TensorInfo(dtype=_DTYPES[code][0], shape=shape, data_offset=start + begin, nbytes=nbytes)
+           for name, code, shape, begin, nbytes in infos}
+    return header, out
+
+
+def _dumps(value: Any) -> str:
+    # serde_json's compact form: no spaces, non-ASCII kept as UTF-8, the same escapes as Python's.
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+# --- Hugging Face shards ----------------------------------------------------------------
+
+SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+
+
+def parse_size(size: int | str) -> int:
+    """A byte count from an int or a string like ``"5GB"`` (decimal units TB, GB, MB, KB, as huggingface_hub)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise CheckpointFormatError(f"max_shard_size must be positive, got {size}")
+        return size
+    if not isinstance(size, str):
+        raise CheckpointFormatError(f"max_shard_size must be an integer or a string like '5GB', got {size!r}")
+    text = size.strip()
+    unit = text[-2:].upper()
+    try:
+        value = float(text[:-2].strip()) if unit in SIZE_UNITS else math.nan
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        units = ", ".join(SIZE_UNITS)
+        raise CheckpointFormatError(f"max_shard_size '{size}' is not a positive size like '5GB' (units: {units})")
+    return int(value * SIZE_UNITS[unit])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardPlan:
+    """Which tensors go to which file of a Hugging Face checkpoint."""
+
+    shards: tuple[tuple[str, tuple[str, ...]], ...]
+    """(file name, tensor names in the given order), in file order."""
+    total_size: int
+    """Bytes of all tensors (the index's ``metadata.total_size``)."""
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the checkpoint needs ``model.safetensors.index.json`` (more than one file)."""
+        return len(self.shards) > 1
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {name: file for file, names in self.shards for name in names}
+
+    def index(self, total_parameters: int | None = None) -> dict[str, Any]:
+        """The index file's content: ``{"metadata": {...}, "weight_map": {name: file}}``.
+
+        ``total_parameters`` (elements) is added to the metadata as transformers 5 does.
+        """
+        meta: dict[str, Any] = {"total_size": self.total_size}
+        if total_parameters is not None:
+            meta["total_parameters"] = total_parameters
+        return {"metadata": meta, "weight_map": self.weight_map}
+
+    def index_json(self, total_parameters: int | None = None) -> str:
+        """The index file's text, formatted as ``save_pretrained`` writes it."""
+        return json.dumps(self.index(total_parameters), indent=2, sort_keys=True) + "\n"
+
+
+def plan_shards(tensors: Iterable[tuple[str, int]], max_shard_size: int | str = "5GB", *,
+                weights_name: str = WEIGHTS_NAME) -> ShardPlan:
+    """Split tensors into shard files as ``huggingface_hub.split_torch_state_dict_into_shards`` does.
+
+    Tensors are taken in the given order: a tensor that would tip the current
+    shard over ``max_shard_size`` starts a new shard; a tensor larger than
+    ``max_shard_size`` gets a shard of its own (placed before the shard being
+    filled, as huggingface_hub does). One shard is named ``weights_name``;
+    several are ``model-00001-of-0000N.safetensors``, ...
+
+    Args:
+      tensors: (name, size in bytes) pairs.
+      max_shard_size: bytes, or a string like ``"5GB"`` (decimal units).
+      weights_name: the single-file name; shard names insert ``-0000K-of-0000N`` before its suffix.
+
+    >>> plan_shards([("a", 6), ("b", 6), ("c", 2)], 10).shards
+    (('model-00001-of-00002.safetensors', ('a',)), ('model-00002-of-00002.safetensors', ('b', 'c')))
+    """
+    limit = parse_size(max_shard_size)
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = total = 0
+    seen: set[str] = set()
+    for name, nbytes in tensors:
+        if name in seen:
+            raise CheckpointFormatError(f"tensor '{name}' is listed twice")
+        seen.add(name)
+        total += nbytes
+        if nbytes > limit:
+            shards.append([name])
+            continue
+        if current_size + nbytes > limit:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += nbytes
+    if current or not shards:
+        shards.append(current)
+    stem, dot, suffix = weights_name.rpartition(".")
+    if len(shards) == 1:
+        files = [weights_name]
+    else:
+        files = [f"{stem}-{k + 1:05d}-of-{len(shards):05d}{dot}{suffix}" for k in range(len(shards))]
+    return ShardPlan(shards=tuple((f, tuple(s)) for f, s in zip(files, shards, strict=True)), total_size=total)

@@ -1,0 +1,347 @@
+"""Tests of reshard.safetensors_io: header validation, the streaming writer, HF shard planning."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reshard.errors import CheckpointFormatError
+from reshard.safetensors_io import SafetensorsWriter, parse_size, plan_shards, read_header
+
+SUPPORTED = ("BOOL, U8, I8, F8_E5M2, F8_E4M3, F8_E8M0, F8_E4M3FNUZ, F8_E5M2FNUZ, I16, U16, F16, BF16, I32, U32, F32, "
+             "C64, F64, I64, U64")
+NOT_COUNTS = "tensor 'w': shape must be a list of non-negative integers, got"
+
+
+def _raw(path: Path, header: bytes, data: bytes = b"", n: int | None = None) -> Path:
+    """A file: 8-byte length (``n``, default the header's), header bytes, data bytes."""
+    path.write_bytes(struct.pack("<Q", len(header) if n is None else n) + header + data)
+    return path
+
+
+def _hdr(obj: dict) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def _t(dtype: str, shape: list, begin: int, end: int) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+# (id, header bytes, data bytes, header length override, expected message after "<path>: ")
+MALFORMED = [
+    ("length-past-end", b"{}", b"", 100, "header length 100 runs past the end of the file (10 bytes)"),
+    ("length-over-limit", b"{}", b"", 100_000_001, "header length 100000001 exceeds the limit of 100000000 bytes"),
+    ("empty-header", b"", b"", None, "header must begin with '{', found an empty header"),
+    ("array-header", b"[]", b"", None, "header must begin with '{', found '['"),
+    ("leading-space", b' {"a": 1}', b"", None, "header must begin with '{', found ' '"),
+    ("not-utf8", b'{"\xff": 1}', b"", None, "header is not valid UTF-8 (invalid start byte at byte 10)"),
+    ("not-json", b'{"a": }', b"", None, "header is not valid JSON: Expecting value at line 1 column 7"),
+    ("trailing-garbage", b"{}  x", b"", None, "header is not valid JSON: Extra data at line 1 column 5"),
+    ("nested-too-deeply", b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"", None,
+     "header is not valid JSON: nested too deeply"),
+    ("duplicate-tensor", b'{"w": ' + _hdr(_t("U8", [1], 0, 1)) + b', "w": ' + _hdr(_t("U8", [1], 1, 2)) + b"}",
+     b"ab", None, "header has key 'w' twice"),
+    ("metadata-not-object", _hdr({"__metadata__": ["pt"]}), b"", None,
+     "__metadata__ must be an object of strings, got an array"),
+    ("metadata-not-string", _hdr({"__metadata__": {"format": 1}}), b"", None,
+     "__metadata__ value of 'format' must be a string, got a number"),
+    ("entry-not-object", _hdr({"w": [0, 4]}), b"", None,
+     "tensor 'w': entry must be an object with dtype, shape and data_offsets, got an array"),
+    ("missing-fields", _hdr({"w": {"dtype": "F32"}}), b"", None, "tensor 'w': missing 'shape', 'data_offsets'"),
+    ("unexpected-field", _hdr({"w": {**_t("U8", [1], 0, 1), "crc": 7}}), b"a", None,
+     "tensor 'w': unexpected key 'crc' (expected dtype, shape, data_offsets)"),
+    ("unknown-dtype", _hdr({"w": _t("F17", [1], 0, 4)}), b"abcd", None,
+     f"tensor 'w': unsupported dtype \"F17\" (supported: {SUPPORTED})"),
+    ("sub-byte-dtype", _hdr({"w": _t("F4", [2], 0, 1)}), b"a", None,
+     f"tensor 'w': unsupported dtype \"F4\" (supported: {SUPPORTED})"),
+    ("dtype-not-string", _hdr({"w": {"dtype": 4, "shape": [1], "data_offsets": [0, 4]}}), b"abcd", None,
+     f"tensor 'w': unsupported dtype 4 (supported: {SUPPORTED})"),
+    ("negative-dim", _hdr({"w": _t("U8", [-1], 0, 0)}), b"", None, f"{NOT_COUNTS} [-1]"),
+    ("float-dim", _hdr({"w": _t("U8", [2.0], 0, 2)}), b"ab", None, f"{NOT_COUNTS} [2.0]"),
+    ("bool-dim", _hdr({"w": _t("U8", [True], 0, 1)}), b"a", None, f"{NOT_COUNTS} [true]"),
+    ("shape-not-list", _hdr({"w": {"dtype": "U8", "shape": 3, "data_offsets": [0, 3]}}), b"abc", None,
+     f"{NOT_COUNTS} 3"),
+    ("three-offsets", _hdr({"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1, 2]}}), b"a", None,
+     "tensor 'w': data_offsets must be two non-negative integers, got [0, 1, 2]"),
+    ("negative-offset", _hdr({"w": _t("U8", [1], -1, 0)}), b"", None,
+     "tensor 'w': data_offsets must be two non-negative integers, got [-1, 0]"),
+    ("end-before-begin", _hdr({"w": _t("U8", [0], 4, 0)}), b"abcd", None,
+     "tensor 'w': data_offsets [4, 0] end before they begin"),
+    ("size-mismatch", _hdr({"w": _t("F32", [2, 3], 0, 20)}), bytes(20), None,
+     "tensor 'w': data_offsets [0, 20] hold 20 bytes but F32 [2, 3] needs 24"),
+    ("past-byte-buffer", _hdr({"w": _t("F32", [2], 0, 8)}), bytes(4), None,
+     "tensor 'w': data_offsets [0, 8] end past the byte buffer (4 bytes)"),
+    ("overlap", _hdr({"a": _t("U8", [4], 0, 4), "b": _t("U8", [4], 2, 6)}), bytes(6), None,
+     "tensors 'a' [0, 4] and 'b' [2, 6] overlap"),
+    ("empty-inside-other", _hdr({"a": _t("U8", [4], 0, 4), "e": _t("U8", [0], 2, 2)}), bytes(4), None,
+     "tensors 'a' [0, 4] and 'e' [2, 2] overlap"),
+    ("hole-between", _hdr({"a": _t("U8", [2], 0, 2), "b": _t("U8", [2], 4, 6)}), bytes(6), None,
+     "byte buffer bytes [2, 4) belong to no tensor (between 'a' and 'b')"),
+    ("hole-at-start", _hdr({"b": _t("U8", [2], 2, 4)}), bytes(4), None,
+     "byte buffer bytes [0, 2) belong to no tensor (before 'b')"),
+    ("hole-at-end", _hdr({"a": _t("U8", [2], 0, 2)}), bytes(5), None,
+     "byte buffer bytes [2, 5) belong to no tensor (after 'a')"),
+    ("data-without-tensors", b"{}", bytes(3), None,
+     "byte buffer bytes [0, 3) belong to no tensor (the header names no tensors)"),
+]
+
+
+@pytest.mark.parametrize(("header", "data", "n", "message"), [c[1:] for c in MALFORMED], ids=[c[0] for c in MALFORMED])
+def test_malformed_header_is_rejected_with_its_reason(
+    tmp_path: Path, header: bytes, data: bytes, n: int | None, message: str
+) -> None:
+    path = _raw(tmp_path / "bad.safetensors", header, data, n)
+    with pytest.raises(CheckpointFormatError) as e:
+        read_header(path)
+    assert str(e.value) == f"{path}: {message}"
+
+
+def test_file_shorter_than_the_length_field_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "short.safetensors"
+    path.write_bytes(b"\x02\x00")
+    with pytest.raises(CheckpointFormatError) as e:
+        read_header(path)
+    assert str(e.value) == f"{path}: file is 2 bytes, shorter than the 8-byte header length"
+
+
+def test_missing_file_is_a_format_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointFormatError, match=r"nope\.safetensors: cannot read \(No such file or directory\)$"):
+        read_header(tmp_path / "nope.safetensors")
+
+
+def test_valid_header_gives_absolute_offsets_in_file_order(tmp_path: Path) -> None:
+    # Header order differs from data order; the header is space-padded as the spec allows.
+    header = _hdr({"__metadata__": {"format": "pt"}, "b": _t("BF16", [2], 8, 12), "s": _t("I64", [], 0, 8),
+                   "e": _t("F32", [0, 3], 12, 12)}) + b"   "
+    path = _raw(tmp_path / "ok.safetensors", header, bytes(range(12)))
+    h = read_header(path)
+    start = 8 + len(header)
+    assert h.data_start == start and h.file_size == start + 12
+    assert list(h.tensors) == ["s", "b", "e"]
+    assert h.tensors["s"].dtype == "int64" and h.tensors["s"].shape == () and h.tensors["s"].data_offset == start
+    assert (h.tensors["b"].dtype, h.tensors["b"].data_offset, h.tensors["b"].nbytes) == ("bfloat16", start + 8, 4)
+    assert h.tensors["e"].numel == 0 and h.tensors["e"].nbytes == 0
+    assert dict(h.metadata or {}) == {"format": "pt"}
+
+
+def test_empty_file_without_metadata_is_valid(tmp_path: Path) -> None:
+    h = read_header(_raw(tmp_path / "empty.safetensors", b"{}      "))
+    assert dict(h.tensors) == {} and h.metadata is None
+
+
+# --- writer --------------------------------------------------------------------------
+
+def _tensor_bytes(t) -> bytes:
+    """A torch tensor's raw row-major bytes."""
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _write(path: Path, tensors: dict, metadata: dict | None = None, window: int = 1 << 20) -> None:
+    with SafetensorsWriter(path, {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in tensors.items()},
+                           metadata=metadata) as w:
+        for name in w.order:
+            data = _tensor_bytes(tensors[name])
+            for at in range(0, len(data), window):
+                w.write(name, data[at:at + window])
+
+
+def _mixed_tensors() -> dict:
+    torch = pytest.importorskip("torch")
+    return {
+        "model.b.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "a": torch.arange(3, dtype=torch.bfloat16),
+        'odd \u00e9 "name"\n': torch.tensor(5, dtype=torch.int64),
+        "empty": torch.empty(0, 4, dtype=torch.float16),
+        "mask": torch.tensor([True, False, True]),
+        "i8": torch.arange(-3, 2, dtype=torch.int8),
+        "f8": torch.zeros(2, dtype=torch.float8_e4m3fn),
+        "c": torch.ones(2, dtype=torch.complex64),
+        "d": torch.full((1,), 0.5, dtype=torch.float64),
+        "u16": torch.tensor([1, 65535], dtype=torch.int32).to(torch.uint16),
+        "a2": torch.arange(5, dtype=torch.bfloat16),
+    }
+
+
+def test_writer_output_is_byte_identical_to_safetensors_save_file(tmp_path: Path) -> None:
+    save_file = pytest.importorskip("safetensors.torch", reason="safetensors with torch is the oracle").save_file
+    tensors = _mixed_tensors()
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    _write(tmp_path / "ours.safetensors", tensors, {"format": "pt"}, window=3)
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    save_file(tensors, str(tmp_path / "ref-nometa.safetensors"))
+    _write(tmp_path / "ours-nometa.safetensors", tensors)
+    assert (tmp_path / "ours-nometa.safetensors").read_bytes() == (tmp_path / "ref-nometa.safetensors").read_bytes()
+
+
+def test_writer_output_loads_with_safe_open(tmp_path: Path) -> None:
+    safetensors = pytest.importorskip("safetensors", reason="safe_open is the oracle")
+    tensors = _mixed_tensors()
+    path = tmp_path / "ours.safetensors"
+    _write(path, tensors, {"format": "pt"})
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(tensors)
+        assert f.metadata() == {"format": "pt"}
+        for name, t in tensors.items():
+            got = f.get_tensor(name)
+            assert got.dtype == t.dtype and got.shape == t.shape
+            assert _tensor_bytes(got) == _tensor_bytes(t)
+
+
+def test_read_header_agrees_with_the_writer(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    with SafetensorsWriter(path, {"x": ("float32", (2, 2)), "y": ("bfloat16", (3,)), "z": ("int64", ())}) as w:
+        planned = dict(w.tensors)
+        w.write("y", bytes(6))
+        w.write("x", bytes(8))
+        w.write("z", bytes(8))
+        w.write("x", bytes(8))
+    h = read_header(path)
+    assert dict(h.tensors) == planned
+    assert list(h.tensors) == ["z", "x", "y"]  # widest dtype first, then by name
+    assert h.file_size == w.size == path.stat().st_size
+
+
+def test_writer_interleaves_tensors_and_lands_every_byte(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    a = np.arange(10, dtype=np.float32)
+    b = np.arange(7, dtype=np.int16)
+    with SafetensorsWriter(path, {"a": ("float32", (10,)), "b": ("int16", (7,))}) as w:
+        w.write("a", a[:4].tobytes())
+        w.write("b", b[:3].tobytes())
+        w.write("a", memoryview(a[4:]))
+        w.write("b", b[3:].tobytes())
+    h = read_header(path)
+    raw = path.read_bytes()
+    for name, arr in (("a", a), ("b", b)):
+        t = h.tensors[name]
+        assert raw[t.data_offset:t.data_offset + t.nbytes] == arr.tobytes()
+
+
+def test_incomplete_file_is_removed_and_named(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    w = SafetensorsWriter(path, {"a": ("float32", (2,)), "b": ("uint8", (3,)), "e": ("float32", (0,))})
+    w.write("a", bytes(8))
+    w.write("b", b"x")
+    with pytest.raises(CheckpointFormatError) as e:
+        w.close()
+    assert str(e.value) == f"{path}: incomplete, tensors not fully written: 'b' (1 of 3 bytes)"
+    assert not path.exists()
+
+
+def test_error_inside_the_context_removes_the_partial_file(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    with pytest.raises(RuntimeError, match="boom"), SafetensorsWriter(path, {"a": ("uint8", (4,))}) as w:
+        w.write("a", b"ab")
+        raise RuntimeError("boom")
+    assert not path.exists()
+
+
+def test_writing_past_a_tensor_or_to_an_unknown_one_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    with SafetensorsWriter(path, {"a": ("uint8", (4,))}) as w:
+        w.write("a", b"abc")
+        with pytest.raises(CheckpointFormatError) as e:
+            w.write("a", b"de")
+        assert str(e.value) == f"{path}: tensor 'a': writing 2 bytes at byte 3 overflows its 4 bytes"
+        with pytest.raises(CheckpointFormatError) as e:
+            w.write("b", b"x")
+        assert str(e.value) == f"{path}: tensor 'b' is not in this file"
+        w.write("a", b"d")
+    assert read_header(path).tensors["a"].nbytes == 4
+
+
+def test_writer_rejects_unknown_dtype_before_creating_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    with pytest.raises(CheckpointFormatError, match=r"tensor 'a': unsupported dtype 'float4' \(supported: bool, "):
+        SafetensorsWriter(path, {"a": ("float4", (4,))})
+    assert not path.exists()
+
+
+_DTYPE_NAMES = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.dictionaries(
+    st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=8).filter(lambda s: s != "__metadata__"),
+    st.tuples(st.sampled_from(_DTYPE_NAMES), st.lists(st.integers(0, 3), max_size=3)),
+    max_size=6,
+))
+def test_writer_matches_save_file_for_arbitrary_tensors(tmp_path_factory: pytest.TempPathFactory, spec: dict) -> None:
+    torch = pytest.importorskip("torch")
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    tmp = tmp_path_factory.mktemp("prop")
+    tensors = {}
+    for k, name in enumerate(sorted(spec)):
+        dtype, shape = spec[name]
+        t = torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape) + k
+        tensors[name] = t.to(getattr(torch, dtype))
+    save_file(tensors, str(tmp / "ref.safetensors"), metadata={"format": "pt"})
+    _write(tmp / "ours.safetensors", tensors, {"format": "pt"}, window=5)
+    assert (tmp / "ours.safetensors").read_bytes() == (tmp / "ref.safetensors").read_bytes()
+
+
+# --- shard planning ----------------------------------------------------------------------
+
+def test_one_shard_is_model_safetensors_without_index() -> None:
+    p = plan_shards([("a", 10), ("b", 20)], "5GB")
+    assert p.shards == (("model.safetensors", ("a", "b")),)
+    assert not p.sharded and p.total_size == 30
+
+
+def test_shards_split_in_order_and_big_tensors_stand_alone() -> None:
+    # limit 10: [6] [6+2] then 12 > limit goes alone *before* the open shard, as huggingface_hub does.
+    p = plan_shards([("a", 6), ("b", 6), ("c", 2), ("big", 12), ("d", 2)], 10)
+    assert p.shards == (
+        ("model-00001-of-00003.safetensors", ("a",)),
+        ("model-00002-of-00003.safetensors", ("big",)),
+        ("model-00003-of-00003.safetensors", ("b", "c", "d")),
+    )
+    assert p.total_size == 28
+    assert json.loads(p.index_json(total_parameters=7)) == {
+        "metadata": {"total_parameters": 7, "total_size": 28},
+        "weight_map": {"a": "model-00001-of-00003.safetensors", "big": "model-00002-of-00003.safetensors",
+                       "b": "model-00003-of-00003.safetensors", "c": "model-00003-of-00003.safetensors",
+                       "d": "model-00003-of-00003.safetensors"},
+    }
+    assert p.index_json().startswith('{\n  "metadata": {\n    "total_size": 28\n  },\n  "weight_map": {\n    "a": ')
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=12), st.integers(1, 50))
+def test_shard_plan_matches_huggingface_hub(sizes: list[int], limit: int) -> None:
+    hub = pytest.importorskip("huggingface_hub", reason="huggingface_hub's splitter is the oracle")
+    state = {f"t{k}": n for k, n in enumerate(sizes)}
+    if not state:
+        return  # huggingface_hub returns no file at all; we write one empty model.safetensors
+    ref = hub.split_state_dict_into_shards_factory(state, get_storage_size=lambda n: n,
+                                                   filename_pattern="model{suffix}.safetensors", max_shard_size=limit)
+    ours = plan_shards(state.items(), limit)
+    assert {f: list(names) for f, names in ours.shards} == ref.filename_to_tensors
+    assert ours.total_size == ref.metadata["total_size"]
+    assert ours.sharded == ref.is_sharded
+
+
+@pytest.mark.parametrize(("text", "expected"),
+                         [("5GB", 5 * 10**9), ("50KB", 50_000), (" 1.5mb ", 1_500_000), (123, 123)])
+def test_parse_size_uses_decimal_units(text, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("5GiB", "max_shard_size '5GiB' is not a positive size like '5GB' (units: TB, GB, MB, KB)"),
+    ("-1GB", "max_shard_size '-1GB' is not a positive size like '5GB' (units: TB, GB, MB, KB)"),
+    (0, "max_shard_size must be positive, got 0"),
+    (1.5, "max_shard_size must be an integer or a string like '5GB', got 1.5"),
+])
+def test_parse_size_rejects_nonsense(text, message: str) -> None:
+    with pytest.raises(CheckpointFormatError) as e:
+        parse_size(text)
+    assert str(e.value) == message
