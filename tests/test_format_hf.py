@@ -143,14 +143,14 @@ def test_missing_and_misshapen_tensors_are_all_listed(tmp_path: Path, tiny) -> N
         f"  tensor 'lm_head.weight' is missing (spec rule 'lm_head.weight')")
 
 
-def test_tied_checkpoint_is_refused_until_a_tied_spec_ships(tmp_path: Path, tiny) -> None:
-    if hf.TIED_SPEC in available_specs():
-        pytest.skip(f"{hf.TIED_SPEC}.spec is shipped, so tied checkpoints are supported")
-    root = _make_hf(tmp_path / "ckpt", tiny, config={**TINY, "tie_word_embeddings": True})
-    with pytest.raises(CheckpointFormatError) as e:
-        FORMAT.open(root)
-    config = root / "config.json"
-    assert str(e.value) == f"{config}: tied HF checkpoints are not supported yet (tie_word_embeddings is true)"
+def test_tied_checkpoint_opens_with_the_tied_spec_and_has_no_lm_head(tmp_path: Path, tiny) -> None:
+    tensors = {k: v for k, v in tiny.items() if k != "lm_head.weight"}
+    root = _make_hf(tmp_path / "ckpt", tensors, config={**TINY, "tie_word_embeddings": True})
+    source = FORMAT.open(root)
+    assert source.spec_name == hf.TIED_SPEC
+    assert "lm_head.weight" not in source.layout.tensors
+    with pytest.raises(CheckpointFormatError, match="lm_head.weight' matches no item of spec 'hf-llama-tied'"):
+        FORMAT.open(_make_hf(tmp_path / "bad", tiny, config={**TINY, "tie_word_embeddings": True}))
 
 
 def test_config_without_model_sizes_names_every_missing_key(tmp_path: Path, tiny) -> None:
