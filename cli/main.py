@@ -1,0 +1,205 @@
+"""The ``reshard`` command: a thin shell over the library (``reshard.api``).
+
+Each command declares its options, calls one library function and prints the
+result. A ``ReshardError`` ends the command with its message on stderr and
+exit code 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+import reshard
+from reshard.errors import ReshardError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Change a training checkpoint's parallel layout, bit-exactly.")
+out = Console()
+err = Console(stderr=True)
+
+TopologyOpt = Annotated[str | None, typer.Option("--to", help="destination topology, e.g. tp=2,pp=2,dp=4,zero=1 (also ep=, cp=, vpp=, stages=)")]
+FormatOpt = Annotated[str | None, typer.Option("--format", help="destination format: megatron, deepspeed, hf (default: the source's)")]
+SpecOpt = Annotated[str | None, typer.Option("--spec", help="destination layout spec: a shipped name or a path")]
+
+
+def _user_errors(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ReshardError as e:
+            err.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
+            raise typer.Exit(code=2) from None
+
+    return run
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@app.command()
+@_user_errors
+def convert(
+    src: Annotated[Path, typer.Argument(help="source checkpoint directory")],
+    dst: Annotated[Path, typer.Argument(help="destination directory (must not exist, or be empty)")],
+    to: TopologyOpt = None,
+    format: FormatOpt = None,
+    spec: SpecOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; read and write nothing")] = False,
+) -> None:
+    """Rewrite SRC for another topology (and format) at DST, streaming."""
+    if dry_run:
+        _print_plan(reshard.plan(src, to=to, format=format, spec=spec).to_json())
+        return
+    columns = (TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task("convert", total=None)
+        result = reshard.convert(src, dst, to=to, format=format, spec=spec,
+                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
+    r = result.report
+    out.print(f"wrote {result.path} ({r.target.format}, {r.target.topology}) from {r.source.path} "
+              f"({r.source.format}, {r.source.topology}): {len(result.files)} files, {_bytes(result.bytes_written)} "
+              f"in {result.seconds:.1f} s, {_bytes(result.bytes_read)} read", highlight=False)
+    if r.dropped_states:
+        out.print(f"not carried ({r.target.format} does not hold them): {', '.join(r.dropped_states)}", highlight=False)
+
+
+@app.command("plan")
+@_user_errors
+def plan_cmd(
+    src: Annotated[Path, typer.Argument(help="source checkpoint directory")],
+    to: TopologyOpt = None,
+    format: FormatOpt = None,
+    spec: SpecOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan report as JSON")] = False,
+) -> None:
+    """Show what moves where: per destination file the bytes, copies and source files; the work units."""
+    report = reshard.plan(src, to=to, format=format, spec=spec).to_json()
+    if as_json:
+        out.print_json(json.dumps(report))
+    else:
+        _print_plan(report)
+
+
+def _print_plan(report: dict) -> None:
+    s, d = report["source"], report["destination"]
+    out.print(f"{s['path']}: {s['format']} {s['topology']} ({s['spec']})  ->  {d['format']} {d['topology']} ({d['spec']})", highlight=False)
+    table = Table("destination", "bytes", "copies", "from")
+    for row in report["files"]:
+        table.add_row(row["destination"], _bytes(row["bytes"]), str(row["copies"]), ", ".join(row["sources"]))
+    out.print(table)
+    summary = report["summary"]
+    out.print(f"{summary['copies']} copies, {summary['elements_written']:,} elements; "
+              f"{len(report['work_units'])} independent work units", highlight=False)
+    for k, unit in enumerate(report["work_units"]):
+        out.print(f"  unit {k}: {', '.join(unit['sources'])} -> {', '.join(unit['destinations'])}", highlight=False)
+    if report["dropped_states"]:
+        out.print(f"not carried: {', '.join(report['dropped_states'])}", highlight=False)
+
+
+@app.command()
+@_user_errors
+def inspect(
+    src: Annotated[Path, typer.Argument(help="checkpoint directory")],
+    as_json: Annotated[bool, typer.Option("--json", help="print as JSON")] = False,
+) -> None:
+    """Detected format, topology, model sizes, tensors, dtypes and sizes."""
+    info = reshard.inspect(src)
+    if as_json:
+        out.print_json(json.dumps(info))
+        return
+    out.print(f"{info['path']}: {info['format']} ({info['spec']}), {info['topology']}, {len(info['files'])} files, "
+              f"{_bytes(info['bytes'])}", highlight=False)
+    out.print("sizes: " + ", ".join(f"{k}={v}" for k, v in sorted(info["sizes"].items())), highlight=False)
+    table = Table("tensor", "shape", *info["states"])
+    for name, row in info["tensors"].items():
+        cells = [f"{row['states'][s]['dtype']} {_bytes(row['states'][s]['bytes'])}" if s in row["states"] else "" for s in info["states"]]
+        table.add_row(name, "x".join(map(str, row["shape"])) or "scalar", *cells)
+    out.print(table)
+
+
+@app.command()
+@_user_errors
+def verify(
+    a: Annotated[Path, typer.Argument(help="first checkpoint")],
+    b: Annotated[Path, typer.Argument(help="second checkpoint (any layout or format)")],
+    states: Annotated[str | None, typer.Option("--states", help="compare only these states, comma-separated (e.g. param)")] = None,
+) -> None:
+    """Compare two checkpoints' logical tensors bit for bit; exit 0 only if identical."""
+    result = reshard.verify(a, b, states=tuple(states.split(",")) if states else None)
+    if result:
+        out.print(f"identical: {result.compared} logical tensors compared", highlight=False)
+        return
+    for line in result.differences:
+        err.print(line, highlight=False, markup=False)
+    err.print(f"checkpoints differ ({result.compared} logical tensors compared)", highlight=False)
+    raise typer.Exit(code=1)
+
+
+@app.command()
+@_user_errors
+def fixture(
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="directory to write")],
+    format: Annotated[str, typer.Option("--format", help="megatron, deepspeed or hf")] = "megatron",
+    to: Annotated[str, typer.Option("--to", help="topology of the simulated ranks")] = "tp=1",
+    model: Annotated[str, typer.Option("--model", help="tiny-llama, tiny-llama-tied, tiny-gpt2")] = "tiny-llama",
+) -> None:
+    """Write a checkpoint exactly as the simulated ranks of a topology would (deterministic values)."""
+    from fixtures import make_fixture
+
+    files = make_fixture(out_dir, format=format, to=to, model=model)
+    out.print(f"wrote {out_dir}: {model}, {format}, {to}, {len(files)} files", highlight=False)
+
+
+@app.command()
+@_user_errors
+def demo(
+    workdir: Annotated[Path | None, typer.Option("--dir", help="where to write (default: a temporary directory)")] = None,
+) -> None:
+    """Make a Megatron fixture at tp=2,pp=2, reshard it, convert it to HF, verify both, print a summary."""
+    from fixtures import make_fixture
+
+    with tempfile.TemporaryDirectory(prefix="reshard-demo-") as tmp:
+        base = workdir or Path(tmp)
+        src, dst, hf = base / "megatron-tp2-pp2", base / "megatron-tp1-pp4-vpp", base / "hf"
+        make_fixture(src, format="megatron", to="tp=2,pp=2", model="tiny-llama")
+        table = Table("step", "from", "to", "files", "bytes", "seconds", "result")
+        for column in table.columns[1:3]:
+            column.overflow = "fold"
+        first = reshard.convert(src, dst, to="tp=1,pp=2,vpp=2")
+        check = reshard.verify(src, dst)
+        table.add_row("convert", str(first.report.source.topology), str(first.report.target.topology), str(len(first.files)),
+                      _bytes(first.bytes_written), f"{first.seconds:.2f}", "identical" if check else "DIFFERENT")
+        second = reshard.convert(dst, hf, format="hf")
+        check2 = reshard.verify(src, hf, states=("param",))
+        table.add_row("to hf", str(second.report.source.topology), "hf", str(len(second.files)),
+                      _bytes(second.bytes_written), f"{second.seconds:.2f}", "identical" if check2 else "DIFFERENT")
+        out.print(table)
+        out.print(f"{check.compared} logical tensors (weights and optimizer state) compared bit for bit; "
+                  f"files in {base if workdir else 'a temporary directory (use --dir to keep them)'}", highlight=False)
+        if not (check and check2):
+            for line in (*check.differences, *check2.differences):
+                err.print(line, highlight=False, markup=False)
+            raise typer.Exit(code=1)
+
+
+def main() -> None:
+    app(prog_name="reshard")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

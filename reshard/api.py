@@ -1,0 +1,391 @@
+"""The library's entry points: open, plan, convert, load, verify, inspect.
+
+Each is one call a user or the CLI makes; everything below them is pure
+(spec, layout, planner) or behind a format adapter (files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from reshard import __version__
+from reshard.errors import CheckpointFormatError, ReshardError
+from reshard.executor import ByteReader, PlanFill, uint_dtype
+from reshard.formats import detect_format, get_format
+from reshard.formats.base import Source, Target, itemsize
+from reshard.layout import Item
+from reshard.planner import Plan, plan as make_plan
+from reshard.topology import Topology, parse_topology
+
+__all__ = [
+    "ConvertResult",
+    "RankState",
+    "VerifyResult",
+    "convert",
+    "inspect",
+    "load",
+    "open_checkpoint",
+    "plan",
+    "verify",
+]
+
+MANIFEST = "reshard.json"
+DEFAULT_MEMORY_BUDGET = 1 << 30
+Progress = Callable[[int], None]
+
+
+def open_checkpoint(path: str | Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
+    """Detect a checkpoint's format and read its metadata (no tensor data)."""
+    path = Path(path)
+    return detect_format(path).open(path, spec=spec, sizes=sizes)
+
+
+def _topology(to: str | Topology | None, default: Topology) -> Topology:
+    if to is None:
+        return default
+    return parse_topology(to) if isinstance(to, str) else to
+
+
+def _target(source: Source, to: str | Topology | None, format: str | None, spec: str | None) -> Target:
+    fmt = get_format(format or source.format)
+    same = fmt.name == source.format
+    topology = _topology(to, source.topology if same else Topology())
+    if same and isinstance(to, str) and "zero" not in _keys(to):
+        # A new layout keeps the source's optimizer sharding unless the user names another.
+        topology = dataclasses.replace(topology, zero=source.topology.zero)
+    return fmt.target(source, topology, spec=spec)
+
+
+def _keys(text: str) -> set[str]:
+    return {part.split("=", 1)[0].strip() for part in text.split(",") if "=" in part}
+
+
+@dataclass(frozen=True, slots=True)
+class PlanReport:
+    """A plan and what it means: per destination file, bytes and sources; independent work units."""
+
+    source: Source
+    target: Target
+    plan: Plan
+    dropped_states: tuple[str, ...]
+    """Source states the destination format does not hold (e.g. optimizer state going to hf)."""
+
+    def files(self) -> list[dict[str, Any]]:
+        per: dict[str, dict[str, Any]] = defaultdict(lambda: {"bytes": 0, "copies": 0, "sources": set()})
+        dsize = {it: itemsize(self.source.where[it].dtype) for it in self.source.where}
+        for c in self.plan.copies:
+            row = per[_unit_name(c.dst)]
+            row["bytes"] += c.numel * dsize[c.src]
+            row["copies"] += 1
+            row["sources"].add(_unit_name(c.src))
+        return [{"destination": k, "bytes": v["bytes"], "copies": v["copies"], "sources": sorted(v["sources"])} for k, v in sorted(per.items())]
+
+    def to_json(self) -> dict[str, Any]:
+        units = self.plan.work_units(_unit_name)
+        return {
+            "source": {"path": str(self.source.path), "format": self.source.format, "topology": str(self.source.topology), "spec": self.source.spec_name},
+            "destination": {"format": self.target.format, "topology": str(self.target.topology), "spec": self.target.spec_name},
+            "summary": self.plan.summary(),
+            "dropped_states": list(self.dropped_states),
+            "files": self.files(),
+            "work_units": [{"sources": s, "destinations": d} for s, d in units],
+        }
+
+
+def _unit_name(item: Item) -> str:
+    where = ",".join(f"{a}={c}" for a, c in item.unit)
+    return f"{item.section}[{where}]" if where else item.section
+
+
+def plan(src: str | Path, *, to: str | Topology | None = None, format: str | None = None, spec: str | None = None,
+         sizes: Mapping[str, int] | None = None) -> PlanReport:
+    """What converting ``src`` to topology ``to`` (in ``format``) moves where, without reading tensor data.
+
+    >>> report = plan("ckpt/", to="tp=1,pp=4")   # doctest: +SKIP
+    >>> report.plan.summary()["copies"]          # doctest: +SKIP
+    """
+    source = open_checkpoint(src, sizes=sizes)
+    target = _target(source, to, format, spec)
+    p = make_plan(source.layout, target.layout)
+    p.validate()
+    dropped = tuple(sorted(set(source.layout.states) - set(target.layout.states)))
+    return PlanReport(source=source, target=target, plan=p, dropped_states=dropped)
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertResult:
+    path: Path
+    report: PlanReport
+    files: dict[str, dict[str, Any]]
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    to: str | Topology | None = None,
+    format: str | None = None,
+    spec: str | None = None,
+    sizes: Mapping[str, int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ConvertResult:
+    """Rewrite the checkpoint ``src`` for topology ``to`` (and ``format``) at ``dst``.
+
+    Streams: each destination file is written window by window from just the
+    source bytes it needs. The output is built in a hidden sibling directory
+    and renamed to ``dst`` only when complete, with the manifest
+    ``reshard.json`` (sources, topologies, per-file sizes and checksums)
+    written last; a failed run leaves no ``dst``.
+
+    Args:
+      src: a checkpoint directory in any supported format.
+      dst: the directory to create; must not exist, or be empty.
+      to: the destination topology (``"tp=2,pp=2,dp=4"``); default: the source's
+        for the same format, unsharded for hf.
+      format: destination format; default: the source's.
+      spec: destination spec name or path; default: the format's spec for the model.
+      sizes: model sizes the source's metadata lacks.
+      progress: ``progress(done_bytes, total_bytes)`` while writing.
+
+    Raises:
+      ReshardError: anything about the inputs, named with file, tensor and reason.
+    """
+    started = time.perf_counter()
+    dst = Path(dst)
+    report = plan(src, to=to, format=format, spec=spec, sizes=sizes)
+    _check_destination(Path(src), dst)
+    target = report.target
+    fmt = get_format(target.format)
+    tmp = dst.parent / f".{dst.name}.reshard-tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    total = sum(c.numel * itemsize(report.source.where[c.src].dtype) for c in report.plan.copies)
+    done = [0]
+
+    def tick(n: int) -> None:
+        done[0] += n
+        if progress:
+            progress(done[0], total)
+
+    try:
+        with ByteReader() as reader:
+            fill = PlanFill(report.plan, report.source.where, reader)
+            target.dtypes = {it: fill.dtype_of(it, _default_dtype(it, target)) for it in target.layout.items}
+            written = fmt.write(target, tmp, fill, progress=tick)
+            bytes_read = reader.bytes_read
+        files = {}
+        for rel in sorted(written, key=str):
+            files[str(rel)] = _file_record(tmp / rel)
+        manifest = {
+            "reshard": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **report.to_json(),
+            "files": files,
+        }
+        manifest.pop("work_units", None)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if dst.exists():
+            dst.rmdir()  # empty, checked above
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(f["bytes"] for f in files.values())
+    return ConvertResult(path=dst, report=report, files=files, bytes_read=bytes_read, bytes_written=size,
+                         seconds=time.perf_counter() - started)
+
+
+def _default_dtype(item: Item, target: Target) -> str:
+    return "uint8" if any(t.blob for t in target.layout.tensors.values() if t.name == item.key) else "float32"
+
+
+def _check_destination(src: Path, dst: Path) -> None:
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise CheckpointFormatError(f"{dst}: destination exists and is not empty")
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents:
+        raise CheckpointFormatError(f"{dst}: destination is inside the source {src}")
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    h = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return {"bytes": path.stat().st_size, "blake2b": h.hexdigest()}
+
+
+@dataclass(slots=True)
+class RankState:
+    """What one rank holds under a new topology: its stored items, as torch tensors."""
+
+    topology: Topology
+    rank: int
+    tensors: dict[Item, Any]
+    bytes_read: int
+
+    def state_dict(self, state: str = "param", *, section: str | None = None, chunk: int = 0) -> dict[str, Any]:
+        """The items of one state (and section, chunk) by key, e.g. the model's state dict."""
+        return {it.key: t for it, t in self.tensors.items()
+                if it.state == state and it.chunk == chunk and (section is None or it.section == section)}
+
+
+def load(src: str | Path, *, to: str | Topology, rank: int, format: str | None = None, spec: str | None = None,
+         sizes: Mapping[str, int] | None = None) -> RankState:
+    """Load what ``rank`` holds when ``src`` is resharded to topology ``to``, reading only its bytes.
+
+    Called inside each rank of a job whose topology differs from the
+    checkpoint's. Tensors come back as torch tensors in the destination
+    format's stored shapes and dtypes (model weights under state ``param``,
+    optimizer states under their own names).
+
+    >>> mine = load("ckpt/", to="tp=4,pp=1", rank=3)      # doctest: +SKIP
+    >>> mine.state_dict("param")["embedding.word_embeddings.weight"].shape  # doctest: +SKIP
+    """
+    import torch
+
+    report = plan(src, to=to, format=format, spec=spec, sizes=sizes)
+    topo = report.target.topology
+    if not 0 <= rank < topo.world_size:
+        raise ReshardError(f"rank {rank} is outside world_size {topo.world_size} of {topo}")
+    coords = topo.coords(rank)
+    mine = [it for it in report.target.layout.items if all(coords.get(a) == c for a, c in it.unit)]
+    out: dict[Item, Any] = {}
+    with ByteReader() as reader:
+        fill = PlanFill(report.plan, report.source.where, reader)
+        for it in mine:
+            info = report.target.layout.items[it]
+            dtype = fill.dtype_of(it, "float32")
+            buf = bytearray(fill(it, 0, info.numel)) if info.numel else bytearray()
+            t = torch.frombuffer(buf, dtype=getattr(torch, dtype)) if buf else torch.empty(0, dtype=getattr(torch, dtype))
+            out[it] = t.reshape(info.shape)
+        read = reader.bytes_read
+    return RankState(topology=topo, rank=rank, tensors=out, bytes_read=read)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    identical: bool
+    compared: int
+    """Logical tensors (per state) compared."""
+    differences: tuple[str, ...] = field(default=())
+
+    def __bool__(self) -> bool:
+        return self.identical
+
+
+def verify(a: str | Path, b: str | Path, *, states: tuple[str, ...] | None = None, limit: int = 10,
+           sizes: Mapping[str, int] | None = None) -> VerifyResult:
+    """Compare the logical tensors of two checkpoints in any layouts and formats, bit for bit.
+
+    Every logical tensor and state the two hold in common is rebuilt from
+    each side (one tensor in memory at a time) and compared; replicas inside
+    one checkpoint must agree too. A tensor or state only one side holds is a
+    difference, unless ``states`` restricts the comparison.
+
+    Returns a ``VerifyResult``; ``differences`` name the first differing
+    tensors and the first differing position in each.
+    """
+    sa, sb = open_checkpoint(a, sizes=sizes), open_checkpoint(b, sizes=sizes)
+    diffs: list[str] = []
+    keys_a, keys_b = _logical_keys(sa, states), _logical_keys(sb, states)
+    for key in sorted(keys_a.keys() ^ keys_b.keys()):
+        side = "first" if key in keys_a else "second"
+        diffs.append(f"{key[0]} [{key[1]}]: only in the {side} checkpoint")
+    compared = 0
+    with ByteReader() as reader:
+        for key in sorted(keys_a.keys() & keys_b.keys()):
+            ta, tb = sa.layout.tensors[key[0]], sb.layout.tensors[key[0]]
+            if ta.shape != tb.shape:
+                diffs.append(f"{key[0]} [{key[1]}]: shape {ta.shape} != {tb.shape}")
+                continue
+            va = _logical(sa, keys_a[key], reader, diffs)
+            vb = _logical(sb, keys_b[key], reader, diffs)
+            compared += 1
+            if va is None or vb is None:
+                continue
+            if va.dtype.itemsize != vb.dtype.itemsize:
+                diffs.append(f"{key[0]} [{key[1]}]: dtype {_dtype(sa, keys_a[key])} != {_dtype(sb, keys_b[key])}")
+                continue
+            if not np.array_equal(va, vb):
+                pos = tuple(int(i) for i in np.argwhere(va != vb)[0])
+                diffs.append(f"{key[0]} [{key[1]}]: first difference at {pos} ({int(np.sum(va != vb))} elements differ)")
+            if len(diffs) >= limit:
+                break
+    return VerifyResult(identical=not diffs, compared=compared, differences=tuple(diffs[:limit]))
+
+
+def _logical_keys(src: Source, states: tuple[str, ...] | None) -> dict[tuple[str, str], list]:
+    out: dict[tuple[str, str], list] = defaultdict(list)
+    for f in src.layout.fragments:
+        if not f.fill and (states is None or f.state in states) and f.item in src.where:
+            out[(f.tensor, f.state)].append(f)
+    return out
+
+
+def _dtype(src: Source, frags: list) -> str:
+    return src.where[frags[0].item].dtype
+
+
+def _logical(src: Source, frags: list, reader: ByteReader, diffs: list[str]) -> np.ndarray | None:
+    t = src.layout.tensors[frags[0].tensor]
+    dtype = uint_dtype(_dtype(src, frags))
+    out = np.zeros(t.view, dtype=dtype)
+    seen = np.zeros(t.view, dtype=bool)
+    fill = PlanFill.__new__(PlanFill)
+    fill.where, fill.reader = src.where, reader
+    for f in frags:
+        region = fill.read_region(f.item, f.offset, f.strides, f.box.lengths, dtype)
+        sl = tuple(slice(o, o + n) for o, n in zip(f.box.offsets, f.box.lengths))
+        already = seen[sl]
+        if already.any() and not np.array_equal(out[sl][already], region[already]):
+            diffs.append(f"{t.name} [{f.state}]: replicas disagree ({f.item} differs from an earlier copy)")
+        out[sl] = region
+        seen[sl] = True
+    if not seen.all():
+        diffs.append(f"{t.name} [{frags[0].state}]: {int((~seen).sum())} elements are stored nowhere in {src.path}")
+        return None
+    return out
+
+
+def inspect(src: str | Path, *, sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Format, topology, model sizes, and every logical tensor with its dtype and size."""
+    s = open_checkpoint(src, sizes=sizes)
+    tensors: dict[str, dict[str, Any]] = {}
+    for f in s.layout.fragments:
+        if f.fill or f.item not in s.where:
+            continue
+        t = s.layout.tensors[f.tensor]
+        row = tensors.setdefault(f.tensor, {"shape": list(t.shape), "states": {}})
+        dtype = s.where[f.item].dtype
+        row["states"][f.state] = {"dtype": dtype, "bytes": math.prod(t.shape) * itemsize(dtype)}
+    files = sorted({str(loc.path.relative_to(s.path)) for loc in s.where.values()})
+    return {
+        "path": str(s.path),
+        "format": s.format,
+        "spec": s.spec_name,
+        "topology": str(s.topology),
+        "sizes": dict(s.sizes),
+        "states": list(s.layout.states),
+        "files": files,
+        "tensors": dict(sorted(tensors.items())),
+        "bytes": sum(st["bytes"] for r in tensors.values() for st in r["states"].values()),
+    }
+

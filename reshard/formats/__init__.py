@@ -1,0 +1,46 @@
+"""The checkpoint formats reshard reads and writes, by name.
+
+Adapters are imported lazily, so a missing optional dependency of one format
+never breaks the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from reshard.errors import CheckpointFormatError
+from reshard.formats.base import Format
+
+__all__ = ["FORMATS", "detect_format", "get_format"]
+
+# name -> module; each module defines FORMAT, an object implementing formats.base.Format.
+FORMATS = {
+    "megatron": "reshard.formats.megatron",
+    "deepspeed": "reshard.formats.deepspeed",
+    "hf": "reshard.formats.hf",
+}
+PLANNED = ("mcore-dist", "ucp", "dcp")
+
+
+def get_format(name: str) -> Format:
+    module = FORMATS.get(name)
+    if module is None:
+        known = ", ".join(FORMATS)
+        if name in PLANNED:
+            raise CheckpointFormatError(f"format '{name}' is not supported yet (supported: {known})")
+        raise CheckpointFormatError(f"unknown format '{name}' (supported: {known})")
+    return importlib.import_module(module).FORMAT
+
+
+def detect_format(path: Path) -> Format:
+    """The format of the checkpoint directory ``path``."""
+    if not path.exists():
+        raise CheckpointFormatError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise CheckpointFormatError(f"{path}: not a directory (a checkpoint is a directory)")
+    for name in FORMATS:
+        fmt = get_format(name)
+        if fmt.detect(path):
+            return fmt
+    raise CheckpointFormatError(f"{path}: not a checkpoint reshard recognizes (looked for: {', '.join(FORMATS)})")
