@@ -23,8 +23,8 @@ import reshard
 from reshard.errors import ReshardError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Change a training checkpoint's parallel layout, bit-exactly.")
-out = Console()
-err = Console(stderr=True)
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 TopologyOpt = Annotated[str | None, typer.Option("--to", help="destination topology, e.g. tp=2,pp=2,dp=4,zero=1 (also ep=, cp=, vpp=, stages=)")]
 FormatOpt = Annotated[str | None, typer.Option("--format", help="destination format: megatron, deepspeed, hf (default: the source's)")]

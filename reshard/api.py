@@ -187,7 +187,7 @@ def convert(
     try:
         with ByteReader() as reader:
             fill = PlanFill(report.plan, report.source.where, reader)
-            target.dtypes = {it: fill.dtype_of(it, _default_dtype(it, target)) for it in target.layout.items}
+            target.dtypes = fill.assign_dtypes(target.layout.items)
             written = fmt.write(target, tmp, fill, progress=tick)
             bytes_read = reader.bytes_read
         files = {}
@@ -210,10 +210,6 @@ def convert(
     size = sum(f["bytes"] for f in files.values())
     return ConvertResult(path=dst, report=report, files=files, bytes_read=bytes_read, bytes_written=size,
                          seconds=time.perf_counter() - started)
-
-
-def _default_dtype(item: Item, target: Target) -> str:
-    return "uint8" if any(t.blob for t in target.layout.tensors.values() if t.name == item.key) else "float32"
 
 
 def _check_destination(src: Path, dst: Path) -> None:
@@ -270,9 +266,10 @@ def load(src: str | Path, *, to: str | Topology, rank: int, format: str | None =
     out: dict[Item, Any] = {}
     with ByteReader() as reader:
         fill = PlanFill(report.plan, report.source.where, reader)
+        dtypes = fill.assign_dtypes(report.target.layout.items)
         for it in mine:
             info = report.target.layout.items[it]
-            dtype = fill.dtype_of(it, "float32")
+            dtype = dtypes[it]
             buf = bytearray(fill(it, 0, info.numel)) if info.numel else bytearray()
             t = torch.frombuffer(buf, dtype=getattr(torch, dtype)) if buf else torch.empty(0, dtype=getattr(torch, dtype))
             out[it] = t.reshape(info.shape)
@@ -306,9 +303,12 @@ def verify(a: str | Path, b: str | Path, *, states: tuple[str, ...] | None = Non
     sa, sb = open_checkpoint(a, sizes=sizes), open_checkpoint(b, sizes=sizes)
     diffs: list[str] = []
     keys_a, keys_b = _logical_keys(sa, states), _logical_keys(sb, states)
+    only: dict[tuple[str, str], list[str]] = defaultdict(list)
     for key in sorted(keys_a.keys() ^ keys_b.keys()):
-        side = "first" if key in keys_a else "second"
-        diffs.append(f"{key[0]} [{key[1]}]: only in the {side} checkpoint")
+        only[("first" if key in keys_a else "second", key[1])].append(key[0])
+    for (side, state), names in sorted(only.items()):
+        what = names[0] if len(names) == 1 else f"{len(names)} logical tensors, e.g. {names[0]}"
+        diffs.append(f"{what} [{state}]: only in the {side} checkpoint")
     compared = 0
     with ByteReader() as reader:
         for key in sorted(keys_a.keys() & keys_b.keys()):
@@ -327,9 +327,9 @@ def verify(a: str | Path, b: str | Path, *, states: tuple[str, ...] | None = Non
             if not np.array_equal(va, vb):
                 pos = tuple(int(i) for i in np.argwhere(va != vb)[0])
                 diffs.append(f"{key[0]} [{key[1]}]: first difference at {pos} ({int(np.sum(va != vb))} elements differ)")
-            if len(diffs) >= limit:
+            if len(diffs) >= limit + len(only):
                 break
-    return VerifyResult(identical=not diffs, compared=compared, differences=tuple(diffs[:limit]))
+    return VerifyResult(identical=not diffs, compared=compared, differences=tuple(diffs[: limit + len(only)]))
 
 
 def _logical_keys(src: Source, states: tuple[str, ...] | None) -> dict[tuple[str, str], list]:

@@ -3,13 +3,15 @@
 The only module besides the format adapters that opens checkpoint files.
 ``ByteReader`` is the whole read surface (``pread`` on cached descriptors,
 every byte counted); ``PlanFill`` answers a writer's ``fill(item, lo, hi)``
-by cutting the plan's copies into that window of the destination item and
-reading just their source regions. Memory is one window plus the source
-regions feeding it.
+by cutting the plan's copies into that window of the destination item,
+collecting the contiguous runs of source bytes they need, merging runs of one
+source item that touch (or nearly), and reading each merged span once. Memory
+is one window plus the source spans feeding it.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections import defaultdict
 from collections.abc import Mapping
@@ -28,11 +30,10 @@ __all__ = ["ByteReader", "PlanFill", "uint_dtype"]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
-# Read a strided region's whole byte range in one call when the gaps cost at most
-# this factor over the bytes needed; otherwise read its contiguous runs one by one.
-_DENSE_ENOUGH = 2.0
-# A read this small costs about the same whatever its gaps: take the whole span.
-_SMALL_READ = 4096
+# Runs of one source item closer than this many bytes are read as one span. Zero:
+# read exactly the bytes needed (overlapping and touching runs still merge); raise
+# it to trade gap bytes for fewer syscalls on sparse (transposed) layouts.
+_MERGE_GAP = 0
 
 
 def uint_dtype(dtype: str) -> np.dtype:
@@ -111,8 +112,19 @@ class PlanFill:
             self.dtypes[dst] = kinds.pop()
         self.bytes_written = 0
 
-    def dtype_of(self, item: Item, default: str) -> str:
-        return self.dtypes.get(item, default)
+    def assign_dtypes(self, items) -> dict[Item, str]:
+        """Complete ``dtypes`` for every destination item: its sources', or for a shard of pure
+        padding (the last tp rank of a padded vocab gets no copies) the dtype of the items with
+        the same key and state, else of its state."""
+        by_key: dict[tuple[str, str], str] = {}
+        by_state: dict[str, str] = {}
+        for it, dt in self.dtypes.items():
+            by_key.setdefault((it.state, it.key), dt)
+            by_state.setdefault(it.state, dt)
+        for it in items:
+            if it not in self.dtypes:
+                self.dtypes[it] = by_key.get((it.state, it.key)) or by_state.get(it.state, "float32")
+        return dict(self.dtypes)
 
     def __call__(self, item: Item, lo: int, hi: int) -> memoryview:
         dtype = uint_dtype(self.dtypes.get(item, "uint8"))
@@ -120,50 +132,110 @@ class PlanFill:
         copies = self._copies.get(item)
         if copies:
             starts, ends = self._extents[item]
+            pieces = []
             for k in np.nonzero((starts < hi) & (ends > lo))[0]:
                 c = copies[int(k)]
                 for offs, lens, base in restrict(c.box.offsets, c.lengths, c.dst_strides, c.dst_offset, lo, hi):
                     src_base = c.src_offset + sum((o - b) * s for o, b, s in zip(offs, c.box.offsets, c.src_strides))
-                    region = self.read_region(c.src, src_base, c.src_strides, lens, dtype)
-                    view(out, base - lo, c.dst_strides, lens)[...] = region
+                    pieces.append((_Region(c.src, src_base, c.src_strides, lens), base - lo, c.dst_strides))
+            window = self._read([r for r, _, _ in pieces], dtype)
+            for region, at, strides in pieces:
+                view(out, at, strides, region.lengths)[...] = window.get(region)
         self.bytes_written += out.nbytes
         return memoryview(out).cast("B")
 
     def read_region(self, item: Item, base: int, strides: tuple[int, ...], lengths: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """The elements of a strided region of a source item, as an array of shape ``lengths``."""
-        loc = self.where.get(item)
-        if loc is None:
-            raise CheckpointFormatError(f"source item {item} has no location in the checkpoint")
-        size = dtype.itemsize
-        if size != itemsize(loc.dtype):
-            raise CheckpointFormatError(f"{item}: stored as {loc.dtype}, copied as {size}-byte elements")
-        last = base + sum((n - 1) * s for n, s in zip(lengths, strides))
-        needed = int(np.prod(lengths))
-        span = last - base + 1
-        if span <= _DENSE_ENOUGH * needed or span * size <= _SMALL_READ:
-            buf = np.empty(span, dtype=dtype)
-            self.reader.read_into(loc.path, loc.offset + base * size, memoryview(buf).cast("B"))
-            return view(buf, 0, strides, lengths)
-        # Sparse: read contiguous runs (innermost dense axes) one by one.
-        axes = sorted(((s, n, k) for k, (s, n) in enumerate(zip(strides, lengths)) if n > 1), reverse=True)
+        region = _Region(item, base, strides, lengths)
+        return self._read([region], dtype).get(region)
+
+    def _read(self, regions: list[_Region], dtype: np.dtype) -> _Window:
+        """Read what ``regions`` need: their contiguous runs, merged per source item, each byte once."""
+        runs: dict[Item, list[tuple[int, int]]] = defaultdict(list)
+        for r in regions:
+            loc = self.where.get(r.item)
+            if loc is None:
+                raise CheckpointFormatError(f"source item {r.item} has no location in the checkpoint")
+            if dtype.itemsize != itemsize(loc.dtype):
+                raise CheckpointFormatError(f"{r.item}: stored as {loc.dtype}, copied as {dtype.itemsize}-byte elements")
+            starts, run = r.runs()
+            runs[r.item] += [(int(s), int(s) + run) for s in starts]
+        window = _Window(dtype)
+        gap = max(1, _MERGE_GAP // dtype.itemsize)
+        for item, spans in runs.items():
+            spans.sort()
+            merged = [list(spans[0])]
+            for a, b in spans[1:]:
+                if a <= merged[-1][1] + gap:
+                    merged[-1][1] = max(merged[-1][1], b)
+                else:
+                    merged.append([a, b])
+            loc = self.where[item]
+            for a, b in merged:
+                buf = np.empty(b - a, dtype=dtype)
+                self.reader.read_into(loc.path, loc.offset + a * dtype.itemsize, memoryview(buf).cast("B"))
+                window.add(item, a, buf)
+        return window
+
+
+class _Region:
+    """A strided box of a source item: element ``base + sum(i_k * strides[k])`` for ``i < lengths``."""
+
+    __slots__ = ("base", "item", "lengths", "strides")
+
+    def __init__(self, item: Item, base: int, strides: tuple[int, ...], lengths: tuple[int, ...]) -> None:
+        self.item, self.base, self.strides, self.lengths = item, base, strides, lengths
+
+    def split(self) -> tuple[list[int], list[int], int]:
+        """(outer axes, inner axes by decreasing stride, run length): inner axes are contiguous runs."""
+        axes = sorted(((s, k) for k, (s, n) in enumerate(zip(self.strides, self.lengths)) if n > 1), reverse=True)
         run, inner = 1, []
         while axes and axes[-1][0] == run:
-            s, n, k = axes.pop()
-            run *= n
-            inner.append(k)
-        out = np.empty(lengths, dtype=dtype)
-        outer = [k for _, _, k in axes]
-        for idx in np.ndindex(*(lengths[k] for k in outer)):
-            start = base + sum(i * strides[k] for i, k in zip(idx, outer))
-            buf = np.empty(run, dtype=dtype)
-            self.reader.read_into(loc.path, loc.offset + start * size, memoryview(buf).cast("B"))
-            sel = [slice(None)] * len(lengths)
+            _, k = axes.pop()
+            run *= self.lengths[k]
+            inner.insert(0, k)
+        return [k for _, k in axes], inner, run
+
+    def runs(self) -> tuple[np.ndarray, int]:
+        outer, _, run = self.split()
+        starts = np.array([self.base], dtype=np.int64)
+        for k in outer:
+            starts = (starts[:, None] + np.arange(self.lengths[k], dtype=np.int64) * self.strides[k]).ravel()
+        return starts, run
+
+
+class _Window:
+    """Source bytes read for one destination window: merged spans per item, by start element."""
+
+    def __init__(self, dtype: np.dtype) -> None:
+        self.dtype = dtype
+        self.spans: dict[Item, tuple[list[int], list[np.ndarray]]] = defaultdict(lambda: ([], []))
+
+    def add(self, item: Item, start: int, buf: np.ndarray) -> None:
+        starts, bufs = self.spans[item]
+        starts.append(start)
+        bufs.append(buf)
+
+    def _locate(self, item: Item, start: int) -> tuple[np.ndarray, int]:
+        starts, bufs = self.spans[item]
+        k = bisect.bisect_right(starts, start) - 1
+        return bufs[k], start - starts[k]
+
+    def get(self, r: _Region) -> np.ndarray:
+        last = r.base + sum((n - 1) * s for n, s in zip(r.lengths, r.strides))
+        buf, at = self._locate(r.item, r.base)
+        if at + last - r.base < len(buf):  # the whole region sits in one span
+            return view(buf, at, r.strides, r.lengths)
+        outer, inner, run = r.split()
+        out = np.empty(r.lengths, dtype=self.dtype)
+        starts, _ = r.runs()
+        sel: list = [slice(None)] * len(r.lengths)
+        inner_shape = tuple(r.lengths[k] for k in inner)
+        order = [inner.index(k) for k in sorted(inner)]
+        for idx, start in zip(np.ndindex(*(r.lengths[k] for k in outer)), starts):
+            buf, at = self._locate(r.item, int(start))
             for i, k in zip(idx, outer):
                 sel[k] = i
-            sub_lengths = tuple(lengths[k] for k in sorted(inner))
-            # The run is row-major over the inner axes ordered by decreasing stride.
-            order = sorted(inner, key=lambda k: -strides[k])
-            block = buf.reshape(tuple(lengths[k] for k in order)) if order else buf.reshape(())
-            block = np.transpose(block, [order.index(k) for k in sorted(inner)]) if order else block
-            out[tuple(sel)] = block.reshape(sub_lengths)
+            block = buf[at : at + run].reshape(inner_shape).transpose(order)
+            out[tuple(sel)] = block.reshape(tuple(r.lengths[k] for k in sorted(inner)))
         return out
