@@ -1,0 +1,619 @@
+"""DeepSpeed ZeRO-1/2 checkpoints: written by reshard, read back, checked against DeepSpeed's own layout.
+
+The model is a tiny Llama (h=16, 4 heads in 2 KV groups of head dim 4, ffn 24,
+vocab 100, 2 layers: 7120 parameters). Values are arange-valued per tensor and
+state (conftest ``logical_values``), so a misplaced element shows. The oracle
+for the flat partitions is built here with numpy, the way DeepSpeed builds
+them: params flattened in ``named_parameters()`` order, concatenated, padded
+to a multiple of 2 * dp, split into dp equal parts. Golden ``param_slice_mappings``
+come from a real DeepSpeed 0.19.8 run of the same model at dp=2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import shutil
+import sys
+import types
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+from conftest import assert_round_trip, logical_values
+
+from reshard.arrays import gather, scatter
+from reshard.catalog import SPECS_DIR, load_spec
+from reshard.errors import CheckpointFormatError, TopologyError
+from reshard.executor import ByteReader, PlanFill
+from reshard.formats.base import Source
+from reshard.formats.deepspeed import FORMAT, synthesize_extra
+from reshard.layout import resolve
+from reshard.planner import plan
+from reshard.topology import parse_topology
+from reshard.torchfile import Opaque, TensorRef, TorchSize, read_torch_file
+
+SIZES = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 2}
+STATES = ("param", "master", "exp_avg", "exp_avg_sq")
+NUMPY = {"float32": np.float32, "bfloat16": np.uint16}
+
+
+def hf_order(layers: int = 2) -> list[str]:
+    """LlamaForCausalLM.named_parameters(): DeepSpeed's flat-buffer order with one param group."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    return names + ["model.norm.weight", "lm_head.weight"]
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def write_checkpoint(out, topology="dp=2", *, spec="deepspeed-llama", dtype="float32", **options):
+    """reshard's DeepSpeed writer fed from in-memory items, as ``convert`` feeds it from a plan."""
+    target = FORMAT.new_target(topology, SIZES, spec=spec, dtype=dtype, **options)
+    values = logical_values(target.layout, STATES)
+    if dtype == "bfloat16":
+        values.update({k: bf16_bits(v) for k, v in values.items() if k[1] == "param"})
+    # Per state, so that items holding padding only (no values to take a dtype from) get theirs too.
+    items = scatter(target.layout, values, dtype={s: NUMPY[dtype if s == "param" else "float32"] for s in STATES})
+
+    def fill(item, lo, hi):
+        assert (hi - lo) * items[item].itemsize <= 8 << 20
+        return memoryview(items[item][lo:hi]).cast("B")
+
+    files = FORMAT.write(target, out, fill)
+    return target, values, items, files
+
+
+def read(loc, dtype: str, count: int) -> np.ndarray:
+    """``count`` elements at a ``Located`` (or, with ``loc.data_offset``, a ``TensorRef``)."""
+    offset = loc.data_offset if isinstance(loc, TensorRef) else loc.offset
+    return np.fromfile(loc.path, dtype=NUMPY[dtype], count=count, offset=offset)
+
+
+def zero_partitions(values, state: str, names: list[str], dp: int) -> list[np.ndarray]:
+    """DeepSpeed's flat partitions of one param group, built independently with numpy."""
+    flat = np.concatenate([values[(n, state)].ravel() for n in names])
+    padded = -(-flat.size // (2 * dp)) * 2 * dp
+    return np.split(np.concatenate([flat, np.zeros(padded - flat.size, flat.dtype)]), dp)
+
+
+def reshard(src, dst, out) -> None:
+    """Carry ``src`` over to target ``dst`` at ``out``, as ``reshard.convert`` does: plan, then stream."""
+    p = plan(src.layout, dst.layout)
+    p.validate()
+    with ByteReader() as reader:
+        fill = PlanFill(p, src.where, reader)
+        dst.dtypes = fill.assign_dtypes(dst.layout.items)
+        FORMAT.write(dst, out, fill)
+
+
+def optim_name(dp: int, bf16: bool = False, tag: str = "global_step1") -> str:
+    return f"{tag}/{'bf16_' if bf16 else ''}zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"
+
+
+# --- what the writer writes --------------------------------------------------------------
+
+
+def test_writes_latest_one_model_file_and_one_optimizer_file_per_dp_rank(tmp_path):
+    _, _, _, files = write_checkpoint(tmp_path, "dp=2", dtype="bfloat16")
+    assert sorted(map(str, files)) == [
+        "global_step1/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "global_step1/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "global_step1/mp_rank_00_model_states.pt",
+        "latest",
+    ]
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    assert not (tmp_path / "zero_to_fp32.py").exists()  # DeepSpeed's own script: never copied
+    assert FORMAT.detect(tmp_path) and FORMAT.detect(tmp_path / "global_step1")
+
+
+def test_model_states_have_deepspeeds_keys_and_param_shapes_in_flat_order(tmp_path):
+    write_checkpoint(tmp_path, "dp=2", dtype="bfloat16", zero_stage=2)
+    sd = read_torch_file(tmp_path / "global_step1/mp_rank_00_model_states.pt")
+    # engine._common_checkpoint_state of DeepSpeed 0.19.8, in its order.
+    assert list(sd) == [
+        "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+        "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
+        "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
+    ]
+    assert list(sd["module"]) == hf_order()
+    assert all(isinstance(t, TensorRef) and t.dtype == "bfloat16" for t in sd["module"].values())
+    shapes = sd["param_shapes"]
+    assert len(shapes) == 1 and isinstance(shapes[0], OrderedDict) and list(shapes[0]) == hf_order()
+    assert shapes[0]["model.layers.0.self_attn.k_proj.weight"] == TorchSize((8, 16))
+    assert isinstance(shapes[0]["model.norm.weight"], TorchSize)
+    assert (sd["dp_world_size"], sd["mp_world_size"], sd["optimizer"]) == (2, 1, None)
+    assert sd["frozen_param_shapes"] == OrderedDict() and sd["shared_params"] == {}
+    assert sd["ds_config"]["zero_optimization"] == {"stage": 2} and sd["ds_config"]["bf16"] == {"enabled": True}
+
+
+def test_param_slice_mappings_equal_a_real_deepspeed_run_at_dp2(tmp_path):
+    write_checkpoint(tmp_path, "dp=2", dtype="float32")
+    osd = [read_torch_file(tmp_path / optim_name(d))["optimizer_state_dict"] for d in range(2)]
+    assert list(osd[0]) == [
+        "loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "base_optimizer_state",
+        "single_partition_of_fp32_groups", "zero_stage", "group_paddings", "param_alignment_paddings",
+        "partition_count", "ds_version", "param_slice_mappings",
+    ]
+
+    def mappings(d):
+        return {k: (v.state["numel"], v.state["start"]) for k, v in osd[d]["param_slice_mappings"][0].items()}
+
+    frag = next(iter(osd[0]["param_slice_mappings"][0].values()))
+    assert (frag.module, frag.name, frag.newobj) == ("deepspeed.utils.tensor_fragment", "fragment_address", True)
+    # 7120 elements split 3560 / 3560: layer 1's q_proj (256) straddles, 8 elements on rank 0, 248 on rank 1.
+    assert list(mappings(0).items())[-2:] == [("model.layers.0.post_attention_layernorm.weight", (16, 3536)),
+                                              ("model.layers.1.self_attn.q_proj.weight", (8, 3552))]
+    assert list(mappings(1).items())[:3] == [("model.layers.1.self_attn.q_proj.weight", (248, 0)),
+                                             ("model.layers.1.self_attn.k_proj.weight", (128, 248)),
+                                             ("model.layers.1.self_attn.v_proj.weight", (128, 376))]
+    assert mappings(1)["lm_head.weight"] == (1600, 1960)
+    for d in range(2):
+        assert osd[d]["group_paddings"] == [0] and osd[d]["partition_count"] == [2]
+        assert osd[d]["param_alignment_paddings"] == [[0] * 21]
+        assert osd[d]["zero_stage"] == Opaque("deepspeed.runtime.zero.config", "ZeroStageEnum", (2,), None)
+        assert [t.shape for t in osd[d]["single_partition_of_fp32_groups"]] == [(3560,)]
+        state = osd[d]["base_optimizer_state"]["state"][0]
+        assert list(state) == ["step", "exp_avg", "exp_avg_sq"] and state["step"].shape == ()
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 5])
+def test_flat_partitions_equal_an_independent_numpy_construction(tmp_path, dp):
+    # 7120 elements: dp=3 pads to 7122 (2374 each, 2 padding on rank 2), dp=5 to 7130 (10 on rank 4).
+    _, values, _, _ = write_checkpoint(tmp_path, f"dp={dp}")
+    for d in range(dp):
+        osd = read_torch_file(tmp_path / optim_name(d))["optimizer_state_dict"]
+        share = -(-7120 // (2 * dp)) * 2
+        padding = max(0, min(share, (d + 1) * share - 7120))
+        assert osd["group_paddings"] == [padding]
+        fp32 = osd["single_partition_of_fp32_groups"][0]
+        assert fp32.shape == (share - padding,)  # DeepSpeed saves the master partition without padding
+        want = zero_partitions(values, "master", hf_order(), dp)[d]
+        np.testing.assert_array_equal(read(fp32, "float32", fp32.numel), want[: fp32.numel])
+        for state in ("exp_avg", "exp_avg_sq"):
+            ref = osd["base_optimizer_state"]["state"][0][state]
+            assert ref.shape == (share,)  # the torch optimizer's state: the whole partition
+            want = zero_partitions(values, state, hf_order(), dp)[d]
+            np.testing.assert_array_equal(read(ref, "float32", ref.numel), want)
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_open_locates_every_item_bit_exactly(tmp_path, dtype):
+    target, _, items, _ = write_checkpoint(tmp_path, "dp=3", dtype=dtype)
+    src = FORMAT.open(tmp_path, sizes=SIZES)
+    assert (src.spec_name, str(src.topology), src.sizes) == ("deepspeed-llama", "tp=1,pp=1,dp=3,zero=2", SIZES)
+    assert dict(src.layout.items) == dict(target.layout.items)
+    assert set(src.where) == set(target.layout.items)
+    for item, loc in src.where.items():
+        want = items[item]
+        stored = want.size - 2 * (item.state == "master" and dict(item.unit)["dp"] == 2)  # master: padding cut
+        np.testing.assert_array_equal(read(loc, loc.dtype, stored), want[:stored], err_msg=str(item))
+        assert loc.dtype == (dtype if item.state == "param" else "float32")
+    extra = src.extra["deepspeed"]
+    assert (extra.tag, extra.zero_stage, extra.bf16_names) == ("global_step1", 2, dtype == "bfloat16")
+
+
+def test_reshard_dp2_to_dp3_through_planner_and_executor(tmp_path):
+    _, values, _, _ = write_checkpoint(tmp_path / "a", "dp=2", dtype="bfloat16", global_steps=7)
+    src = FORMAT.open(tmp_path / "a", sizes=SIZES)
+    reshard(src, FORMAT.target(src, parse_topology("dp=3")), tmp_path / "b")
+    back = FORMAT.open(tmp_path / "b", sizes=SIZES)
+    assert str(back.topology) == "tp=1,pp=1,dp=3,zero=2"
+    for d in range(3):
+        sd = read_torch_file(tmp_path / "b" / optim_name(d, bf16=True, tag="global_step7"))
+        osd = sd["optimizer_state_dict"]
+        for state in ("master", "exp_avg"):
+            item = next(it for it in back.where if it.state == state and dict(it.unit)["dp"] == d)
+            want = zero_partitions(values, state, hf_order(), 3)[d]
+            n = 2372 if state == "master" and d == 2 else 2374
+            np.testing.assert_array_equal(read(back.where[item], "float32", n), want[:n])
+        assert osd["partition_count"] == [3] and osd["group_paddings"] == [0, 0, 2][d : d + 1]
+        step = osd["base_optimizer_state"]["state"][0]["step"]
+        assert read(step, "float32", 1)[0] == 7.0  # carried, not resharded
+    model = read_torch_file(tmp_path / "b/global_step7/mp_rank_00_model_states.pt")
+    assert model["dp_world_size"] == 3 and model["global_steps"] == 7
+    embed = model["module"]["model.embed_tokens.weight"]
+    want = values[("model.embed_tokens.weight", "param")].ravel()
+    np.testing.assert_array_equal(read(embed, "bfloat16", embed.numel), want)
+
+
+def test_hf_trainer_spec_keeps_layernorms_in_their_own_param_group(tmp_path):
+    _, values, _, _ = write_checkpoint(tmp_path, "dp=2", spec="deepspeed-llama-hf-trainer")
+    norms = [n for n in hf_order() if "layernorm" in n]
+    rest = [n for n in hf_order() if "layernorm" not in n]
+    sd = read_torch_file(tmp_path / "global_step1/mp_rank_00_model_states.pt")
+    assert [list(g) for g in sd["param_shapes"]] == [rest, norms]
+    osd = read_torch_file(tmp_path / optim_name(1))["optimizer_state_dict"]
+    # Real DeepSpeed 0.19.8, same grouping at dp=2: 3528 + 32 elements per rank.
+    assert [t.shape for t in osd["single_partition_of_fp32_groups"]] == [(3528,), (32,)]
+    assert {k: (v.state["numel"], v.state["start"]) for k, v in osd["param_slice_mappings"][1].items()} == {
+        "model.layers.1.input_layernorm.weight": (16, 0), "model.layers.1.post_attention_layernorm.weight": (16, 16)}
+    for g, names in enumerate((rest, norms)):
+        ref = osd["base_optimizer_state"]["state"][g]["exp_avg"]
+        want = zero_partitions(values, "exp_avg", names, 2)[1]
+        np.testing.assert_array_equal(read(ref, "float32", ref.numel), want)
+    assert FORMAT.open(tmp_path, sizes=SIZES).spec_name == "deepspeed-llama-hf-trainer"
+
+
+def test_ranks_holding_only_padding_have_empty_mappings_and_no_master_elements(tmp_path):
+    # dp=40: the decay group (7056) pads to 7120, 178 per rank; the no-decay group (64) to 80, 2 per rank,
+    # so ranks 32..39 hold only its padding.
+    _, values, _, _ = write_checkpoint(tmp_path / "a", "dp=40", spec="deepspeed-llama-hf-trainer")
+    osd = read_torch_file(tmp_path / "a" / optim_name(39))["optimizer_state_dict"]
+    assert osd["group_paddings"] == [64, 2] and osd["param_slice_mappings"][1] == OrderedDict()
+    assert osd["single_partition_of_fp32_groups"][1].shape == (0,)
+    assert osd["base_optimizer_state"]["state"][1]["exp_avg"].shape == (2,)
+    src = FORMAT.open(tmp_path / "a", sizes=SIZES)
+    reshard(src, FORMAT.target(src, parse_topology("dp=1")), tmp_path / "b")
+    osd = read_torch_file(tmp_path / "b" / optim_name(0))["optimizer_state_dict"]
+    norms = [n for n in hf_order() if "layernorm" in n]
+    np.testing.assert_array_equal(read(osd["single_partition_of_fp32_groups"][1], "float32", 64),
+                                  zero_partitions(values, "master", norms, 1)[0])
+
+
+def test_sizes_come_from_a_config_json_next_to_the_checkpoint(tmp_path):
+    write_checkpoint(tmp_path, "dp=2")
+    with pytest.raises(CheckpointFormatError) as e:
+        FORMAT.open(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path / 'global_step1'}: the attention head layout cannot be told from tensor shapes alone "
+        f"(q_proj has 16 rows, k_proj 8): give sizes heads=N (and hd, g if not hidden/heads), "
+        f"or put the model's config.json in one of: {tmp_path / 'global_step1'}, {tmp_path}, {tmp_path.parent}")
+    assert FORMAT.open(tmp_path, sizes={"heads": 4}).sizes == SIZES
+    config = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 24,
+              "vocab_size": 100, "num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert FORMAT.open(tmp_path).sizes == SIZES
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def test_optimizer_files_disagreeing_with_dp_world_size_are_refused(tmp_path):
+    write_checkpoint(tmp_path, "dp=2")
+    (tmp_path / optim_name(1)).unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        FORMAT.open(tmp_path, sizes=SIZES)
+    assert str(e.value) == (f"{tmp_path / 'global_step1'}: 1 optimizer files for mp rank 00 but "
+                            "mp_rank_00_model_states.pt says dp_world_size=2")
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    write_checkpoint(tmp_path, "dp=3")
+    (tmp_path / optim_name(2)).rename(tmp_path / optim_name(7))
+    with pytest.raises(CheckpointFormatError) as e:
+        FORMAT.open(tmp_path, sizes=SIZES)
+    assert str(e.value) == f"{tmp_path / optim_name(2)}: missing (dp_world_size=3)"
+
+
+def test_param_slice_mappings_disagreeing_with_the_spec_name_the_param(tmp_path):
+    write_checkpoint(tmp_path / "ckpt", "dp=2")
+    # The same model with every param starting at a multiple of 64: not how DeepSpeed lays it out.
+    spec = tmp_path / "aligned.spec"
+    shipped = (SPECS_DIR / "deepspeed-llama.spec").read_text()
+    spec.write_text(shipped.replace("| pad 2*dp | split dp", "| align 64 | pad 2*dp | split dp"))
+    with pytest.raises(CheckpointFormatError) as e:
+        FORMAT.open(tmp_path / "ckpt", spec=str(spec), sizes=SIZES)
+    assert str(e.value) == (
+        f"{tmp_path / 'ckpt' / optim_name(0)}: "
+        "param_slice_mappings[0]['model.layers.0.post_attention_layernorm.weight'] "
+        f"is fragment_address(numel=16, start=3536) but spec '{spec}' places it at (numel=16, start=3584)")
+
+
+def test_zero_stage_3_is_refused(tmp_path):
+    write_checkpoint(tmp_path, "dp=2")
+    tag = tmp_path / "global_step1"
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointFormatError) as e:
+        FORMAT.open(tmp_path, sizes=SIZES)
+    assert str(e.value) == (f"{tag}: ZeRO stage 3 checkpoints (zero_pp_rank_*_model_states.pt) are not supported yet; "
+                            "only stages 1 and 2")
+
+
+def test_targets_refuse_pipeline_stages_and_unsplit_tensor_parallelism(tmp_path):
+    write_checkpoint(tmp_path, "dp=2")
+    src = FORMAT.open(tmp_path, sizes=SIZES)
+    with pytest.raises(TopologyError, match=r"^DeepSpeed ZeRO checkpoints have no pipeline stages: pp\(2\) must be 1"):
+        FORMAT.target(src, parse_topology("pp=2,dp=1"))
+    with pytest.raises(TopologyError, match=r"^spec 'deepspeed-llama' splits nothing over tp"):
+        FORMAT.target(src, parse_topology("tp=2,dp=1"))
+
+
+def test_synthesized_state_imitates_one_adam_step_of_deepspeed(tmp_path):
+    extra = synthesize_extra(groups=2, dtype="bfloat16", zero_stage=1, global_steps=3, micro_batch=2, dp=4,
+                             weight_decay=(0.1, 0.0))
+    assert extra.tag == "global_step3" and extra.bf16_names
+    assert extra.model_states["global_samples"] == 24 and extra.model_states["frozen_param_shapes"] is None
+    groups = extra.optim_states["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    assert [(g["weight_decay"], g["params"]) for g in groups] == [(0.1, [0]), (0.0, [1])]
+
+
+TP_SPEC = """
+include llama
+logical lm_head.weight as head = vocab h
+section model per tp pp
+model.embed_tokens.weight = vocab/tp h
+model.layers.{i/pp}.self_attn.q_proj.weight -> q = (g/tp qpg hd) h
+model.layers.{i/pp}.self_attn.k_proj.weight -> k = (g/tp hd) h
+model.layers.{i/pp}.self_attn.v_proj.weight -> v = (g/tp hd) h
+model.layers.{i/pp}.self_attn.o_proj.weight -> o = h (g/tp qpg hd)
+model.layers.{i/pp}.mlp.gate_proj.weight -> gate = f/tp h
+model.layers.{i/pp}.mlp.up_proj.weight -> up = f/tp h
+model.layers.{i/pp}.mlp.down_proj.weight -> down = h f/tp
+model.layers.{i/pp}.input_layernorm.weight -> ln1 = h
+model.layers.{i/pp}.post_attention_layernorm.weight -> ln2 = h
+model.norm.weight = h
+lm_head.weight = vocab/tp h
+section optim per tp pp dp states master exp_avg exp_avg_sq
+flat optimizer.{state} = model | pad 2*dp | split dp
+"""
+
+
+def test_tensor_parallel_files_with_a_spec_that_splits_over_tp(tmp_path):
+    # Megatron-style column/row splits under HF names: each mp rank flattens its own shards.
+    spec = tmp_path / "deepspeed-llama-tp.spec"
+    spec.write_text(TP_SPEC)
+    write_checkpoint(tmp_path / "a", "tp=2,dp=2", spec=str(spec))
+    src = FORMAT.open(tmp_path / "a", spec=str(spec), sizes=SIZES)
+    assert str(src.topology) == "tp=2,pp=1,dp=2,zero=2"
+    shapes = read_torch_file(tmp_path / "a/global_step1/mp_rank_01_model_states.pt")["param_shapes"][0]
+    assert shapes["model.embed_tokens.weight"] == (50, 16) and shapes["model.layers.0.mlp.down_proj.weight"] == (16, 12)
+    dst = FORMAT.target(src, parse_topology("dp=3"), spec="deepspeed-llama")
+    reshard(src, dst, tmp_path / "b")
+    values = logical_values(dst.layout, STATES)
+    for d in range(3):
+        ref = read_torch_file(tmp_path / "b" / optim_name(d))["optimizer_state_dict"]["base_optimizer_state"]
+        got = read(ref["state"][0]["exp_avg_sq"], "float32", 2374)
+        np.testing.assert_array_equal(got, zero_partitions(values, "exp_avg_sq", hf_order(), 3)[d])
+    with pytest.raises(CheckpointFormatError, match=r"mp_world_size=2 but spec 'deepspeed-llama' splits nothing"):
+        FORMAT.open(tmp_path / "a", sizes=SIZES)
+
+
+def test_a_new_zero_stage_and_dp_rewrite_the_stage_and_the_batch_size(tmp_path):
+    write_checkpoint(tmp_path / "a", "dp=2", zero_stage=1, micro_batch=2, accumulation=4)
+    src = FORMAT.open(tmp_path / "a", sizes=SIZES)
+    src.extra["deepspeed"].model_states["ds_config"]["train_batch_size"] = 16
+    reshard(src, FORMAT.target(src, parse_topology("dp=4,zero=2")), tmp_path / "b")
+    model = read_torch_file(tmp_path / "b/global_step1/mp_rank_00_model_states.pt")
+    # train_batch_size = micro batch (2) * accumulation steps (4) * dp (4)
+    assert model["ds_config"]["train_batch_size"] == 32 and model["ds_config"]["zero_optimization"] == {"stage": 2}
+    assert model["frozen_param_shapes"] == OrderedDict()  # saved from stage 2 on
+    osd = read_torch_file(tmp_path / "b" / optim_name(3))["optimizer_state_dict"]
+    assert osd["zero_stage"].args == (2,) and osd["partition_count"] == [4]
+    assert str(FORMAT.open(tmp_path / "b", sizes=SIZES).topology) == "tp=1,pp=1,dp=4,zero=2"
+
+
+def test_bf16_optimizer_files_keep_the_master_whole_and_count_padding_on_the_last_rank(tmp_path):
+    # BF16_Optimizer (bf16 ZeRO-1 with fp32 gradient accumulation) writes no loss scaler and no stage.
+    write_checkpoint(tmp_path / "a", "dp=2", dtype="bfloat16", zero_stage=1)
+    src = FORMAT.open(tmp_path / "a", sizes=SIZES)
+    extra = src.extra["deepspeed"]
+    osd = extra.optim_states["optimizer_state_dict"]
+    for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "zero_stage", "param_alignment_paddings"):
+        del osd[key]
+    src.extra["deepspeed"] = dataclasses.replace(extra, optimizer="bf16")
+    reshard(src, FORMAT.target(src, parse_topology("dp=3")), tmp_path / "b")
+    osd = read_torch_file(tmp_path / "b" / optim_name(2, bf16=True))["optimizer_state_dict"]
+    assert list(osd) == ["clip_grad", "base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings",
+                         "partition_count", "ds_version", "param_slice_mappings"]
+    assert osd["group_paddings"] == [2] and osd["single_partition_of_fp32_groups"][0].shape == (2374,)
+    back = FORMAT.open(tmp_path / "b", sizes=SIZES)
+    assert back.extra["deepspeed"].optimizer == "bf16"
+
+
+def test_megatron_distributed_optimizer_state_plans_into_deepspeed(tmp_path):
+    # Same logical names and states on both sides: tp=2, pp=2, dp=2 Megatron -> dp=3 DeepSpeed, and back.
+    sizes = {**SIZES, "layers": 4, "vocab_div": 8, "bucket_size": 0}
+    spec = load_spec("megatron-llama-distopt")
+    megatron = resolve(spec, parse_topology("tp=2,pp=2,dp=2"), sizes)
+    source = Source(format="megatron", path=tmp_path, spec_name="megatron-llama-distopt", spec=spec,
+                    topology=megatron.topology, sizes=sizes, layout=megatron, where={})
+    deepspeed = FORMAT.target(source, parse_topology("dp=3")).layout
+    assert_round_trip(megatron, deepspeed, logical_values(megatron, STATES))
+
+
+# --- with torch, and with DeepSpeed itself -----------------------------------------------------
+
+
+def deepspeed_classes(monkeypatch) -> tuple[type, type]:
+    """DeepSpeed's ``fragment_address`` and ``ZeroStageEnum``, or stand-ins of the same shape when it is absent."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        return fragment_address, ZeroStageEnum
+    except Exception:  # not installed, or fails to initialize here
+        pass
+
+    @dataclasses.dataclass
+    class fragment_address:  # noqa: N801 - DeepSpeed's name
+        numel: int
+        start: int
+
+    class ZeroStageEnum(int, enum.Enum):
+        disabled = 0
+        optimizer_states = 1
+        gradients = 2
+        weights = 3
+
+    class LossScaler:
+        pass
+
+    for module, cls in (("deepspeed.utils.tensor_fragment", fragment_address),
+                        ("deepspeed.runtime.zero.config", ZeroStageEnum),
+                        ("deepspeed.runtime.fp16.loss_scaler", LossScaler)):
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):
+            monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        cls.__module__, cls.__qualname__ = module, cls.__name__
+        setattr(sys.modules[module], cls.__name__, cls)
+    return fragment_address, ZeroStageEnum
+
+
+def test_torch_load_reads_the_files_with_deepspeeds_classes(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    _, values, _, _ = write_checkpoint(tmp_path, "dp=2", dtype="bfloat16")
+    fragment_address, ZeroStageEnum = deepspeed_classes(monkeypatch)  # noqa: N806 - DeepSpeed's names
+    model = torch.load(tmp_path / "global_step1/mp_rank_00_model_states.pt", weights_only=False)
+    assert model["param_shapes"][0]["lm_head.weight"] == torch.Size([100, 16])
+    embed = model["module"]["model.embed_tokens.weight"]
+    assert embed.dtype == torch.bfloat16
+    bits = embed.view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(bits, values[("model.embed_tokens.weight", "param")])
+    osd = torch.load(tmp_path / optim_name(1, bf16=True), weights_only=False)["optimizer_state_dict"]
+    assert osd["zero_stage"] is ZeroStageEnum.gradients
+    assert osd["param_slice_mappings"][0]["lm_head.weight"] == fragment_address(numel=1600, start=1960)
+    master = osd["single_partition_of_fp32_groups"][0].numpy()
+    np.testing.assert_array_equal(master, zero_partitions(values, "master", hf_order(), 2)[1])
+    assert osd["base_optimizer_state"]["state"][0]["step"].item() == 1.0
+    assert osd["loss_scaler"].__dict__ == {"cur_scale": 1.0, "dynamic": False}
+
+
+DEEPSPEED_RUN = '''
+"""Train, save or load a tiny HF-named Llama with DeepSpeed ZeRO-2, bf16, on CPU (gloo)."""
+import sys
+import numpy as np
+import torch
+from torch import nn
+import deepspeed
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+H, HEADS, G, HD, F, V, L = 16, 4, 2, 4, 24, 100, 2
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(H, HEADS * HD, bias=False), nn.Linear(H, G * HD, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(H, G * HD, bias=False), nn.Linear(HEADS * HD, H, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(H, F, bias=False), nn.Linear(H, F, bias=False)
+        self.down_proj = nn.Linear(F, H, bias=False)
+
+
+class Norm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(H))
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn, self.mlp = Attention(), MLP()
+        self.input_layernorm, self.post_attention_layernorm = Norm(), Norm()
+
+    def forward(self, x):
+        a, m = self.self_attn, self.mlp
+        y = x * self.input_layernorm.weight
+        x = x + a.o_proj(a.q_proj(y) + torch.cat([a.k_proj(y), a.v_proj(y)], -1))
+        y = x * self.post_attention_layernorm.weight
+        return x + m.down_proj(nn.functional.silu(m.gate_proj(y)) * m.up_proj(y))
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(V, H)
+        self.layers, self.norm = nn.ModuleList(Layer() for _ in range(L)), Norm()
+
+
+class Llama(nn.Module):  # the registration order of transformers' LlamaForCausalLM
+    def __init__(self):
+        super().__init__()
+        self.model, self.lm_head = Inner(), nn.Linear(H, V, bias=False)
+
+    def forward(self, ids):
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            x = layer(x)
+        return self.lm_head(x * self.model.norm.weight)
+
+
+mode, ckpt, out = sys.argv[1:4]
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = Llama()
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
+          "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}}
+adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adam, config=config)
+
+
+def step():
+    loss = engine(torch.randint(0, V, (2, 5))).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+
+
+if mode == "save":
+    step()
+    step()
+    engine.save_checkpoint(ckpt)
+else:
+    path, _ = engine.load_checkpoint(ckpt)
+    assert path is not None
+    engine.optimizer._lazy_init_hp_params_optimizer_state()
+    dump = {}
+    for name, p in engine.module.named_parameters():
+        dump[name + ":param"] = p.detach().view(torch.int16).numpy().view(np.uint16).copy()
+        dump[name + ":master"] = safe_get_full_fp32_param(p).numpy().copy()
+        for key in ("exp_avg", "exp_avg_sq"):
+            dump[name + ":" + key] = safe_get_full_optimizer_state(p, key).numpy().copy()
+    if torch.distributed.get_rank() == 0:
+        np.savez(out, **dump)
+    step()  # training goes on at the new world size
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+'''
+
+
+def run_deepspeed(tmp_path, nproc: int, *args: str) -> None:
+    import subprocess
+
+    script = tmp_path / "deepspeed_run.py"
+    script.write_text(DEEPSPEED_RUN)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+           *args]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_deepspeed_loads_a_dp2_checkpoint_resharded_to_dp3_bit_exactly(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:
+        pytest.skip("deepspeed is not importable")
+    run_deepspeed(tmp_path, 2, "save", str(tmp_path / "dp2"), "-")
+    src = FORMAT.open(tmp_path / "dp2", sizes={"heads": 4})  # also proves DeepSpeed's own files match the spec
+    reshard(src, FORMAT.target(src, parse_topology("dp=3")), tmp_path / "dp3")
+    run_deepspeed(tmp_path, 3, "load", str(tmp_path / "dp3"), str(tmp_path / "dump.npz"))
+    # What DeepSpeed sees at dp=3 equals what reshard reads from DeepSpeed's own dp=2 files.
+    # 7120 elements split evenly at dp=2: no padding, so every stored tensor holds its whole item.
+    items = {item: read(loc, loc.dtype, src.layout.items[item].numel) for item, loc in src.where.items()}
+    logical = gather(src.layout, items)
+    dump = np.load(tmp_path / "dump.npz")
+    assert len(dump.files) == 4 * 21
+    for key in dump.files:
+        name, state = key.rsplit(":", 1)
+        np.testing.assert_array_equal(dump[key], logical[(name, state)], err_msg=key)
