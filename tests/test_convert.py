@@ -61,6 +61,34 @@ def test_megatron_conversion_matches_a_checkpoint_written_at_the_destination(tmp
     assert result.bytes_read <= needed
 
 
+DEEPSPEED = [
+    ("tiny-llama", "dp=2,zero=2", "dp=3,zero=2"),   # grow to a dp that splits params across ranks
+    ("tiny-llama", "dp=4,zero=1", "dp=1,zero=1"),   # shrink to one rank
+    ("tiny-llama", "dp=3,zero=2", "dp=2,zero=1"),   # ZeRO-2 -> ZeRO-1
+]
+
+
+@pytest.mark.parametrize("model,src_topo,dst_topo", DEEPSPEED, ids=[f"{m}:{a}->{b}" for m, a, b in DEEPSPEED])
+def test_deepspeed_conversion_matches_a_checkpoint_written_at_the_destination(tmp_path, model, src_topo, dst_topo):
+    src, dst, direct = tmp_path / "src", tmp_path / "dst", tmp_path / "direct"
+    make_fixture(src, format="deepspeed", to=src_topo, model=model)
+    reshard.convert(src, dst, to=dst_topo)
+    check = reshard.verify(src, dst)
+    assert check.identical, check.differences
+    make_fixture(direct, format="deepspeed", to=dst_topo, model=model)
+    assert stored_bytes(dst) == stored_bytes(direct)
+
+
+def test_megatron_with_optimizer_moves_to_deepspeed_and_back(tmp_path):
+    src, ds, back = tmp_path / "src", tmp_path / "ds", tmp_path / "back"
+    make_fixture(src, format="megatron", to="tp=2,pp=2", model="tiny-llama")
+    reshard.convert(src, ds, format="deepspeed", to="dp=2,zero=2")
+    check = reshard.verify(src, ds)
+    assert check.identical, check.differences
+    reshard.convert(ds, back, format="megatron", to="tp=1,pp=2")
+    assert reshard.verify(src, back).identical
+
+
 def test_megatron_to_hf_and_back_keeps_the_weights(tmp_path):
     src, hf, back = tmp_path / "src", tmp_path / "hf", tmp_path / "back"
     make_fixture(src, format="megatron", to="tp=2,pp=2", model="tiny-llama")

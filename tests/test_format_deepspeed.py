@@ -105,6 +105,7 @@ def optim_name(dp: int, bf16: bool = False, tag: str = "global_step1") -> str:
 def test_writes_latest_one_model_file_and_one_optimizer_file_per_dp_rank(tmp_path):
     _, _, _, files = write_checkpoint(tmp_path, "dp=2", dtype="bfloat16")
     assert sorted(map(str, files)) == [
+        "config.json",  # the model's, beside the tag, as the transformers Trainer leaves it
         "global_step1/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "global_step1/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
         "global_step1/mp_rank_00_model_states.pt",
@@ -264,6 +265,8 @@ def test_ranks_holding_only_padding_have_empty_mappings_and_no_master_elements(t
 
 def test_sizes_come_from_a_config_json_next_to_the_checkpoint(tmp_path):
     write_checkpoint(tmp_path, "dp=2")
+    assert FORMAT.open(tmp_path).sizes == SIZES  # from the config.json the writer leaves
+    (tmp_path / "config.json").unlink()
     with pytest.raises(CheckpointFormatError) as e:
         FORMAT.open(tmp_path)
     assert str(e.value) == (

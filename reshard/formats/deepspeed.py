@@ -60,6 +60,7 @@ from typing import Any
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, SpecError, TopologyError
 from reshard.formats.base import Fill, Located, Source, Target, itemsize
+from reshard.formats.hf import llama_config
 from reshard.layout import Item, Layout, resolve
 from reshard.spec import Concat, Flat, Pad, Pattern, Product, Section, Spec, Split, Stored, Term
 from reshard.topology import Topology, parse_topology
@@ -407,8 +408,10 @@ class DeepSpeedFormat:
                                elastic=elastic, model_states=_template(first, files.model[0], drop=("module",)),
                                optim_states=_optim_template(optims[0][0], files.optim[0][0]),
                                module_order=tuple(str(k) for k in first["module"]))
+        config = _hf_config(files)
         return Source(format=self.name, path=files.root, spec_name=spec_name, spec=parsed, topology=topology,
-                      sizes=all_sizes, layout=layout, where=where, extra={"deepspeed": extra})
+                      sizes=all_sizes, layout=layout, where=where,
+                      extra={"deepspeed": extra, **({"config": config} if config else {})})
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """The DeepSpeed layout of ``source``'s model at ``topology``.
@@ -445,8 +448,9 @@ class DeepSpeedFormat:
             extra = synthesize_extra(groups=len(info.groups), dtype=model_dtype, zero_stage=stage, states=states[1:],
                                      dp=topology.dp)
         dtypes = {it: model_dtype if it.section in info.model_sections else "float32" for it in layout.items}
+        carried_config = {"config": source.extra["config"]} if "config" in source.extra else {}
         return Target(format=self.name, spec_name=spec_name, spec=parsed, topology=topology, sizes=dict(source.sizes),
-                      layout=layout, dtypes=dtypes, extra={"deepspeed": extra})
+                      layout=layout, dtypes=dtypes, extra={"deepspeed": extra, **carried_config})
 
     def new_target(self, topology: str | Topology, sizes: Mapping[str, int], *, spec: str = DEFAULT_SPEC,
                    dtype: str = "bfloat16", zero_stage: int = 2, states: tuple[str, ...] = ("exp_avg", "exp_avg_sq"),
@@ -502,8 +506,12 @@ class DeepSpeedFormat:
                 tree = _optim_tree(extra, info, groups, t, d, flat_states, target, ds_config)
                 _write_file(Path(out) / rel, *tree, fill, target, progress)
                 written.append(rel)
+        # As the transformers Trainer leaves it: the model's config.json beside the tag
+        # directory, so the checkpoint names its own attention layout.
+        config = target.extra.get("config") or llama_config(target.sizes, [dtype])
+        (Path(out) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (Path(out) / "latest").write_text(extra.tag)
-        return [*written, Path("latest")]
+        return [*written, Path("config.json"), Path("latest")]
 
 
 FORMAT = DeepSpeedFormat()
