@@ -257,6 +257,8 @@ class _Resolver:
         self.order: dict[str, tuple[Item, ...]] = {}
         # param-state fragments per item, for flat buffers built on a section
         self.item_frags: dict[Item, list[Fragment]] = {}
+        # per source unit and chunk: its params (one per key) and their element counts
+        self.flat_params: dict[str, tuple[list[Item], list[int]]] = {}
 
     def err(self, message: str, pos: S.Pos | None) -> SpecError:
         return self.spec.error(message, pos)
@@ -703,14 +705,17 @@ class _Resolver:
                 f"flat buffers of '{sec.name}' (per {', '.join(sec.axes)}) must be stored per the axes of "
                 f"'{src.name}' ({', '.join(src.axes)}) plus their split axes ({', '.join(split_axes) or 'none'})", sec.pos)
         src_unit = tuple((a, coords[a]) for a in src.axes)
-        params = self.order.get(_order_key(src.name, src_unit, chunk))
-        if params is None:
-            raise self.err(f"section '{fl.source}' must come before the flat buffer built from it", fl.pos)
-        first_state = {}
-        for it in params:
-            first_state.setdefault(it.key, it)
-        params = list(first_state.values())
-        buckets = _flat_layout(fl, [self.items[p].numel for p in params], coords, self)
+        order_key = _order_key(src.name, src_unit, chunk)
+        if order_key not in self.flat_params:  # shared by every rank of the split axis
+            ordered = self.order.get(order_key)
+            if ordered is None:
+                raise self.err(f"section '{fl.source}' must come before the flat buffer built from it", fl.pos)
+            first_state: dict[str, Item] = {}
+            for it in ordered:
+                first_state.setdefault(it.key, it)
+            self.flat_params[order_key] = (list(first_state.values()), [self.items[p].numel for p in first_state.values()])
+        params, numels = self.flat_params[order_key]
+        buckets = _flat_layout(fl, numels, coords, self)
         caps = {c.name for c in fl.pattern.captures}
         unknown = caps - {"state", "bucket"}
         if unknown:
