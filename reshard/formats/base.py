@@ -117,6 +117,3 @@ class Format(Protocol):
         """
         ...
 
-
-def dtype_map(mapping: Mapping[Item, str]) -> dict[Item, str]:
-    return dict(mapping)

@@ -1,0 +1,597 @@
+"""Resolve a parsed spec against a topology and model sizes into a ``Layout``.
+
+``resolve(spec, topology, sizes)`` checks the spec's meaning (variables and axes
+exist, degrees divide, every logical axis is covered exactly once, no tensor is
+sharded twice over one mesh axis) and enumerates, unit by unit, every stored
+item and the fragments of logical tensors inside it. Pure: nothing here opens
+a file.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+
+from reshard import spec as S
+from reshard.errors import SpecError, TopologyError
+from reshard.geometry import Box, restrict, row_major_strides
+from reshard.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
+from reshard.terms import Ctx, eval_term, flat_layout
+from reshard.topology import Topology
+
+__all__ = ["BYTES_AXIS", "MESH_AXES", "TOPOLOGY_VARS", "resolve"]
+
+MESH_AXES = ("tp", "pp", "dp", "cp", "ep", "edp")
+TOPOLOGY_VARS = ("tp", "pp", "dp", "cp", "ep", "edp", "vpp")
+BYTES_AXIS = "nbytes"
+
+
+def resolve(
+    spec: S.Spec,
+    topology: Topology,
+    sizes: Mapping[str, int],
+    *,
+    blob_sizes: Mapping[str, int] | None = None,
+    states: Mapping[str, tuple[str, ...]] | None = None,
+) -> Layout:
+    """Resolve ``spec`` for ``topology`` and model ``sizes`` into a ``Layout``.
+
+    Args:
+      spec: a parsed spec with includes expanded (``reshard.catalog.load_spec``).
+      topology: the parallel layout.
+      sizes: model dimensions by variable name (``h``, ``g``, ``layers``, ...).
+      blob_sizes: byte size of each blob (non-tensor state) by name.
+      states: per section, the state names it holds, overriding the spec's
+        ``states`` list (a checkpoint's own optimizer states).
+
+    Raises:
+      SpecError: the spec does not mean anything for these sizes, with its position.
+      TopologyError: a degree does not divide a tensor's dim, naming the tensor.
+    """
+    return _Resolver(spec, topology, dict(sizes), dict(blob_sizes or {}), dict(states or {})).run()
+
+
+class _Resolver:
+    def __init__(self, spec: S.Spec, topo: Topology, sizes: dict[str, int], blobs: dict[str, int], states: dict[str, tuple[str, ...]]) -> None:
+        self.spec = spec
+        self.topo = topo
+        self.sizes = sizes
+        self.blob_sizes = blobs
+        self.states = states
+        self.env: dict[str, int] = {}
+        self.indexes: dict[str, int] = {}
+        self.logicals: list[S.Logical] = []
+        self.by_ref: dict[str, S.Logical] = {}
+        self.tensors: dict[str, LogicalTensor] = {}
+        self.items: dict[Item, ItemInfo] = {}
+        self.fragments: list[Fragment] = []
+        self.order: dict[str, tuple[Item, ...]] = {}
+        # param-state fragments per item, for flat buffers built on a section
+        self.item_frags: dict[Item, list[Fragment]] = {}
+        # per source unit and chunk: its params (one per key) and their element counts
+        self.flat_params: dict[str, tuple[list[Item], list[int]]] = {}
+
+    def err(self, message: str, pos: S.Pos | None) -> SpecError:
+        return self.spec.error(message, pos)
+
+    # -- variables and declarations
+
+    def run(self) -> Layout:
+        for name in TOPOLOGY_VARS:
+            self.env[name] = self.topo.degree(name)
+        for name, value in self.sizes.items():
+            if name in TOPOLOGY_VARS:
+                if int(value) != self.env[name]:
+                    raise SpecError(f"size '{name}' = {value} disagrees with the topology's {name}({self.env[name]})")
+                continue
+            self.env[name] = int(value)
+        sections: list[tuple[S.Section, list[S.Statement]]] = []
+        for st in self.spec.statements:
+            if isinstance(st, S.Include):
+                raise self.err(f"include '{st.path}' was not expanded; load specs with reshard.catalog.load_spec", st.pos)
+            if isinstance(st, S.Let):
+                if st.name in TOPOLOGY_VARS:
+                    raise self.err(f"'{st.name}' is a topology degree; it cannot be redefined", st.pos)
+                value = self.eval(st.expr)
+                if st.name in self.sizes and int(self.sizes[st.name]) != value:
+                    raise self.err(f"'{st.name}' is given as {self.sizes[st.name]} but the spec computes {value}", st.pos)
+                self.env[st.name] = value
+            elif isinstance(st, S.IndexDecl):
+                if st.name in self.indexes:
+                    raise self.err(f"index '{st.name}' is declared twice", st.pos)
+                self.indexes[st.name] = self.eval(st.size)
+            elif isinstance(st, S.Logical):
+                self.declare(st)
+            elif isinstance(st, S.Section):
+                sections.append((st, []))
+            else:
+                if not sections:
+                    raise self.err("a stored tensor, blob or flat buffer must come after a 'section' line", st.pos)
+                if isinstance(st, S.Blob):
+                    self.declare_blob(st)
+                sections[-1][1].append(st)
+        names = [s.name for s, _ in sections]
+        for sec, rules in sections:
+            if names.count(sec.name) > 1:
+                raise self.err(f"section '{sec.name}' is declared twice", sec.pos)
+            self.section(sec, rules, {s.name: s for s, _ in sections})
+        return Layout(
+            topology=self.topo,
+            tensors=MappingProxyType(self.tensors),
+            items=MappingProxyType(self.items),
+            fragments=tuple(self.fragments),
+            order=MappingProxyType(self.order),
+        )
+
+    def eval(self, e: S.Expr) -> int:
+        if isinstance(e, S.Num):
+            return e.value
+        if isinstance(e, S.Var):
+            if e.name not in self.env:
+                known = ", ".join(sorted(self.env)) or "none"
+                raise self.err(f"unknown variable '{e.name}' (bound: {known})", e.pos)
+            return self.env[e.name]
+        if isinstance(e, S.Call):
+            args = [self.eval(a) for a in e.args]
+            want = {"cdiv": 2, "roundup": 2, "lcm": None, "min": None, "max": None}[e.fn]
+            if (want and len(args) != want) or not args:
+                raise self.err(f"{e.fn}() takes {want or 'one or more'} arguments, got {len(args)}", e.pos)
+            if e.fn in ("cdiv", "roundup") and args[1] <= 0:
+                raise self.err(f"{e.fn}() divisor must be positive, got {args[1]}", e.pos)
+            if e.fn == "cdiv":
+                return -(-args[0] // args[1])
+            if e.fn == "roundup":
+                return -(-args[0] // args[1]) * args[1]
+            if e.fn == "lcm":
+                return math.lcm(*args)
+            return min(args) if e.fn == "min" else max(args)
+        a, b = self.eval(e.left), self.eval(e.right)
+        if e.op == "+":
+            return a + b
+        if e.op == "-":
+            return a - b
+        if e.op == "*":
+            return a * b
+        if b == 0:
+            raise self.err("division by zero", e.pos)
+        if e.op == "//":
+            return a // b
+        if a % b:
+            raise self.err(f"{a} / {b} is not a whole number (use // to round down or cdiv() to round up)", e.pos)
+        return a // b
+
+    def declare(self, st: S.Logical) -> None:
+        axes: list[tuple[str, S.Pos]] = []
+        shape: list[int] = []
+        counts: list[int] = []
+        for term in st.dims or ():
+            dim_axes = _logical_axes(term, self)
+            axes += dim_axes
+            counts.append(len(dim_axes))
+            shape.append(math.prod(self.axis_size(a, p) for a, p in dim_axes))
+        names = [a for a, _ in axes]
+        for a, p in axes:
+            if names.count(a) > 1:
+                raise self.err(f"axis '{a}' appears twice in logical tensor {st.pattern.text}", p)
+        for cap in st.pattern.captures:
+            if cap.axis is not None:
+                raise self.err(f"a logical name captures global indices only; write '{{{cap.name}}}'", cap.pos)
+            if cap.name not in self.indexes:
+                raise self.err(f"unknown index '{cap.name}' (declared: {', '.join(self.indexes) or 'none'}; add 'index {cap.name} < N')", cap.pos)
+        for key in filter(None, (st.alias, st.pattern.text)):
+            if key in self.by_ref:
+                raise self.err(f"logical tensor '{key}' is declared twice", st.pos)
+            self.by_ref[key] = st
+        view = tuple(self.axis_size(a, p) for a, p in axes)
+        for values in self.capture_values(st.pattern):
+            name = st.pattern.format(values)
+            self.tensors[name] = LogicalTensor(name=name, shape=tuple(shape), axes=tuple(names), view=view, dim_axes=tuple(counts))
+        self.logicals.append(st)
+
+    def declare_blob(self, st: S.Blob) -> None:
+        if st.pattern.text in self.by_ref:
+            return
+        for cap in st.pattern.captures:
+            if cap.name not in self.indexes:
+                raise self.err(f"unknown index '{cap.name}' (declared: {', '.join(self.indexes) or 'none'})", cap.pos)
+        glob = S.Pattern(tuple(p if isinstance(p, str) else S.Capture(p.name, None, p.pos) for p in st.pattern.parts), st.pattern.text, st.pos)
+        decl = S.Logical(glob, None, (S.Axis(BYTES_AXIS, st.pos),), st.pos)
+        self.by_ref[st.pattern.text] = decl
+        for values in self.capture_values(glob):
+            name = glob.format(values)
+            if not st.regenerate and name not in self.blob_sizes:
+                raise self.err(f"the byte size of blob '{name}' is unknown (give it in blob_sizes)", st.pos)
+            n = self.blob_sizes.get(name, 0)
+            self.tensors[name] = LogicalTensor(name=name, shape=(n,), axes=(BYTES_AXIS,), view=(n,), blob=True, dim_axes=(1,))
+
+    def axis_size(self, name: str, pos: S.Pos) -> int:
+        if name not in self.env:
+            known = ", ".join(sorted(k for k in self.env if k not in TOPOLOGY_VARS)) or "none"
+            raise self.err(f"unknown axis '{name}' (sizes known: {known})", pos)
+        return self.env[name]
+
+    def capture_values(self, pattern: S.Pattern) -> Iterable[dict[str, int]]:
+        caps = list(dict.fromkeys(c.name for c in pattern.captures))
+        for combo in itertools.product(*(range(self.indexes[c]) for c in caps)):
+            yield dict(zip(caps, combo))
+
+    # -- sections
+
+    def section(self, sec: S.Section, rules: list[S.Statement], sections: dict[str, S.Section]) -> None:
+        for k, (ax, pos) in enumerate(zip(sec.axes, sec.axes_pos or (sec.pos,) * len(sec.axes))):
+            if ax not in MESH_AXES:
+                raise self.err(f"unknown mesh axis '{ax}' (expected one of: {', '.join(MESH_AXES)})", pos)
+            if ax in sec.axes[:k]:
+                raise self.err(f"mesh axis '{ax}' is listed twice", pos)
+        states = self.states.get(sec.name, sec.states)
+        units = [tuple(zip(sec.axes, c)) for c in itertools.product(*(range(self.topo.degree(a)) for a in sec.axes))]
+        pipelined = "pp" in sec.axes
+        chunks = range(self.topo.vpp) if pipelined else range(1)
+        flats = [r for r in rules if isinstance(r, S.Flat)]
+        tensor_rules = [r for r in rules if not isinstance(r, S.Flat)]
+        if flats and tensor_rules:
+            raise self.err(f"section '{sec.name}' mixes flat buffers with stored tensors; give flat buffers their own section", flats[0].pos)
+        checked: set[int] = set()
+        for unit in units:
+            coords = dict(unit)
+            for chunk in chunks:
+                if flats:
+                    for fl in flats:
+                        self.flat(sec, fl, unit, chunk, states, sections)
+                    continue
+                ordered: list[Item] = []
+                for rule, values in self.expand(sec, tensor_rules, coords, chunk, pipelined):
+                    if id(rule) not in checked:
+                        checked.add(id(rule))
+                        self.check_rule(sec, rule)
+                    ordered += self.stored(sec, rule, unit, coords, chunk, values, states)
+                self.order[_order_key(sec.name, unit, chunk)] = tuple(ordered)
+
+    def expand(self, sec: S.Section, rules: list[S.Statement], coords: dict[str, int], chunk: int, pipelined: bool):
+        """Rules with their capture values for one unit, in registration order.
+
+        Consecutive rules sharing the capture split over pp form a block that is
+        repeated layer by layer (a transformer layer's parameters stay together).
+        """
+        i = 0
+        while i < len(rules):
+            rule = rules[i]
+            layer = _pp_capture(rule)
+            if layer is None:
+                if self.placed(rule, coords, chunk, pipelined):
+                    for values in self.rule_values(rule, coords, chunk, None):
+                        yield rule, values
+                i += 1
+                continue
+            if getattr(rule, "place", None) is not None:
+                raise self.err(f"a rule with '{{{layer.name}/pp}}' sits on the stage of its layer; drop '@{rule.place}'", rule.pos)
+            j = i
+            while j < len(rules) and _layer_name(rules[j]) == layer.name:
+                j += 1
+            block = rules[i:j]
+            for lv in self.layer_values(layer, coords, chunk, rule):
+                for r in block:
+                    for values in self.rule_values(r, coords, chunk, lv):
+                        yield r, values
+            i = j
+
+    def placed(self, rule: S.Statement, coords: dict[str, int], chunk: int, pipelined: bool) -> bool:
+        place = rule.place if isinstance(rule, S.Stored) else None
+        if place == "lastonly" and not pipelined:
+            return False
+        if pipelined and place is None and _stacks_over_pp(rule):
+            return True  # layers stacked on a dim split over pp: one item per (stage, chunk)
+        if not pipelined or place is None:
+            return chunk == 0
+        if place == "first":
+            return coords["pp"] == 0 and chunk == 0
+        last = coords["pp"] == self.topo.pp - 1 and chunk == self.topo.vpp - 1
+        return last and (place == "last" or self.topo.pp * self.topo.vpp > 1)
+
+    def layer_values(self, cap: S.Capture, coords: dict[str, int], chunk: int, rule: S.Statement) -> list[tuple[int, int]]:
+        n = self.index_size(cap)
+        if "pp" not in coords:
+            raise self.err(f"'{{{cap.name}/pp}}' needs 'pp' among the section's 'per' axes", cap.pos)
+        try:
+            places = self.topo.layer_placement(n)
+        except TopologyError as e:
+            raise TopologyError(f"{_name(rule)}: {e}") from None
+        return [(g, p.local) for g, p in enumerate(places) if p.stage == coords["pp"] and p.chunk == chunk]
+
+    def index_size(self, cap: S.Capture) -> int:
+        if cap.name not in self.indexes:
+            raise self.err(f"unknown index '{cap.name}' (declared: {', '.join(self.indexes) or 'none'})", cap.pos)
+        return self.indexes[cap.name]
+
+    def rule_values(self, rule: S.Statement, coords: dict[str, int], chunk: int, layer: tuple[int, int] | None):
+        """Capture values of one rule: each a dict name -> (global, local)."""
+        caps = list({c.name: c for c in rule.pattern.captures}.values())
+        choices = []
+        for cap in caps:
+            if cap.axis == "pp":
+                choices.append([layer])
+            elif cap.axis is None:
+                choices.append([(v, v) for v in range(self.index_size(cap))])
+            else:
+                n = self.index_size(cap)
+                if cap.axis not in MESH_AXES:
+                    raise self.err(f"unknown mesh axis '{cap.axis}' (expected one of: {', '.join(MESH_AXES)})", cap.pos)
+                if cap.axis not in coords:
+                    raise self.err(f"'{{{cap.name}/{cap.axis}}}' needs '{cap.axis}' among the section's 'per' axes", cap.pos)
+                d = self.topo.degree(cap.axis)
+                if n % d:
+                    raise TopologyError(f"{_name(rule)}: {cap.name}({n}) is not divisible by {cap.axis}({d})")
+                lo = coords[cap.axis] * (n // d)
+                choices.append([(lo + j, j) for j in range(n // d)])
+        for combo in itertools.product(*choices):
+            yield dict(zip((c.name for c in caps), combo))
+
+    # -- stored tensors
+
+    def check_rule(self, sec: S.Section, rule: S.Statement) -> None:
+        """Symbolic checks of a stored rule: each target's axes covered once, splits valid."""
+        if isinstance(rule, S.Blob):
+            return
+        assert isinstance(rule, S.Stored)
+        for cap in rule.pattern.captures:
+            self.index_size(cap)
+            if cap.axis is not None and cap.axis not in MESH_AXES:
+                raise self.err(f"unknown mesh axis '{cap.axis}' (expected one of: {', '.join(MESH_AXES)})", cap.pos)
+        targets: dict[str | None, tuple[list[tuple[str, S.Pos]], list[tuple[str, S.Pos]], list[tuple[str, S.Pos]]]] = {}
+        outer: tuple[list, list, list] = ([], [], [])
+        concats = [0]
+
+        def walk(term: S.Term, acc: tuple[list, list, list], in_part: bool) -> None:
+            axes, splits, indexes = acc
+            if isinstance(term, S.Axis):
+                axes.append((term.name, term.pos))
+            elif isinstance(term, S.Index):
+                indexes.append((term.name, term.pos))
+            elif isinstance(term, S.Product):
+                for t in term.terms:
+                    walk(t, acc, in_part)
+            elif isinstance(term, S.Split):
+                if term.axis not in MESH_AXES:
+                    raise self.err(f"unknown mesh axis '{term.axis}' (expected one of: {', '.join(MESH_AXES)})", term.pos)
+                if term.axis not in sec.axes:
+                    raise self.err(
+                        f"split over '{term.axis}' but section '{sec.name}' is stored per {', '.join(sec.axes) or 'nothing'}"
+                        f" (add '{term.axis}' to its 'per' axes)", term.pos)
+                splits.append((term.axis, term.pos))
+                walk(term.term, acc, in_part)
+            elif isinstance(term, S.Pad):
+                self.eval(term.multiple)
+                walk(term.term, acc, in_part)
+            elif isinstance(term, S.Concat):
+                if in_part:
+                    raise self.err("a concatenation inside a concatenation part is not supported", term.pos)
+                concats[0] += 1
+                if concats[0] > 1:
+                    raise self.err("a stored tensor may have one concatenation", term.pos)
+                for part in term.parts:
+                    if part.ref is None:
+                        self.eval(part.size)
+                        continue
+                    if part.ref not in self.by_ref:
+                        raise self.err(f"unknown logical tensor '{part.ref}' (aliases: {', '.join(sorted(a for a in self.by_ref if '.' not in a)) or 'none'})", part.pos)
+                    if part.ref in targets:
+                        raise self.err(f"part '{part.ref}' appears twice", part.pos)
+                    sub: tuple[list, list, list] = ([], [], [])
+                    targets[part.ref] = sub
+                    for t in part.terms:
+                        walk(t, sub, True)
+
+        for term in rule.dims or ():
+            walk(term, outer, False)
+        if not targets:
+            ref = rule.ref or rule.pattern.text
+            if ref not in self.by_ref:
+                hint = f"no logical tensor named '{ref}'" + ("" if rule.ref else " (map it with '-> name')")
+                raise self.err(hint, rule.pos)
+            targets[ref] = ([], [], [])
+        elif rule.ref is not None:
+            raise self.err("'-> name' cannot be combined with a concatenation; the parts name their tensors", rule.pos)
+        store_caps = {c.name for c in rule.pattern.captures}
+        for ref, (axes, splits, indexes) in targets.items():
+            decl = self.by_ref[ref]
+            want = [a for a in self.tensors_axes(decl)]
+            have = outer[0] + axes
+            for a, p in have:
+                if a not in want:
+                    raise self.err(f"unknown axis '{a}' for {decl.pattern.text} (its axes: {', '.join(want) or 'none, a scalar'})", p)
+                if [x for x, _ in have].count(a) > 1:
+                    raise self.err(f"axis '{a}' of {decl.pattern.text} is used twice", p)
+            missing = [a for a in want if a not in [x for x, _ in have]]
+            if missing:
+                raise self.err(f"{decl.pattern.text} axis {', '.join(repr(m) for m in missing)} is not stored by this rule", rule.pos)
+            all_splits = outer[1] + splits
+            for ax, p in all_splits:
+                if [x for x, _ in all_splits].count(ax) > 1:
+                    raise self.err(f"{decl.pattern.text} is sharded twice over '{ax}'", p)
+            idx = outer[2] + indexes
+            need = {c.name for c in decl.pattern.captures}
+            for name, p in idx:
+                if name not in need:
+                    raise self.err(f"index '{{{name}}}' is not a capture of {decl.pattern.text}", p)
+                if name in store_caps:
+                    raise self.err(f"index '{{{name}}}' is both in the name and a dim", p)
+            lacking = need - store_caps - {n for n, _ in idx}
+            if lacking:
+                raise self.err(f"capture {', '.join('{' + n + '}' for n in sorted(lacking))} of {decl.pattern.text} is not given by this rule's name or dims", rule.pos)
+
+    def tensors_axes(self, decl: S.Logical) -> list[str]:
+        out: list[str] = []
+        for term in decl.dims or ():
+            out += [a for a, _ in _logical_axes(term, self)]
+        return out
+
+    def stored(self, sec, rule, unit, coords, chunk, values, states) -> list[Item]:
+        key = rule.pattern.format({k: v[1] for k, v in values.items()})
+        global_values = {k: v[0] for k, v in values.items()}
+        if isinstance(rule, S.Blob):
+            decl = self.by_ref[rule.pattern.text]
+            name = decl.pattern.format(global_values)
+            n = self.tensors[name].view[0]
+            out = []
+            for state in states:
+                item = Item(sec.name, unit, chunk, state, key)
+                self.add_item(item, ItemInfo(shape=(n,), mapped=0 if rule.regenerate else n, fill="regenerate" if rule.regenerate else "zero", rule=rule.pattern.text), rule.pos)
+                if not rule.regenerate and n:
+                    self.add_frag(Fragment(tensor=name, state=state, box=Box((0,), (n,)), item=item, offset=0, strides=(1,)), sec)
+                out.append(item)
+            return out
+        ctx = Ctx(self.spec, self.topo, self.env, self.indexes, coords, chunk, key, _layer_name(rule))
+        shape, combos = self.dims(rule, ctx)
+        if _stacks_over_pp(rule) and 0 in shape:
+            return []  # no layer of this stack on this (stage, chunk)
+        item_strides = row_major_strides(shape)
+        frags: list[tuple] = []
+        mapped = 0
+        for combo in combos:
+            ref = next((p[0] for p in combo if p[0] is not None), None) or rule.ref or rule.pattern.text
+            decl = self.by_ref[ref]
+            binds = dict(global_values)
+            where: dict[str, tuple[int, int, int]] = {}
+            base = 0
+            fill = False
+            for d, p in enumerate(combo):
+                for a, o, n, s in zip(p[1], p[2], p[3], p[4]):
+                    where[a] = (o, n, s * item_strides[d])
+                base += p[5] * item_strides[d]
+                binds.update(p[6])
+                fill = fill or p[7]
+            name = decl.pattern.format(binds)
+            lt = self.tensors[name]
+            offs = tuple(where[a][0] for a in lt.axes)
+            lens = tuple(where[a][1] for a in lt.axes)
+            strides = tuple(where[a][2] for a in lt.axes)
+            mapped += math.prod(lens)
+            frags.append((name, Box(offs, lens), base, strides, fill))
+        out = []
+        for state in states:
+            item = Item(sec.name, unit, chunk, state, key)
+            self.add_item(item, ItemInfo(shape=shape, mapped=mapped, rule=rule.pattern.text), rule.pos)
+            for name, box, base, strides, fill in frags:
+                self.add_frag(Fragment(tensor=name, state=state, box=box, item=item, offset=base, strides=strides, fill=fill), sec)
+            out.append(item)
+        return out
+
+    def add_item(self, item: Item, info: ItemInfo, pos: S.Pos | None = None) -> None:
+        if item in self.items:
+            raise self.err(f"two rules store {item} (rules '{self.items[item].rule}' and '{info.rule}')", pos)
+        self.items[item] = info
+        self.item_frags[item] = []
+
+    def add_frag(self, frag: Fragment, sec: S.Section) -> None:
+        self.fragments.append(frag)
+        self.item_frags[frag.item].append(frag)
+
+    def dims(self, rule: S.Stored, ctx: Ctx) -> tuple[tuple[int, ...], list[tuple]]:
+        if rule.dims is None:
+            return (), [()]
+        per_dim = [eval_term(t, ctx, self) for t in rule.dims]
+        shape = tuple(e for e, _ in per_dim)
+        combos = []
+        for combo in itertools.product(*(p for _, p in per_dim)):
+            targets = {p[0] for p in combo if p[0] is not None}
+            if len(targets) <= 1:
+                combos.append(combo)
+        return shape, combos
+
+    # -- flat buffers
+
+    def flat(self, sec: S.Section, fl: S.Flat, unit, chunk: int, states: tuple[str, ...], sections: dict[str, S.Section]) -> None:
+        src = sections.get(fl.source)
+        if src is None:
+            raise self.err(f"unknown section '{fl.source}' (declared: {', '.join(sections)})", fl.pos)
+        coords = dict(unit)
+        split_axes = [op.arg for op in fl.ops if op.op == "split"]
+        for ax in split_axes:
+            if ax not in MESH_AXES:
+                raise self.err(f"unknown mesh axis '{ax}' (expected one of: {', '.join(MESH_AXES)})", fl.pos)
+        extra = set(sec.axes) - set(src.axes) - set(split_axes)
+        missing = set(src.axes) - set(sec.axes)
+        if missing or extra:
+            raise self.err(
+                f"flat buffers of '{sec.name}' (per {', '.join(sec.axes)}) must be stored per the axes of "
+                f"'{src.name}' ({', '.join(src.axes)}) plus their split axes ({', '.join(split_axes) or 'none'})", sec.pos)
+        src_unit = tuple((a, coords[a]) for a in src.axes)
+        order_key = _order_key(src.name, src_unit, chunk)
+        if order_key not in self.flat_params:  # shared by every rank of the split axis
+            ordered = self.order.get(order_key)
+            if ordered is None:
+                raise self.err(f"section '{fl.source}' must come before the flat buffer built from it", fl.pos)
+            first_state: dict[str, Item] = {}
+            for it in ordered:
+                first_state.setdefault(it.key, it)
+            self.flat_params[order_key] = (list(first_state.values()), [self.items[p].numel for p in first_state.values()])
+        params, numels = self.flat_params[order_key]
+        buckets = flat_layout(fl, numels, coords, self)
+        caps = {c.name for c in fl.pattern.captures}
+        unknown = caps - {"state", "bucket"}
+        if unknown:
+            raise self.err(f"a flat buffer name may capture only {{state}} and {{bucket}}, not {{{unknown.pop()}}}", fl.pos)
+        if len(buckets) > 1 and "bucket" not in caps:
+            raise self.err("this flat buffer has several buckets: put '{bucket}' in its name or add '| coalesce'", fl.pos)
+        for b, (length, pieces) in enumerate(buckets):
+            if length == 0:
+                continue
+            geo: list[tuple] = []
+            for p_index, a, z, dst in pieces:
+                for fr in self.item_frags[params[p_index]]:
+                    for offs, lens, base in restrict(fr.box.offsets, fr.box.lengths, fr.strides, fr.offset, a, z):
+                        geo.append((fr.tensor, Box(offs, lens), base - a + dst, fr.strides, fr.fill))
+            mapped = sum(math.prod(g[1].lengths) for g in geo if not g[4])
+            for state in states:
+                key = fl.pattern.format({"state": state, "bucket": b})
+                item = Item(sec.name, unit, chunk, state, key)
+                self.add_item(item, ItemInfo(shape=(length,), mapped=mapped, rule=fl.pattern.text), fl.pos)
+                for name, box, base, strides, fill in geo:
+                    if not fill:
+                        self.add_frag(Fragment(tensor=name, state=state, box=box, item=item, offset=base, strides=strides), sec)
+
+
+def _order_key(section: str, unit, chunk: int) -> str:
+    return f"{section}/{','.join(f'{a}={c}' for a, c in unit)}/{chunk}"
+
+
+def _name(rule: S.Statement) -> str:
+    return rule.pattern.text
+
+
+def _pp_capture(rule: S.Statement) -> S.Capture | None:
+    return next((c for c in rule.pattern.captures if c.axis == "pp"), None) if hasattr(rule, "pattern") else None
+
+
+def _stacks_over_pp(rule: S.Statement) -> bool:
+    def walk(t: S.Term) -> bool:
+        if isinstance(t, S.Split):
+            return (t.axis == "pp" and isinstance(t.term, S.Index)) or walk(t.term)
+        if isinstance(t, S.Pad):
+            return walk(t.term)
+        if isinstance(t, S.Product):
+            return any(walk(x) for x in t.terms)
+        if isinstance(t, S.Concat):
+            return any(walk(x) for p in t.parts for x in p.terms)
+        return False
+
+    return isinstance(rule, S.Stored) and any(walk(t) for t in rule.dims or ())
+
+
+def _layer_name(rule: S.Statement) -> str | None:
+    cap = _pp_capture(rule)
+    return cap.name if cap else None
+
+
+def _logical_axes(term: S.Term, r: _Resolver) -> list[tuple[str, S.Pos]]:
+    if isinstance(term, S.Axis):
+        return [(term.name, term.pos)]
+    if isinstance(term, S.Product):
+        out = []
+        for t in term.terms:
+            out += _logical_axes(t, r)
+        return out
+    raise r.err("a logical tensor's dims are axis names and (products); splits, pads, concatenations and indices belong to stored tensors", term.pos)
+
