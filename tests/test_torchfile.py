@@ -279,10 +279,11 @@ def test_writer_layout_is_what_torch_save_writes(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
     from torch.utils.serialization import config
 
-    monkeypatch.setattr(config.load, "calculate_storage_offsets", True)
-    got = torch.load(tmp_path / "mine.pt", mmap=True, weights_only=True)
-    assert raw(got["opt"]["state"][0]["exp_avg"]) == raw(tensors["big"])
-    meta = torch.load(tmp_path / "mine.pt", map_location="meta", weights_only=True)
+    # torch's own patch(): monkeypatch's undo deletes the attribute, hiding the option for later loads.
+    with config.patch({"load.calculate_storage_offsets": True}):
+        got = torch.load(tmp_path / "mine.pt", mmap=True, weights_only=True)
+        assert raw(got["opt"]["state"][0]["exp_avg"]) == raw(tensors["big"])
+        meta = torch.load(tmp_path / "mine.pt", map_location="meta", weights_only=True)
     assert meta["opt"]["state"][0]["exp_avg"].shape == (768, 1024)
 
 
