@@ -177,16 +177,14 @@ def demo(
         base = workdir or Path(tmp)
         src, dst, hf = base / "megatron-tp2-pp2", base / "megatron-tp1-pp4-vpp", base / "hf"
         make_fixture(src, format="megatron", to="tp=2,pp=2", model="tiny-llama")
-        table = Table("step", "from", "to", "files", "bytes", "seconds", "result")
-        for column in table.columns[1:3]:
-            column.overflow = "fold"
+        table = Table("step", "from -> to", "files", "bytes", "s", "result")
         first = reshard.convert(src, dst, to="tp=1,pp=2,vpp=2")
         check = reshard.verify(src, dst)
-        table.add_row("convert", str(first.report.source.topology), str(first.report.target.topology), str(len(first.files)),
+        table.add_row("convert", f"{first.report.source.topology} -> {first.report.target.topology}", str(len(first.files)),
                       _bytes(first.bytes_written), f"{first.seconds:.2f}", "identical" if check else "DIFFERENT")
         second = reshard.convert(dst, hf, format="hf")
         check2 = reshard.verify(src, hf, states=("param",))
-        table.add_row("to hf", str(second.report.source.topology), "hf", str(len(second.files)),
+        table.add_row("to hf", f"{second.report.source.topology} -> hf", str(len(second.files)),
                       _bytes(second.bytes_written), f"{second.seconds:.2f}", "identical" if check2 else "DIFFERENT")
         out.print(table)
         out.print(f"{check.compared} logical tensors (weights and optimizer state) compared bit for bit; "
