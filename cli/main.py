@@ -59,6 +59,8 @@ def convert(
     to: TopologyOpt = None,
     format: FormatOpt = None,
     spec: SpecOpt = None,
+    workers: Annotated[int, typer.Option("--workers", help="processes writing independent work units side by side")] = 1,
+    memory_budget: Annotated[str, typer.Option("--memory-budget", help="memory the conversion may hold, e.g. 512MiB, 4GiB")] = "1GiB",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; read and write nothing")] = False,
 ) -> None:
     """Rewrite SRC for another topology (and format) at DST, streaming."""
@@ -68,7 +70,7 @@ def convert(
     columns = (TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("convert", total=None)
-        result = reshard.convert(src, dst, to=to, format=format, spec=spec,
+        result = reshard.convert(src, dst, to=to, format=format, spec=spec, workers=workers, memory_budget=memory_budget,
                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
     r = result.report
     out.print(f"wrote {result.path} ({r.target.format}, {r.target.topology}) from {r.source.path} "

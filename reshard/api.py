@@ -23,7 +23,7 @@ import numpy as np
 
 from reshard import __version__
 from reshard.errors import CheckpointFormatError, ReshardError
-from reshard.executor import ByteReader, PlanFill, uint_dtype
+from reshard.executor import ByteReader, PlanFill, destination_dtypes, uint_dtype
 from reshard.formats import detect_format, get_format
 from reshard.formats.base import Source, Target, itemsize
 from reshard.layout import Item
@@ -82,32 +82,43 @@ class PlanReport:
     plan: Plan
     dropped_states: tuple[str, ...]
     """Source states the destination format does not hold (e.g. optimizer state going to hf)."""
+    dst_files: Mapping[Item, Path]
+    """The destination file (relative to the destination directory) of each destination item."""
+
+    def src_file(self, item: Item) -> str:
+        path = self.source.where[item].path
+        return str(path.relative_to(self.source.path)) if path.is_relative_to(self.source.path) else str(path)
+
+    def dst_file(self, item: Item) -> str:
+        return str(self.dst_files[item])
+
+    def needed_bytes(self) -> int:
+        """Bytes the copies move (what a conversion reads at least)."""
+        return sum(c.numel * itemsize(self.source.where[c.src].dtype) for c in self.plan.copies)
 
     def files(self) -> list[dict[str, Any]]:
         per: dict[str, dict[str, Any]] = defaultdict(lambda: {"bytes": 0, "copies": 0, "sources": set()})
-        dsize = {it: itemsize(self.source.where[it].dtype) for it in self.source.where}
         for c in self.plan.copies:
-            row = per[_unit_name(c.dst)]
-            row["bytes"] += c.numel * dsize[c.src]
+            row = per[self.dst_file(c.dst)]
+            row["bytes"] += c.numel * itemsize(self.source.where[c.src].dtype)
             row["copies"] += 1
-            row["sources"].add(_unit_name(c.src))
-        return [{"destination": k, "bytes": v["bytes"], "copies": v["copies"], "sources": sorted(v["sources"])} for k, v in sorted(per.items())]
+            row["sources"].add(self.src_file(c.src))
+        return [{"destination": k, "bytes": v["bytes"], "copies": v["copies"], "sources": sorted(v["sources"])}
+                for k, v in sorted(per.items())]
+
+    def work_units(self) -> list[tuple[list[str], list[str]]]:
+        return self.plan.work_units(self.src_file, self.dst_file)
 
     def to_json(self) -> dict[str, Any]:
-        units = self.plan.work_units(_unit_name)
         return {
-            "source": {"path": str(self.source.path), "format": self.source.format, "topology": str(self.source.topology), "spec": self.source.spec_name},
+            "source": {"path": str(self.source.path), "format": self.source.format, "topology": str(self.source.topology),
+                       "spec": self.source.spec_name},
             "destination": {"format": self.target.format, "topology": str(self.target.topology), "spec": self.target.spec_name},
             "summary": self.plan.summary(),
             "dropped_states": list(self.dropped_states),
             "files": self.files(),
-            "work_units": [{"sources": s, "destinations": d} for s, d in units],
+            "work_units": [{"sources": s, "destinations": d} for s, d in self.work_units()],
         }
-
-
-def _unit_name(item: Item) -> str:
-    where = ",".join(f"{a}={c}" for a, c in item.unit)
-    return f"{item.section}[{where}]" if where else item.section
 
 
 def plan(src: str | Path, *, to: str | Topology | None = None, format: str | None = None, spec: str | None = None,
@@ -121,8 +132,10 @@ def plan(src: str | Path, *, to: str | Topology | None = None, format: str | Non
     target = _target(source, to, format, spec)
     p = make_plan(source.layout, target.layout)
     p.validate()
+    target.dtypes = destination_dtypes(p, source.where)
     dropped = tuple(sorted(set(source.layout.states) - set(target.layout.states)))
-    return PlanReport(source=source, target=target, plan=p, dropped_states=dropped)
+    files = get_format(target.format).files_of(target)
+    return PlanReport(source=source, target=target, plan=p, dropped_states=dropped, dst_files=files)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +156,8 @@ def convert(
     format: str | None = None,
     spec: str | None = None,
     sizes: Mapping[str, int] | None = None,
+    workers: int = 1,
+    memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
     progress: Callable[[int, int], None] | None = None,
 ) -> ConvertResult:
     """Rewrite the checkpoint ``src`` for topology ``to`` (and ``format``) at ``dst``.
@@ -161,22 +176,30 @@ def convert(
       format: destination format; default: the source's.
       spec: destination spec name or path; default: the format's spec for the model.
       sizes: model sizes the source's metadata lacks.
-      progress: ``progress(done_bytes, total_bytes)`` while writing.
+      workers: processes writing the plan's independent work units (sets of
+        destination files no two of which share a source file) side by side.
+      memory_budget: bytes (or ``"512MiB"``, ``"1GiB"``) the conversion may hold,
+        shared by the workers; it sets the window each writer asks for at a time.
+        Too small a budget for the plan is an error before anything is written.
+      progress: ``progress(done_bytes, total_bytes)`` while writing (one worker).
 
     Raises:
       ReshardError: anything about the inputs, named with file, tensor and reason.
     """
     started = time.perf_counter()
     dst = Path(dst)
+    if workers < 1:
+        raise ReshardError(f"workers must be at least 1, got {workers}")
     report = plan(src, to=to, format=format, spec=spec, sizes=sizes)
     _check_destination(Path(src), dst)
+    window = _window_bytes(report, parse_size(memory_budget), workers)
     target = report.target
     fmt = get_format(target.format)
     tmp = dst.parent / f".{dst.name}.reshard-tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    total = sum(c.numel * itemsize(report.source.where[c.src].dtype) for c in report.plan.copies)
+    total = report.needed_bytes()
     done = [0]
 
     def tick(n: int) -> None:
@@ -185,11 +208,16 @@ def convert(
             progress(done[0], total)
 
     try:
-        with ByteReader() as reader:
-            fill = PlanFill(report.plan, report.source.where, reader)
-            target.dtypes = fill.assign_dtypes(target.layout.items)
-            written = fmt.write(target, tmp, fill, progress=tick)
-            bytes_read = reader.bytes_read
+        shares = _shares(report, workers)
+        if len(shares) <= 1:
+            with ByteReader() as reader:
+                written = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), progress=tick,
+                                    window_bytes=window)
+                bytes_read = reader.bytes_read
+        else:
+            written, bytes_read = _run_workers(shares, src, tmp, to, format, spec, sizes, window)
+            with ByteReader() as reader:  # the files that hold no items: trackers, configs, indexes
+                written += fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), only=())
         files = {}
         for rel in sorted(written, key=str):
             files[str(rel)] = _file_record(tmp / rel)
@@ -210,6 +238,103 @@ def convert(
     size = sum(f["bytes"] for f in files.values())
     return ConvertResult(path=dst, report=report, files=files, bytes_read=bytes_read, bytes_written=size,
                          seconds=time.perf_counter() - started)
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+               "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``1073741824``, ``"512MiB"``, ``"1GiB"``, ``"2G"`` (binary) or ``"500MB"`` (decimal)."""
+    if isinstance(size, int):
+        value = size
+    else:
+        text = size.strip().lower().replace(" ", "")
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(digits):]
+        try:
+            value = int(float(digits) * _SIZE_UNITS[unit])
+        except (ValueError, KeyError):
+            raise ReshardError(f"cannot read size '{size}' (write e.g. 1073741824, 512MiB, 1GiB)") from None
+    if value <= 0:
+        raise ReshardError(f"a memory budget must be positive, got {size}")
+    return value
+
+
+# Resident memory of the interpreter with numpy, networkx and reshard loaded, and per planned
+# copy and fragment (dataclasses, boxes, tuples, dict entries): measured on CPython 3.11.
+_BASE_BYTES = 96 << 20
+_BYTES_PER_COPY = 700
+_BYTES_PER_FRAGMENT = 500
+
+
+def _window_bytes(report: PlanReport, budget: int, workers: int) -> int:
+    """The window each writer asks of fill, from the memory budget; an error if the budget cannot hold the plan.
+
+    Each worker holds the plan (estimated from its counts) and, while writing, a
+    destination window, the source spans feeding it (at most the window again)
+    and the writer's own buffer of that size: four windows in all.
+    """
+    share = budget // workers
+    fragments = len(report.source.layout.fragments) + len(report.target.layout.fragments)
+    plan_bytes = _BASE_BYTES + _BYTES_PER_COPY * len(report.plan.copies) + _BYTES_PER_FRAGMENT * fragments
+    window = min(64 << 20, max(1 << 20, (share - plan_bytes) // 4))
+    if plan_bytes + 4 * window > share:
+        mib = 1 << 20
+        raise ReshardError(
+            f"memory budget {budget / mib:.0f} MiB{f' over {workers} workers' if workers > 1 else ''} is below the "
+            f"{(plan_bytes + 4 * window) * workers / mib:.0f} MiB this conversion needs: per worker, "
+            f"{_BASE_BYTES / mib:.0f} MiB runtime + {(plan_bytes - _BASE_BYTES) / mib:.0f} MiB plan "
+            f"({len(report.plan.copies):,} copies, {fragments:,} fragments) + 4 windows of {window / mib:.0f} MiB")
+    return window
+
+
+def _shares(report: PlanReport, workers: int) -> list[list[str]]:
+    """Destination files per worker: whole work units, largest first, each to the least loaded worker."""
+    if workers == 1:
+        return [sorted({str(f) for f in report.dst_files.values()})]
+    weight: dict[str, int] = defaultdict(int)
+    for c in report.plan.copies:
+        weight[report.dst_file(c.dst)] += c.numel
+    units = sorted(report.work_units(), key=lambda u: -sum(weight[f] for f in u[1]))
+    bins: list[tuple[int, list[str]]] = [(0, []) for _ in range(min(workers, len(units)))]
+    for _, dsts in units:
+        k = min(range(len(bins)), key=lambda b: bins[b][0])
+        bins[k] = (bins[k][0] + sum(weight[f] for f in dsts), bins[k][1] + dsts)
+    return [files for _, files in bins if files]
+
+
+def _run_workers(shares: list[list[str]], src, tmp: Path, to, format, spec, sizes, window: int) -> tuple[list[Path], int]:
+    """Write each share of destination files in its own process; returns the files written and bytes read."""
+    import multiprocessing
+
+    # spawn, not fork: a child forked from a large parent starts with the parent's memory.
+    ctx = multiprocessing.get_context("spawn")
+    jobs = [(str(src), str(tmp), to, format, spec, dict(sizes or {}), files, window) for files in shares]
+    with ctx.Pool(len(jobs)) as pool:
+        results = pool.map(_worker, jobs)
+    written: list[Path] = []
+    read = 0
+    for files, error, nbytes in results:
+        if error:
+            raise ReshardError(error)
+        written += [Path(f) for f in files]
+        read += nbytes
+    return written, read
+
+
+def _worker(job) -> tuple[list[str], str | None, int]:
+    """One worker: re-plan (deterministic), write its share of files. Errors come back as text."""
+    src, tmp, to, format, spec, sizes, files, window = job
+    try:
+        report = plan(src, to=to, format=format, spec=spec, sizes=sizes or None)
+        with ByteReader() as reader:
+            fill = PlanFill(report.plan, report.source.where, reader)
+            written = get_format(report.target.format).write(report.target, Path(tmp), fill,
+                                                             only=[Path(f) for f in files], window_bytes=window)
+            return [str(w) for w in written], None, reader.bytes_read
+    except ReshardError as e:
+        return [], f"{e} (while writing {', '.join(files[:3])}{' ...' if len(files) > 3 else ''})", 0
 
 
 def _check_destination(src: Path, dst: Path) -> None:
@@ -266,7 +391,7 @@ def load(src: str | Path, *, to: str | Topology, rank: int, format: str | None =
     out: dict[Item, Any] = {}
     with ByteReader() as reader:
         fill = PlanFill(report.plan, report.source.where, reader)
-        dtypes = fill.assign_dtypes(report.target.layout.items)
+        dtypes = fill.dtypes
         for it in mine:
             info = report.target.layout.items[it]
             dtype = dtypes[it]

@@ -26,7 +26,7 @@ from reshard.geometry import restrict
 from reshard.layout import Item
 from reshard.planner import Copy, Plan
 
-__all__ = ["ByteReader", "PlanFill", "uint_dtype"]
+__all__ = ["ByteReader", "PlanFill", "destination_dtypes", "uint_dtype"]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -85,6 +85,29 @@ class ByteReader:
         self.close()
 
 
+def destination_dtypes(plan: Plan, where: Mapping[Item, Located]) -> dict[Item, str]:
+    """Each destination item's dtype: that of its sources (copies move bits, so they must agree).
+
+    A shard of pure padding (the last tp rank of a padded vocab) gets no
+    copies; it takes the dtype of the items with the same key and state on
+    other ranks, else of its state, else float32.
+    """
+    dtypes: dict[Item, str] = {}
+    for c in plan.copies:
+        dt = where[c.src].dtype
+        if dtypes.setdefault(c.dst, dt) != dt:
+            raise CheckpointFormatError(f"{c.dst} would mix source dtypes {sorted({dtypes[c.dst], dt})}")
+    by_key: dict[tuple[str, str], str] = {}
+    by_state: dict[str, str] = {}
+    for it, dt in dtypes.items():
+        by_key.setdefault((it.state, it.key), dt)
+        by_state.setdefault(it.state, dt)
+    for it in plan.dst_items:
+        if it not in dtypes:
+            dtypes[it] = by_key.get((it.state, it.key)) or by_state.get(it.state, "float32")
+    return dtypes
+
+
 class PlanFill:
     """``fill(item, lo, hi)`` for a format writer, backed by a plan and source files.
 
@@ -101,30 +124,12 @@ class PlanFill:
         for c in plan.copies:
             self._copies[c.dst].append(c)
         self._extents: dict[Item, tuple[np.ndarray, np.ndarray]] = {}
-        self.dtypes: dict[Item, str] = {}
         for dst, copies in self._copies.items():
             starts = np.array([c.dst_offset for c in copies], dtype=np.int64)
             ends = np.array([c.dst_offset + sum((n - 1) * s for n, s in zip(c.lengths, c.dst_strides)) + 1 for c in copies], dtype=np.int64)
             self._extents[dst] = (starts, ends)
-            kinds = {where[c.src].dtype for c in copies}
-            if len(kinds) > 1:
-                raise CheckpointFormatError(f"{dst} would mix source dtypes {sorted(kinds)}")
-            self.dtypes[dst] = kinds.pop()
+        self.dtypes = destination_dtypes(plan, where)
         self.bytes_written = 0
-
-    def assign_dtypes(self, items) -> dict[Item, str]:
-        """Complete ``dtypes`` for every destination item: its sources', or for a shard of pure
-        padding (the last tp rank of a padded vocab gets no copies) the dtype of the items with
-        the same key and state, else of its state."""
-        by_key: dict[tuple[str, str], str] = {}
-        by_state: dict[str, str] = {}
-        for it, dt in self.dtypes.items():
-            by_key.setdefault((it.state, it.key), dt)
-            by_state.setdefault(it.state, dt)
-        for it in items:
-            if it not in self.dtypes:
-                self.dtypes[it] = by_key.get((it.state, it.key)) or by_state.get(it.state, "float32")
-        return dict(self.dtypes)
 
     def __call__(self, item: Item, lo: int, hi: int) -> memoryview:
         dtype = uint_dtype(self.dtypes.get(item, "uint8"))

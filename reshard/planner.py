@@ -81,20 +81,23 @@ class Plan:
             out[c.src].add((c.src_offset, c.src_strides, c.lengths))
         return {item: sorted(regions) for item, regions in sorted(out.items())}
 
-    def work_units(self, file_of: Callable[[Item], str] | None = None) -> list[tuple[list[str], list[str]]]:
+    def work_units(self, src_file: Callable[[Item], str] | None = None,
+                   dst_file: Callable[[Item], str] | None = None) -> list[tuple[list[str], list[str]]]:
         """Independent units of work: connected components of the file transfer graph.
 
         The graph is bipartite: source files on one side, destination files on
         the other, an edge wherever a copy runs between them. Each component
-        can run in its own process or on its own host. Returns ``(source files,
-        destination files)`` per component, largest first.
+        can run in its own process or on its own host. Files are named by
+        ``src_file``/``dst_file`` (default: one per item's section and unit).
+        Returns ``(source files, destination files)`` per component, largest first.
         """
-        file_of = file_of or _default_file
+        src_file = src_file or _default_file
+        dst_file = dst_file or _default_file
         graph = nx.Graph()
         for item in self.dst_items:
-            graph.add_node(("dst", file_of(item)))
+            graph.add_node(("dst", dst_file(item)))
         for c in self.copies:
-            graph.add_edge(("src", file_of(c.src)), ("dst", file_of(c.dst)))
+            graph.add_edge(("src", src_file(c.src)), ("dst", dst_file(c.dst)))
         units = []
         for comp in nx.connected_components(graph):
             srcs = sorted(name for side, name in comp if side == "src")

@@ -36,8 +36,10 @@ def test_plan_lists_destination_files_and_work_units(ckpt):
     result = runner.invoke(app, ["plan", str(ckpt), "--to", "tp=1,pp=2", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert [f["destination"] for f in report["files"]] == ["model[tp=0,pp=0]", "model[tp=0,pp=1]"]
-    assert report["files"][0]["sources"] == ["model[tp=0,pp=0]", "model[tp=1,pp=0]"]
+    assert [f["destination"] for f in report["files"]] == [
+        "iter_0000000/mp_rank_00_000/model_optim_rng.pt", "iter_0000000/mp_rank_00_001/model_optim_rng.pt"]
+    assert report["files"][0]["sources"] == [
+        "iter_0000000/mp_rank_00_000/model_optim_rng.pt", "iter_0000000/mp_rank_01_000/model_optim_rng.pt"]
     assert len(report["work_units"]) == 2  # stage 0 and stage 1 never exchange bytes
 
 

@@ -142,8 +142,8 @@ def test_a_failed_conversion_leaves_no_destination(tmp_path, monkeypatch):
 
     real = megatron.FORMAT.write
 
-    def dies_halfway(target, out, fill, progress=None):
-        real(target, out, fill, progress=progress)
+    def dies_halfway(target, out, fill, **kw):
+        real(target, out, fill, **kw)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(megatron.FORMAT, "write", dies_halfway)

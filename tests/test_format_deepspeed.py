@@ -91,7 +91,7 @@ def reshard(src, dst, out) -> None:
     p.validate()
     with ByteReader() as reader:
         fill = PlanFill(p, src.where, reader)
-        dst.dtypes = fill.assign_dtypes(dst.layout.items)
+        dst.dtypes = dict(fill.dtypes)
         FORMAT.write(dst, out, fill)
 
 

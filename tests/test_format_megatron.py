@@ -487,7 +487,7 @@ def convert(src_dir: Path, dst_dir: Path, topo: str) -> Source:
     p.validate()
     with ByteReader() as reader:
         fill = PlanFill(p, source.where, reader)
-        target.dtypes = fill.assign_dtypes(target.layout.items)
+        target.dtypes = dict(fill.dtypes)
         FORMAT.write(target, dst_dir, fill)
     return source
 

@@ -13,7 +13,7 @@ is bit-level, so the executor only needs each dtype's item size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -108,12 +108,22 @@ class Format(Protocol):
         """The layout this format would write for ``source``'s model at ``topology``."""
         ...
 
-    def write(self, target: Target, out: Path, fill: Fill, *, progress: Callable[[int], None] | None = None) -> list[Path]:
+    def write(self, target: Target, out: Path, fill: Fill, *, progress: Callable[[int], None] | None = None,
+              only: Collection[Path] | None = None, window_bytes: int | None = None) -> list[Path]:
         """Write every file of ``target`` under directory ``out`` (which exists and is empty).
 
-        Item bytes come only from ``fill``, in windows of at most a few MiB each;
-        ``progress(nbytes)`` is called as tensor bytes are written. Returns the
-        files written, relative to ``out``.
+        Item bytes come only from ``fill``, in windows of at most ``window_bytes``
+        (a format default of a few MiB when None); ``progress(nbytes)`` is called
+        as tensor bytes are written. With a non-empty ``only`` (paths relative to
+        ``out``, as ``files_of`` names them), write just those item-holding files
+        and none of the files that hold no items (trackers, configs, indexes);
+        with ``only=()``, just the latter. Parallel workers each write their
+        share, then one call with ``only=()`` writes the rest. Returns the files
+        written, relative to ``out``.
         """
+        ...
+
+    def files_of(self, target: Target) -> dict[Item, Path]:
+        """The file (relative to the checkpoint directory) that holds each item of ``target``."""
         ...
 

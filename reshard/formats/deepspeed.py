@@ -52,7 +52,7 @@ import math
 import re
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -471,8 +471,8 @@ class DeepSpeedFormat:
         return Target(format=self.name, spec_name=spec, spec=parsed, topology=topo, sizes=dict(sizes), layout=layout,
                       dtypes=dtypes, extra={"deepspeed": extra})
 
-    def write(self, target: Target, out: Path, fill: Fill, *,
-              progress: Callable[[int], None] | None = None) -> list[Path]:
+    def write(self, target: Target, out: Path, fill: Fill, *, progress: Callable[[int], None] | None = None,
+              only: Collection[Path] | None = None, window_bytes: int | None = None) -> list[Path]:
         """Write ``latest``, the model files and the optimizer files of ``target`` under ``out``.
 
         Recomputed for the target topology: ``param_shapes``, ``param_slice_mappings``,
@@ -482,15 +482,14 @@ class DeepSpeedFormat:
         steps * dp, when the config gives all three). Everything else comes from
         ``target.extra["deepspeed"]`` (synthesized when absent). Module tensors get a
         storage each (DeepSpeed's share their group's flat buffer; torch loads both alike).
+        Item bytes come in windows of at most ``window_bytes`` (default ``WINDOW_BYTES``).
+        With ``only``, just those rank files, and not ``config.json`` or ``latest``.
         """
         info = _spec_info(target.spec, target.spec_name)
         topo = target.topology
-        extra: DeepSpeedExtra | None = target.extra.get("deepspeed")
-        dtype = next((d for it, d in target.dtypes.items() if it.section in info.model_sections), "float32")
-        if extra is None:
-            extra = synthesize_extra(groups=len(info.groups), dtype=dtype, dp=topo.dp)
-        if extra.synthesized:  # the dtypes may have been settled after target() (convert takes the sources')
-            extra = _with_bf16(extra, dtype == "bfloat16")
+        extra, dtype = _write_extra(target, info)
+        window = window_bytes or WINDOW_BYTES
+        keep = None if only is None else set(only)
         flat_states = tuple(dict.fromkeys(it.state for it in target.layout.items if it.section == info.optim_section))
         ds_config = _ds_config(extra.model_states.get("ds_config"), topo.dp, extra.zero_stage)
         (Path(out) / extra.tag).mkdir(parents=True, exist_ok=True)
@@ -498,20 +497,48 @@ class DeepSpeedFormat:
         for t in range(topo.tp):
             groups = _groups(target.layout, info, t)
             rel = Path(extra.tag) / model_file(t)
-            tree = _model_tree(extra, info, groups, t, target, ds_config)
-            _write_file(Path(out) / rel, *tree, fill, target, progress)
-            written.append(rel)
+            if keep is None or rel in keep:
+                tree = _model_tree(extra, info, groups, t, target, ds_config)
+                _write_file(Path(out) / rel, *tree, fill, target, progress, window)
+                written.append(rel)
             for d in range(topo.dp):
                 rel = Path(extra.tag) / optim_file(t, d, extra.bf16_names)
-                tree = _optim_tree(extra, info, groups, t, d, flat_states, target, ds_config)
-                _write_file(Path(out) / rel, *tree, fill, target, progress)
-                written.append(rel)
+                if keep is None or rel in keep:
+                    tree = _optim_tree(extra, info, groups, t, d, flat_states, target, ds_config)
+                    _write_file(Path(out) / rel, *tree, fill, target, progress, window)
+                    written.append(rel)
+        if keep:  # a worker's share: the files holding no items are written by the call with only=()
+            return written
         # As the transformers Trainer leaves it: the model's config.json beside the tag
         # directory, so the checkpoint names its own attention layout.
         config = target.extra.get("config") or llama_config(target.sizes, [dtype])
         (Path(out) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (Path(out) / "latest").write_text(extra.tag)
         return [*written, Path("config.json"), Path("latest")]
+
+
+    def files_of(self, target: Target) -> dict[Item, Path]:
+        """The file, relative to the checkpoint directory, that holds each item of ``target``."""
+        info = _spec_info(target.spec, target.spec_name)
+        extra, _ = _write_extra(target, info)
+        out = {}
+        for item in target.layout.items:
+            u = dict(item.unit)
+            name = (optim_file(u.get("tp", 0), u["dp"], extra.bf16_names) if item.section == info.optim_section
+                    else model_file(u.get("tp", 0)))
+            out[item] = Path(extra.tag) / name
+        return out
+
+
+def _write_extra(target: Target, info: Any) -> tuple[DeepSpeedExtra, str]:
+    """The non-tensor state a write uses, and the model dtype: carried, or synthesized for these dtypes."""
+    extra: DeepSpeedExtra | None = target.extra.get("deepspeed")
+    dtype = next((d for it, d in target.dtypes.items() if it.section in info.model_sections), "float32")
+    if extra is None:
+        extra = synthesize_extra(groups=len(info.groups), dtype=dtype, dp=target.topology.dp)
+    if extra.synthesized:  # the dtypes may have been settled after target() (convert takes the sources')
+        extra = _with_bf16(extra, dtype == "bfloat16")
+    return extra, dtype
 
 
 FORMAT = DeepSpeedFormat()
@@ -889,8 +916,8 @@ def _optim_tree(extra: DeepSpeedExtra, info: _SpecInfo, groups: list[_Group], tp
 
 
 def _write_file(path: Path, tree: Any, sources: _Sources, fill: Fill, target: Target,
-                progress: Callable[[int], None] | None) -> None:
-    """One torch file, each item's bytes streamed from ``fill`` in windows of at most ``WINDOW_BYTES``."""
+                progress: Callable[[int], None] | None, window: int = WINDOW_BYTES) -> None:
+    """One torch file, each item's bytes streamed from ``fill`` in windows of at most ``window`` bytes."""
     with TorchFileWriter(path, tree) as writer:
         for key in writer.entries:
             src, numel = sources[key]
@@ -898,7 +925,7 @@ def _write_file(path: Path, tree: Any, sources: _Sources, fill: Fill, target: Ta
                 writer.write(key, src.data)
                 continue
             size = itemsize(target.dtypes[src])
-            step = max(1, WINDOW_BYTES // size)
+            step = max(1, window // size)
             for lo in range(0, numel, step):
                 hi = min(numel, lo + step)
                 data = fill(src, lo, hi)

@@ -20,7 +20,7 @@ import copy
 import json
 import re
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -140,9 +140,12 @@ class HFFormat:
         return Target(format=self.name, spec_name=spec_name, spec=spec_obj, topology=Topology(),
                       sizes=dict(source.sizes), layout=layout, dtypes=dtypes, extra=extra)
 
-    def write(self, target: Target, out: Path, fill: Fill, *,
-              progress: Callable[[int], None] | None = None) -> list[Path]:
+    def write(self, target: Target, out: Path, fill: Fill, *, progress: Callable[[int], None] | None = None,
+              only: Collection[Path] | None = None, window_bytes: int | None = None) -> list[Path]:
         """Write the safetensors shards, the index (when there are several shards) and ``config.json``.
+
+        Item bytes come in windows of at most ``window_bytes`` (default ``WINDOW_BYTES``).
+        With ``only``, just those shards, and not the index or ``config.json``.
 
         Tensors are ordered embedding, layer 0, layer 1, ..., then the rest,
         split into shards as ``save_pretrained`` splits them; each shard file
@@ -154,31 +157,20 @@ class HFFormat:
             an item has no dtype, or ``fill`` returns the wrong number of bytes.
         """
         out = Path(out)
-        others = sorted({it.state for it in target.layout.items} - {"param"})
-        if others:
-            raise CheckpointFormatError(
-                f"hf checkpoints hold model weights only; the target layout also has states {', '.join(others)}")
-        items = _ordered_items(target.layout)
-        by_key: dict[str, Item] = {}
-        for it in items:
-            if it.key in by_key:
-                raise CheckpointFormatError(f"two target items are both named '{it.key}': {by_key[it.key]} and {it}")
-            by_key[it.key] = it
-        dtype_of = {}
-        for it in items:
-            if it not in target.dtypes:
-                raise CheckpointFormatError(f"target item {it} has no dtype")
-            dtype_of[it] = target.dtypes[it]
-        sizes = [(it.key, target.layout.items[it].numel * itemsize(dtype_of[it])) for it in items]
-        shards = plan_shards(sizes, target.extra.get("max_shard_size", DEFAULT_MAX_SHARD_SIZE))
+        items, by_key, dtype_of, shards = _shard_plan(target)
         written: list[Path] = []
         for file, names in shards.shards:
+            if only is not None and Path(file) not in set(only):
+                continue
             spec = {n: (dtype_of[by_key[n]], target.layout.items[by_key[n]].shape) for n in names}
             with SafetensorsWriter(out / file, spec, metadata={"format": "pt"}) as w:
                 for name in w.order:
                     it = by_key[name]
-                    _stream(it, target.layout.items[it].numel, dtype_of[it], w, fill, progress)
+                    _stream(it, target.layout.items[it].numel, dtype_of[it], w, fill, progress,
+                            window_bytes or WINDOW_BYTES)
             written.append(Path(file))
+        if only:  # a worker's share: index and configs are written by the call with only=()
+            return written
         if shards.sharded:
             total_parameters = sum(target.layout.items[it].numel for it in items)
             (out / INDEX_NAME).write_text(shards.index_json(total_parameters), encoding="utf-8")
@@ -191,6 +183,12 @@ class HFFormat:
             (out / GENERATION_CONFIG_NAME).write_text(text, encoding="utf-8")
             written.append(Path(GENERATION_CONFIG_NAME))
         return written
+
+    def files_of(self, target: Target) -> dict[Item, Path]:
+        """The shard, relative to the checkpoint directory, that holds each item of ``target``."""
+        items, _, _, shards = _shard_plan(target)
+        where = shards.weight_map
+        return {it: Path(where[it.key]) for it in items}
 
 
 FORMAT = HFFormat()
@@ -372,11 +370,32 @@ def _ordered_items(layout: Layout) -> list[Item]:
     return [registered[k] for k in sorted(range(len(registered)), key=rank)]
 
 
+def _shard_plan(target: Target) -> tuple[list[Item], dict[str, Item], dict[Item, str], Any]:
+    """The target's items in state-dict order, by key, their dtypes, and how they split into shards."""
+    others = sorted({it.state for it in target.layout.items} - {"param"})
+    if others:
+        raise CheckpointFormatError(
+            f"hf checkpoints hold model weights only; the target layout also has states {', '.join(others)}")
+    items = _ordered_items(target.layout)
+    by_key: dict[str, Item] = {}
+    for it in items:
+        if it.key in by_key:
+            raise CheckpointFormatError(f"two target items are both named '{it.key}': {by_key[it.key]} and {it}")
+        by_key[it.key] = it
+    dtype_of = {}
+    for it in items:
+        if it not in target.dtypes:
+            raise CheckpointFormatError(f"target item {it} has no dtype")
+        dtype_of[it] = target.dtypes[it]
+    sizes = [(it.key, target.layout.items[it].numel * itemsize(dtype_of[it])) for it in items]
+    return items, by_key, dtype_of, plan_shards(sizes, target.extra.get("max_shard_size", DEFAULT_MAX_SHARD_SIZE))
+
+
 def _stream(item: Item, numel: int, dtype: str, w: SafetensorsWriter, fill: Fill,
-            progress: Callable[[int], None] | None) -> None:
-    """Copy one item from ``fill`` into its place in ``w``, at most ``WINDOW_BYTES`` at a time."""
+            progress: Callable[[int], None] | None, window: int = WINDOW_BYTES) -> None:
+    """Copy one item from ``fill`` into its place in ``w``, at most ``window`` bytes at a time."""
     size = itemsize(dtype)
-    step = max(1, WINDOW_BYTES // size)
+    step = max(1, window // size)
     for lo in range(0, numel, step):
         hi = min(numel, lo + step)
         data = fill(item, lo, hi)

@@ -76,7 +76,7 @@ import random
 import re
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -362,14 +362,25 @@ class MegatronFormat:
 
     # -- write
 
-    def write(self, target: Target, out: Path, fill: Fill, *,
-              progress: Callable[[int], None] | None = None) -> list[Path]:
+    def write(self, target: Target, out: Path, fill: Fill, *, progress: Callable[[int], None] | None = None,
+              only: Collection[Path] | None = None, window_bytes: int | None = None) -> list[Path]:
         """Write every rank's ``model_optim_rng.pt`` (and ``distrib_optim.pt``) and the tracker file.
 
-        Item bytes come from ``fill`` in windows of at most ``WINDOW_BYTES``; the files are
-        streamed, never built in memory. Returns the files written, relative to ``out``.
+        Item bytes come from ``fill`` in windows of at most ``window_bytes`` (default
+        ``WINDOW_BYTES``); the files are streamed, never built in memory. With ``only``, just
+        those rank files and not the tracker. Returns the files written, relative to ``out``.
         """
-        return _Writer(target, Path(out), fill, progress).run()
+        return _Writer(target, Path(out), fill, progress, only, window_bytes or WINDOW_BYTES).run()
+
+    def files_of(self, target: Target) -> dict[Item, Path]:
+        """The file, relative to the checkpoint directory, that holds each item of ``target``."""
+        it_dir = "release" if target.extra.get("release") else f"iter_{int(target.extra['iteration']):07d}"
+        out = {}
+        for item in target.layout.items:
+            u = dict(item.unit)
+            name = DISTOPT_FILE if item.section == "optim" else MODEL_FILE
+            out[item] = Path(it_dir) / _rank_dir_name(u.get("tp", 0), u.get("pp", 0), target.topology.pp) / name
+        return out
 
 
 # --- reading helpers -------------------------------------------------------------------
@@ -1299,7 +1310,10 @@ def _default_dtypes(source: Source, layout: Layout) -> dict[Item, str]:
 class _Writer:
     """Builds each rank's object trees with TensorSpec leaves and streams the item bytes into them."""
 
-    def __init__(self, target: Target, out: Path, fill: Fill, progress: Callable[[int], None] | None) -> None:
+    def __init__(self, target: Target, out: Path, fill: Fill, progress: Callable[[int], None] | None,
+                 only: Collection[Path] | None = None, window_bytes: int = WINDOW_BYTES) -> None:
+        self.only = None if only is None else set(only)
+        self.window_bytes = window_bytes
         self.t = target
         self.x = target.extra
         self.out = out
@@ -1323,13 +1337,15 @@ class _Writer:
             for t in range(self.topo.tp):
                 rel = Path(it_dir) / _rank_dir_name(t, p, self.topo.pp)
                 (self.out / rel).mkdir(parents=True, exist_ok=True)
-                self._file(self.out / rel / MODEL_FILE, self._model_tree(t, p))
-                written.append(rel / MODEL_FILE)
-                if x["optimizer"]["kind"] == "distributed":
+                if self.only is None or rel / MODEL_FILE in self.only:
+                    self._file(self.out / rel / MODEL_FILE, self._model_tree(t, p))
+                    written.append(rel / MODEL_FILE)
+                if x["optimizer"]["kind"] == "distributed" and (self.only is None or rel / DISTOPT_FILE in self.only):
                     self._file(self.out / rel / DISTOPT_FILE, self._distopt_tree(t, p))
                     written.append(rel / DISTOPT_FILE)
-        (self.out / TRACKER).write_text("release" if release else str(int(x["iteration"])))
-        written.append(Path(TRACKER))
+        if not self.only:  # the tracker: by a full write, or the call with only=() after parallel workers
+            (self.out / TRACKER).write_text("release" if release else str(int(x["iteration"])))
+            written.append(Path(TRACKER))
         return written
 
     # -- trees
@@ -1465,7 +1481,7 @@ class _Writer:
                     continue
                 info = self.t.layout.items[src]
                 size = itemsize(self._dtype(src))
-                step = max(1, WINDOW_BYTES // size)
+                step = max(1, self.window_bytes // size)
                 for lo in range(0, info.numel, step):
                     hi = min(info.numel, lo + step)
                     data = self.fill(src, lo, hi)

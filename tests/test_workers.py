@@ -1,0 +1,105 @@
+"""Parallel workers and the memory budget: same bytes as one process, bounded windows, clean failures."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+import reshard
+from cli.main import app
+from fixtures import make_fixture
+from reshard.errors import ReshardError
+from reshard.executor import PlanFill
+
+
+def read_all(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != "reshard.json"}
+
+
+@pytest.mark.parametrize("fmt,src_topo,dst_topo", [
+    ("megatron", "tp=2,pp=2", "tp=1,pp=2"),    # two stages: two independent units
+    ("megatron", "tp=2,pp=2", "tp=1,pp=4"),
+    ("deepspeed", "dp=2,zero=2", "dp=3,zero=2"),
+])
+def test_two_workers_write_the_same_bytes_as_one(tmp_path, fmt, src_topo, dst_topo):
+    src = tmp_path / "src"
+    make_fixture(src, format=fmt, to=src_topo)
+    one = reshard.convert(src, tmp_path / "one", to=dst_topo)
+    two = reshard.convert(src, tmp_path / "two", to=dst_topo, workers=2)
+    assert read_all(tmp_path / "one") == read_all(tmp_path / "two")
+    assert two.files == one.files
+    assert two.bytes_read == one.bytes_read
+    assert reshard.verify(src, tmp_path / "two")
+
+
+def test_windows_follow_the_memory_budget(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    make_fixture(src, format="megatron", to="tp=2")
+    from reshard.formats import megatron
+
+    windows, largest = [], [0]
+    real_write, real_fill = megatron.FORMAT.write, PlanFill.__call__
+
+    def write(target, out, fill, **kw):
+        windows.append(kw.get("window_bytes"))
+        return real_write(target, out, fill, **kw)
+
+    def fill(self, item, lo, hi):
+        out = real_fill(self, item, lo, hi)
+        largest[0] = max(largest[0], out.nbytes)
+        return out
+
+    monkeypatch.setattr(megatron.FORMAT, "write", write)
+    monkeypatch.setattr(PlanFill, "__call__", fill)
+    reshard.convert(src, tmp_path / "small", to="tp=1", memory_budget="102MiB")
+    # The runtime and the plan take about 96 MiB; a quarter of the rest is the window.
+    assert 1 << 20 <= windows[0] <= 2 << 20 and largest[0] <= windows[0]
+    reshard.convert(src, tmp_path / "big", to="tp=1", memory_budget="4GiB")
+    assert windows[1] == 64 << 20  # capped: larger windows buy nothing
+    assert read_all(tmp_path / "small") == read_all(tmp_path / "big")
+
+
+def test_a_budget_below_what_the_plan_needs_is_an_error_before_writing(tmp_path):
+    src = tmp_path / "src"
+    make_fixture(src, format="megatron", to="tp=2")
+    with pytest.raises(ReshardError, match=r"^memory budget 64 MiB is below the \d+ MiB this conversion needs: per worker, "
+                                          r"96 MiB runtime \+ \d+ MiB plan \([\d,]+ copies, [\d,]+ fragments\) \+ 4 windows of 1 MiB$"):
+        reshard.convert(src, tmp_path / "dst", to="tp=1", memory_budget="64MiB")
+    with pytest.raises(ReshardError, match="cannot read size 'lots'"):
+        reshard.convert(src, tmp_path / "dst", to="tp=1", memory_budget="lots")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_worker_error_comes_back_with_the_files_it_was_writing(tmp_path):
+    from reshard.api import _worker
+
+    files, error, read = _worker((str(tmp_path / "missing"), str(tmp_path), "tp=1", None, None, {},
+                                  ["iter_0000000/mp_rank_00/model_optim_rng.pt"], 1 << 20))
+    assert (files, read) == ([], 0)
+    assert error == (f"{tmp_path / 'missing'}: no such file or directory "
+                     "(while writing iter_0000000/mp_rank_00/model_optim_rng.pt)")
+
+
+def test_a_failed_worker_leaves_no_destination(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    make_fixture(src, format="megatron", to="tp=1,pp=2")
+    import reshard.api
+
+    def fails(shares, src, tmp, *args):
+        (tmp / "partial.pt").write_bytes(b"x")
+        raise ReshardError("worker died")
+
+    monkeypatch.setattr(reshard.api, "_run_workers", fails)
+    with pytest.raises(ReshardError, match="worker died"):
+        reshard.convert(src, tmp_path / "dst", to="tp=1,pp=2", workers=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_cli_takes_workers_and_a_memory_budget(tmp_path):
+    src = tmp_path / "src"
+    make_fixture(src, format="megatron", to="tp=2,pp=2")
+    result = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "dst"), "--to", "tp=1,pp=2",
+                                      "--workers", "2", "--memory-budget", "256MiB"])
+    assert result.exit_code == 0, result.output
+    assert reshard.verify(src, tmp_path / "dst")
