@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def child(code: str) -> tuple[float, float, dict]:
     """Run ``code`` in a fresh interpreter; return (seconds, its peak RSS in GiB, its JSON output)."""
-    code += "\nimport resource as _r; print(json.dumps({**_out, 'rss': _r.getrusage(_r.RUSAGE_SELF).ru_maxrss}))"
+    code += ("\nimport resource as _r; print(json.dumps({**_out, 'rss': _r.getrusage(_r.RUSAGE_SELF).ru_maxrss, "
+             "'rss_children': _r.getrusage(_r.RUSAGE_CHILDREN).ru_maxrss}))")
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
     seconds = time.perf_counter() - t0
@@ -62,20 +63,29 @@ def main() -> None:
         subprocess.run(["cp", "-r", str(src), str(copy)], check=True)
         os.sync()
         cp_seconds = time.perf_counter() - t0
-        code = (
-            "import json, reshard\n"
-            f"r = reshard.convert({str(src)!r}, {str(dst)!r}, to='tp=1,pp=4')\n"
-            "_out = {'read': r.bytes_read, 'written': r.bytes_written}"
-        )
-        seconds, rss, figures = child(code)
+        runs = []
+        for workers in (1, 2):
+            shutil.rmtree(dst, ignore_errors=True)
+            os.sync()
+            code = (
+                "import json, reshard\n"
+                f"r = reshard.convert({str(src)!r}, {str(dst)!r}, to='tp=1,pp=4', workers={workers})\n"
+                "_out = {'read': r.bytes_read, 'written': r.bytes_written}"
+            )
+            seconds, rss, figures = child(code)
+            if workers > 1:  # the main process plus each worker at the largest worker's peak: an upper bound
+                rss += workers * figures["rss_children"] / 2**20
+            runs.append((workers, seconds, rss, figures))
         out_size = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
         print(f"checkpoint: Megatron tp=2,pp=2 -> tp=1,pp=4, {size / 2**30:.2f} GiB (bf16 weights, fp32 master, Adam)\n")
         print("| run | wall s | vs cp -r | peak RSS GiB | read GiB | read / source | written GiB |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         print(f"| cp -r | {cp_seconds:.1f} | 1.00 | | {size / 2**30:.2f} | 1.00 | {size / 2**30:.2f} |")
-        print(f"| reshard convert | {seconds:.1f} | {seconds / cp_seconds:.2f} | {rss:.2f} | {figures['read'] / 2**30:.2f} "
-              f"| {figures['read'] / size:.2f} | {out_size / 2**30:.2f} |")
+        for workers, seconds, rss, figures in runs:
+            print(f"| reshard convert --workers {workers} | {seconds:.1f} | {seconds / cp_seconds:.2f} | {rss:.2f} "
+                  f"| {figures['read'] / 2**30:.2f} | {figures['read'] / size:.2f} | {out_size / 2**30:.2f} |")
+        print("\npeak RSS with --workers 2: the main process plus 2 x the largest worker's peak (an upper bound)")
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)

@@ -261,9 +261,10 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-# Resident memory of the interpreter with numpy, networkx and reshard loaded, and per planned
-# copy and fragment (dataclasses, boxes, tuples, dict entries): measured on CPython 3.11.
-_BASE_BYTES = 96 << 20
+# Resident memory of a process with numpy, networkx, reshard and torch (some formats regenerate
+# RNG state with it) loaded, and per planned copy and fragment (dataclasses, boxes, tuples,
+# dict entries): measured on CPython 3.11 with torch 2.13.
+_BASE_BYTES = 224 << 20
 _BYTES_PER_COPY = 700
 _BYTES_PER_FRAGMENT = 500
 
@@ -271,11 +272,13 @@ _BYTES_PER_FRAGMENT = 500
 def _window_bytes(report: PlanReport, budget: int, workers: int) -> int:
     """The window each writer asks of fill, from the memory budget; an error if the budget cannot hold the plan.
 
-    Each worker holds the plan (estimated from its counts) and, while writing, a
-    destination window, the source spans feeding it (at most the window again)
-    and the writer's own buffer of that size: four windows in all.
+    Each process holds the runtime and the plan (estimated from its counts);
+    each writing process also a destination window, the source spans feeding
+    it (at most the window again) and the writer's own buffer: four windows in
+    all. With workers, the main process waits holding its plan, so the budget
+    is split ``workers + 1`` ways.
     """
-    share = budget // workers
+    share = budget // (workers + 1 if workers > 1 else 1)
     fragments = len(report.source.layout.fragments) + len(report.target.layout.fragments)
     plan_bytes = _BASE_BYTES + _BYTES_PER_COPY * len(report.plan.copies) + _BYTES_PER_FRAGMENT * fragments
     window = min(64 << 20, max(1 << 20, (share - plan_bytes) // 4))
@@ -283,7 +286,7 @@ def _window_bytes(report: PlanReport, budget: int, workers: int) -> int:
         mib = 1 << 20
         raise ReshardError(
             f"memory budget {budget / mib:.0f} MiB{f' over {workers} workers' if workers > 1 else ''} is below the "
-            f"{(plan_bytes + 4 * window) * workers / mib:.0f} MiB this conversion needs: per worker, "
+            f"{(plan_bytes + 4 * window) * (budget // share) / mib:.0f} MiB this conversion needs: per process, "
             f"{_BASE_BYTES / mib:.0f} MiB runtime + {(plan_bytes - _BASE_BYTES) / mib:.0f} MiB plan "
             f"({len(report.plan.copies):,} copies, {fragments:,} fragments) + 4 windows of {window / mib:.0f} MiB")
     return window
