@@ -41,6 +41,8 @@ MEGATRON = [
     ("tiny-llama", "tp=1,pp=1,dp=2,zero=1", "tp=2,pp=2,zero=0"),    # distributed -> per-parameter optimizer
     ("tiny-llama-tied", "tp=1,pp=1", "tp=2,pp=2"),                  # tied embedding gains a last-stage copy
     ("tiny-llama-tied", "tp=2,pp=4", "tp=1,pp=1"),                  # ... and loses it, read once
+    ("tiny-gpt2", "tp=2,pp=2", "tp=1,pp=4"),                        # GPT-2 style: biases, LayerNorm, positions
+    ("tiny-gpt2", "tp=1,pp=1", "tp=4,pp=2"),                        # per-head QKV split over tp; padding grows
 ]
 
 

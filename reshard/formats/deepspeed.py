@@ -424,6 +424,9 @@ class DeepSpeedFormat:
                                 "(the pipeline engine is not supported)")
         if topology.cp != 1 or topology.ep != 1:
             raise TopologyError(f"DeepSpeed ZeRO checkpoints here have cp=1 and ep=1, got {topology}")
+        if "transformer.wte.weight" in source.layout.tensors:
+            raise CheckpointFormatError(f"{source.path}: a GPT-2-style model; the deepspeed format supports "
+                                        "Llama-style models (specs/deepspeed-llama*.spec) so far")
         carried = source.extra.get("deepspeed") if source.format == self.name else None
         stage = topology.zero or (carried.zero_stage if carried else 2)
         if stage not in (1, 2):

@@ -1,10 +1,15 @@
-"""Hugging Face checkpoints of Llama-style models: ``config.json`` plus safetensors weights.
+"""Hugging Face checkpoints of Llama-style and GPT-2 models: ``config.json`` plus safetensors weights.
 
 A directory holds ``config.json`` and either ``model.safetensors`` or
 ``model.safetensors.index.json`` with the shards it names
 (``model-00001-of-0000N.safetensors``, ...). Every tensor is stored whole and
 unsharded under its Hugging Face name, which is also its logical name, so
-the layout is the spec (``hf-llama``) resolved at the trivial topology.
+the layout is the spec resolved at the trivial topology: ``hf-llama`` (or
+``hf-llama-tied``) for ``LlamaForCausalLM``, ``hf-gpt2`` for a config with
+``model_type`` ``"gpt2"`` (``GPT2LMHeadModel``: output layer tied, Conv1D
+weights stored ``[in, out]``). Not supported: GPT-2 files of old
+``transformers`` versions (names without the ``transformer.`` prefix,
+``attn.bias`` mask buffers) and untied GPT-2; they fail as unmatched tensors.
 
 Reading checks both ways, before any tensor byte is read: every item the
 spec expects is stored with the expected shape, and every stored tensor is
@@ -37,12 +42,13 @@ CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 SPEC = "hf-llama"
 TIED_SPEC = "hf-llama-tied"
+GPT2_SPEC = "hf-gpt2"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 """huggingface_hub's default; transformers 5's ``save_pretrained`` defaults to 50GB."""
 WINDOW_BYTES = 8 << 20
 """Most bytes asked of ``fill`` at once."""
 _MAX_LISTED = 20  # problems listed in one error before "... and N more"
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
+_LAYER = re.compile(r"\.(?:layers|h)\.(\d+)\.")  # Llama: model.layers.N., GPT-2: transformer.h.N.
 
 
 class HFFormat:
@@ -71,7 +77,7 @@ class HFFormat:
         if not isinstance(config, dict):
             raise CheckpointFormatError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
         spec_name = spec or _spec_for_config(config, config_path)
-        model_sizes = sizes_from_config(config, config_path)
+        model_sizes = (gpt2_sizes_from_config if spec_name == GPT2_SPEC else sizes_from_config)(config, config_path)
         model_sizes.update({k: int(v) for k, v in (sizes or {}).items()})
         spec_obj = load_spec(spec_name)
         layout = resolve(spec_obj, Topology(), model_sizes)
@@ -135,6 +141,8 @@ class HFFormat:
         dtypes = _target_dtypes(source, layout)
         if from_hf:
             extra = {k: copy.deepcopy(v) for k, v in source.extra.items() if k in ("config", "generation_config")}
+        elif spec_name == GPT2_SPEC:
+            extra = {"config": gpt2_config(source.sizes, dtypes.values())}
         else:
             extra = {"config": llama_config(source.sizes, dtypes.values())}
         return Target(format=self.name, spec_name=spec_name, spec=spec_obj, topology=Topology(),
@@ -246,7 +254,43 @@ def llama_config(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, Any]:
     return config
 
 
+def gpt2_sizes_from_config(config: Mapping[str, Any], where: Path | str = CONFIG_NAME) -> dict[str, int]:
+    """The gpt2 spec's sizes from a ``GPT2Config``: h, heads, hd, f, vocab, positions, layers."""
+    keys = {"h": "n_embd", "heads": "n_head", "vocab": "vocab_size", "layers": "n_layer", "positions": "n_positions"}
+    bad = [f"'{k}' is missing" for k in keys.values() if config.get(k) is None]
+    for k in (*keys.values(), "n_inner"):
+        v = config.get(k)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            bad.append(f"'{k}' must be a positive integer, got {json.dumps(v)}")
+    if bad:
+        raise CheckpointFormatError(f"{where}: " + "; ".join(bad))
+    sizes = {var: int(config[k]) for var, k in keys.items()}
+    sizes["hd"] = sizes["h"] // sizes["heads"]
+    sizes["f"] = int(config.get("n_inner") or 4 * sizes["h"])  # GPT2Config: n_inner None means 4 * n_embd
+    return sizes
+
+
+def gpt2_config(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, Any]:
+    """A minimal ``GPT2Config`` dict for model ``sizes``; other fields keep transformers' defaults."""
+    missing = [k for k in ("h", "f", "heads", "hd", "layers", "vocab", "positions") if k not in sizes]
+    if missing or sizes["heads"] * sizes["hd"] != sizes["h"]:
+        raise CheckpointFormatError(f"cannot build a GPT-2 config.json from sizes {dict(sizes)}"
+                                    + (f": {', '.join(missing)} unknown" if missing else ": heads * hd != h"))
+    config: dict[str, Any] = {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": sizes["h"], "n_head": sizes["heads"],
+        "n_inner": sizes["f"], "n_layer": sizes["layers"], "n_positions": sizes["positions"],
+        "vocab_size": sizes["vocab"], "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+    }
+    common = Counter(dtypes).most_common(1)
+    if common:
+        config["dtype"] = common[0][0]
+    return config
+
+
 def _spec_for_config(config: Mapping[str, Any], where: Path) -> str:
+    if config.get("model_type") == "gpt2":
+        return GPT2_SPEC
     # LlamaConfig's default is untied; a config without the key is untied.
     if not config.get("tie_word_embeddings", False):
         return SPEC
@@ -256,6 +300,8 @@ def _spec_for_config(config: Mapping[str, Any], where: Path) -> str:
 
 
 def _spec_for_source(source: Source) -> str:
+    if "transformer.wte.weight" in source.layout.tensors:
+        return GPT2_SPEC
     if "lm_head.weight" in source.layout.tensors:
         return SPEC
     if TIED_SPEC in available_specs():

@@ -55,11 +55,18 @@ Use::
 spec); without it the optimizer is written per parameter. ``write_fixture_extra`` makes
 the non-tensor state of a fresh run, for fixtures written from scratch.
 
+Models: Llama style (SwiGLU, RMSNorm, no biases, rotary; ``megatron-llama*`` specs) and
+GPT-2 style (``args.swiglu`` false, ``normalization`` LayerNorm, ``add_bias_linear``,
+``position_embedding_type`` learned_absolute: per-head QKV with biases, LayerNorm biases,
+``embedding.position_embeddings`` on the first stage, output layer tied;
+``megatron-gpt2*`` specs, sizes with ``positions`` from ``max_position_embeddings``).
+
 Not supported yet (each raises ``CheckpointFormatError`` saying so): expert parallelism and
 MoE, context parallelism > 1, torch_dist/DCP checkpoints, a ``ChainedOptimizer`` of several
 optimizers, distrib_optim.pt files before ``buckets_coalesced`` (megatron-core < 0.7),
 ``--ddp-num-buckets``, param groups other than the standard weight-decay split (e.g.
-``--decoupled-lr``), tied embeddings with pp > 1 and the distributed optimizer when the
+``--decoupled-lr``), GPT-2 style with an untied output layer or grouped-query
+attention, tied embeddings with pp > 1 and the distributed optimizer when the
 output layer's shard is not a multiple of 64 elements (its own-bucket rule then moves
 the next parameter), ``--account-for-embedding/loss-in-pipeline-split``. Not reproduced:
 the state dicts' ``_metadata`` (module versions; ``load_state_dict`` does not need them),
@@ -104,6 +111,10 @@ SMALL_TENSOR_LIMIT = 1 << 20
 """Largest non-model tensor (rng state, step, TE extra state) ``open`` reads, in bytes."""
 DEFAULT_SEED = 1234  # Megatron's --seed default
 
+GPT2_SPEC = "megatron-gpt2"
+"""Shipped spec of GPT-2-style models (LayerNorm, biases, learned positions, tied output layer)."""
+GPT2_DISTOPT_SPEC = "megatron-gpt2-distopt-torch"
+"""The same with the distributed optimizer's coalesced ``distrib_optim.pt``."""
 SPECS = {
     (False, False): "megatron-llama",
     (True, False): "megatron-llama-tied",
@@ -225,10 +236,16 @@ class MegatronFormat:
             topo = replace(topo, zero=1)
         model_sizes = _sizes_from_args(args, sizes or {}, topo, str(first_path))
         tied = not args.get("untie_embeddings_and_output_weights", False)
+        if spec is None and _is_gpt2(args):
+            if not tied:
+                raise CheckpointFormatError(
+                    f"{first_path}: GPT-2-style models are supported with the output layer tied to the embedding "
+                    "(args.untie_embeddings_and_output_weights is True); give a spec for this one")
+            spec = GPT2_DISTOPT_SPEC if distopt else GPT2_SPEC
         if spec is None and not args.get("swiglu", False):
             raise CheckpointFormatError(
                 f"{first_path}: args.swiglu is False; the shipped megatron specs are Llama-style (SwiGLU, RMSNorm, "
-                "no biases). Give a spec for this model")
+                "no biases) or GPT-2-style (LayerNorm, biases, learned positions). Give a spec for this model")
         spec_name = spec or SPECS[(tied, distopt)]
         reader = _Reader(ranks, topo, spec_name)
         model_sizes["bucket_size"] = _bucket_size(args, topo) if distopt else 0
@@ -332,7 +349,9 @@ class MegatronFormat:
         sizes.setdefault("vocab_div", src_args.get("make_vocab_size_divisible_by") or 128)
         tied = (not src_args.get("untie_embeddings_and_output_weights", False)) if meg else \
             "lm_head.weight" not in source.layout.tensors
-        spec_name = spec or SPECS[(tied, topology.zero == 1)]
+        gpt2 = "transformer.wte.weight" in source.layout.tensors
+        gpt2_spec = GPT2_DISTOPT_SPEC if topology.zero == 1 else GPT2_SPEC
+        spec_name = spec or (gpt2_spec if gpt2 else SPECS[(tied, topology.zero == 1)])
         spec_ast = load_spec(spec_name)
         distopt = _has_flat(spec_ast)
         topology = replace(topology, zero=1 if distopt else 0)
@@ -501,6 +520,12 @@ def _sizes_from_args(args: Mapping[str, Any], given: Mapping[str, int], topo: To
         "layers": int(_arg(args, "num_layers", where)),
         "vocab_div": int(args.get("make_vocab_size_divisible_by") or 128),
     }
+    if _is_gpt2(args):
+        if sizes["g"] != heads:
+            raise CheckpointFormatError(f"{where}: num_query_groups={sizes['g']} with num_attention_heads={heads}; "
+                                        "GPT-2-style specs have one key/value head per query head")
+        sizes["positions"] = int(_arg(args, "max_position_embeddings", where))
+        del sizes["g"]
     padded = args.get("padded_vocab_size")
     vocab = given.get("vocab", args.get("vocab_size"))
     if vocab is None:
@@ -1019,7 +1044,8 @@ def megatron_args(sizes: Mapping[str, int], topology: Topology, *, base: Mapping
     updated: tensor/pipeline sizes, the virtual pipeline and uneven stages,
     ``data_parallel_size``, ``world_size``, ``padded_vocab_size`` (recomputed for the
     new tp, as ``vocab_size_with_padding`` does) and ``use_distributed_optimizer``.
-    Without ``base``, a minimal Llama-style set is synthesized: what
+    Without ``base``, a minimal Llama-style set is synthesized (GPT-2 style when
+    ``sizes`` has ``positions``, learned position embeddings): what
     ``load_args_from_checkpoint`` and ``check_checkpoint_args`` read, and what ``open``
     needs (``vocab_size`` included, so the real vocab is never lost).
     """
@@ -1045,9 +1071,25 @@ def megatron_args(sizes: Mapping[str, int], topology: Topology, *, base: Mapping
     return a
 
 
+def _is_gpt2(args: Mapping[str, Any]) -> bool:
+    """GPT-2 style: LayerNorm, biases, learned absolute positions, no SwiGLU."""
+    return (not args.get("swiglu", False) and args.get("normalization", "LayerNorm") == "LayerNorm"
+            and bool(args.get("add_bias_linear", True)) and args.get("position_embedding_type") == "learned_absolute")
+
+
 def _default_args(sizes: Mapping[str, int], tied: bool, iteration: int) -> dict[str, Any]:
     h, heads = int(sizes["h"]), int(sizes["heads"])
     g = int(sizes.get("g", heads))
+    if "positions" in sizes:  # GPT-2 style
+        return {**_llama_args(sizes, h, heads, g, tied, iteration),
+                "max_position_embeddings": int(sizes["positions"]), "position_embedding_type": "learned_absolute",
+                "add_position_embedding": True, "use_rotary_position_embeddings": False,
+                "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True, "add_qkv_bias": True,
+                "group_query_attention": False, "num_query_groups": None, "layernorm_epsilon": 1e-5}
+    return _llama_args(sizes, h, heads, g, tied, iteration)
+
+
+def _llama_args(sizes: Mapping[str, int], h: int, heads: int, g: int, tied: bool, iteration: int) -> dict[str, Any]:
     return {
         "num_layers": int(sizes["layers"]), "hidden_size": h, "ffn_hidden_size": int(sizes["f"]),
         "num_attention_heads": heads, "group_query_attention": g != heads, "num_query_groups": g,
