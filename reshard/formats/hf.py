@@ -211,15 +211,7 @@ def sizes_from_config(config: Mapping[str, Any], where: Path | str = CONFIG_NAME
     """
     keys = {"h": "hidden_size", "heads": "num_attention_heads", "f": "intermediate_size",
             "vocab": "vocab_size", "layers": "num_hidden_layers"}
-    optional = {"g": "num_key_value_heads", "hd": "head_dim"}
-    bad = [f"'{k}' is missing" for k in keys.values() if config.get(k) is None]
-    for k in (*keys.values(), *optional.values()):
-        v = config.get(k)
-        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
-            bad.append(f"'{k}' must be a positive integer, got {json.dumps(v)}")
-    if bad:
-        raise CheckpointFormatError(f"{where}: " + "; ".join(bad))
-    sizes = {var: int(config[k]) for var, k in keys.items()}
+    sizes = _config_ints(config, keys, ("num_key_value_heads", "head_dim"), where)
     sizes["g"] = int(config.get("num_key_value_heads") or sizes["heads"])
     sizes["hd"] = int(config.get("head_dim") or sizes["h"] // sizes["heads"])
     return sizes
@@ -254,17 +246,23 @@ def llama_config(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, Any]:
     return config
 
 
-def gpt2_sizes_from_config(config: Mapping[str, Any], where: Path | str = CONFIG_NAME) -> dict[str, int]:
-    """The gpt2 spec's sizes from a ``GPT2Config``: h, heads, hd, f, vocab, positions, layers."""
-    keys = {"h": "n_embd", "heads": "n_head", "vocab": "vocab_size", "layers": "n_layer", "positions": "n_positions"}
+def _config_ints(config: Mapping[str, Any], keys: Mapping[str, str], optional: tuple[str, ...],
+                 where: Path | str) -> dict[str, int]:
+    """Size variable -> value of the required config ``keys``; every missing or non-positive one listed at once."""
     bad = [f"'{k}' is missing" for k in keys.values() if config.get(k) is None]
-    for k in (*keys.values(), "n_inner"):
+    for k in (*keys.values(), *optional):
         v = config.get(k)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
             bad.append(f"'{k}' must be a positive integer, got {json.dumps(v)}")
     if bad:
         raise CheckpointFormatError(f"{where}: " + "; ".join(bad))
-    sizes = {var: int(config[k]) for var, k in keys.items()}
+    return {var: int(config[k]) for var, k in keys.items()}
+
+
+def gpt2_sizes_from_config(config: Mapping[str, Any], where: Path | str = CONFIG_NAME) -> dict[str, int]:
+    """The gpt2 spec's sizes from a ``GPT2Config``: h, heads, hd, f, vocab, positions, layers."""
+    keys = {"h": "n_embd", "heads": "n_head", "vocab": "vocab_size", "layers": "n_layer", "positions": "n_positions"}
+    sizes = _config_ints(config, keys, ("n_inner",), where)
     sizes["hd"] = sizes["h"] // sizes["heads"]
     sizes["f"] = int(config.get("n_inner") or 4 * sizes["h"])  # GPT2Config: n_inner None means 4 * n_embd
     return sizes
