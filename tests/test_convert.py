@@ -99,8 +99,9 @@ def test_megatron_to_hf_and_back_keeps_the_weights(tmp_path):
     assert reshard.verify(src, hf, states=("param",))
     reshard.convert(hf, back, format="megatron", to="tp=2,pp=1")
     assert reshard.verify(src, back, states=("param",))
-    with pytest.raises(AssertionError):  # the optimizer state did not travel through hf
-        assert reshard.verify(src, back)
+    lost = reshard.verify(src, back)  # the optimizer state did not travel through hf
+    assert not lost.identical
+    assert all("only in the first checkpoint" in d for d in lost.differences)
 
 
 def test_verify_names_the_tensor_and_position_of_a_one_element_difference(tmp_path):
