@@ -138,17 +138,21 @@ def inspect(
 @_user_errors
 def verify(
     a: Annotated[Path, typer.Argument(help="first checkpoint")],
-    b: Annotated[Path, typer.Argument(help="second checkpoint (any layout or format)")],
+    b: Annotated[Path | None, typer.Argument(help="second checkpoint (any layout or format); "
+                                                  "without it, check A against its reshard.json")] = None,
     states: Annotated[str | None, typer.Option("--states", help="compare only these states, comma-separated (e.g. param)")] = None,
 ) -> None:
-    """Compare two checkpoints' logical tensors bit for bit; exit 0 only if identical."""
+    """Compare two checkpoints' logical tensors bit for bit, or one against its manifest; exit 0 only if identical."""
     result = reshard.verify(a, b, states=tuple(states.split(",")) if states else None)
+    what = "logical tensors compared" if b is not None else "files checked against reshard.json"
     if result:
-        out.print(f"identical: {result.compared} logical tensors compared", highlight=False)
+        out.print(f"identical: {result.compared} {what}" if b is not None else f"intact: {result.compared} {what}",
+                  highlight=False)
         return
     for line in result.differences:
         err.print(line, highlight=False, markup=False)
-    err.print(f"checkpoints differ ({result.compared} logical tensors compared)", highlight=False)
+    err.print(f"{'checkpoints differ' if b is not None else 'checkpoint does not match its manifest'} "
+              f"({result.compared} {what})", highlight=False)
     raise typer.Exit(code=1)
 
 

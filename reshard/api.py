@@ -416,9 +416,13 @@ class VerifyResult:
         return self.identical
 
 
-def verify(a: str | Path, b: str | Path, *, states: tuple[str, ...] | None = None, limit: int = 10,
+def verify(a: str | Path, b: str | Path | None = None, *, states: tuple[str, ...] | None = None, limit: int = 10,
            sizes: Mapping[str, int] | None = None) -> VerifyResult:
     """Compare the logical tensors of two checkpoints in any layouts and formats, bit for bit.
+
+    With one checkpoint, check it against the manifest (``reshard.json``) its
+    conversion wrote: every listed file present with its size and checksum,
+    and no other checkpoint file beside them (``compared`` counts files).
 
     Every logical tensor and state the two hold in common is rebuilt from
     each side (one tensor in memory at a time) and compared; replicas inside
@@ -428,6 +432,8 @@ def verify(a: str | Path, b: str | Path, *, states: tuple[str, ...] | None = Non
     Returns a ``VerifyResult``; ``differences`` name the first differing
     tensors and the first differing position in each.
     """
+    if b is None:
+        return _verify_manifest(Path(a))
     sa, sb = open_checkpoint(a, sizes=sizes), open_checkpoint(b, sizes=sizes)
     diffs: list[str] = []
     keys_a, keys_b = _logical_keys(sa, states), _logical_keys(sb, states)
@@ -458,6 +464,32 @@ def verify(a: str | Path, b: str | Path, *, states: tuple[str, ...] | None = Non
             if len(diffs) >= limit + len(only):
                 break
     return VerifyResult(identical=not diffs, compared=compared, differences=tuple(diffs[: limit + len(only)]))
+
+
+def _verify_manifest(path: Path) -> VerifyResult:
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{manifest_path}: no manifest; give a second checkpoint to compare with") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointFormatError(f"{manifest_path}: not a reshard manifest ({e})") from None
+    diffs = []
+    for rel, want in sorted(files.items()):
+        file = path / rel
+        if not file.is_file():
+            diffs.append(f"{rel}: missing")
+            continue
+        got = _file_record(file)
+        if got["bytes"] != want.get("bytes"):
+            diffs.append(f"{rel}: {got['bytes']} bytes, the manifest says {want.get('bytes')}")
+        elif got["blake2b"] != want.get("blake2b"):
+            diffs.append(f"{rel}: checksum {got['blake2b']} differs from the manifest's {want.get('blake2b')}")
+    listed = set(files) | {MANIFEST}
+    extra = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and str(p.relative_to(path)) not in listed)
+    diffs += [f"{rel}: not in the manifest" for rel in extra]
+    return VerifyResult(identical=not diffs, compared=len(files), differences=tuple(diffs))
 
 
 def _logical_keys(src: Source, states: tuple[str, ...] | None) -> dict[tuple[str, str], list]:

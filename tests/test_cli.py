@@ -84,3 +84,21 @@ def test_demo_converts_and_verifies(tmp_path):
     result = runner.invoke(app, ["demo", "--dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert result.stdout.count("identical") == 2
+
+
+def test_verify_with_one_checkpoint_checks_it_against_its_manifest(ckpt, tmp_path):
+    dst = tmp_path / "dst"
+    assert runner.invoke(app, ["convert", str(ckpt), str(dst), "--to", "tp=1,pp=1"]).exit_code == 0
+    good = runner.invoke(app, ["verify", str(dst)])
+    assert good.exit_code == 0 and "intact: 2 files checked against reshard.json" in good.stdout
+    model = dst / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt"
+    data = bytearray(model.read_bytes())
+    data[-2000] ^= 1  # one bit of tensor data
+    model.write_bytes(bytes(data))
+    (dst / "stray.txt").write_text("x")
+    bad = runner.invoke(app, ["verify", str(dst)])
+    assert bad.exit_code == 1
+    lines = bad.stderr.splitlines()
+    assert lines[0].startswith("iter_0000000/mp_rank_00/model_optim_rng.pt: checksum ")
+    assert lines[1:] == ["stray.txt: not in the manifest", "checkpoint does not match its manifest (2 files checked against reshard.json)"]
+    assert runner.invoke(app, ["verify", str(ckpt)]).exit_code == 2  # a fixture has no manifest: a user error
