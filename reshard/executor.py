@@ -129,7 +129,6 @@ class PlanFill:
             ends = np.array([c.dst_offset + sum((n - 1) * s for n, s in zip(c.lengths, c.dst_strides)) + 1 for c in copies], dtype=np.int64)
             self._extents[dst] = (starts, ends)
         self.dtypes = destination_dtypes(plan, where)
-        self.bytes_written = 0
 
     def __call__(self, item: Item, lo: int, hi: int) -> memoryview:
         dtype = uint_dtype(self.dtypes.get(item, "uint8"))
@@ -146,7 +145,6 @@ class PlanFill:
             window = self._read([r for r, _, _ in pieces], dtype)
             for region, at, strides in pieces:
                 view(out, at, strides, region.lengths)[...] = window.get(region)
-        self.bytes_written += out.nbytes
         return memoryview(out).cast("B")
 
     def read_region(self, item: Item, base: int, strides: tuple[int, ...], lengths: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -166,7 +164,7 @@ class PlanFill:
             starts, run = r.runs()
             runs[r.item] += [(int(s), int(s) + run) for s in starts]
         window = _Window(dtype)
-        gap = max(1, _MERGE_GAP // dtype.itemsize)
+        gap = _MERGE_GAP // dtype.itemsize  # 0: only overlapping or touching runs merge
         for item, spans in runs.items():
             spans.sort()
             merged = [list(spans[0])]
