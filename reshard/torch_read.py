@@ -285,12 +285,53 @@ def _static_globals() -> dict[tuple[str, str], object]:
 _GLOBALS = _static_globals()
 
 
-class _Archive:
-    """The zip side of a torch file: its records and where their data starts."""
+class _Slice(io.RawIOBase):
+    """Bytes ``[base, base + size)`` of an open file, as a file of their own (a zip embedded in a larger file)."""
 
-    def __init__(self, path: Path, fh) -> None:
-        self.path, self.fh = path, fh
-        self.size = os.fstat(fh.fileno()).st_size
+    def __init__(self, fh, base: int, size: int) -> None:
+        super().__init__()
+        self._fh, self._base, self._size, self._pos = fh, base, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        origin = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = max(0, origin + offset)
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = max(0, min(len(buf), self._size - self._pos))
+        if not n:
+            return 0
+        got = os.preadv(self._fh.fileno(), [memoryview(buf)[:n]], self._base + self._pos)
+        self._pos += got
+        return got
+
+
+class _Archive:
+    """The zip side of a torch file: its records and where their data starts.
+
+    The archive may sit inside a larger file (a DCP ``.distcp`` holds one per
+    chunk): ``base`` is where it starts there, and every offset this class
+    returns is absolute in that file.
+    """
+
+    def __init__(self, path: Path, fh, base: int = 0, size: int | None = None) -> None:
+        self.path, self.base = path, base
+        total = os.fstat(fh.fileno()).st_size
+        if size is None:
+            size = total - base
+        if base < 0 or size < 0 or base + size > total:
+            raise _BadFileError(f"bytes [{base}, {base + size}) run past the end of the file ({total} bytes; truncated?)")
+        self.size = size
+        self.fh = fh = _Slice(fh, base, size) if (base, size) != (0, total) else fh
         magic = fh.read(4)
         if magic != b"PK\x03\x04":
             if magic[:1] == b"\x80":
@@ -362,7 +403,7 @@ class _Archive:
                        "reshard reads tensors in place and needs stored records")
         if info.file_size != nbytes:
             raise _BadFileError(f"storage record {name} holds {info.file_size} bytes but the pickle declares {nbytes}")
-        self.storages[key] = _Storage(self.path, key, stype.dtype, nbytes, self.data_start(info))
+        self.storages[key] = _Storage(self.path, key, stype.dtype, nbytes, self.base + self.data_start(info))
         return self.storages[key]
 
 
@@ -465,8 +506,12 @@ def _finish(obj: object, memo: dict[int, tuple[object, object]]) -> object:
     return out
 
 
-def read_torch_file(path: str | Path) -> object:
+def read_torch_file(path: str | Path, *, offset: int = 0, length: int | None = None) -> object:
     """The object a ``torch.save`` file holds, with tensors as ``TensorRef`` and no tensor data read.
+
+    With ``offset``/``length``, the torch.save archive is those bytes of the file (as in DCP's
+    ``.distcp`` files, which hold one archive per chunk); ``TensorRef.data_offset`` is still
+    absolute in ``path``.
 
     Nothing from the file is imported or called: the pickle may name only torch's tensor rebuilders,
     storages, dtypes and ``torch.Size``, numpy arrays/dtypes/scalars (rebuilt here from their bytes),
@@ -485,7 +530,7 @@ def read_torch_file(path: str | Path) -> object:
     path = Path(path)
     try:
         with path.open("rb") as fh:
-            archive = _Archive(path, fh)
+            archive = _Archive(path, fh, offset, length)
             info = archive.info("data.pkl")
             if info is None:
                 raise _BadFileError(f"no {archive.prefix}/data.pkl record, so not a torch.save file")
@@ -502,6 +547,7 @@ def read_torch_file(path: str | Path) -> object:
             except Exception as e:  # a malformed pickle: wrong opcodes, wrong argument counts, deep nesting, ...
                 raise _BadFileError(f"data.pkl is not a pickle reshard can read ({type(e).__name__}: {e})") from e
     except _BadFileError as e:
-        raise CheckpointFormatError(f"{path}: {e}") from e.__cause__
+        where = f" (archive at bytes {offset}..{offset + length})" if length is not None else ""
+        raise CheckpointFormatError(f"{path}{where}: {e}") from e.__cause__
     except OSError as e:
         raise CheckpointFormatError(f"{path}: cannot read: {e.strerror or e}") from e

@@ -291,6 +291,33 @@ def _pwrite(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def _lay_out(obj: object, prefix: str):
+    """Pickles ``obj`` and places every record of its archive as torch.save does.
+
+    Returns (tensor records by key, the serialization-id record, all records in
+    order, the end-of-archive records, and where those start).
+    """
+    if "/" in prefix or not prefix.isascii():
+        raise ValueError(f"archive name {prefix!r} must be ASCII without '/'")
+    pickler = _Pickler()
+    data = pickler.dump(obj)
+    head = [("data.pkl", data), (".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")]
+    records = [_Record(f"{prefix}/{name}".encode(), len(p), p) for name, p in head]
+    tensors = {k: _Record(f"{prefix}/data/{skey}".encode(), spec.nbytes) for k, (skey, spec) in pickler.storages.items()}
+    ident = _Record(f"{prefix}/.data/serialization_id".encode(), 40, b"0" * 40)  # filled in by close()
+    version = _Record(f"{prefix}/version".encode(), 2, b"3\n")
+    records = [*records, *tensors.values(), version, ident]
+    offset = 0
+    for r in records:
+        offset = r.place(offset)
+        if r.payload is not None:
+            r.crc, r.written = zlib.crc32(r.payload), r.size
+    for r in records:
+        r.central_offset, offset = offset, offset + len(r.central_entry())
+    cd_offset = records[0].central_offset
+    return tensors, ident, records, _end_records(cd_offset, offset - cd_offset, len(records)), offset
+
+
 class TorchFileWriter:
     """Writes a torch.save file whose tensor bytes are streamed in afterwards, tensor by tensor.
 
@@ -314,42 +341,38 @@ class TorchFileWriter:
     entries: dict[object, tuple[int, int]]
     """``TensorSpec.key`` -> (absolute byte offset of the tensor's bytes in the file, nbytes)."""
 
-    def __init__(self, path: str | Path, obj: object, *, archive_name: str | None = None) -> None:
+    size: int
+    """Bytes of the whole archive."""
+
+    def __init__(self, path: str | Path, obj: object, *, archive_name: str | None = None, fd: int | None = None,
+                 base: int = 0) -> None:
+        """With ``fd``, the archive is written into that open file at byte ``base`` (DCP's ``.distcp``
+        files hold one archive per chunk, each self-contained); the caller owns, sizes and syncs it."""
         self.path = Path(path)
-        pickler = _Pickler()
-        data = pickler.dump(obj)
+        self._base, self._owned = base, fd is None
         prefix = archive_name or _archive_name(self.path)
-        if "/" in prefix or not prefix.isascii():
-            raise ValueError(f"archive name {prefix!r} must be ASCII without '/'")
-        head = [("data.pkl", data), (".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")]
-        records = [_Record(f"{prefix}/{name}".encode(), len(p), p) for name, p in head]
-        self._tensors = {k: _Record(f"{prefix}/data/{skey}".encode(), spec.nbytes)
-                         for k, (skey, spec) in pickler.storages.items()}
-        self._id = _Record(f"{prefix}/.data/serialization_id".encode(), 40, b"0" * 40)  # filled in by close()
-        version = _Record(f"{prefix}/version".encode(), 2, b"3\n")
-        self._records = [*records, *self._tensors.values(), version, self._id]
-        offset = 0
-        for r in self._records:
-            offset = r.place(offset)
-            if r.payload is not None:
-                r.crc, r.written = zlib.crc32(r.payload), r.size
-        for r in self._records:
-            r.central_offset, offset = offset, offset + len(r.central_entry())
-        cd_offset = self._records[0].central_offset
-        tail = _end_records(cd_offset, offset - cd_offset, len(self._records))
-        self.entries = {k: (r.data_offset, r.size) for k, r in self._tensors.items()}
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._tensors, self._id, self._records, tail, offset = _lay_out(obj, prefix)
+        self.entries = {k: (base + r.data_offset, r.size) for k, r in self._tensors.items()}
+        self.size = offset + len(tail)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if fd is None else fd
         try:
-            os.ftruncate(self._fd, offset + len(tail))
+            if self._owned:
+                os.ftruncate(self._fd, self.size)
             for r in self._records:
-                _pwrite(self._fd, r.local_header(), r.header_offset)
+                _pwrite(self._fd, r.local_header(), base + r.header_offset)
                 if r.payload is not None:
-                    _pwrite(self._fd, r.payload + r.descriptor(), r.data_offset)
-                _pwrite(self._fd, r.central_entry(), r.central_offset)
-            _pwrite(self._fd, tail, offset)
+                    _pwrite(self._fd, r.payload + r.descriptor(), base + r.data_offset)
+                _pwrite(self._fd, r.central_entry(), base + r.central_offset)
+            _pwrite(self._fd, tail, base + offset)
         except BaseException:
             self.abort()
             raise
+
+    @staticmethod
+    def measure(obj: object, *, archive_name: str) -> int:
+        """Bytes of the archive ``TorchFileWriter(path, obj, archive_name=...)`` would write."""
+        *_, tail, offset = _lay_out(obj, archive_name)
+        return offset + len(tail)
 
     def write(self, key: object, data: bytes | memoryview | np.ndarray) -> None:
         """Appends the next bytes of tensor ``key`` (row-major; an array's raw bytes are used whatever its dtype)."""
@@ -362,7 +385,7 @@ class TorchFileWriter:
         if r.written + n > r.size:
             raise CheckpointFormatError(
                 f"{self.path}: tensor {key!r} takes {r.size} bytes; {n} more after {r.written} would overflow it")
-        _pwrite(self._fd, data, r.data_offset + r.written)
+        _pwrite(self._fd, data, self._base + r.data_offset + r.written)
         r.crc = zlib.crc32(data, r.crc)
         r.written += n
 
@@ -380,25 +403,29 @@ class TorchFileWriter:
         crcs = hashlib.blake2b(b"".join(struct.pack("<I", r.crc) for r in self._records), digest_size=8).digest()
         self._id.payload = f"{int.from_bytes(names, 'little'):020d}{int.from_bytes(crcs, 'little'):020d}".encode()
         self._id.crc = zlib.crc32(self._id.payload)
+        base = self._base
         try:
-            _pwrite(self._fd, self._id.payload, self._id.data_offset)
+            _pwrite(self._fd, self._id.payload, base + self._id.data_offset)
             for r in [*self._tensors.values(), self._id]:
                 if r.size:  # the data descriptor, then the central directory entry
-                    _pwrite(self._fd, struct.pack("<I", r.crc), r.data_offset + r.size + 4)
-                _pwrite(self._fd, struct.pack("<I", r.crc), r.central_offset + 16)
-            os.fsync(self._fd)
+                    _pwrite(self._fd, struct.pack("<I", r.crc), base + r.data_offset + r.size + 4)
+                _pwrite(self._fd, struct.pack("<I", r.crc), base + r.central_offset + 16)
+            if self._owned:
+                os.fsync(self._fd)
         except BaseException:
             self.abort()
             raise
-        os.close(self._fd)
+        if self._owned:
+            os.close(self._fd)
         self._fd = None
 
     def abort(self) -> None:
-        """Closes and removes the file."""
+        """Closes and removes the file (an embedded archive leaves that to the file's owner)."""
         if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-            self.path.unlink(missing_ok=True)
+            fd, self._fd = self._fd, None
+            if self._owned:
+                os.close(fd)
+                self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> TorchFileWriter:
         return self
