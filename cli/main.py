@@ -27,7 +27,7 @@ out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 TopologyOpt = Annotated[str | None, typer.Option("--to", help="destination topology, e.g. tp=2,pp=2,dp=4,zero=1 (also ep=, cp=, vpp=, stages=)")]
-FormatOpt = Annotated[str | None, typer.Option("--format", help="destination format: megatron, deepspeed, hf (default: the source's)")]
+FormatOpt = Annotated[str | None, typer.Option("--format", help="destination format: megatron, deepspeed, hf, dcp (default: the source's)")]
 SpecOpt = Annotated[str | None, typer.Option("--spec", help="destination layout spec: a shipped name or a path")]
 
 
@@ -160,7 +160,7 @@ def verify(
 @_user_errors
 def fixture(
     out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="directory to write")],
-    format: Annotated[str, typer.Option("--format", help="megatron, deepspeed or hf")] = "megatron",
+    format: Annotated[str, typer.Option("--format", help="megatron, deepspeed, hf or dcp")] = "megatron",
     to: Annotated[str, typer.Option("--to", help="topology of the simulated ranks")] = "tp=1",
     model: Annotated[str, typer.Option("--model", help="tiny-llama, tiny-llama-tied, tiny-gpt2")] = "tiny-llama",
 ) -> None:

@@ -26,7 +26,7 @@ from reshard.errors import CheckpointFormatError, ReshardError
 from reshard.executor import ByteReader, PlanFill, destination_dtypes, uint_dtype
 from reshard.formats import detect_format, get_format
 from reshard.formats.base import Source, Target, itemsize
-from reshard.layout import Item
+from reshard.layout import Item, common_views
 from reshard.planner import Plan, plan as make_plan
 from reshard.topology import Topology, parse_topology
 
@@ -130,6 +130,7 @@ def plan(src: str | Path, *, to: str | Topology | None = None, format: str | Non
     """
     source = open_checkpoint(src, sizes=sizes)
     target = _target(source, to, format, spec)
+    source.layout, target.layout = common_views(source.layout, target.layout)
     p = make_plan(source.layout, target.layout)
     p.validate()
     target.dtypes = destination_dtypes(p, source.where)

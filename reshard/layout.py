@@ -24,7 +24,7 @@ from types import MappingProxyType
 from reshard.geometry import Box, restrict, row_major_strides
 from reshard.topology import Topology
 
-__all__ = ["Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "dims_of", "resolve"]
+__all__ = ["Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "common_views", "dims_of", "resolve"]
 
 
 @dataclass(frozen=True, slots=True, order=True, eq=True)
@@ -186,6 +186,50 @@ class Layout:
                                strides=tuple(st), fill=fl) for t, s, o, n, i, off, st, fl in data["fragments"])
         return cls(topology=parse_topology(data["topology"]), tensors=MappingProxyType(tensors),
                    items=MappingProxyType(infos), fragments=frags)
+
+
+def _is_plain(t: LogicalTensor) -> bool:
+    return t.view == t.shape and (not t.dim_axes or all(n == 1 for n in t.dim_axes))
+
+
+def _reviewed(layout: Layout, tensors: Mapping[str, LogicalTensor]) -> Layout:
+    """``layout`` with each tensor named in ``tensors`` (stored plainly, view = shape) re-viewed through
+    that tensor's axes: every fragment, a box of plain dims, becomes the view boxes it covers."""
+    frags: list[Fragment] = []
+    for f in layout.fragments:
+        t = tensors.get(f.tensor)
+        if t is None:
+            frags.append(f)
+            continue
+        for box, off, st in box_fragments(t, f.box.offsets, f.box.lengths, f.strides, f.offset):
+            frags.append(Fragment(tensor=f.tensor, state=f.state, box=box, item=f.item, offset=off, strides=st,
+                                  fill=f.fill))
+    merged = dict(layout.tensors)
+    merged.update(tensors)
+    return Layout(topology=layout.topology, tensors=MappingProxyType(merged), items=layout.items,
+                  fragments=tuple(frags), order=layout.order)
+
+
+def common_views(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
+    """The two layouts with every shared tensor seen through the same axes.
+
+    A format that stores tensors plainly (DCP chunks, whole tensors) describes
+    them by their own dims; a spec may view the same tensor through finer
+    axes (``(g qpg hd) h``). Where one side is plain and the shapes agree, it
+    takes the other's view, so the planner can intersect boxes. Tensors that
+    differ otherwise are left for the planner to report.
+    """
+    to_src: dict[str, LogicalTensor] = {}
+    to_dst: dict[str, LogicalTensor] = {}
+    for name, d in dst.tensors.items():
+        s = src.tensors.get(name)
+        if s is None or s.shape != d.shape or (s.axes, s.view) == (d.axes, d.view):
+            continue
+        if _is_plain(s):
+            to_src[name] = d
+        elif _is_plain(d):
+            to_dst[name] = s
+    return (_reviewed(src, to_src) if to_src else src), (_reviewed(dst, to_dst) if to_dst else dst)
 
 
 from reshard.resolve import resolve  # noqa: E402  (re-exported: resolve builds the types above)

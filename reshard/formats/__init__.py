@@ -19,8 +19,9 @@ FORMATS = {
     "megatron": "reshard.formats.megatron",
     "deepspeed": "reshard.formats.deepspeed",
     "hf": "reshard.formats.hf",
+    "dcp": "reshard.formats.dcp",
 }
-PLANNED = ("mcore-dist", "ucp", "dcp")
+PLANNED = ("mcore-dist", "ucp")
 
 
 def get_format(name: str) -> Format:

@@ -23,7 +23,7 @@ from reshard.layout import Item, Layout
 from reshard.spec import Spec
 from reshard.topology import Topology
 
-__all__ = ["DTYPE_SIZES", "Fill", "Format", "Located", "Source", "Target", "itemsize"]
+__all__ = ["DTYPE_SIZES", "LLAMA_SIZES", "Fill", "Format", "Located", "Source", "Target", "itemsize", "require_sizes"]
 
 # torch dtype names (without "torch.") and their sizes in bytes.
 DTYPE_SIZES = {
@@ -37,6 +37,20 @@ def itemsize(dtype: str) -> int:
         return DTYPE_SIZES[dtype]
     except KeyError:
         raise CheckpointFormatError(f"unsupported dtype '{dtype}' (supported: {', '.join(DTYPE_SIZES)})") from None
+
+
+LLAMA_SIZES = ("h", "heads", "g", "hd", "f", "vocab", "layers")
+"""The sizes a Llama-style model's specs need."""
+
+
+def require_sizes(source: Source, keys: tuple[str, ...], target: str) -> None:
+    """Fail before writing when ``source`` does not know the model sizes a ``target`` format needs."""
+    missing = [k for k in keys if k not in source.sizes]
+    if missing:
+        hint = (" (a DCP checkpoint carries no model config: put the model's Hugging Face config.json beside "
+                "its .metadata, or pass sizes)") if source.format == "dcp" else ""
+        raise CheckpointFormatError(f"{source.path}: writing {target} needs model sizes {', '.join(missing)}, "
+                                    f"which the source does not record{hint}")
 
 
 @dataclass(frozen=True, slots=True)

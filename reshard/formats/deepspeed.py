@@ -59,7 +59,7 @@ from typing import Any
 
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, SpecError, TopologyError
-from reshard.formats.base import Fill, Located, Source, Target, itemsize
+from reshard.formats.base import LLAMA_SIZES, Fill, Located, Source, Target, itemsize, require_sizes
 from reshard.formats.hf import llama_config
 from reshard.layout import Item, Layout, resolve
 from reshard.spec import Concat, Flat, Pad, Pattern, Product, Section, Spec, Split, Stored, Term
@@ -419,6 +419,8 @@ class DeepSpeedFormat:
         ``topology.zero`` picks the stage (0: the source's, or 2). A DeepSpeed source's
         non-tensor state is carried; any other source gets ``synthesize_extra``'s.
         """
+        if "transformer.wte.weight" not in source.layout.tensors:
+            require_sizes(source, LLAMA_SIZES, "deepspeed")
         if topology.pp != 1 or topology.vpp != 1:
             raise TopologyError(f"DeepSpeed ZeRO checkpoints have no pipeline stages: pp({topology.pp}) must be 1 "
                                 "(the pipeline engine is not supported)")

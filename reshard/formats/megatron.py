@@ -93,7 +93,7 @@ import numpy as np
 
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, ReshardError
-from reshard.formats.base import Fill, Located, Source, Target, itemsize
+from reshard.formats.base import LLAMA_SIZES, Fill, Located, Source, Target, itemsize, require_sizes
 from reshard.layout import Item, Layout, resolve
 from reshard.spec import Flat, Section, Spec
 from reshard.topology import Topology, parse_topology
@@ -339,6 +339,8 @@ class MegatronFormat:
         ``expert-parallel-rng`` (seed + 1024 + tp_rank) with offset 0
         (``model_parallel_cuda_manual_seed``).
         """
+        if "transformer.wte.weight" not in source.layout.tensors:
+            require_sizes(source, LLAMA_SIZES, "megatron")
         if topology.zero > 1:
             raise CheckpointFormatError(f"zero={topology.zero}: Megatron's distributed optimizer is ZeRO-1 (zero=1)")
         if topology.ep > 1 or topology.cp > 1:

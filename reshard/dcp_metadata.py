@@ -1,0 +1,294 @@
+"""PyTorch DCP's ``.metadata`` file, read without running its pickle and written for real ``dcp.load``.
+
+A DCP checkpoint directory holds ``.metadata`` (a pickle of
+``torch.distributed.checkpoint.metadata.Metadata``) and data files
+``__{rank}_{n}.distcp``. For each flattened state-dict key the metadata says
+either ``TensorStorageMetadata(properties.dtype, size, chunks)``, each chunk a
+box ``(offsets, sizes)`` of the global tensor, or ``BytesStorageMetadata`` (a
+``torch.save``-serialized Python object). ``storage_data`` maps
+``MetadataIndex(fqn, offset)`` (``offset=None`` for bytes) to
+``_StorageInfo(relative_path, offset, length)``: where that chunk's bytes are.
+With DCP's default ``FileSystemWriter`` each tensor chunk is a whole
+``torch.save`` archive at those bytes. ``planner_data`` maps each flat key to
+its path in the nested state dict (``("optim", "param_groups", 0, "lr")``).
+
+Reading allows only the classes above, ``StorageMeta``, ``torch.Size``,
+torch dtypes/layouts/memory formats and ``pathlib`` paths; every class becomes
+plain data here and nothing is imported from the file. Anything else in the
+pickle is an error naming the global.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import CheckpointFormatError
+from reshard.torch_types import _DTYPE_ALIASES, _DTYPE_NAMES
+
+__all__ = ["METADATA_NAME", "DcpChunk", "DcpMetadata", "DcpStorage", "DcpTensor", "read_metadata", "write_metadata"]
+
+METADATA_NAME = ".metadata"
+_MD = "torch.distributed.checkpoint.metadata"
+_FS = "torch.distributed.checkpoint.filesystem"
+_CLASSES = {(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+                               "BytesStorageMetadata", "MetadataIndex", "StorageMeta")} | {(_FS, "_StorageInfo")}
+
+
+@dataclass(frozen=True, slots=True)
+class DcpChunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DcpTensor:
+    dtype: str
+    """torch dtype name without ``torch.``."""
+    size: tuple[int, ...]
+    chunks: tuple[DcpChunk, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DcpStorage:
+    relative_path: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class DcpMetadata:
+    tensors: dict[str, DcpTensor] = field(default_factory=dict)
+    byte_entries: list[str] = field(default_factory=list)
+    storage: dict[tuple[str, tuple[int, ...] | None], DcpStorage] = field(default_factory=dict)
+    """``(flat key, chunk offsets)`` (offsets ``None`` for bytes entries) -> where the bytes are."""
+    planner_data: dict[str, tuple] = field(default_factory=dict)
+    version: str | None = None
+
+
+class _Obj:
+    """A DCP class instance as plain data: its class name, NEWOBJ arguments and BUILD state."""
+
+    def __init__(self, name: str, args: tuple = ()) -> None:
+        self.name, self.args, self.state = name, args, None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def fields(self) -> dict[str, Any]:
+        state = self.state
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            merged = dict(state[0] or {})  # (dict state, slots state)
+            merged.update(state[1] or {})
+            return merged
+        if isinstance(state, dict):
+            return state
+        if state is None:
+            return {}
+        raise _Bad(f"{self.name} has state {type(state).__name__}, expected a dict of fields")
+
+
+class _Bad(Exception):
+    pass
+
+
+def _newobj_class(name: str) -> type:
+    # NEWOBJ does ``cls.__new__(cls, *args)`` and requires a class: give each allowed name its own.
+    return type(name, (_Obj,), {"__new__": lambda cls, *args: _new_obj(cls, args), "__init__": lambda self, *a: None})
+
+
+def _new_obj(cls: type, args: tuple) -> _Obj:
+    obj = object.__new__(cls)
+    _Obj.__init__(obj, cls.__name__, args)
+    return obj
+
+
+class _Dtype(str):
+    pass
+
+
+class _Layout(str):
+    pass
+
+
+def _torch_size(dims=()) -> tuple[int, ...]:
+    dims = tuple(dims)
+    if not all(type(d) is int for d in dims):
+        raise _Bad(f"torch.Size of non-integers {dims!r:.60}")
+    return dims
+
+
+def _get_layout(name):
+    if not isinstance(name, str):
+        raise _Bad("torch.serialization._get_layout of a non-string")
+    return _Layout(name)
+
+
+def _path(*parts):
+    if not all(isinstance(p, str) for p in parts):
+        raise _Bad("a pathlib path of non-strings")
+    return "/".join(parts)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self._classes: dict[tuple[str, str], type] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        key = (module, name)
+        if key in _CLASSES:
+            if key not in self._classes:
+                self._classes[key] = _newobj_class(name)
+            return self._classes[key]
+        if key == (_MD, "_MEM_FORMAT_ENCODING"):
+            return lambda value: int(value)
+        if key == ("torch", "Size"):
+            return _torch_size
+        if key == ("torch.serialization", "_get_layout"):
+            return _get_layout
+        if module == "torch" and _DTYPE_ALIASES.get(name, name) in _DTYPE_NAMES:
+            return _Dtype(_DTYPE_ALIASES.get(name, name))
+        if module == "torch" and name in ("strided", "sparse_coo", "contiguous_format", "preserve_format",
+                                          "channels_last"):
+            return _Layout(name)
+        if module == "pathlib" and name in ("PosixPath", "WindowsPath", "Path", "PurePosixPath", "PureWindowsPath"):
+            return _path
+        if key in (("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")):
+            return {"OrderedDict": dict, "set": set, "frozenset": frozenset}[name]
+        raise _Bad(f"the pickle references {module}.{name}, which a DCP .metadata never holds and reshard "
+                   "will not load (allowed: DCP's metadata dataclasses, torch.Size, torch dtypes, pathlib paths)")
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple) or not all(type(v) is int and v >= 0 for v in value):
+        raise _Bad(f"{what} is {value!r:.60}, expected a torch.Size of non-negative integers")
+    return value
+
+
+def _expect(obj: Any, name: str, what: str) -> dict[str, Any]:
+    if not isinstance(obj, _Obj) or obj.name != name:
+        got = obj.name if isinstance(obj, _Obj) else type(obj).__name__
+        raise _Bad(f"{what} is a {got}, expected {name}")
+    return obj.fields()
+
+
+def _tensor(key: str, f: dict[str, Any]) -> DcpTensor:
+    props = _expect(f.get("properties"), "TensorProperties", f"'{key}' properties")
+    if not props and isinstance(f["properties"].state, tuple):  # TensorProperties pickles a tuple
+        state = f["properties"].state
+        props = {"dtype": state[0] if state else None}
+    dtype = props.get("dtype")
+    if not isinstance(dtype, _Dtype):
+        raise _Bad(f"'{key}' has dtype {dtype!r:.40}, expected a torch dtype")
+    size = _ints(f.get("size"), f"'{key}' size")
+    chunks = []
+    for c in f.get("chunks") or ():
+        cf = _expect(c, "ChunkStorageMetadata", f"a chunk of '{key}'")
+        offs, sizes = _ints(cf.get("offsets"), f"'{key}' chunk offsets"), _ints(cf.get("sizes"), f"'{key}' chunk sizes")
+        if len(offs) != len(size) or len(sizes) != len(size) or any(o + n > d for o, n, d in zip(offs, sizes, size)):
+            raise _Bad(f"'{key}' has a chunk at {list(offs)} of size {list(sizes)} outside its size {list(size)}")
+        chunks.append(DcpChunk(offs, sizes))
+    return DcpTensor(str(dtype), size, tuple(chunks))
+
+
+def _properties_state(obj: Any) -> None:
+    # TensorProperties.__getstate__ returns (dtype, layout, requires_grad, memory_format, pin_memory).
+    if isinstance(obj, _Obj) and obj.name == "TensorProperties" and isinstance(obj.state, tuple) and len(obj.state) == 5:
+        obj.state = {"dtype": obj.state[0], "layout": obj.state[1], "requires_grad": obj.state[2],
+                     "memory_format": obj.state[3], "pin_memory": obj.state[4]}
+
+
+def parse_metadata(data: bytes, where: str = METADATA_NAME) -> DcpMetadata:
+    """The metadata a ``.metadata`` pickle describes. Raises CheckpointFormatError naming ``where``."""
+    try:
+        try:
+            root = _Unpickler(data).load()
+        except _Bad:
+            raise
+        except Exception as e:  # malformed pickles: wrong opcodes, truncation, wrong argument counts
+            raise _Bad(f"not a pickle reshard can read ({type(e).__name__}: {e})") from e
+        top = _expect(root, "Metadata", "the pickled object")
+        out = DcpMetadata(version=top.get("version") if isinstance(top.get("version"), str) else None)
+        sdm = top.get("state_dict_metadata")
+        if not isinstance(sdm, dict):
+            raise _Bad("Metadata.state_dict_metadata is not a dict")
+        for key, md in sdm.items():
+            if not isinstance(key, str):
+                raise _Bad(f"state dict key {key!r:.60} is not a string")
+            if isinstance(md, _Obj) and md.name == "BytesStorageMetadata":
+                out.byte_entries.append(key)
+                continue
+            fields = _expect(md, "TensorStorageMetadata", f"the metadata of '{key}'")
+            _properties_state(fields.get("properties"))
+            out.tensors[key] = _tensor(key, fields)
+        storage = top.get("storage_data")
+        if not isinstance(storage, dict):
+            raise _Bad("Metadata.storage_data is not a dict (was the checkpoint written by a FileSystemWriter?)")
+        for index, info in storage.items():
+            fi = _expect(index, "MetadataIndex", "a storage_data key")
+            fqn, offset = fi.get("fqn"), fi.get("offset")
+            if not isinstance(fqn, str):
+                raise _Bad(f"a storage_data key has fqn {fqn!r:.60}")
+            offset = None if offset is None else _ints(offset, f"'{fqn}' storage offset")
+            si = _expect(info, "_StorageInfo", f"the storage of '{fqn}'")
+            path, off, length = si.get("relative_path"), si.get("offset"), si.get("length")
+            if not isinstance(path, str) or type(off) is not int or type(length) is not int or off < 0 or length < 0:
+                raise _Bad(f"the storage of '{fqn}' is {path!r:.60} at {off!r:.20} ({length!r:.20} bytes)")
+            if "/" in path or "\\" in path or path in ("", ".", ".."):
+                raise _Bad(f"the storage of '{fqn}' names {path!r:.80}, which is not a file in the checkpoint directory")
+            transforms = tuple(si.get("transform_descriptors") or ())
+            out.storage[(fqn, offset)] = DcpStorage(path, off, length, transforms)
+        planner = top.get("planner_data")
+        if isinstance(planner, dict):
+            out.planner_data = {k: tuple(v) for k, v in planner.items() if isinstance(k, str) and isinstance(v, tuple | list)}
+        return out
+    except _Bad as e:
+        raise CheckpointFormatError(f"{where}: {e}") from None
+    except RecursionError:
+        raise CheckpointFormatError(f"{where}: the pickle nests too deeply") from None
+
+
+def read_metadata(directory: Path) -> DcpMetadata:
+    path = Path(directory) / METADATA_NAME
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read: {e.strerror or e}") from e
+    return parse_metadata(data, str(path))
+
+
+def write_metadata(directory: Path, md: DcpMetadata) -> Path:
+    """Write ``.metadata`` as DCP's ``FileSystemWriter`` does: a pickle of torch's own classes."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    import torch
+
+    sdm: dict[str, Any] = {}
+    for key, t in md.tensors.items():
+        sdm[key] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=getattr(torch, t.dtype)), size=torch.Size(t.size),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in t.chunks])
+    for key in md.byte_entries:
+        sdm[key] = BytesStorageMetadata()
+    storage = {}
+    for (fqn, offset), s in md.storage.items():
+        index = MetadataIndex(fqn) if offset is None else MetadataIndex(fqn, torch.Size(offset), 0)
+        storage[index] = _StorageInfo(s.relative_path, s.offset, s.length,
+                                      list(s.transforms) if s.transforms else None)
+    meta = Metadata(state_dict_metadata=sdm, planner_data=dict(md.planner_data), storage_data=storage)
+    path = Path(directory) / METADATA_NAME
+    with open(path, "wb") as f:
+        pickle.dump(meta, f)
+    return path
