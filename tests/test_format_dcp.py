@@ -134,12 +134,37 @@ def test_loading_one_rank_of_eight_reads_only_its_share_of_large_chunks(tmp_path
     assert torch.equal(got[q], full[q[len("model."):]][lo:lo + n])
 
 
-def test_the_dcp_target_refuses_tensor_parallel_layouts(tmp_path):
+def test_the_dcp_target_refuses_pipeline_layouts(tmp_path):
     src = tmp_path / "src"
     make_fixture(src, format="megatron", to="tp=2")
-    with pytest.raises(TopologyError, match=r"dp only .*tp\(2\)"):
-        reshard.convert(src, tmp_path / "dst", format="dcp", to="tp=2,dp=2")
+    with pytest.raises(TopologyError, match=r"dp \(FSDP2\) and tp \(DTensor\) only; cannot write pp\(2\)"):
+        reshard.convert(src, tmp_path / "dst", format="dcp", to="pp=2,dp=2")
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("topology", ["tp=2", "tp=2,dp=2", "tp=4,dp=3"])
+def test_tensor_parallel_and_2d_dcp_layouts_hold_dtensor_boxes(tmp_path, topology):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_fixture(src, format="megatron", to="tp=2,pp=2")
+    reshard.convert(src, dst, format="dcp", to=topology)
+    md = read_metadata(dst)
+    tp = int(topology.split(",")[0].split("=")[1])
+    dp = int(topology.split("dp=")[1]) if "dp=" in topology else 1
+    q = md.tensors["model.model.layers.0.self_attn.q_proj.weight"]
+    rows = q.size[0] // tp  # colwise: tp splits rows, then FSDP2 chunks each tp block (_StridedShard)
+    want = sorted((t * rows + lo, n) for t in range(tp) for lo, n in _torch_chunks(rows, dp) if n)
+    assert sorted((c.offsets[0], c.sizes[0]) for c in q.chunks) == want
+    o = md.tensors["model.model.layers.0.self_attn.o_proj.weight"]  # rowwise: a dp x tp grid
+    cols = o.size[1] // tp
+    want = sorted((lo, t * cols) for t in range(tp) for lo, n in _torch_chunks(o.size[0], dp) if n)
+    assert sorted(c.offsets for c in o.chunks) == want
+    norm = md.tensors["model.model.norm.weight"]  # replicated over tp: each chunk stored once
+    assert len(norm.chunks) == len([n for _, n in _torch_chunks(norm.size[0], dp) if n])
+    state, values = consolidated(dst, tmp_path), logical()
+    for (name, st), (v, shape) in values.items():
+        if st in ("master", "exp_avg"):
+            got = state["model"][name] if st == "master" else state["optim"]["state"][name][st]
+            np.testing.assert_array_equal(got.numpy(), v.view(np.float32).reshape(shape), err_msg=f"{name} {st}")
 
 
 # -- hostile and broken -------------------------------------------------------------------------------

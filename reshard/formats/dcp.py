@@ -51,11 +51,12 @@ from typing import Any
 
 from reshard.dcp_metadata import METADATA_NAME, DcpChunk, DcpMetadata, DcpStorage, DcpTensor, read_metadata, write_metadata
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.formats.base import DTYPE_SIZES, LLAMA_SIZES, Fill, Located, Source, Target, itemsize
+from reshard.formats.base import DTYPE_SIZES, LLAMA_SIZES, Fill, Located, Source, Target, itemsize, require_sizes
 import numpy as np
 
 from reshard.geometry import row_major_strides
-from reshard.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
+from reshard.catalog import load_spec
+from reshard.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments, dims_of, resolve
 from reshard.spec import parse_spec
 from reshard.topology import Topology
 from reshard.torch_read import read_torch_file
@@ -65,6 +66,7 @@ from reshard.torch_write import TorchFileWriter
 __all__ = ["FORMAT", "DcpFormat"]
 
 SECTION = "dcp"
+SPEC = "dcp-llama"
 CONFIG_NAME = "config.json"
 WINDOW_BYTES = 8 << 20
 _DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
@@ -176,58 +178,52 @@ class DcpFormat:
                       sizes=model_sizes, layout=layout, where=where, extra=extra)
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
-        """FSDP2's layout of ``source``'s tensors over ``topology.dp`` ranks (``Shard(0)``, torch.chunk sizes)."""
-        if spec is not None:
-            raise CheckpointFormatError("the dcp target has one layout (FSDP2 Shard(0) over dp); --spec does not apply")
-        others = [f"{a}({topology.degree(a)})" for a in ("tp", "pp", "cp", "ep", "vpp") if topology.degree(a) > 1]
+        """The layout FSDP2 (and DTensor tensor parallelism) give ``source``'s tensors at ``topology``.
+
+        ``dp`` alone: every tensor ``Shard(0)`` over dp with torch.chunk sizes, for
+        any model. With ``tp`` (or a ``spec``): the spec's layout, by default
+        ``dcp-llama`` (a Hugging Face Llama under ``parallelize_module`` with the
+        usual colwise/rowwise plan, then ``fully_shard``); each stored item must be
+        one box of its tensor, which DCP records as a chunk. A chunk several ranks
+        hold (a replicated norm) is written once, by the lowest rank.
+        """
+        others = [f"{a}({topology.degree(a)})" for a in ("pp", "cp", "ep", "vpp") if topology.degree(a) > 1]
         if others:
-            raise TopologyError(f"the dcp target shards over dp only (FSDP2 fully_shard); cannot write {', '.join(others)}")
-        topology = Topology(dp=topology.dp)
+            raise TopologyError(f"the dcp target shards over dp (FSDP2) and tp (DTensor) only; cannot write "
+                                f"{', '.join(others)}")
+        topology = Topology(dp=topology.dp, tp=topology.tp)
         states = set(source.layout.states)
         model_state = "master" if "master" in states else "param"
         opt_states = sorted(states - {"param", "master"})
         src_dcp = source.extra.get("dcp") if source.format == self.name else None
         naming = src_dcp["naming"] if src_dcp else _Naming("model.", "optim.", frozenset())
-        tensors: dict[str, LogicalTensor] = {}
-        items: dict[Item, ItemInfo] = {}
-        fragments: list[Fragment] = []
-        chunks: dict[Item, tuple[str, DcpChunk, tuple[int, ...]]] = {}
         names = _tensor_order(source)
-        for name in names:
-            t = source.layout.tensors[name]
-            plain = _plain(name, t.shape)
-            tensors[name] = plain
-            for state in (model_state, *opt_states):
-                if not any(True for _ in _states_of(source, name, state)):
-                    continue
-                key = naming.key(name, "param" if state == model_state else state)
-                for rank, (lo, n) in enumerate(_torch_chunks(t.shape[0] if t.shape else 1, topology.dp)):
-                    if n == 0:
-                        continue
-                    offs = (lo,) + (0,) * (len(t.shape) - 1)
-                    sizes = (n,) + tuple(t.shape[1:])
-                    item = Item(SECTION, (("dp", rank),), 0, state, key)
-                    items[item] = ItemInfo(shape=sizes, mapped=math.prod(sizes), rule="FSDP2 Shard(0)")
-                    chunks[item] = (key, DcpChunk(offs, sizes), t.shape)
-                    for box, off, st in box_fragments(plain, offs, sizes, row_major_strides(sizes), 0):
-                        fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
-        layout = Layout(topology=topology, tensors=MappingProxyType(tensors), items=MappingProxyType(items),
-                        fragments=tuple(fragments))
+        wanted = (model_state, *opt_states)
+        if spec is None and topology.tp == 1:
+            layout, chunks = _fsdp_layout(source, topology, names, wanted, model_state, naming)
+            spec_name, spec_ast = "dcp", parse_spec("", "<dcp>")
+        else:
+            spec_name = spec or SPEC
+            spec_ast = load_spec(spec_name)
+            layout, chunks = _spec_layout(source, topology, spec_ast, spec_name, wanted, model_state, naming)
         verbatim = list(src_dcp["verbatim"]) if src_dcp else _synthesized(source, names, naming, opt_states)
         planner = dict(src_dcp["planner_data"]) if src_dcp else {}
         extra = {"chunks": chunks, "verbatim": verbatim, "planner_data": planner, "naming": naming}
         config = source.extra.get("config")
-        if config is None and all(k in source.sizes for k in LLAMA_SIZES) and "transformer.wte.weight" not in tensors:
+        if config is None and all(k in source.sizes for k in LLAMA_SIZES) and "transformer.wte.weight" not in names:
             from reshard.formats.hf import llama_config
 
-            config = llama_config(source.sizes, [_dtype_of(source, names)])
+            config = llama_config(source.sizes, [_dtype_of(source)])
         if config is not None:
             extra["config"] = config
-        return Target(format=self.name, spec_name="dcp", spec=parse_spec("", "<dcp>"), topology=topology,
-                      sizes=dict(source.sizes), layout=layout, dtypes={it: "float32" for it in items}, extra=extra)
+        return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology,
+                      sizes=dict(source.sizes), layout=layout, dtypes=dict.fromkeys(layout.items, "float32"),
+                      extra=extra)
 
     def files_of(self, target: Target) -> dict[Item, Path]:
-        return {it: Path(_rank_file(dict(it.unit)["dp"])) for it in target.layout.items}
+        """Each item's rank file; a chunk several ranks hold is in the file of the rank that writes it."""
+        chunks = target.extra["chunks"]
+        return {it: Path(_rank_file(chunks[it].rank)) for it in target.layout.items}
 
     def write(self, target: Target, out: Path, fill: Fill, *, progress: Callable[[int], None] | None = None,
               only: Collection[Path] | None = None, window_bytes: int | None = None) -> list[Path]:
@@ -437,15 +433,11 @@ def _torch_chunks(n: int, parts: int) -> list[tuple[int, int]]:
     return [(min(r * step, n), max(0, min(step, n - r * step))) for r in range(parts)]
 
 
-def _dtype_of(source: Source, names: list[str]) -> str:
+def _dtype_of(source: Source) -> str:
     for f in source.layout.fragments:
         if f.state == "param" and f.item in source.where:
             return source.where[f.item].dtype
     return "float32"
-
-
-def _states_of(source: Source, name: str, state: str):
-    return (f for f in source.layout.fragments if f.tensor == name and f.state == state)
 
 
 def _tensor_order(source: Source) -> list[str]:
@@ -482,6 +474,93 @@ def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: 
 
 
 @dataclass(frozen=True, slots=True)
+class _Chunk:
+    """Where a target item goes in DCP terms: its flat key, its box of the global tensor, who writes it."""
+
+    key: str
+    chunk: DcpChunk
+    size: tuple[int, ...]
+    rank: int
+    """The rank whose file holds it."""
+    writer: Item
+    """The item written for this (key, box): the lowest rank's; the others are replicas of it."""
+
+
+def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: tuple[str, ...], model_state: str,
+                 naming: _Naming) -> tuple[Layout, dict[Item, _Chunk]]:
+    tensors: dict[str, LogicalTensor] = {}
+    items: dict[Item, ItemInfo] = {}
+    fragments: list[Fragment] = []
+    chunks: dict[Item, _Chunk] = {}
+    held = {(f.tensor, f.state) for f in source.layout.fragments}
+    for name in names:
+        t = source.layout.tensors[name]
+        plain = tensors[name] = _plain(name, t.shape)
+        for state in states:
+            if (name, state) not in held:
+                continue
+            key = naming.key(name, "param" if state == model_state else state)
+            for rank, (lo, n) in enumerate(_torch_chunks(t.shape[0], topology.dp)):
+                if n == 0:
+                    continue
+                offs, sizes = (lo,) + (0,) * (len(t.shape) - 1), (n, *t.shape[1:])
+                item = Item(SECTION, (("dp", rank),), 0, state, key)
+                items[item] = ItemInfo(shape=sizes, mapped=math.prod(sizes), rule="FSDP2 Shard(0)")
+                chunks[item] = _Chunk(key, DcpChunk(offs, sizes), t.shape, rank, item)
+                for box, off, st in box_fragments(plain, offs, sizes, row_major_strides(sizes), 0):
+                    fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
+    layout = Layout(topology=topology, tensors=MappingProxyType(tensors), items=MappingProxyType(items),
+                    fragments=tuple(fragments))
+    return layout, chunks
+
+
+def _spec_layout(source: Source, topology: Topology, spec_ast, spec_name: str, states: tuple[str, ...],
+                 model_state: str, naming: _Naming) -> tuple[Layout, dict[Item, _Chunk]]:
+    require_sizes(source, LLAMA_SIZES, f"dcp with spec {spec_name}")
+    layout = resolve(spec_ast, topology, source.sizes, states={s: states for s in _sections(spec_ast)})
+    by_item: dict[Item, list[Fragment]] = {}
+    for f in layout.fragments:
+        by_item.setdefault(f.item, []).append(f)
+    chunks: dict[Item, _Chunk] = {}
+    first: dict[tuple[str, tuple[int, ...]], Item] = {}
+    for it in sorted(layout.items, key=lambda i: (topology.rank(**dict(i.unit)), i.key, i.state)):
+        frags = by_item.get(it, [])
+        names = {f.tensor for f in frags}
+        if len(names) != 1:
+            raise CheckpointFormatError(f"spec {spec_name}: {it} holds {len(names)} tensors; a DCP chunk is one box of "
+                                        "one tensor")
+        t = layout.tensors[frags[0].tensor]
+        offs, sizes = _plain_box(t, frags)
+        if sizes != layout.items[it].shape:
+            raise CheckpointFormatError(f"spec {spec_name}: {it} stores shape {list(layout.items[it].shape)}, which "
+                                        f"is not one box of '{t.name}' (it spans {list(sizes)} at {list(offs)})")
+        key = naming.key(t.name, "param" if it.state == model_state else it.state)
+        writer = first.setdefault((key, offs), it)
+        rank = topology.rank(**dict(writer.unit))
+        chunks[it] = _Chunk(key, DcpChunk(offs, sizes), t.shape, rank, writer)
+    return layout, chunks
+
+
+def _sections(spec_ast) -> list[str]:
+    from reshard.spec import Section
+
+    return [st.name for st in spec_ast.statements if isinstance(st, Section)]
+
+
+def _plain_box(t: LogicalTensor, frags: list[Fragment]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box of ``t``'s own dims that ``frags`` (boxes of its axis view) cover together."""
+    lo, hi = [], []
+    for group in dims_of(t):
+        sizes = [t.view[k] for k in group]
+        strides = row_major_strides(tuple(sizes))
+        starts = [sum(f.box.offsets[k] * s for k, s in zip(group, strides)) for f in frags]
+        ends = [sum((f.box.offsets[k] + f.box.lengths[k] - 1) * s for k, s in zip(group, strides)) + 1 for f in frags]
+        lo.append(min(starts))
+        hi.append(max(ends))
+    return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
+
+
+@dataclass(frozen=True, slots=True)
 class _Entry:
     key: str
     base: int
@@ -496,15 +575,16 @@ class _Entry:
 def _file_plan(target: Target) -> dict[str, list[_Entry]]:
     """Every entry of every rank file with its byte offset, computed without writing."""
     per_rank: dict[int, list[Item]] = {}
-    for it in target.layout.items:
-        per_rank.setdefault(dict(it.unit)["dp"], []).append(it)
+    for it, c in target.extra["chunks"].items():
+        if c.writer is it:
+            per_rank.setdefault(c.rank, []).append(it)
     files: dict[str, list[_Entry]] = {}
-    for rank in range(target.topology.dp):
+    for rank in range(target.topology.world_size):
         base, entries = 0, []
         for it in per_rank.get(rank, []):
-            key, chunk, size = target.extra["chunks"][it]
-            length = TorchFileWriter.measure(TensorSpec(target.dtypes[it], chunk.sizes, key=0), archive_name="archive")
-            entries.append(_Entry(key, base, length, item=it, chunk=chunk, global_size=size))
+            c = target.extra["chunks"][it]
+            length = TorchFileWriter.measure(TensorSpec(target.dtypes[it], c.chunk.sizes, key=0), archive_name="archive")
+            entries.append(_Entry(c.key, base, length, item=it, chunk=c.chunk, global_size=c.size))
             base += length
         if rank == 0:
             for v in target.extra["verbatim"]:
