@@ -24,7 +24,7 @@ from types import MappingProxyType
 from reshard.geometry import Box, restrict, row_major_strides
 from reshard.topology import Topology
 
-__all__ = ["Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "common_views", "dims_of", "resolve"]
+__all__ = ["Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "chunk_fragments", "common_views", "dims_of", "resolve"]
 
 
 @dataclass(frozen=True, slots=True, order=True, eq=True)
@@ -186,6 +186,56 @@ class Layout:
                                strides=tuple(st), fill=fl) for t, s, o, n, i, off, st, fl in data["fragments"])
         return cls(topology=parse_topology(data["topology"]), tensors=MappingProxyType(tensors),
                    items=MappingProxyType(infos), fragments=frags)
+
+
+def chunk_fragments(frags: list[Fragment], shape: tuple[int, ...], offsets: tuple[int, ...],
+                    sizes: tuple[int, ...], item: Item) -> list[Fragment]:
+    """The fragments of a stored tensor that fall in one chunk of it, re-based into that chunk.
+
+    ``frags`` describe an item of ``shape`` (a whole stored tensor, as a spec
+    resolved at the trivial topology gives it); the chunk is the box
+    ``offsets``/``sizes`` of it, stored row-major and contiguous as ``item``
+    (a DCP chunk of a Megatron torch_dist tensor). Each view axis of a
+    fragment lives in one dim of the tensor; per dim, ``restrict`` cuts the
+    axes down to the chunk's range, and the pieces combine across dims.
+    """
+    outer = row_major_strides(shape)
+    inner = row_major_strides(sizes)
+    out: list[Fragment] = []
+    for f in frags:
+        per_dim: dict[int, list[int]] = {}
+        for k, (n, st) in enumerate(zip(f.box.lengths, f.strides)):
+            if n > 1:
+                d = next(d for d in range(len(shape)) if outer[d] <= st and shape[d] > 1)
+                if st % outer[d] or (n - 1) * (st // outer[d]) >= shape[d]:
+                    raise ValueError(f"{f.tensor}: axis {k} (stride {st}) does not lie within one dim of {shape}")
+                per_dim.setdefault(d, []).append(k)
+        choices = []
+        for d in range(len(shape)):
+            start = (f.offset // outer[d]) % shape[d]
+            lo, hi = offsets[d], offsets[d] + sizes[d]
+            ks = per_dim.get(d, [])
+            if not ks:
+                if not lo <= start < hi:
+                    break
+                choices.append([(d, ks, (), (), start)])
+                continue
+            pieces = restrict(tuple(f.box.offsets[k] for k in ks), tuple(f.box.lengths[k] for k in ks),
+                              tuple(f.strides[k] // outer[d] for k in ks), start, lo, hi)
+            if not pieces:
+                break
+            choices.append([(d, ks, o, n, at) for o, n, at in pieces])
+        else:
+            for combo in itertools.product(*choices):
+                offs, lens, strd = list(f.box.offsets), list(f.box.lengths), list(f.strides)
+                at = 0
+                for d, ks, o, n, pos in combo:
+                    at += (pos - offsets[d]) * inner[d]
+                    for k, oo, nn in zip(ks, o, n):
+                        offs[k], lens[k], strd[k] = oo, nn, f.strides[k] // outer[d] * inner[d]
+                out.append(Fragment(tensor=f.tensor, state=f.state, box=Box(tuple(offs), tuple(lens)), item=item,
+                                    offset=at, strides=tuple(strd), fill=f.fill))
+    return out
 
 
 def _is_plain(t: LogicalTensor) -> bool:
