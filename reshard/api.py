@@ -26,7 +26,7 @@ from reshard.errors import CheckpointFormatError, ReshardError
 from reshard.executor import ByteReader, PlanFill, destination_dtypes, uint_dtype
 from reshard.formats import detect_format, get_format
 from reshard.formats.base import Source, Target, itemsize
-from reshard.layout import Item, common_views
+from reshard.layout import Item, common_views, with_state_alias
 from reshard.planner import Plan, plan as make_plan
 from reshard.topology import Topology, parse_topology
 
@@ -130,11 +130,16 @@ def plan(src: str | Path, *, to: str | Topology | None = None, format: str | Non
     """
     source = open_checkpoint(src, sizes=sizes)
     target = _target(source, to, format, spec)
+    held = set(source.layout.states)
     source.layout, target.layout = common_views(source.layout, target.layout)
+    if "master" in target.layout.states and "master" not in source.layout.states and all(
+            loc.dtype == "float32" for it, loc in source.where.items() if it.state == "param"):
+        # fp32 weights with no separate master copy (FSDP2, fp32 runs) are the master copy.
+        source.layout = with_state_alias(source.layout, "param", "master")
     p = make_plan(source.layout, target.layout)
     p.validate()
     target.dtypes = destination_dtypes(p, source.where)
-    dropped = tuple(sorted(set(source.layout.states) - set(target.layout.states)))
+    dropped = tuple(sorted(held - set(target.layout.states)))
     files = get_format(target.format).files_of(target)
     return PlanReport(source=source, target=target, plan=p, dropped_states=dropped, dst_files=files)
 

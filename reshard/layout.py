@@ -24,7 +24,7 @@ from types import MappingProxyType
 from reshard.geometry import Box, restrict, row_major_strides
 from reshard.topology import Topology
 
-__all__ = ["Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "chunk_fragments", "common_views", "dims_of", "resolve"]
+__all__ = ["Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "chunk_fragments", "common_views", "dims_of", "resolve", "with_state_alias"]
 
 
 @dataclass(frozen=True, slots=True, order=True, eq=True)
@@ -236,6 +236,14 @@ def chunk_fragments(frags: list[Fragment], shape: tuple[int, ...], offsets: tupl
                 out.append(Fragment(tensor=f.tensor, state=f.state, box=Box(tuple(offs), tuple(lens)), item=item,
                                     offset=at, strides=tuple(strd), fill=f.fill))
     return out
+
+
+def with_state_alias(layout: Layout, state: str, alias: str) -> Layout:
+    """``layout`` with every fragment of ``state`` also offered as ``alias`` (same items, same bytes)."""
+    extra = tuple(Fragment(tensor=f.tensor, state=alias, box=f.box, item=f.item, offset=f.offset, strides=f.strides,
+                           fill=f.fill) for f in layout.fragments if f.state == state)
+    return Layout(topology=layout.topology, tensors=layout.tensors, items=layout.items,
+                  fragments=layout.fragments + extra, order=layout.order)
 
 
 def _is_plain(t: LogicalTensor) -> bool:

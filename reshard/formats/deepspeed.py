@@ -441,6 +441,9 @@ class DeepSpeedFormat:
                                 "needs a spec that does")
         # The source's order of states: a DeepSpeed source's is its optimizer's key order.
         src_states = list(dict.fromkeys(it.state for it in source.layout.items if it.state != PARAM))
+        fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == PARAM)
+        if MASTER not in src_states and fp32 and any(it.state == PARAM for it in source.where):
+            src_states.insert(0, MASTER)  # fp32 training: the weights are the master copy (reshard.api aliases them)
         if MASTER not in src_states:
             raise CheckpointFormatError(f"a DeepSpeed checkpoint needs the fp32 master weights (state '{MASTER}'); "
                                         f"the source has: {', '.join(source.layout.states)}")
