@@ -35,7 +35,9 @@ METADATA_NAME = ".metadata"
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 _CLASSES = {(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-                               "BytesStorageMetadata", "MetadataIndex", "StorageMeta")} | {(_FS, "_StorageInfo")}
+                               "BytesStorageMetadata", "MetadataIndex", "StorageMeta")} | {(_FS, "_StorageInfo")} | {
+    # Megatron-core caches its save plans in the metadata it writes (kept as plain data, never used).
+    ("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,10 @@ FORMATS = {
     "megatron": "reshard.formats.megatron",
     "deepspeed": "reshard.formats.deepspeed",
     "hf": "reshard.formats.hf",
+    "mcore-dist": "reshard.formats.mcore_dist",  # before dcp: a torch_dist directory is also a DCP one
     "dcp": "reshard.formats.dcp",
 }
-PLANNED = ("mcore-dist", "ucp")
+PLANNED = ("ucp",)
 
 
 def get_format(name: str) -> Format:

@@ -1,0 +1,131 @@
+"""Megatron-core torch_dist checkpoints as a source: stacked, fused, padded global tensors in DCP chunks.
+
+The reference is always an independent de-interleaving in torch of what
+``dcp_to_torch_save`` reads: q/k/v from the group-interleaved QKV, gate/up
+from the two halves of fc1, the vocabulary without its padding. Real
+checkpoints come from megatron-core itself (``mcore_jobs.py``) where it is
+installed; a one-process ``dcp.save`` of the same layout runs everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import pytest
+
+import reshard
+from reshard.errors import CheckpointFormatError
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+from safetensors.torch import load_file  # noqa: E402
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
+
+import mcore_jobs  # noqa: E402
+
+S = mcore_jobs.SIZES
+HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+
+def expected_hf(ref: dict) -> dict:
+    """HF Llama tensors from a torch_dist state dict, de-interleaved here by hand."""
+    L, g, qpg, hd, h, f, v = S["layers"], S["g"], S["heads"] // S["g"], S["hd"], S["h"], S["f"], S["vocab"]
+    qkv = ref["decoder.layers.self_attention.linear_qkv.weight"].view(L, g, qpg + 2, hd, h)
+    fc1 = ref["decoder.layers.mlp.linear_fc1.weight"]
+    out = {"model.embed_tokens.weight": ref["embedding.word_embeddings.weight"][:v],
+           "lm_head.weight": ref["output_layer.weight"][:v], "model.norm.weight": ref["decoder.final_layernorm.weight"]}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        out |= {p + "self_attn.q_proj.weight": qkv[i, :, :qpg].reshape(-1, h),
+                p + "self_attn.k_proj.weight": qkv[i, :, qpg].reshape(-1, h),
+                p + "self_attn.v_proj.weight": qkv[i, :, qpg + 1].reshape(-1, h),
+                p + "self_attn.o_proj.weight": ref["decoder.layers.self_attention.linear_proj.weight"][i],
+                p + "mlp.gate_proj.weight": fc1[i, :f], p + "mlp.up_proj.weight": fc1[i, f:],
+                p + "mlp.down_proj.weight": ref["decoder.layers.mlp.linear_fc2.weight"][i],
+                p + "input_layernorm.weight": ref["decoder.layers.self_attention.linear_qkv.layer_norm_weight"][i],
+                p + "post_attention_layernorm.weight": ref["decoder.layers.mlp.linear_fc1.layer_norm_weight"][i]}
+    return out
+
+
+def check_hf(hf_dir, ref: dict) -> None:
+    got = load_file(hf_dir / "model.safetensors")
+    want = expected_hf(ref)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+def synthetic(path, tp: int = 2) -> dict:
+    """torch_dist's layout written by dcp.save in one process, with common.pt and metadata.json as Megatron writes them."""
+    L, h, f = S["layers"], S["h"], S["f"]
+    rows = S["g"] * (S["heads"] // S["g"] + 2) * S["hd"]
+    vpad = mcore_jobs.padded_vocab(tp)
+    gen = torch.Generator().manual_seed(tp)
+    shapes = {"embedding.word_embeddings.weight": (vpad, h), "output_layer.weight": (vpad, h),
+              "decoder.final_layernorm.weight": (h,),
+              "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (L, h),
+              "decoder.layers.self_attention.linear_qkv.weight": (L, rows, h),
+              "decoder.layers.self_attention.linear_proj.weight": (L, h, S["heads"] * S["hd"]),
+              "decoder.layers.mlp.linear_fc1.layer_norm_weight": (L, h),
+              "decoder.layers.mlp.linear_fc1.weight": (L, 2 * f, h), "decoder.layers.mlp.linear_fc2.weight": (L, h, f)}
+    state = {k: torch.randn(s, generator=gen).to(torch.bfloat16) for k, s in shapes.items()}
+    dcp.save(dict(state), checkpoint_id=path)
+    torch.save({"args": mcore_jobs._args(tp, 1), "iteration": 10}, path / "common.pt")
+    (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                    "common_backend": "torch", "common_backend_version": 1}))
+    return state
+
+
+def test_a_torch_dist_layout_converts_to_hf_de_interleaved(tmp_path):
+    ref = synthetic(tmp_path / "src")
+    src = reshard.open_checkpoint(tmp_path / "src")
+    assert src.format == "mcore-dist" and src.sizes["vpad"] == 512 and src.topology.tp == 2
+    reshard.convert(tmp_path / "src", tmp_path / "hf", format="hf")
+    check_hf(tmp_path / "hf", ref)
+
+
+def test_torch_dist_to_megatron_torch_format_and_on_to_hf(tmp_path):
+    ref = synthetic(tmp_path / "src")
+    reshard.convert(tmp_path / "src", tmp_path / "meg", format="megatron", to="tp=2,pp=2")
+    assert reshard.verify(tmp_path / "src", tmp_path / "meg")
+    reshard.convert(tmp_path / "meg", tmp_path / "hf", format="hf")
+    check_hf(tmp_path / "hf", ref)
+
+
+def test_a_stored_key_the_spec_does_not_know_is_an_error(tmp_path):
+    synthetic(tmp_path / "src")
+    extra = tmp_path / "extra"
+    dcp.save({"decoder.layers.mlp.router.weight": torch.zeros(4, 8)}, checkpoint_id=extra)
+    md = dcp.FileSystemReader(extra).read_metadata()
+    import pickle
+    ours = pickle.loads((tmp_path / "src" / ".metadata").read_bytes())
+    ours.state_dict_metadata.update(md.state_dict_metadata)
+    (tmp_path / "src" / ".metadata").write_bytes(pickle.dumps(ours))
+    with pytest.raises(CheckpointFormatError, match=r"'decoder.layers.mlp.router.weight' \(float32 \[4, 8\]\) matches no "
+                                                    r"tensor of spec 'mcore-dist-llama'"):
+        reshard.open_checkpoint(tmp_path / "src")
+
+
+def test_writing_torch_dist_is_refused_before_anything_is_written(tmp_path):
+    synthetic(tmp_path / "src")
+    with pytest.raises(CheckpointFormatError, match="writing Megatron torch_dist checkpoints is not supported yet"):
+        reshard.convert(tmp_path / "src", tmp_path / "dst", to="tp=1")
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (CI installs it)")
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_a_real_megatron_core_torch_dist_checkpoint_converts_to_hf(tmp_path, tp, pp):
+    src = tmp_path / "src"
+    mcore_jobs.save(src, tp, pp)
+    assert json.loads((src / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    dcp_to_torch_save(src, tmp_path / "ref.pt")
+    ref = torch.load(tmp_path / "ref.pt", weights_only=False)
+    assert ref["decoder.layers.self_attention.linear_qkv.weight"].shape == (S["layers"], 128, S["h"])  # stacked (L13)
+    reshard.convert(src, tmp_path / "hf", format="hf")
+    check_hf(tmp_path / "hf", ref)
+    reshard.convert(src, tmp_path / "meg", format="megatron", to="tp=2,pp=2")
+    reshard.convert(tmp_path / "meg", tmp_path / "hf2", format="hf")
+    check_hf(tmp_path / "hf2", ref)
