@@ -89,6 +89,8 @@ def run(rank, world, ckpt, port, rows, cols, count, measured):
         print(json.dumps({{"seconds": seconds, "peak": hwm(), "before": before, "share": share}}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads sometimes abort at interpreter exit
 
 if __name__ == "__main__":
     import torch.multiprocessing as mp

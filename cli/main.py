@@ -27,7 +27,7 @@ out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 TopologyOpt = Annotated[str | None, typer.Option("--to", help="destination topology, e.g. tp=2,pp=2,dp=4,zero=1 (also ep=, cp=, vpp=, stages=)")]
-FormatOpt = Annotated[str | None, typer.Option("--format", help="destination format: megatron, deepspeed, hf, dcp (default: the source's)")]
+FormatOpt = Annotated[str | None, typer.Option("--format", help="destination format: megatron, deepspeed, hf, dcp, mcore-dist (default: the source's)")]
 SpecOpt = Annotated[str | None, typer.Option("--spec", help="destination layout spec: a shipped name or a path")]
 
 

@@ -121,7 +121,7 @@ def _step(model, opt, step: int) -> float:
     loss.backward()
     opt.step()
     opt.zero_grad()
-    return float(loss)
+    return loss.item()
 
 
 def _rank(rank: int, world: int, port: int, args: list[str]) -> None:
@@ -142,19 +142,30 @@ def _rank(rank: int, world: int, port: int, args: list[str]) -> None:
                 _step(model, opt, step)
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-            return
-        msd, osd = get_state_dict(model, opt)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
-        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-        msd, osd = get_state_dict(model, opt)
-        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in
-                flatten({"model": msd, "optim": osd}).items()}
-        full = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in full.items()}
-        full["loss_after_step"] = _step(model, opt, 99)
-        if rank == 0:
-            torch.save(full, args[4])
+        else:
+            msd, osd = get_state_dict(model, opt)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+            msd, osd = get_state_dict(model, opt)
+            full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in
+                    flatten({"model": msd, "optim": osd}).items()}
+            full = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in full.items()}
+            full["loss_after_step"] = _step(model, opt, 99)
+            if rank == 0:
+                torch.save(full, args[4])
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """End a rank that finished its work without running C++ static destructors: gloo's threads
+    sometimes abort at interpreter exit ("terminate called without an active exception") after
+    everything was written, which would fail a job that succeeded."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _main() -> None:

@@ -1,13 +1,15 @@
 """Real megatron-core ``torch_dist`` checkpoints, written on CPU with gloo (weights only).
 
 Importable (no side effects) and runnable as a script. ``save`` runs
-``python tests/mcore_jobs.py TP PP OUT``, which spawns ``tp * pp`` ranks that
+``python tests/mcore_jobs.py save TP PP OUT``, which spawns ``tp * pp`` ranks that
 each build their pipeline stage of a Llama-style ``GPTModel`` (GQA, SwiGLU,
 RMSNorm, rotary, untied output layer, vocabulary padded as Megatron pads it)
 with megatron-core's local layer spec and CPU initialization, and save
 ``{"model": sharded_state_dict, "args": ..., "iteration": ...}`` with
 ``dist_checkpointing.save`` (torch_dist backend), as Megatron's training loop
-does. Two CUDA calls megatron-core makes while saving are stubbed to the CPU.
+does; ``load`` builds the model at another tp/pp and loads a checkpoint with
+megatron-core's own ``dist_checkpointing.load``. Two CUDA calls megatron-core
+makes while saving are stubbed to the CPU.
 """
 
 from __future__ import annotations
@@ -29,14 +31,24 @@ def padded_vocab(tp: int) -> int:
 
 
 def save(out: Path, tp: int, pp: int) -> None:
+    """A real torch_dist checkpoint at ``out``, written by ``tp * pp`` ranks."""
+    _job(["save", str(tp), str(pp), str(out)])
+
+
+def load(ckpt: Path, tp: int, pp: int, dump: Path) -> None:
+    """megatron-core's own ``dist_checkpointing.load`` of ``ckpt`` into a model built at tp/pp;
+    each rank then saves its module ``state_dict()`` tensors to ``dump/rank{r}.pt``."""
+    _job(["load", str(tp), str(pp), str(ckpt), str(dump)])
+
+
+def _job(args: list[str]) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESHARD_MCORE_PORT": str(port)}
-    done = subprocess.run([sys.executable, __file__, str(tp), str(pp), str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=600)
     if done.returncode:
-        raise RuntimeError(f"megatron-core job tp={tp} pp={pp} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"megatron-core job {args} failed:\n{done.stderr[-4000:]}")
 
 
 def _args(tp: int, pp: int) -> argparse.Namespace:
@@ -50,7 +62,7 @@ def _args(tp: int, pp: int) -> argparse.Namespace:
         params_dtype="float32", seed=1234)
 
 
-def _rank(rank: int, world: int, tp: int, pp: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, tp: int, pp: int, port: int, action: str, paths: list[str]) -> None:
     import torch
 
     torch.cuda.synchronize = lambda *a, **k: None      # called around the save
@@ -78,14 +90,26 @@ def _rank(rank: int, world: int, tp: int, pp: int, port: int, out: str) -> None:
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False, position_embedding_type="rope")
-    state = {"model": model.sharded_state_dict(), "args": _args(tp, pp), "iteration": 10, "checkpoint_version": 3.0}
-    dist_checkpointing.save(state, out)
+    if action == "save":
+        state = {"model": model.sharded_state_dict(), "args": _args(tp, pp), "iteration": 10,
+                 "checkpoint_version": 3.0}
+        dist_checkpointing.save(state, paths[0])
+    else:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, paths[0])
+        model.load_state_dict(loaded["model"])
+        tensors = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        torch.save(tensors, Path(paths[1]) / f"rank{rank}.pt")
+    dist.barrier()
     dist.destroy_process_group()
+    # Skip C++ static destructors: gloo's threads sometimes abort at interpreter exit after the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    tp, pp, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    os.makedirs(out, exist_ok=True)
-    mp.spawn(_rank, args=(tp * pp, tp, pp, int(os.environ["RESHARD_MCORE_PORT"]), out), nprocs=tp * pp)
+    action, tp, pp, paths = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+    os.makedirs(paths[-1], exist_ok=True)
+    mp.spawn(_rank, args=(tp * pp, tp, pp, int(os.environ["RESHARD_MCORE_PORT"]), action, paths), nprocs=tp * pp)

@@ -108,11 +108,39 @@ def test_a_stored_key_the_spec_does_not_know_is_an_error(tmp_path):
         reshard.open_checkpoint(tmp_path / "src")
 
 
-def test_writing_torch_dist_is_refused_before_anything_is_written(tmp_path):
+@pytest.mark.parametrize("to", ["tp=2", "tp=1,pp=2", "tp=2,pp=2,vpp=2"])
+def test_written_torch_dist_has_megatron_cores_chunks_and_reads_back(tmp_path, to):
+    from fixtures import make_fixture
+    from reshard.dcp_metadata import read_metadata
+
+    make_fixture(tmp_path / "src", format="megatron", to="tp=2,pp=2")
+    result = reshard.convert(tmp_path / "src", tmp_path / "dist", format="mcore-dist", to=to)
+    assert result.report.dropped_states == ("exp_avg", "exp_avg_sq", "master")  # weights only, said so
+    assert json.loads((tmp_path / "dist" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    md = read_metadata(tmp_path / "dist")
+    tp = int(to.split(",")[0].split("=")[1])
+    layers, rows = S["layers"], S["g"] * (S["heads"] // S["g"] + 2) * S["hd"]
+    fc1 = sorted(c.offsets for c in md.tensors["decoder.layers.mlp.linear_fc1.weight"].chunks)
+    f = 160  # the fixture's ffn
+    assert fc1 == sorted((i, half * f + t * f // tp, 0) for i in range(layers) for half in (0, 1) for t in range(tp))
+    qkv = md.tensors["decoder.layers.self_attention.linear_qkv.weight"]
+    assert {c.sizes for c in qkv.chunks} == {(1, rows // tp, S["h"])} and len(qkv.chunks) == layers * tp
+    norms = md.tensors["decoder.layers.self_attention.linear_qkv.layer_norm_weight"]
+    assert len(norms.chunks) == layers  # replicated over tp: written once
+    assert len(md.byte_entries) == 4 * layers  # the linear layers' _extra_state
+    check = reshard.verify(tmp_path / "src", tmp_path / "dist", states=("param",))
+    assert check.identical and check.compared == 9 * layers + 3, check.differences
+
+
+def test_torch_dist_optimizer_state_is_refused_by_name(tmp_path):
     synthetic(tmp_path / "src")
-    with pytest.raises(CheckpointFormatError, match="writing Megatron torch_dist checkpoints is not supported yet"):
-        reshard.convert(tmp_path / "src", tmp_path / "dst", to="tp=1")
-    assert not (tmp_path / "dst").exists()
+    dcp.save({"optimizer.state.exp_avg.decoder.final_layernorm.weight": torch.zeros(64)}, checkpoint_id=tmp_path / "o")
+    import pickle
+    ours = pickle.loads((tmp_path / "src" / ".metadata").read_bytes())
+    ours.state_dict_metadata.update(dcp.FileSystemReader(tmp_path / "o").read_metadata().state_dict_metadata)
+    (tmp_path / "src" / ".metadata").write_bytes(pickle.dumps(ours))
+    with pytest.raises(CheckpointFormatError, match=r"optimizer state \(1 keys, e.g. 'optimizer.state.exp_avg.decoder"):
+        reshard.open_checkpoint(tmp_path / "src")
 
 
 @pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (CI installs it)")
@@ -129,3 +157,30 @@ def test_a_real_megatron_core_torch_dist_checkpoint_converts_to_hf(tmp_path, tp,
     reshard.convert(src, tmp_path / "meg", format="megatron", to="tp=2,pp=2")
     reshard.convert(tmp_path / "meg", tmp_path / "hf2", format="hf")
     check_hf(tmp_path / "hf2", ref)
+
+
+@pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (CI installs it)")
+def test_reshard_written_torch_dist_loads_in_megatron_core_at_a_new_layout(tmp_path):
+    import glob
+
+    from reshard.dcp_metadata import read_metadata
+
+    mcore_jobs.save(tmp_path / "src", 2, 1)
+    reshard.convert(tmp_path / "src", tmp_path / "same", format="mcore-dist", to="tp=2,pp=1")
+    real, ours = read_metadata(tmp_path / "src"), read_metadata(tmp_path / "same")  # chunk for chunk
+    assert ours.tensors.keys() == real.tensors.keys() and sorted(ours.byte_entries) == sorted(real.byte_entries)
+    for key, t in real.tensors.items():
+        assert sorted((c.offsets, c.sizes) for c in ours.tensors[key].chunks) == sorted((c.offsets, c.sizes) for c in t.chunks)
+    reshard.convert(tmp_path / "src", tmp_path / "dist", format="mcore-dist", to="tp=1,pp=2")
+    reshard.convert(tmp_path / "src", tmp_path / "torch", format="megatron", to="tp=1,pp=2")
+    mcore_jobs.load(tmp_path / "dist", 1, 2, tmp_path / "dump")
+    names = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    for pp in range(2):
+        got = torch.load(tmp_path / "dump" / f"rank{pp}.pt", weights_only=True)
+        got = {next((k.replace(a, b) for a, b in names.items() if k.endswith(a)), k): v for k, v in got.items()}
+        rank_file = glob.glob(str(tmp_path / "torch" / "iter_*" / f"mp_rank_00_{pp:03d}" / "model_optim_rng.pt"))[0]
+        want = {k: v for k, v in torch.load(rank_file, weights_only=False)["model"].items() if torch.is_tensor(v)}
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (pp, k)

@@ -16,8 +16,9 @@ Model sizes come from ``common.pt``'s ``args`` (as Megatron's training loop
 saves them) or from ``sizes``; ``vpad`` is the stored embedding's row count.
 Per-layer ``_extra_state`` entries and the RNG state are bytes entries; they
 hold nothing the logical model needs and are not carried to other formats.
-Not yet read: optimizer state (``optimizer.*`` keys) and MoE layers; writing
-this format is not supported yet.
+Writing lays the same global tensors out as megatron-core's ranks would at
+the target tp/pp (see ``McoreDistFormat.target``). Not yet: optimizer state
+(``optimizer.*`` keys, refused when read) and MoE layers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ from reshard.catalog import load_spec
 from reshard.dcp_metadata import read_metadata
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import DTYPE_SIZES, Fill, Located, Source, Target
-from reshard.formats.dcp import _chunk_ref
+from reshard.formats.dcp import FORMAT as DCP
+from reshard.formats.dcp import _chunk_ref, _Chunk, _Naming, _Verbatim
+from reshard.dcp_metadata import DcpChunk
+from reshard.geometry import row_major_strides
+from reshard.torch_write import write_torch_file
 from reshard.layout import Fragment, Item, ItemInfo, Layout, chunk_fragments, resolve
 from reshard.topology import Topology
 from reshard.torch_read import read_torch_file
@@ -42,6 +47,8 @@ from reshard.torch_read import read_torch_file
 __all__ = ["FORMAT", "McoreDistFormat"]
 
 SPEC = "mcore-dist-llama"
+RANK_SPEC = "megatron-llama"
+"""Where each rank's tensors are: the torch format's per-rank spec."""
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 _EMBEDDING = "embedding.word_embeddings.weight"
@@ -49,7 +56,7 @@ _SIZE_KEYS = ("h", "heads", "g", "hd", "f", "vocab", "layers")
 
 
 class McoreDistFormat:
-    """The ``mcore-dist`` format adapter (see ``reshard.formats.base.Format``); reading only."""
+    """The ``mcore-dist`` format adapter (see ``reshard.formats.base.Format``)."""
 
     name = "mcore-dist"
 
@@ -135,15 +142,168 @@ class McoreDistFormat:
                       sizes=model_sizes, layout=layout, where=where, extra=extra)
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
-        raise CheckpointFormatError("writing Megatron torch_dist checkpoints is not supported yet; "
-                                    "write --format megatron (torch format), hf or dcp")
+        """Megatron-core's torch_dist layout of ``source``'s model weights at ``topology`` (tp, pp, vpp).
+
+        The stored tensors are the global ones of ``mcore-dist-llama`` (vocabulary
+        padded for the target tp); the chunks are the boxes megatron-core's ranks
+        write: each rank's tensors as the torch-format spec ``megatron-llama``
+        places them, one chunk per layer, SwiGLU fc1 as one chunk per half,
+        replicated tensors (norms) once. Weights only: optimizer states are not
+        written (reported as not carried).
+        """
+        from reshard.formats.base import LLAMA_SIZES, require_sizes
+        from reshard.formats.megatron import _padded_vocab, megatron_args
+
+        bad = [f"{a}({topology.degree(a)})" for a in ("dp", "cp", "ep") if topology.degree(a) > 1]
+        if bad or topology.zero:
+            raise CheckpointFormatError(f"the mcore-dist target writes tp, pp and vpp; {', '.join(bad) or 'zero'} "
+                                        "does not change a torch_dist checkpoint (it is the same at any dp)")
+        if "transformer.wte.weight" in source.layout.tensors or "lm_head.weight" not in source.layout.tensors:
+            raise CheckpointFormatError(f"{source.path}: the mcore-dist target supports untied Llama-style models so far")
+        require_sizes(source, LLAMA_SIZES, "mcore-dist")
+        sizes = {k: int(source.sizes[k]) for k in LLAMA_SIZES}
+        src_args = dict(source.extra.get("args", {})) if source.format in ("megatron", self.name) else {}
+        div = int(src_args.get("make_vocab_size_divisible_by") or source.sizes.get("vocab_div", 128))
+        spec_name = spec or SPEC
+        spec_ast = load_spec(spec_name)
+        whole = resolve(spec_ast, Topology(), sizes | {"vpad": _padded_vocab(sizes["vocab"], div, topology.tp)})
+        ranks = resolve(load_spec(RANK_SPEC), topology, sizes | {"vocab_div": div})
+        boxes = _chunk_boxes(whole, ranks, topology)
+        frags_of: dict[str, list[Fragment]] = {}
+        for f in whole.fragments:
+            frags_of.setdefault(f.item.key, []).append(f)
+        shapes = {it.key: info.shape for it, info in whole.items.items()}
+        items: dict[Item, ItemInfo] = {}
+        fragments: list[Fragment] = []
+        chunks: dict[Item, Any] = {}
+        for (key, offsets), (sizes_, rank) in sorted(boxes.items(), key=lambda kv: (kv[1][1], kv[0])):
+            item = Item("model", (("rank", rank),), 0, "param", f"{key}@{','.join(map(str, offsets))}")
+            mine = chunk_fragments(frags_of[key], shapes[key], offsets, sizes_, item)
+            items[item] = ItemInfo(shape=sizes_, mapped=sum(math.prod(f.box.lengths) for f in mine), rule=key)
+            fragments.extend(mine)
+            chunks[item] = _Chunk(key, DcpChunk(offsets, sizes_), shapes[key], rank, item)
+        used = {f.tensor for f in fragments}
+        layout = Layout(topology=topology, tensors=MappingProxyType({n: t for n, t in whole.tensors.items() if n in used}),
+                        items=MappingProxyType(items), fragments=tuple(fragments))
+        args = megatron_args(sizes | {"vocab_div": div}, topology, base=src_args or None,
+                             iteration=int(source.extra.get("iteration") or 0))
+        common = {"args": args, "checkpoint_version": 3.0, "iteration": int(source.extra.get("iteration") or 0)}
+        extra = {"chunks": chunks, "verbatim": _extra_states(sizes["layers"]), "planner_data": {},
+                 "naming": _Naming("", "", frozenset()), "common": common}
+        return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology, sizes=dict(source.sizes),
+                      layout=layout, dtypes=dict.fromkeys(items, "float32"), extra=extra)
+
+    def files_of(self, target: Target) -> dict[Item, Path]:
+        return DCP.files_of(target)
 
     def write(self, target: Target, out: Path, fill: Fill, *, progress: Callable[[int], None] | None = None,
               only: Collection[Path] | None = None, window_bytes: int | None = None) -> list[Path]:
-        raise CheckpointFormatError("writing Megatron torch_dist checkpoints is not supported yet")
+        """The DCP files as the ``dcp`` format writes them, then ``common.pt`` and ``metadata.json``."""
+        out = Path(out)
+        written = DCP.write(target, out, fill, progress=progress, only=only, window_bytes=window_bytes)
+        if only:
+            return written
+        common = dict(target.extra["common"])
+        common["args"] = argparse.Namespace(**common["args"])
+        write_torch_file(out / COMMON, common, {})
+        (out / METADATA_JSON).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                     "common_backend": "torch", "common_backend_version": 1}))
+        return [*written, Path(COMMON), Path(METADATA_JSON)]
 
-    def files_of(self, target: Target) -> dict[Item, Path]:
-        raise CheckpointFormatError("writing Megatron torch_dist checkpoints is not supported yet")
+
+def _chunk_boxes(whole: Layout, ranks: Layout, topology: Topology) -> dict[tuple[str, tuple[int, ...]], tuple]:
+    """``(global key, offsets) -> (sizes, writing rank)``: where each rank's tensors sit in the global ones.
+
+    Each stored item of the per-rank layout is cut into blocks of fragments
+    whose bounding boxes overlap (QKV's interleaved parts are one block,
+    SwiGLU fc1's stacked halves two, as megatron-core writes them); a block's
+    translation into the global tensor places its chunk. A chunk several
+    ranks hold is written by the lowest rank.
+    """
+    global_of: dict[tuple[str, str], list[Fragment]] = {}
+    for f in whole.fragments:
+        global_of.setdefault((f.tensor, f.state), []).append(f)
+    per_item: dict[Item, list[Fragment]] = {}
+    for f in ranks.fragments:
+        if not f.fill:
+            per_item.setdefault(f.item, []).append(f)
+    out: dict[tuple[str, tuple[int, ...]], tuple] = {}
+    for item, frags in per_item.items():
+        shape = ranks.items[item].shape
+        rank = topology.rank(**{a: c for a, c in item.unit if a in ("tp", "pp", "dp", "cp")})
+        boxes = [_local_box(fr, shape) for fr in frags]
+        for members in _overlapping(boxes):
+            places = {_place(frags[k], shape, whole, global_of) for k in members}
+            if len(places) != 1:
+                raise CheckpointFormatError(f"{item}: parts of one stored block land in the global tensors at "
+                                            f"{sorted(places)}; it cannot be written as one chunk")
+            key, lead_pos, move = places.pop()
+            lo, hi = (0,) * len(shape), shape  # one block: the whole tensor, padding included
+            if len(members) < len(frags):
+                lo = tuple(min(boxes[k][0][d] for k in members) for d in range(len(shape)))
+                hi = tuple(max(boxes[k][1][d] for k in members) for d in range(len(shape)))
+            offsets = tuple(lead_pos) + tuple(m + l for m, l in zip(move, lo))
+            sizes = (1,) * len(lead_pos) + tuple(h - l for l, h in zip(lo, hi))
+            known = out.get((key, offsets))
+            if known is None or rank < known[1]:
+                out[(key, offsets)] = (sizes, rank)
+    return out
+
+
+def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[list[int]]:
+    """Groups of boxes connected by overlap: interleaved parts (QKV) stay one block, stacked halves (fc1) do not."""
+    groups: list[list[int]] = []
+    for k, (lo, hi) in enumerate(boxes):
+        hits = [g for g in groups if any(all(a < d and c < b for a, b, c, d in zip(lo, hi, *boxes[j])) for j in g)]
+        merged = [k] + [j for g in hits for j in g]
+        groups = [g for g in groups if g not in hits] + [sorted(merged)]
+    return groups
+
+
+def _place(fr: Fragment, shape: tuple[int, ...], whole: Layout, global_of) -> tuple:
+    """(global key, its leading stacked index, translation from the rank's tensor into the global one)."""
+    gf = next(g for g in global_of[(fr.tensor, fr.state)]
+              if all(go <= o and o + n <= go + gn for o, n, go, gn
+                     in zip(fr.box.offsets, fr.box.lengths, g.box.offsets, g.box.lengths)))
+    gshape = whole.items[gf.item].shape
+    flat = gf.offset + sum((o - go) * st for o, go, st in zip(fr.box.offsets, gf.box.offsets, gf.strides))
+    pos_g, pos_r = _unravel(flat, gshape), _unravel(fr.offset, shape)
+    lead = len(gshape) - len(shape)
+    return gf.item.key, pos_g[:lead], tuple(a - b for a, b in zip(pos_g[lead:], pos_r))
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for n in reversed(shape):
+        flat, r = divmod(flat, n)
+        out.append(r)
+    return tuple(reversed(out))
+
+
+def _local_box(fr: Fragment, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The bounding box, in the dims of its item, of the elements a fragment covers."""
+    strides = row_major_strides(shape)
+    lo = list(_unravel(fr.offset, shape))
+    hi = [x + 1 for x in lo]
+    for n, st in zip(fr.box.lengths, fr.strides):
+        if n > 1:
+            d = next(d for d in range(len(shape)) if strides[d] <= st and shape[d] > 1)
+            hi[d] += (n - 1) * (st // strides[d])
+    return tuple(lo), tuple(hi)
+
+
+def _extra_states(layers: int) -> list[_Verbatim]:
+    """The per-layer ``_extra_state`` bytes entries megatron-core's linear layers save (``[None]`` without TE)."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save([None], buf)
+    data = buf.getvalue()
+    mods = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+    return [_Verbatim(f"decoder.layers.{m}._extra_state/shard_{i}_{layers}", None, data)
+            for i in range(layers) for m in mods]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
