@@ -116,8 +116,12 @@ class SafetensorsHeader:
     """In bytes."""
 
 
-def read_header(path: str | Path) -> SafetensorsHeader:
+def read_header(path: str | Path, *, offset: int = 0) -> SafetensorsHeader:
     """Read and validate the header of the safetensors file ``path``; no tensor data is read.
+
+    With ``offset``, the safetensors data starts there and runs to the end of
+    the file (DCP's safetensors serialization appends one to each rank file);
+    offsets in the result stay absolute in ``path``.
 
     Checks, in order: the 8-byte length fits the file and the 100 MB limit;
     the header begins with ``{``, is UTF-8 JSON without duplicate keys;
@@ -138,7 +142,8 @@ def read_header(path: str | Path) -> SafetensorsHeader:
     path = Path(path)
     try:
         with path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            size = os.fstat(f.fileno()).st_size - offset
+            f.seek(offset)
             if size < _N_LEN:
                 raise _error(path, f"file is {size} bytes, shorter than the 8-byte header length")
             n = int.from_bytes(f.read(_N_LEN), "little")
@@ -164,8 +169,8 @@ def read_header(path: str | Path) -> SafetensorsHeader:
         raise _error(path, f"header is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
         raise _error(path, "header is not valid JSON: nested too deeply") from None
-    data_start = _N_LEN + n
-    data_len = size - data_start
+    data_len = size - _N_LEN - n
+    data_start = offset + _N_LEN + n
     metadata = _metadata(path, obj.pop("__metadata__", None)) if "__metadata__" in obj else None
     spans: list[tuple[int, int, str]] = []
     tensors: dict[str, TensorInfo] = {}
@@ -176,7 +181,7 @@ def read_header(path: str | Path) -> SafetensorsHeader:
     _check_cover(path, sorted(spans), data_len)
     ordered = {name: tensors[name] for _, _, name in sorted(spans)}
     return SafetensorsHeader(path=path, tensors=MappingProxyType(ordered), metadata=metadata,
-                             data_start=data_start, file_size=size)
+                             data_start=data_start, file_size=offset + size)
 
 
 class _DuplicateKeyError(Exception):

@@ -226,3 +226,21 @@ def test_a_chunk_outside_its_tensor_is_refused(tmp_path):
     (src / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointFormatError, match=r"'model.model.norm.weight' has a chunk at \[60\] of size \[32\] outside"):
         reshard.open_checkpoint(src)
+
+
+def test_safetensors_serialized_dcp_is_read_at_the_offsets_its_header_gives(tmp_path):
+    """FileSystemWriter(serialization_format=SAFETENSORS) points every tensor at its file's safetensors
+    blob (torch 2.13's own dcp.load then fails); reshard reads each tensor where the blob's header says."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
+
+    gen = torch.Generator().manual_seed(3)
+    model = {"a": torch.randn(6, 4, generator=gen), "b": torch.randn(5, generator=gen).to(torch.bfloat16)}
+    dcp.save({"model": model, "x": 3}, storage_writer=FileSystemWriter(tmp_path / "src",
+                                                                        serialization_format=SerializationFormat.SAFETENSORS))
+    md = read_metadata(tmp_path / "src")
+    assert len({s.offset for (k, o), s in md.storage.items() if o is not None}) == 1  # all at the blob's start
+    reshard.convert(tmp_path / "src", tmp_path / "dst", to="dp=2")
+    back = consolidated(tmp_path / "dst", tmp_path)
+    assert back["x"] == 3
+    for k, v in model.items():
+        assert back["model"][k].dtype == v.dtype and torch.equal(back["model"][k], v), k

@@ -59,6 +59,7 @@ from reshard.catalog import load_spec
 from reshard.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments, dims_of, resolve
 from reshard.spec import parse_spec
 from reshard.topology import Topology
+from reshard.safetensors_io import read_header
 from reshard.torch_read import read_torch_file
 from reshard.torch_types import TensorRef, TensorSpec
 from reshard.torch_write import TorchFileWriter
@@ -383,7 +384,12 @@ def _chunk_ref(path: Path, md: DcpMetadata, key: str, c: DcpChunk, t: DcpTensor,
     file = path / s.relative_path
     if not file.is_file():
         raise CheckpointFormatError(f"{file}: missing (the metadata puts '{key}' there)")
-    ref = read_torch_file(file, offset=s.offset, length=s.length)
+    with open(file, "rb") as f:
+        magic = os.pread(f.fileno(), 4, s.offset)
+    if magic == b"PK\x03\x04":
+        ref = read_torch_file(file, offset=s.offset, length=s.length)
+    else:
+        ref = _safetensors_ref(file, s, key, cache)
     if not isinstance(ref, TensorRef):
         problems.append(f"{file}: '{key}' chunk at {list(c.offsets)} holds {_what(ref)}, not a tensor")
     elif ref.shape != c.sizes or ref.dtype != t.dtype:
@@ -394,6 +400,25 @@ def _chunk_ref(path: Path, md: DcpMetadata, key: str, c: DcpChunk, t: DcpTensor,
     else:
         return ref
     return None
+
+
+def _safetensors_ref(file: Path, s: DcpStorage, key: str, cache: dict) -> TensorRef:
+    """A chunk of DCP's safetensors serialization (``FileSystemWriter(serialization_format=SAFETENSORS)``).
+
+    Each rank file then ends with one safetensors blob of all its tensors keyed
+    by flat key, and every tensor's storage offset points at the blob's start
+    (torch 2.13's own ``dcp.load`` cannot read these); the blob's header says
+    where each tensor's bytes are.
+    """
+    header = cache.get((file, s.offset))
+    if header is None:
+        header = cache[(file, s.offset)] = read_header(file, offset=s.offset)
+    info = header.tensors.get(key)
+    if info is None:
+        raise CheckpointFormatError(f"{file}: '{key}' is neither a torch.save archive at byte {s.offset} nor a "
+                                    "tensor of a safetensors blob there")
+    return TensorRef(dtype=info.dtype, shape=info.shape, stride=row_major_strides(info.shape), storage=key,
+                     storage_offset=0, path=file, data_offset=info.data_offset, storage_nbytes=info.nbytes)
 
 
 def _what(obj: object) -> str:
