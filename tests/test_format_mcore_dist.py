@@ -57,7 +57,7 @@ def check_hf(hf_dir, ref: dict) -> None:
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
-def synthetic(path, tp: int = 2) -> dict:
+def synthetic(path, tp: int = 2, dtype=torch.bfloat16) -> dict:
     """torch_dist's layout written by dcp.save in one process, with common.pt and metadata.json as Megatron writes them."""
     L, h, f = S["layers"], S["h"], S["f"]
     rows = S["g"] * (S["heads"] // S["g"] + 2) * S["hd"]
@@ -70,7 +70,7 @@ def synthetic(path, tp: int = 2) -> dict:
               "decoder.layers.self_attention.linear_proj.weight": (L, h, S["heads"] * S["hd"]),
               "decoder.layers.mlp.linear_fc1.layer_norm_weight": (L, h),
               "decoder.layers.mlp.linear_fc1.weight": (L, 2 * f, h), "decoder.layers.mlp.linear_fc2.weight": (L, h, f)}
-    state = {k: torch.randn(s, generator=gen).to(torch.bfloat16) for k, s in shapes.items()}
+    state = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
     dcp.save(dict(state), checkpoint_id=path)
     torch.save({"args": mcore_jobs._args(tp, 1), "iteration": 10}, path / "common.pt")
     (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -92,6 +92,24 @@ def test_torch_dist_to_megatron_torch_format_and_on_to_hf(tmp_path):
     assert reshard.verify(tmp_path / "src", tmp_path / "meg")
     reshard.convert(tmp_path / "meg", tmp_path / "hf", format="hf")
     check_hf(tmp_path / "hf", ref)
+
+
+def test_torch_dist_through_deepspeed_dcp_and_back_keeps_every_weight(tmp_path):
+    ref = synthetic(tmp_path / "src", dtype=torch.float32)  # fp32 weights serve as DeepSpeed's master copy
+    reshard.convert(tmp_path / "src", tmp_path / "ds", format="deepspeed", to="dp=3")
+    reshard.convert(tmp_path / "ds", tmp_path / "dcp", format="dcp", to="dp=2")
+    reshard.convert(tmp_path / "dcp", tmp_path / "back", format="mcore-dist", to="tp=2")
+    for other in ("ds", "dcp", "back"):  # verify compares logical tensors across layouts that view them differently
+        check = reshard.verify(tmp_path / "src", tmp_path / other, states=("param",))
+        assert check.identical and check.compared == 9 * S["layers"] + 3, (other, check.differences)
+    dcp_to_torch_save(tmp_path / "back", tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    for k, v in ref.items():
+        if k.startswith(("embedding", "output_layer")):
+            v = v[: S["vocab"]]  # padding rows are not logical data
+            assert torch.equal(back[k][: S["vocab"]], v) and not back[k][S["vocab"]:].any(), k
+        else:
+            assert torch.equal(back[k], v), k
 
 
 def test_a_stored_key_the_spec_does_not_know_is_an_error(tmp_path):
