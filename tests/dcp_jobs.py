@@ -19,7 +19,6 @@ Importable (no side effects) and runnable as a script; the test suite calls
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reshard.catalog import available_specs, load_spec
+from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, TopologyError
 from reshard.formats import hf
 from reshard.formats.base import Source, Target, itemsize

@@ -9,7 +9,6 @@ installed; a one-process ``dcp.save`` of the same layout runs everywhere.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 
