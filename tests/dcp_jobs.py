@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
+
+from jobs import exit_now, run_job
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
@@ -43,9 +44,9 @@ def _free_port() -> int:
 def _run(args: list[str], world: int) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "RESHARD_DCP_PORT": str(_free_port()), "RESHARD_DCP_WORLD": str(world)}
-    out = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=600)
-    if out.returncode:
-        raise RuntimeError(f"dcp job {args} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    code, err = run_job([sys.executable, __file__, *args], env)
+    if code:
+        raise RuntimeError(f"dcp job {args} failed ({code}):\n{err[-4000:]}")
 
 
 def save(out: Path, mode: str, world: int, *, dp: int | None = None, steps: int = 2) -> None:
@@ -155,16 +156,7 @@ def _rank(rank: int, world: int, port: int, args: list[str]) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    _exit_now()
-
-
-def _exit_now() -> None:
-    """End a rank that finished its work without running C++ static destructors: gloo's threads
-    sometimes abort at interpreter exit ("terminate called without an active exception") after
-    everything was written, which would fail a job that succeeded."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()
 
 
 def _main() -> None:

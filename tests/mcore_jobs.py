@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
+
+from jobs import exit_now, run_job
 
 SIZES = {"h": 64, "heads": 8, "g": 4, "hd": 8, "f": 160, "vocab": 300, "layers": 4}
 DIVISIBLE_BY = 128
@@ -46,9 +47,9 @@ def _job(args: list[str]) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESHARD_MCORE_PORT": str(port)}
-    done = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode:
-        raise RuntimeError(f"megatron-core job {args} failed:\n{done.stderr[-4000:]}")
+    code, err = run_job([sys.executable, __file__, *args], env)
+    if code:
+        raise RuntimeError(f"megatron-core job {args} failed ({code}):\n{err[-4000:]}")
 
 
 def _args(tp: int, pp: int) -> argparse.Namespace:
@@ -101,10 +102,7 @@ def _rank(rank: int, world: int, tp: int, pp: int, port: int, action: str, paths
         torch.save(tensors, Path(paths[1]) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
-    # Skip C++ static destructors: gloo's threads sometimes abort at interpreter exit after the work is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()
 
 
 if __name__ == "__main__":

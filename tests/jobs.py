@@ -1,0 +1,41 @@
+"""Running the multi-process jobs the interop tests use (torch DCP, megatron-core) robustly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def run_job(cmd: list[str], env: dict[str, str], timeout: float = 600) -> tuple[int, str]:
+    """Run a multi-process job in its own session; whatever it leaves behind (helper processes that
+    outlive their rank) is killed with it, and output goes to a file so no leftover can hold a pipe."""
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = -1
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        return code, out.read().decode(errors="replace")
+
+
+def exit_now() -> None:
+    """End a rank that finished its work without running C++ static destructors (gloo's threads sometimes
+    abort at interpreter exit, failing a job that succeeded), stopping its helper processes first."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
