@@ -14,8 +14,9 @@ conversion reads just the rows each target needs, in place inside the chunks'
 
 Model sizes come from ``common.pt``'s ``args`` (as Megatron's training loop
 saves them) or from ``sizes``; ``vpad`` is the stored embedding's row count.
-Per-layer ``_extra_state`` entries and the RNG state are bytes entries; they
-hold nothing the logical model needs and are not carried to other formats.
+Per-layer ``_extra_state`` entries are bytes entries, carried as they are to a
+torch_dist target (written as megatron-core's local layers write them,
+``[None]``, from any other source); they hold nothing the other formats need.
 Writing lays the same global tensors out as megatron-core's ranks would at
 the target tp/pp (see ``McoreDistFormat.target``). Not yet: optimizer state
 (``optimizer.*`` keys, refused when read) and MoE layers.
@@ -36,7 +37,7 @@ from reshard.dcp_metadata import read_metadata
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import DTYPE_SIZES, Fill, Located, Source, Target
 from reshard.formats.dcp import FORMAT as DCP
-from reshard.formats.dcp import _chunk_ref, _Chunk, _Naming, _Verbatim
+from reshard.formats.dcp import _Chunk, _chunk_ref, _entry_bytes, _Naming, _Verbatim
 from reshard.dcp_metadata import DcpChunk
 from reshard.geometry import row_major_strides
 from reshard.torch_write import write_torch_file
@@ -138,6 +139,12 @@ class McoreDistFormat:
         layout = Layout(topology=topology, tensors=MappingProxyType({n: t for n, t in whole.tensors.items() if n in used}),
                         items=MappingProxyType(items), fragments=tuple(fragments))
         extra: dict[str, Any] = {"iteration": common.get("iteration")} if isinstance(common.get("iteration"), int) else {}
+        if isinstance(common.get("args"), argparse.Namespace | Mapping):
+            extra["args"] = dict(vars(common["args"]) if isinstance(common["args"], argparse.Namespace) else common["args"])
+        # Per-layer _extra_state (Transformer Engine's FP8 metadata, or [None]): keyed by global layer, so
+        # a torch_dist target at any tp/pp takes them as they are.
+        extra["extra_states"] = [_Verbatim(k, None, _entry_bytes(path, md, k, None)[0])
+                                 for k in md.byte_entries if "._extra_state/shard_" in k]
         return Source(format=self.name, path=path, spec_name=spec_name, spec=spec_ast, topology=topology,
                       sizes=model_sizes, layout=layout, where=where, extra=extra)
 
@@ -188,7 +195,8 @@ class McoreDistFormat:
         args = megatron_args(sizes | {"vocab_div": div}, topology, base=src_args or None,
                              iteration=int(source.extra.get("iteration") or 0))
         common = {"args": args, "checkpoint_version": 3.0, "iteration": int(source.extra.get("iteration") or 0)}
-        extra = {"chunks": chunks, "verbatim": _extra_states(sizes["layers"]), "planner_data": {},
+        carried = source.extra.get("extra_states") if source.format == self.name else None
+        extra = {"chunks": chunks, "verbatim": carried or _extra_states(sizes["layers"]), "planner_data": {},
                  "naming": _Naming("", "", frozenset()), "common": common}
         return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology, sizes=dict(source.sizes),
                       layout=layout, dtypes=dict.fromkeys(items, "float32"), extra=extra)
