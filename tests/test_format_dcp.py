@@ -244,3 +244,24 @@ def test_safetensors_serialized_dcp_is_read_at_the_offsets_its_header_gives(tmp_
     assert back["x"] == 3
     for k, v in model.items():
         assert back["model"][k].dtype == v.dtype and torch.equal(back["model"][k], v), k
+
+
+def test_torchtitan_naming_bare_parameters_and_an_optimizer_key(tmp_path):
+    """torchtitan saves model parameters at the top level and the optimizer under 'optimizer'."""
+    gen = torch.Generator().manual_seed(5)
+    model = {"tok_embeddings.weight": torch.randn(10, 4, generator=gen), "norm.weight": torch.randn(4, generator=gen)}
+    optim = {"state": {k: {"exp_avg": torch.randn(v.shape, generator=gen), "step": torch.tensor(7.0)}
+                       for k, v in model.items()},
+             "param_groups": [{"lr": 0.5, "params": list(model)}]}
+    dcp.save({**model, "optimizer": optim, "train_state": {"step": 7}}, checkpoint_id=tmp_path / "src")
+    src = reshard.open_checkpoint(tmp_path / "src")
+    assert sorted(src.layout.tensors) == sorted(model) and src.layout.states == ("exp_avg", "param")
+    reshard.convert(tmp_path / "src", tmp_path / "dst", to="dp=3")
+    back = consolidated(tmp_path / "dst", tmp_path)
+    assert back["train_state"] == {"step": 7} and back["optimizer"]["param_groups"][0]["lr"] == 0.5
+    for k, v in model.items():
+        assert torch.equal(back[k], v), k
+        assert torch.equal(back["optimizer"]["state"][k]["exp_avg"], optim["state"][k]["exp_avg"]), k
+        assert back["optimizer"]["state"][k]["step"].item() == 7.0
+    md = read_metadata(tmp_path / "dst")
+    assert [c.sizes for c in md.tensors["tok_embeddings.weight"].chunks] == [(4, 4), (4, 4), (2, 4)]
