@@ -125,7 +125,7 @@ def test_a_stored_key_the_spec_does_not_know_is_an_error(tmp_path):
         reshard.open_checkpoint(tmp_path / "src")
 
 
-@pytest.mark.parametrize("to", ["tp=2", "tp=1,pp=2", "tp=2,pp=2,vpp=2"])
+@pytest.mark.parametrize("to", ["tp=2", "tp=1,pp=2", "tp=2,pp=2,vpp=2", "tp=2,pp=2,dp=3"])
 def test_written_torch_dist_has_megatron_cores_chunks_and_reads_back(tmp_path, to):
     from fixtures import make_fixture
     from reshard.dcp_metadata import read_metadata

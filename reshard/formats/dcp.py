@@ -615,7 +615,8 @@ def _file_plan(target: Target) -> dict[str, list[_Entry]]:
             for v in target.extra["verbatim"]:
                 entries.append(_Entry(v.key, base, len(v.data), tensor=v.tensor, data=v.data))
                 base += len(v.data)
-        files[_rank_file(rank)] = entries
+        if entries:  # a rank with nothing to write (a dp replica, a rank past a short tensor) gets no file
+            files[_rank_file(rank)] = entries
     return files
 
 

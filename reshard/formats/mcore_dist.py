@@ -149,22 +149,23 @@ class McoreDistFormat:
                       sizes=model_sizes, layout=layout, where=where, extra=extra)
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
-        """Megatron-core's torch_dist layout of ``source``'s model weights at ``topology`` (tp, pp, vpp).
+        """Megatron-core's torch_dist layout of ``source``'s model weights at ``topology`` (tp, pp, vpp, dp).
 
         The stored tensors are the global ones of ``mcore-dist-llama`` (vocabulary
         padded for the target tp); the chunks are the boxes megatron-core's ranks
         write: each rank's tensors as the torch-format spec ``megatron-llama``
         places them, one chunk per layer, SwiGLU fc1 as one chunk per half,
-        replicated tensors (norms) once. Weights only: optimizer states are not
-        written (reported as not carried).
+        replicated tensors (norms) once, by the lowest rank (dp only changes the
+        rank numbers and ``args``). Weights only: optimizer states are not written
+        (reported as not carried).
         """
         from reshard.formats.base import LLAMA_SIZES, require_sizes
         from reshard.formats.megatron import _padded_vocab, megatron_args
 
-        bad = [f"{a}({topology.degree(a)})" for a in ("dp", "cp", "ep") if topology.degree(a) > 1]
-        if bad or topology.zero:
-            raise CheckpointFormatError(f"the mcore-dist target writes tp, pp and vpp; {', '.join(bad) or 'zero'} "
-                                        "does not change a torch_dist checkpoint (it is the same at any dp)")
+        bad = [f"{a}({topology.degree(a)})" for a in ("cp", "ep") if topology.degree(a) > 1]
+        if bad:
+            raise CheckpointFormatError(f"the mcore-dist target writes tp, pp, vpp and dp; {', '.join(bad)} is not "
+                                        "supported yet")
         if "transformer.wte.weight" in source.layout.tensors or "lm_head.weight" not in source.layout.tensors:
             raise CheckpointFormatError(f"{source.path}: the mcore-dist target supports untied Llama-style models so far")
         require_sizes(source, LLAMA_SIZES, "mcore-dist")
