@@ -136,6 +136,9 @@ def plan(src: str | Path, *, to: str | Topology | None = None, format: str | Non
             loc.dtype == "float32" for it, loc in source.where.items() if it.state == "param"):
         # fp32 weights with no separate master copy (FSDP2, fp32 runs) are the master copy.
         source.layout = with_state_alias(source.layout, "param", "master")
+    elif "param" in target.layout.states and "param" not in source.layout.states and "master" in source.layout.states:
+        # Only fp32 master weights stored (DeepSpeed ZeRO-3): they are the weights, as zero_to_fp32 reads them.
+        source.layout = with_state_alias(source.layout, "master", "param")
     p = make_plan(source.layout, target.layout)
     p.validate()
     target.dtypes = destination_dtypes(p, source.where)

@@ -63,6 +63,7 @@ class _Pending(NamedTuple):
     requires_grad: object
     parameter: bool = False
     metadata: object = None
+    attrs: tuple = ()
 
 
 class _Marker(NamedTuple):
@@ -208,9 +209,17 @@ def _rebuild_parameter(data, requires_grad, hooks, state=None):
 def _rebuild_from_type_v2(func, new_type, args, state):
     if not (isinstance(func, _Callable) and func.fn in (_rebuild_v1, _rebuild_v2, _rebuild_v3)):
         raise _BadFileError("torch._tensor._rebuild_from_type_v2 of something that is not a tensor")
-    if not (new_type is _TENSOR or new_type is _PARAMETER) or state:
-        raise _BadFileError("tensor subclasses and tensors with Python attributes are not supported")
-    return func(*args)._replace(parameter=new_type is _PARAMETER)
+    if not (new_type is _TENSOR or new_type is _PARAMETER):
+        raise _BadFileError("tensor subclasses are not supported")
+    attrs: tuple = ()
+    if state:
+        # Plain attributes set on a tensor (DeepSpeed ZeRO-3 tags its flat groups with ds_id): kept as data.
+        if new_type is not _TENSOR or not isinstance(state, dict) or not all(
+                type(k) is str and type(v) in (str, int, float, bool, type(None)) for k, v in state.items()):
+            raise _BadFileError(f"a tensor with Python attributes {state!r:.80} is not supported "
+                                "(only plain str/int/float/bool values on a torch.Tensor are)")
+        attrs = tuple(sorted(state.items()))
+    return func(*args)._replace(parameter=new_type is _PARAMETER, attrs=attrs)
 
 
 def _encode(text, encoding="utf-8", errors="strict"):  # _codecs.encode: how protocol 2 spells bytes
@@ -450,7 +459,7 @@ def _tensor_ref(p: _Pending) -> TensorRef:
                             f"which holds {st.nbytes}")
     return TensorRef(dtype=dtype, shape=shape, stride=stride, storage=st.key, storage_offset=p.offset,
                      path=st.path, data_offset=st.data_start + p.offset * itemsize, storage_nbytes=st.nbytes,
-                     requires_grad=p.requires_grad, parameter=p.parameter)
+                     requires_grad=p.requires_grad, parameter=p.parameter, attrs=p.attrs)
 
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, bytearray, slice, TorchSize, np.ndarray, np.generic)

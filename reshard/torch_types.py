@@ -91,6 +91,8 @@ class TensorRef:
     requires_grad: bool = False
     parameter: bool = False
     """Pickled as a ``torch.nn.Parameter``."""
+    attrs: tuple[tuple[str, object], ...] = ()
+    """Plain Python attributes set on the tensor (``(("ds_id", "0_20"),)`` in DeepSpeed ZeRO-3 files)."""
 
     @property
     def itemsize(self) -> int:

@@ -38,7 +38,8 @@ States: model weights ``param``; fp32 master ``master``; every tensor the torch 
 keeps per flat param (``exp_avg``, ``exp_avg_sq``, ...) under its own name, laid out like
 ``master``. Scalars (``step``) and all other non-tensor state are carried, never resharded.
 
-Not supported, each refused with a message: ZeRO stage 3, the pipeline engine, MoE
+ZeRO stage 3 checkpoints are read by ``reshard.formats.deepspeed_zero3`` (not written yet).
+Not supported, each refused with a message: the pipeline engine, MoE
 expert files, ``round_robin_gradients``, ``parameter_alignment``, frozen parameters,
 persistent buffers, tied weights, and tp > 1 with a spec that splits nothing over tp.
 """
@@ -60,6 +61,7 @@ from typing import Any
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, SpecError, TopologyError
 from reshard.formats.base import LLAMA_SIZES, Fill, Located, Source, Target, itemsize, require_sizes
+from reshard.formats.deepspeed_zero3 import is_zero3, open_zero3
 from reshard.formats.hf import llama_config
 from reshard.layout import Item, Layout, resolve
 from reshard.spec import Concat, Flat, Pad, Pattern, Product, Section, Spec, Split, Stored, Term
@@ -80,8 +82,6 @@ PARAM, MASTER = "param", "master"
 _MODEL_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 _OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _REFUSED_FILES = (
-    (re.compile(r"zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt"),
-     "ZeRO stage 3 checkpoints (zero_pp_rank_*_model_states.pt) are not supported yet; only stages 1 and 2"),
     (re.compile(r"layer_\d+-model_\d+-model_states\.pt"),
      "DeepSpeed pipeline-engine checkpoints (layer_XX-model_YY-model_states.pt) are not supported"),
     (re.compile(r"(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt|expp_rank_\d+_mp_rank_\d+_optim_states\.pt"),
@@ -328,7 +328,7 @@ def _groups(layout: Layout, info: _SpecInfo, tp: int) -> list[_Group]:
 
 
 class DeepSpeedFormat:
-    """DeepSpeed ZeRO-1/2 checkpoints: ``engine.save_checkpoint`` directories."""
+    """DeepSpeed ZeRO checkpoints: ``engine.save_checkpoint`` directories (stage 3 read by ``deepspeed_zero3``)."""
 
     name = "deepspeed"
 
@@ -338,7 +338,7 @@ class DeepSpeedFormat:
             names = [p.name for p in tag_dir.iterdir()]
         except (CheckpointFormatError, OSError):
             return False
-        return any(_OPTIM_FILE.fullmatch(n) or _REFUSED_FILES[0][0].fullmatch(n) for n in names)
+        return any(_OPTIM_FILE.fullmatch(n) or is_zero3([n]) for n in names)
 
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
         """Read a ZeRO-1/2 checkpoint's metadata, resolve its layout and prove the layout against every file.
@@ -352,6 +352,9 @@ class DeepSpeedFormat:
           CheckpointFormatError: naming the file and what disagrees (rank files missing or
             beyond ``dp_world_size``, a param placed elsewhere than the spec says, ...).
         """
+        root, tag, tag_dir = _locate(Path(path))
+        if is_zero3([p.name for p in tag_dir.iterdir()]):
+            return open_zero3(self.name, root, tag, tag_dir, spec=spec, sizes=sizes)
         files = _find_files(Path(path))
         tp = len(files.model)
         models = [_read(p) for p in files.model]
@@ -432,7 +435,8 @@ class DeepSpeedFormat:
         carried = source.extra.get("deepspeed") if source.format == self.name else None
         stage = topology.zero or (carried.zero_stage if carried else 2)
         if stage not in (1, 2):
-            raise TopologyError(f"DeepSpeed target: ZeRO stage {stage} is not supported (only 1 and 2)")
+            raise TopologyError(f"DeepSpeed target: writing ZeRO stage {stage} is not supported yet (only 1 and 2); "
+                                "give zero=1 or zero=2 in the topology")
         spec_name = spec or (source.spec_name if carried else DEFAULT_SPEC)
         parsed = load_spec(spec_name)
         info = _spec_info(parsed, spec_name)
