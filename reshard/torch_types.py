@@ -160,8 +160,12 @@ class TensorSpec:
     requires_grad: bool = False
     parameter: bool = False
     """Write as a ``torch.nn.Parameter``."""
+    attrs: tuple[tuple[str, object], ...] = ()
+    """Plain attributes to set on the tensor (DeepSpeed ZeRO-3's ``ds_id``); not with ``parameter``."""
 
     def __post_init__(self) -> None:
+        if self.attrs and self.parameter:
+            raise ValueError(f"tensor {self.key!r}: attributes on a Parameter are not supported")
         if self.dtype not in _ITEMSIZE:
             raise CheckpointFormatError(f"unsupported dtype '{self.dtype}' (supported: {', '.join(_ITEMSIZE)})")
         object.__setattr__(self, "shape", tuple(self.shape))

@@ -172,10 +172,16 @@ class _Pickler:
         known = self.storages.setdefault(spec.key, (str(len(self.storages)), spec))
         if (known[1].dtype, known[1].shape) != (spec.dtype, spec.shape):
             raise ValueError(f"tensor key {spec.key!r} names two different tensors")
+        wrapped = bool(spec.attrs)  # plain attributes: _rebuild_from_type_v2(func, Tensor, args, attrs)
         if spec.parameter:
             self.save_global(("torch._utils", "_rebuild_parameter"))
+        if wrapped:
+            self.save_global(("torch._tensor", "_rebuild_from_type_v2"))
+            self.out.write(b"(")
         legacy = spec.dtype in _STORAGE_OF
         self.save_global(("torch._utils", "_rebuild_tensor_v2" if legacy else "_rebuild_tensor_v3"))
+        if wrapped:
+            self.save_global(("torch", "Tensor"))
         self.out.write(b"((")  # the arguments, then the persistent id
         self.save("storage")
         self.save_global(("torch", _STORAGE_OF[spec.dtype]) if legacy else ("torch.storage", "UntypedStorage"))
@@ -187,7 +193,10 @@ class _Pickler:
         self.save_reduce(("collections", "OrderedDict"), ())  # backward hooks, always empty
         if not legacy:
             self.save_global(("torch", spec.dtype))
-        self.out.write(b"tR")
+        self.out.write(b"t" if wrapped else b"tR")
+        if wrapped:
+            self.save(dict(spec.attrs))
+            self.out.write(b"tR")
         if spec.parameter:
             self.save(spec.requires_grad)
             self.save_reduce(("collections", "OrderedDict"), ())

@@ -636,3 +636,20 @@ def test_file_past_4_gib_uses_zip64_that_torch_and_zipfile_read(tmp_path):
     got = torch.load(path, mmap=True, weights_only=True)
     assert got["big"].shape == (2**32 + 4096,) and int(got["big"][-1]) == 7
     assert got["tail"].tolist() == [0, 1, 2, 3]
+
+
+def test_plain_tensor_attributes_round_trip_as_deepspeed_zero3_writes_them(tmp_path):
+    """ZeRO-3 tags its flat groups with ds_id: _rebuild_from_type_v2(..., torch.Tensor, args, {"ds_id": ...})."""
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "attrs.pt"
+    data = np.arange(5, dtype=np.float32)
+    write_torch_file(path, {"g": [TensorSpec("float32", (5,), key=1, attrs=(("ds_id", "0_20"),))]}, {1: data.tobytes()})
+    loaded = torch.load(path, weights_only=True)["g"][0]
+    assert loaded.ds_id == "0_20" and torch.equal(loaded, torch.from_numpy(data))
+    ref = read_torch_file(path)["g"][0]
+    assert ref.attrs == (("ds_id", "0_20"),) and ref.shape == (5,)
+    t = torch.zeros(2)
+    t.hook = [1, 2]  # anything but plain values is still refused
+    torch.save(t, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointFormatError, match="a tensor with Python attributes"):
+        read_torch_file(tmp_path / "bad.pt")

@@ -61,7 +61,7 @@ from typing import Any
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, SpecError, TopologyError
 from reshard.formats.base import LLAMA_SIZES, Fill, Located, Source, Target, itemsize, require_sizes
-from reshard.formats.deepspeed_zero3 import is_zero3, open_zero3
+from reshard.formats.deepspeed_zero3 import files_of_zero3, is_zero3, open_zero3, target_zero3, write_zero3
 from reshard.formats.hf import llama_config
 from reshard.layout import Item, Layout, resolve
 from reshard.spec import Concat, Flat, Pad, Pattern, Product, Section, Spec, Split, Stored, Term
@@ -433,7 +433,9 @@ class DeepSpeedFormat:
             raise CheckpointFormatError(f"{source.path}: a GPT-2-style model; the deepspeed format supports "
                                         "Llama-style models (specs/deepspeed-llama*.spec) so far")
         carried = source.extra.get("deepspeed") if source.format == self.name else None
-        stage = topology.zero or (carried.zero_stage if carried else 2)
+        stage = topology.zero or (carried.zero_stage if carried else 3 if "zero3" in source.extra else 2)
+        if stage == 3:
+            return target_zero3(self.name, source, topology, spec)
         if stage not in (1, 2):
             raise TopologyError(f"DeepSpeed target: writing ZeRO stage {stage} is not supported yet (only 1 and 2); "
                                 "give zero=1 or zero=2 in the topology")
@@ -497,6 +499,8 @@ class DeepSpeedFormat:
         Item bytes come in windows of at most ``window_bytes`` (default ``WINDOW_BYTES``).
         With ``only``, just those rank files, and not ``config.json`` or ``latest``.
         """
+        if "zero3" in target.extra:
+            return write_zero3(target, out, fill, progress=progress, only=only, window_bytes=window_bytes)
         info = _spec_info(target.spec, target.spec_name)
         topo = target.topology
         extra, dtype = _write_extra(target, info)
@@ -531,6 +535,8 @@ class DeepSpeedFormat:
 
     def files_of(self, target: Target) -> dict[Item, Path]:
         """The file, relative to the checkpoint directory, that holds each item of ``target``."""
+        if "zero3" in target.extra:
+            return files_of_zero3(target)
         info = _spec_info(target.spec, target.spec_name)
         extra, _ = _write_extra(target, info)
         out = {}

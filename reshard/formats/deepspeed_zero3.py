@@ -20,23 +20,26 @@ Checked before any tensor byte is read: the files for every dp rank,
 ``partition_count``, ``param_shapes`` against the spec (names, order, shapes),
 and every flat tensor's size. Not supported, each refused: tp > 1, several
 param groups or sub-groups (``sub_group_size`` smaller than the model), frozen
-parameters, and writing ZeRO-3 (convert to ``zero=1`` or ``zero=2``).
+parameters. ``target_zero3``/``write_zero3`` write the same layout at any dp.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, SpecError
-from reshard.formats.base import Located, Source
+from reshard.formats.base import Fill, Located, Source, Target
 from reshard.layout import Item, Layout, resolve
 from reshard.topology import Topology
-from reshard.torchfile import TensorRef
+from reshard.torchfile import TensorRef, TensorSpec, TorchSize
 
 SPEC = "deepspeed-llama-zero3"
 MASTER = "master"
@@ -115,6 +118,9 @@ def open_zero3(fmt_name: str, root: Path, tag: str, tag_dir: Path, *, spec: str 
                     fragments=tuple(f for f in full.fragments if f.item.section == "optim"))
     config = _hf_config(files)
     extra: dict[str, Any] = {"step": first.get("global_steps")} if isinstance(first.get("global_steps"), int) else {}
+    bf16 = optims[(0, 0)].startswith("bf16_")
+    extra["zero3"] = extra_from_files(first, _read(tag_dir / optims[(0, 0)]), first_path, tag_dir / optims[(0, 0)],
+                                      tag, bf16)
     if config:
         extra["config"] = config
     return Source(format=fmt_name, path=root, spec_name=spec_name, spec=parsed, topology=topology, sizes=all_sizes,
@@ -140,3 +146,185 @@ def _check_order(layout: Layout, shapes: list[tuple[str, tuple[int, ...]]], path
         exp = want[first] if first < len(want) else "nothing"
         raise CheckpointFormatError(f"{path}: param_shapes entry {first} is {got}; spec '{spec_name}' expects {exp} "
                                     "(the ZeRO-3 flat order must be the spec's model section)")
+
+
+# --- writing --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class Zero3Extra:
+    """What a ZeRO-3 writer needs besides item bytes: the files' trees without their tensors."""
+
+    tag: str
+    bf16: bool
+    """The engine ran with bf16: ``bf16_`` optimizer file names, bf16 module placeholders."""
+    model_states: dict[str, Any]
+    """A model file's tree without ``module``, ``param_shapes`` and the world sizes."""
+    optim_states: dict[str, Any]
+    """An optimizer file's ``optimizer_state_dict`` without the flat tensors; ``step`` as a ``Scalar``."""
+    optim_file: dict[str, Any]
+    """The optimizer file's other keys (``ds_config``, ``ds_version``)."""
+    ds_id: str
+    ds_version: str
+
+
+def extra_from_files(model: Mapping, optim: Mapping, model_path: Path, optim_path: Path, tag: str,
+                     bf16: bool) -> Zero3Extra:
+    """A ZeRO-3 source's own non-tensor state, carried to a ZeRO-3 target."""
+    from reshard.formats.deepspeed import _template
+
+    osd = dict(optim["optimizer_state_dict"])
+    flat = osd.pop("fp32_flat_groups")
+    inner = dict(osd["optimizer_state_dict"])
+    inner["state"] = {g: {k: v for k, v in s.items() if isinstance(v, TensorRef) and v.shape == ()}
+                      for g, s in inner.get("state", {}).items()}
+    osd["optimizer_state_dict"] = inner
+    ds_id = dict(flat[0].attrs).get("ds_id", "") if flat and isinstance(flat[0], TensorRef) else ""
+    rest = {k: v for k, v in optim.items() if k != "optimizer_state_dict"}
+    return Zero3Extra(tag=tag, bf16=bf16, model_states=_template(model, model_path, drop=("module",)),
+                      optim_states=_template(osd, optim_path), optim_file=_template(rest, optim_path),
+                      ds_id=str(ds_id), ds_version=str(optim.get("ds_version", "")))
+
+
+def extra_from_zero12(source: Source, dtype: str) -> Zero3Extra:
+    """ZeRO-3 state for a source that is not ZeRO-3: a DeepSpeed ZeRO-1/2 run's counters and Adam
+    hyperparameters when the source has them, DeepSpeed 0.19.8's defaults otherwise."""
+    from reshard.formats.deepspeed import Scalar, _zero_stage, synthesize_extra
+
+    carried = source.extra.get("deepspeed") if source.format == "deepspeed" else None
+    base = carried or synthesize_extra(dtype=dtype, global_steps=int(source.extra.get("step") or
+                                                                     source.extra.get("iteration") or 0))
+    model_states = {k: v for k, v in base.model_states.items()}
+    zero = base.optim_states["optimizer_state_dict"]
+    bos = zero.get("base_optimizer_state", {})
+    groups = bos.get("param_groups", []) if isinstance(bos, Mapping) else []
+    state0 = (bos.get("state", {}) or {}).get(0, {}) if isinstance(bos, Mapping) else {}
+    step = state0.get("step") if isinstance(state0.get("step"), Scalar) else None
+    inner = {"state": {0: {"step": step}} if step is not None else {}, "param_groups": [dict(g) for g in groups[:1]]}
+    if inner["param_groups"]:
+        inner["param_groups"][0]["params"] = [0]
+    optim_states = {"zero_stage": _zero_stage(3), "loss_scaler": zero.get("loss_scaler"),
+                    "dynamic_loss_scale": zero.get("dynamic_loss_scale", False), "overflow": zero.get("overflow", False),
+                    "partition_count": 0, "optimizer_state_dict": inner}
+    rest = {k: v for k, v in base.optim_states.items() if k != "optimizer_state_dict"}
+    return Zero3Extra(tag=base.tag, bf16=dtype == "bfloat16", model_states=model_states, optim_states=optim_states,
+                      optim_file=rest, ds_id="", ds_version=base.optim_states.get("ds_version", "0.19.8"))
+
+
+def target_zero3(fmt_name: str, source: Source, topology: Topology, spec: str | None) -> Target:
+    """The ZeRO-3 layout of ``source``'s model at ``topology.dp`` (tp=1)."""
+    from reshard.formats.base import LLAMA_SIZES, require_sizes
+
+    if topology.tp != 1 or topology.pp != 1 or topology.vpp != 1:
+        raise CheckpointFormatError(f"{topology}: the ZeRO-3 target supports dp only (tp=1, pp=1)")
+    require_sizes(source, LLAMA_SIZES, "deepspeed ZeRO-3")
+    spec_name = spec or SPEC
+    parsed = load_spec(spec_name)
+    src_states = [s for s in dict.fromkeys(it.state for it in source.layout.items) if s not in ("param", MASTER)]
+    has_master = MASTER in source.layout.states
+    fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == "param")
+    if not has_master and not (fp32 and "param" in source.layout.states):
+        raise CheckpointFormatError(f"a ZeRO-3 checkpoint needs fp32 master weights; {source.path} has "
+                                    f"{', '.join(source.layout.states)} (bf16 weights alone cannot be cast bit-exactly)")
+    topo = Topology(dp=topology.dp, zero=3)
+    full = resolve(parsed, topo, source.sizes, states={"optim": (MASTER, *src_states)})
+    items = {it: info for it, info in full.items.items() if it.section == "optim"}
+    order = [(it.key, info.shape) for it, info in full.items.items() if it.section == "model"]
+    layout = Layout(topology=topo, tensors=full.tensors, items=MappingProxyType(items),
+                    fragments=tuple(f for f in full.fragments if f.item.section == "optim"))
+    param_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == "param"), None)
+    carried = source.extra.get("zero3") if source.format == fmt_name else None
+    extra = carried or extra_from_zero12(source, param_dtype or ("bfloat16" if "bf16" in str(source.extra) else "float32"))
+    return Target(format=fmt_name, spec_name=spec_name, spec=parsed, topology=topo, sizes=dict(source.sizes),
+                  layout=layout, dtypes=dict.fromkeys(items, "float32"),
+                  extra={"zero3": extra, "param_order": order, **({"config": source.extra["config"]}
+                                                                 if "config" in source.extra else {})})
+
+
+def model_file3(dp: int) -> str:
+    return f"zero_pp_rank_{dp}_mp_rank_00_model_states.pt"
+
+
+def optim_file3(dp: int, bf16: bool) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"
+
+
+def files_of_zero3(target: Target) -> dict[Item, Path]:
+    extra: Zero3Extra = target.extra["zero3"]
+    return {it: Path(extra.tag) / optim_file3(dict(it.unit)["dp"], extra.bf16) for it in target.layout.items}
+
+
+def write_zero3(target: Target, out: Path, fill: Fill, *, progress=None, only=None, window_bytes=None) -> list[Path]:
+    """Per dp rank a model file (``param_shapes``, empty module placeholders) and an optimizer file
+    (``fp32_flat_groups`` and the optimizer's flat states), as DeepSpeed's stage 3 saves them."""
+    from reshard.formats.deepspeed import WINDOW_BYTES, _ds_config, _with_scalars, _write_file
+    from reshard.formats.hf import llama_config
+
+    extra: Zero3Extra = target.extra["zero3"]
+    dp = target.topology.dp
+    keep = None if only is None else set(only)
+    ds_config = _ds_config(extra.model_states.get("ds_config"), dp, 3)
+    if isinstance(ds_config, dict):
+        ds_config.setdefault("zero_optimization", {})["stage"] = 3
+    out = Path(out)
+    (out / extra.tag).mkdir(parents=True, exist_ok=True)
+    order = target.extra["param_order"]
+    states = tuple(dict.fromkeys(it.state for it in target.layout.items))
+    module_dtype = "bfloat16" if extra.bf16 else "float32"
+    written: list[Path] = []
+    for d in range(dp):
+        rel = Path(extra.tag) / model_file3(d)
+        if keep is None or rel in keep:
+            sources: dict = {}
+            tree = {"module": OrderedDict((k, TensorSpec(module_dtype, (0,), ("module", k))) for k, _ in order),
+                    **_with_scalars(extra.model_states, sources)}
+            sources.update({("module", k): (b"", 0) for k, _ in order})
+            tree["param_shapes"] = [OrderedDict((k, TorchSize(s)) for k, s in order)]
+            tree["dp_world_size"], tree["mp_world_size"] = dp, 1
+            if "checkpoint_parallel_dimensions" in tree:
+                tree["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
+            if "ds_config" in tree:
+                tree["ds_config"] = ds_config
+            _write_tree(out / rel, tree, sources, fill, target, progress, window_bytes or WINDOW_BYTES)
+            written.append(rel)
+        rel = Path(extra.tag) / optim_file3(d, extra.bf16)
+        if keep is None or rel in keep:
+            sources = {}
+            osd = _with_scalars(extra.optim_states, sources)
+            items = {it.state: it for it in target.layout.items if dict(it.unit)["dp"] == d}
+            flats = {}
+            for state in states:
+                it = items[state]
+                n = target.layout.items[it].numel
+                attrs = (("ds_id", extra.ds_id or f"0_{len(order) - 1}"),) if state == MASTER else ()
+                flats[state] = TensorSpec("float32", (n,), ("flat", state), attrs=attrs,
+                                          requires_grad=state == MASTER)
+                sources[("flat", state)] = (it, n)
+            inner = osd["optimizer_state_dict"]
+            state0 = dict((inner.get("state") or {}).get(0, {}))
+            state0.update({s: flats[s] for s in states if s != MASTER})
+            inner["state"] = {0: state0}
+            osd["partition_count"] = dp
+            osd["fp32_flat_groups"] = [flats[MASTER]]
+            tree = {"optimizer_state_dict": osd, **_with_scalars(extra.optim_file, sources)}
+            if "ds_config" in tree:
+                tree["ds_config"] = ds_config
+            _write_file(out / rel, tree, sources, fill, target, progress, window_bytes or WINDOW_BYTES)
+            written.append(rel)
+    if keep:
+        return written
+    config = target.extra.get("config") or llama_config(target.sizes, [module_dtype])
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / "latest").write_text(extra.tag)
+    return [*written, Path("config.json"), Path("latest")]
+
+
+def _write_tree(path: Path, tree: Any, sources: dict, fill: Fill, target: Target, progress, window: int) -> None:
+    """A model file: its only tensors are empty placeholders and scalars."""
+    from reshard.formats.deepspeed import Scalar
+    from reshard.torchfile import TorchFileWriter
+
+    with TorchFileWriter(path, tree) as writer:
+        for key in writer.entries:
+            src, _ = sources[key]
+            writer.write(key, src.data if isinstance(src, Scalar) else b"")
