@@ -154,9 +154,10 @@ def _rank(rank: int, world: int, port: int, args: list[str]) -> None:
             if rank == 0:
                 torch.save(full, args[4])
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    exit_now()
+        raise
+    exit_now()  # no destroy_process_group: gloo's teardown is where these jobs crashed, after the work was done
 
 
 def _main() -> None:

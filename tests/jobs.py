@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 
 def run_job(cmd: list[str], env: dict[str, str], timeout: float = 600) -> tuple[int, str]:
     """Run a multi-process job in its own session; whatever it leaves behind (helper processes that
-    outlive their rank) is killed with it, and output goes to a file so no leftover can hold a pipe."""
+    outlive their rank) is killed with it, and output goes to a file so no leftover can hold a pipe.
+
+    A job whose rank died of a signal (gloo on CPU has crashed in teardown, rarely) runs once more;
+    the retry is reported in the output. Any other failure is returned as it is.
+    """
+    code, output = _run_once(cmd, env, timeout)
+    if code and re.search(r"terminated with signal (SIGSEGV|SIGABRT|SIGBUS)|Signal (6|11) \(SIG", output):
+        again, more = _run_once(cmd, env, timeout)
+        return again, f"{output}\n--- a rank died of a signal; ran the job again ---\n{more}"
+    return code, output
+
+
+def _run_once(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
     import signal
     import tempfile
 

@@ -101,8 +101,7 @@ def _rank(rank: int, world: int, tp: int, pp: int, port: int, action: str, paths
         tensors = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
         torch.save(tensors, Path(paths[1]) / f"rank{rank}.pt")
     dist.barrier()
-    dist.destroy_process_group()
-    exit_now()
+    exit_now()  # no destroy_process_group: gloo's teardown sometimes crashes after the work is done
 
 
 if __name__ == "__main__":

@@ -599,8 +599,13 @@ def run_deepspeed(tmp_path, nproc: int, *args: str, stage: int = 2, bf16: bool =
 
     script = tmp_path / "deepspeed_run.py"
     script.write_text(DEEPSPEED_RUN)
+    # DeepSpeed JIT-builds a small op on first use; a build dir of this test session's own means a lock left
+    # behind by an interrupted earlier run can never hang this one.
+    session = next((p for p in tmp_path.parents if p.name.startswith("pytest-") and not p.name.startswith("pytest-of")),
+                   tmp_path)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1",
-           "RESHARD_DS_STAGE": str(stage), "RESHARD_DS_BF16": "1" if bf16 else "0"}
+           "RESHARD_DS_STAGE": str(stage), "RESHARD_DS_BF16": "1" if bf16 else "0",
+           "TORCH_EXTENSIONS_DIR": str(session / "torch-extensions")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
            *args]
     code, output = run_job(cmd, env)

@@ -1,0 +1,140 @@
+"""DeepSpeed ZeRO-2 dp=2 -> dp=4: reshard convert against DeepSpeed's own ds_to_universal, in one run.
+
+Generates a Llama-shaped DeepSpeed ZeRO-2 checkpoint (bf16 weights, fp32 master
+copy, Adam exp_avg / exp_avg_sq; about 1.2 GiB at the default scale) as two dp
+ranks would save it, then measures, each in its own process tree:
+
+- ``reshard convert SRC DST --to dp=4``: a checkpoint DeepSpeed loads at dp=4;
+- ``ds_to_universal --inject_missing_state``: the universal folder DeepSpeed
+  loads at dp=4 with ``load_universal`` (its own route to a new dp).
+
+For each: wall time, peak RSS summed over the process tree (sampled every
+50 ms: ds_to_universal runs worker processes), and bytes written, counted by
+the kernel for every process of the tree (``/proc/<pid>/io`` ``write_bytes``,
+sampled; temporary files included), next to the final output size.
+
+    python bench/deepspeed_universal.py [--scale 1.0] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tree(pgid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+def _field(pid: int, name: str, key: str) -> int:
+    try:
+        with open(f"/proc/{pid}/{name}") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def measure(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, float]:
+    """Run ``cmd`` in its own session: wall seconds, peak summed RSS (bytes), bytes written by the tree."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    peak, written, done = [0], {}, threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            rss = 0
+            for pid in _tree(proc.pid):
+                rss += _field(pid, "status", "VmRSS:") * 1024
+                written[pid] = max(written.get(pid, 0), _field(pid, "io", "write_bytes:"))
+            peak[0] = max(peak[0], rss)
+            time.sleep(0.05)
+
+    t0 = time.perf_counter()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    output = proc.communicate()[0]
+    seconds = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    if proc.returncode:
+        raise RuntimeError(f"{cmd[:4]} failed:\n{output.decode(errors='replace')[-3000:]}")
+    return {"seconds": seconds, "rss": peak[0], "written": sum(written.values())}
+
+
+def size_of(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply the layer count (1.0: about 1.2 GiB)")
+    ap.add_argument("--keep", type=Path, help="write under this directory and keep the files")
+    args = ap.parse_args()
+    try:
+        subprocess.run([sys.executable, "-c", "import deepspeed"], check=True, capture_output=True,
+                       env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    except subprocess.CalledProcessError:
+        sys.exit("deepspeed is not importable here; install it (DS_BUILD_OPS=0 pip install deepspeed)")
+    layers = max(2, round(6 * args.scale))
+    sizes = {"h": 1024, "heads": 16, "g": 4, "hd": 64, "f": 2816, "vocab": 32000, "layers": layers}
+    base = args.keep or Path(tempfile.mkdtemp(prefix="reshard-ds-bench-", dir=os.environ.get("TMPDIR")))
+    src, dst, ucp = base / "src", base / "dst", base / "universal"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    try:
+        if not src.exists():
+            gen = (f"import fixtures\nfixtures.MODELS['bench-llama'] = fixtures.Model('hf-llama', {sizes!r})\n"
+                   f"fixtures.make_fixture({str(src)!r}, format='deepspeed', to='dp=2,zero=2', model='bench-llama')\n")
+            subprocess.run([sys.executable, "-c", gen], check=True, cwd=ROOT, env=env)
+        source = size_of(src)
+        runs = []
+        for name, out, cmd in (
+            ("reshard convert --to dp=4", dst,
+             [sys.executable, "-m", "cli.main", "convert", str(src), str(dst), "--to", "dp=4"]),
+            ("ds_to_universal --inject_missing_state", ucp,
+             [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+              str(src / (src / "latest").read_text().strip()), "--output_folder", str(ucp), "--inject_missing_state"]),
+        ):
+            shutil.rmtree(out, ignore_errors=True)
+            os.sync()
+            figures = measure(cmd, env)
+            runs.append((name, figures, size_of(out)))
+        gib = 2**30
+        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+        print(f"checkpoint: DeepSpeed ZeRO-2 dp=2, {source / gib:.2f} GiB (bf16 weights, fp32 master, Adam)\n")
+        print("| run | wall s | peak RSS GiB | written GiB | output GiB | written / output |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, f, out_size in runs:
+            print(f"| {name} | {f['seconds']:.1f} | {f['rss'] / gib:.2f} | {f['written'] / gib:.2f} "
+                  f"| {out_size / gib:.2f} | {f['written'] / max(out_size, 1):.2f} |")
+        ours, theirs = runs[0][1], runs[1][1]
+        print(f"\nreshard: {theirs['seconds'] / ours['seconds']:.1f}x faster, "
+              f"{theirs['rss'] / max(ours['rss'], 1):.1f}x less peak memory, "
+              f"{theirs['written'] / max(ours['written'], 1):.1f}x fewer bytes written")
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
