@@ -722,3 +722,26 @@ def test_resharded_checkpoints_resume_in_deepspeed_bit_exactly(ds_saved, tmp_pat
         np.testing.assert_array_equal(dump[key], logical[(name, state)].reshape(dump[key].shape), err_msg=key)
         compared += 1
     assert compared >= 3 * 21  # master, exp_avg, exp_avg_sq of every param (and bf16 weights where stored)
+
+
+@pytest.mark.slow
+def test_a_universal_checkpoint_from_ds_to_universal_converts_and_resumes_bit_exactly(ds_saved, tmp_path):
+    """DeepSpeed's own universal folder as a source: resharded to ZeRO-2 at dp=3, DeepSpeed resumes from it."""
+    import reshard
+    from jobs import run_job
+
+    src = ds_saved(2, False)
+    code, output = run_job([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                            str(src / (src / "latest").read_text().strip()), "--output_folder", str(tmp_path / "ucp"),
+                            "--inject_missing_state"], {**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert code == 0, output[-4000:]
+    ucp = reshard.open_checkpoint(tmp_path / "ucp", sizes={"heads": 4})
+    assert ucp.format == "ucp" and ucp.layout.states == ("exp_avg", "exp_avg_sq", "master")
+    reshard.convert(tmp_path / "ucp", tmp_path / "dp3", format="deepspeed", to="dp=3,zero=2", sizes={"heads": 4})
+    run_deepspeed(tmp_path, 3, "load", str(tmp_path / "dp3"), str(tmp_path / "dump.npz"), stage=2, bf16=False)
+    logical = logical_of(src)
+    dump = np.load(tmp_path / "dump.npz")
+    assert len(dump.files) == 3 * 21
+    for key in dump.files:
+        name, state = key.rsplit(":", 1)
+        np.testing.assert_array_equal(dump[key], logical[(name, state)].reshape(dump[key].shape), err_msg=key)

@@ -21,8 +21,9 @@ FORMATS = {
     "hf": "reshard.formats.hf",
     "mcore-dist": "reshard.formats.mcore_dist",  # before dcp: a torch_dist directory is also a DCP one
     "dcp": "reshard.formats.dcp",
+    "ucp": "reshard.formats.ucp",
 }
-PLANNED = ("ucp",)
+PLANNED = ()
 
 
 def get_format(name: str) -> Format:
