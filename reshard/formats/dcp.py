@@ -168,7 +168,9 @@ class DcpFormat:
         topology = Topology(dp=max(len(ranks), 1))
         layout = Layout(topology=topology, tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                         fragments=tuple(fragments))
-        model_sizes, config = _config(path)
+        from reshard.formats.hf import llama_config_near
+
+        model_sizes, config = llama_config_near(path, path.parent)
         model_sizes.update({k: int(v) for k, v in (sizes or {}).items()})
         extra: dict[str, Any] = {"dcp": {"naming": naming, "verbatim": verbatim, "planner_data": md.planner_data}}
         if config is not None:
@@ -432,21 +434,6 @@ def _step_value(data: bytes, ref: TensorRef, base: int) -> float | None:
         return None
     at = ref.data_offset - base
     return float(np.frombuffer(data[at:at + ref.itemsize], dtype=kinds[ref.dtype])[0])
-
-
-def _config(path: Path) -> tuple[dict[str, int], dict[str, Any] | None]:
-    """Model sizes and the config from a Llama ``config.json`` in ``path`` or its parent, if there is one."""
-    from reshard.formats.hf import CONFIG_NAME, sizes_from_config
-
-    for candidate in (path / CONFIG_NAME, path.parent / CONFIG_NAME):
-        if candidate.is_file():
-            try:
-                config = json.loads(candidate.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise CheckpointFormatError(f"{candidate}: not readable JSON: {e}") from e
-            if isinstance(config, dict) and config.get("model_type") == "llama":
-                return sizes_from_config(config, candidate), config
-    return {}, None
 
 
 # -- writing --------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from reshard.layout import Item, Layout, resolve
 from reshard.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter, TensorInfo, plan_shards, read_header
 from reshard.topology import Topology
 
-__all__ = ["FORMAT", "HFFormat", "llama_config", "sizes_from_config"]
+__all__ = ["FORMAT", "HFFormat", "llama_config", "llama_config_near", "sizes_from_config"]
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -215,6 +215,17 @@ def sizes_from_config(config: Mapping[str, Any], where: Path | str = CONFIG_NAME
     sizes["g"] = int(config.get("num_key_value_heads") or sizes["heads"])
     sizes["hd"] = int(config.get("head_dim") or sizes["h"] // sizes["heads"])
     return sizes
+
+
+def llama_config_near(*dirs: Path) -> tuple[dict[str, int], dict[str, Any] | None]:
+    """Sizes and config from the first Llama ``config.json`` in ``dirs`` (for formats that store none of their own)."""
+    for d in dirs:
+        candidate = Path(d) / CONFIG_NAME
+        if candidate.is_file():
+            config = _read_json(candidate)
+            if isinstance(config, dict) and config.get("model_type") == "llama":
+                return sizes_from_config(config, candidate), config
+    return {}, None
 
 
 def llama_config(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, Any]:

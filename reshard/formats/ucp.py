@@ -17,7 +17,6 @@ not contiguous.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -103,7 +102,9 @@ class UcpFormat:
             raise CheckpointFormatError(f"{folder / ZERO}: no fp32.pt for {', '.join(missing[:5])}")
         layout = Layout(topology=Topology(), tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                         fragments=tuple(fragments))
-        model_sizes, config = _config(folder)
+        from reshard.formats.hf import llama_config_near
+
+        model_sizes, config = llama_config_near(folder, folder.parent, folder.parent.parent)
         model_sizes.update({k: int(v) for k, v in (sizes or {}).items()})
         _shape_sizes(model_sizes, {n: t.shape for n, t in tensors.items()})
         extra: dict[str, Any] = {}
@@ -175,21 +176,6 @@ def _shape_sizes(sizes: dict[str, int], shapes: Mapping[str, tuple[int, ...]]) -
         sizes.setdefault("hd", q[0] // sizes["heads"] if "heads" in sizes else sizes["hd"])
         sizes.setdefault("heads", q[0] // sizes["hd"])
         sizes.setdefault("g", k[0] // sizes["hd"])
-
-
-def _config(folder: Path) -> tuple[dict[str, int], dict[str, Any] | None]:
-    from reshard.formats.hf import CONFIG_NAME, sizes_from_config
-
-    for d in (folder, folder.parent, folder.parent.parent):
-        candidate = d / CONFIG_NAME
-        if candidate.is_file():
-            try:
-                config = json.loads(candidate.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise CheckpointFormatError(f"{candidate}: not readable JSON: {e}") from e
-            if isinstance(config, dict) and config.get("model_type") == "llama":
-                return sizes_from_config(config, candidate), config
-    return {}, None
 
 
 FORMAT = UcpFormat()
