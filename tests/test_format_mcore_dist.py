@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 
@@ -149,15 +150,50 @@ def test_written_torch_dist_has_megatron_cores_chunks_and_reads_back(tmp_path, t
     assert check.identical and check.compared == 9 * layers + 3, check.differences
 
 
-def test_torch_dist_optimizer_state_is_refused_by_name(tmp_path):
+def test_bucket_space_optimizer_state_is_refused_by_name(tmp_path):
     synthetic(tmp_path / "src")
-    dcp.save({"optimizer.state.exp_avg.decoder.final_layernorm.weight": torch.zeros(64)}, checkpoint_id=tmp_path / "o")
+    key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.exp_avg"
+    dcp.save({key: torch.zeros(64)}, checkpoint_id=tmp_path / "o")
     import pickle
     ours = pickle.loads((tmp_path / "src" / ".metadata").read_bytes())
     ours.state_dict_metadata.update(dcp.FileSystemReader(tmp_path / "o").read_metadata().state_dict_metadata)
     (tmp_path / "src" / ".metadata").write_bytes(pickle.dumps(ours))
-    with pytest.raises(CheckpointFormatError, match=r"optimizer state \(1 keys, e.g. 'optimizer.state.exp_avg.decoder"):
+    with pytest.raises(CheckpointFormatError, match=r"bucket space \(1 keys, e.g. 'optimizer.distributed.dp_group_idx_0"):
         reshard.open_checkpoint(tmp_path / "src")
+
+
+def test_fully_reshardable_optimizer_state_is_read_with_the_weights(tmp_path):
+    """optimizer.state.<state>.<model key>: the same global tensors and chunks as the weights; param is the master."""
+    ref = synthetic(tmp_path / "src", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    optim = {f"optimizer.state.{state}.{k}": (v.clone() if state == "param" else torch.randn(v.shape, generator=gen))
+             for k, v in ref.items() for state in ("param", "exp_avg", "exp_avg_sq")}
+    shutil.rmtree(tmp_path / "src")
+    dcp.save({**ref, **optim}, checkpoint_id=tmp_path / "src")
+    torch.save({"args": mcore_jobs._args(2, 1), "iteration": 10,
+                "optimizer": {"optimizer": {"param_groups": [{"lr": 1e-3, "step": 10.0}]},
+                              "param_state_sharding_type": "fully_reshardable"}}, tmp_path / "src" / "common.pt")
+    (tmp_path / "src" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    src = reshard.open_checkpoint(tmp_path / "src")
+    assert src.layout.states == ("exp_avg", "exp_avg_sq", "master", "param") and src.extra["step"] == 10
+    reshard.convert(tmp_path / "src", tmp_path / "ds", format="deepspeed", to="dp=3,zero=2")
+    check = reshard.verify(tmp_path / "src", tmp_path / "ds")
+    assert check.identical and check.compared == 4 * (9 * S["layers"] + 3), check.differences
+    reshard.convert(tmp_path / "src", tmp_path / "dcp", format="dcp", to="dp=2")
+    back = dcp_jobs_flat(tmp_path / "dcp", tmp_path)
+    f = S["f"]
+    fc1 = optim["optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc1.weight"]
+    assert torch.equal(back["optim.state.model.layers.1.mlp.up_proj.weight.exp_avg_sq"], fc1[1, f:])
+    assert back["optim.state.model.layers.1.mlp.up_proj.weight.step"].item() == 10.0
+
+
+def dcp_jobs_flat(path, tmp_path) -> dict:
+    dcp_to_torch_save(path, tmp_path / "flat.pt")
+    tree = torch.load(tmp_path / "flat.pt", weights_only=True)
+    out = {f"model.{k}": v for k, v in tree["model"].items()}
+    for name, states in tree["optim"]["state"].items():
+        out.update({f"optim.state.{name}.{s}": v for s, v in states.items()})
+    return out
 
 
 @pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (CI installs it)")

@@ -17,9 +17,13 @@ saves them) or from ``sizes``; ``vpad`` is the stored embedding's row count.
 Per-layer ``_extra_state`` entries are bytes entries, carried as they are to a
 torch_dist target (written as megatron-core's local layers write them,
 ``[None]``, from any other source); they hold nothing the other formats need.
-Writing lays the same global tensors out as megatron-core's ranks would at
-the target tp/pp (see ``McoreDistFormat.target``). Not yet: optimizer state
-(``optimizer.*`` keys, refused when read) and MoE layers.
+Optimizer state saved in the distributed optimizer's ``fully_reshardable``
+format (``optimizer.state.<state>.<model key>``, the same global tensors and
+chunks as the weights; ``param`` is the fp32 master copy) is read; the
+default ``dp_reshardable`` bucket space (``optimizer.distributed.*``) is
+refused with a message. Writing lays the same global weights out as
+megatron-core's ranks would at the target tp/pp (see
+``McoreDistFormat.target``); optimizer state is not written yet, nor MoE.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -97,15 +102,21 @@ class McoreDistFormat:
         fragments: list[Fragment] = []
         where: dict[Item, Located] = {}
         problems: list[str] = []
-        optim = sorted(k for k in [*md.tensors, *md.byte_entries] if k.startswith("optimizer."))
-        if optim:
-            problems.append(f"optimizer state ({len(optim)} keys, e.g. '{optim[0]}') is not read from torch_dist yet; "
-                            "convert the model weights from a checkpoint saved without it, or use the torch format")
+        bucket = sorted(k for k in [*md.tensors, *md.byte_entries] if k.startswith("optimizer.distributed."))
+        if bucket:
+            problems.append(f"optimizer state in the distributed optimizer's bucket space ({len(bucket)} keys, e.g. "
+                            f"'{bucket[0]}', sharding type dp_reshardable) is not read yet; save with "
+                            "--dist-ckpt-optim-fully-reshardable, or convert the weights alone")
         archives: dict[str, Any] = {}
         for key, t in md.tensors.items():
-            if key.startswith("optimizer."):
+            if key.startswith("optimizer.distributed."):
                 continue
-            whole_item = by_key.get(key)
+            state, model_key = _optimizer_state(key)
+            if state is None:
+                problems.append(f"'{key}' is optimizer state reshard does not read (expected "
+                                "optimizer.state.<param|exp_avg|exp_avg_sq|...>.<model key>)")
+                continue
+            whole_item = by_key.get(model_key)
             if whole_item is None:
                 problems.append(f"'{key}' ({t.dtype} {list(t.size)}) matches no tensor of spec '{spec_name}'")
                 continue
@@ -122,13 +133,14 @@ class McoreDistFormat:
                 ref = _chunk_ref(path, md, key, c, t, archives, problems)
                 if ref is None:
                     continue
-                item = Item("model", (), 0, "param", f"{key}@{','.join(map(str, c.offsets))}")
-                mine = chunk_fragments(frags_of.get(whole_item, []), t.size, c.offsets, c.sizes, item)
+                item = Item("model", (), 0, state, f"{key}@{','.join(map(str, c.offsets))}")
+                mine = [replace(f, state=state) for f in
+                        chunk_fragments(frags_of.get(whole_item, []), t.size, c.offsets, c.sizes, item)]
                 items[item] = ItemInfo(shape=c.sizes, mapped=sum(math.prod(f.box.lengths) for f in mine),
                                        rule=whole.items[whole_item].rule)
                 fragments.extend(mine)
                 where[item] = Located(ref.path, ref.data_offset, ref.dtype)
-        stored = set(md.tensors)
+        stored = {_optimizer_state(k)[1] for k in md.tensors}
         for key in by_key:
             if key not in stored:
                 problems.append(f"'{key}' is missing (spec '{spec_name}' has it)")
@@ -139,6 +151,9 @@ class McoreDistFormat:
         layout = Layout(topology=topology, tensors=MappingProxyType({n: t for n, t in whole.tensors.items() if n in used}),
                         items=MappingProxyType(items), fragments=tuple(fragments))
         extra: dict[str, Any] = {"iteration": common.get("iteration")} if isinstance(common.get("iteration"), int) else {}
+        step = _group_step(common)
+        if step is not None:
+            extra["step"] = step
         if isinstance(common.get("args"), argparse.Namespace | Mapping):
             extra["args"] = dict(vars(common["args"]) if isinstance(common["args"], argparse.Namespace) else common["args"])
         # Per-layer _extra_state (Transformer Engine's FP8 metadata, or [None]): keyed by global layer, so
@@ -313,6 +328,30 @@ def _extra_states(layers: int) -> list[_Verbatim]:
     mods = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
     return [_Verbatim(f"decoder.layers.{m}._extra_state/shard_{i}_{layers}", None, data)
             for i in range(layers) for m in mods]
+
+
+def _optimizer_state(key: str) -> tuple[str | None, str]:
+    """``(state, model key)`` of a stored key: ``param`` for a weight, the optimizer state for
+    ``optimizer.state.<state>.<model key>`` (the distributed optimizer's ``fully_reshardable``
+    format, whose ``param`` state is the fp32 master copy); ``None`` for other optimizer keys."""
+    if not key.startswith("optimizer."):
+        return "param", key
+    prefix = "optimizer.state."
+    if not key.startswith(prefix):
+        return None, key
+    state, _, model_key = key[len(prefix):].partition(".")
+    if not model_key or state == "fp32_param":  # fp32_param: the old fully_sharded_model_space's flattened ranges
+        return None, key
+    return ("master" if state == "param" else state), model_key
+
+
+def _group_step(common: Mapping[str, Any]) -> int | None:
+    """Adam's step count, which torch_dist keeps per param group in common.pt (fully_reshardable)."""
+    optimizer = common.get("optimizer")
+    inner = optimizer.get("optimizer") if isinstance(optimizer, Mapping) else None
+    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+    step = groups[0].get("step") if isinstance(groups, list) and groups and isinstance(groups[0], Mapping) else None
+    return int(step) if isinstance(step, int | float) else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
