@@ -234,7 +234,9 @@ def target_zero3(fmt_name: str, source: Source, topology: Topology, spec: str | 
                     fragments=tuple(f for f in full.fragments if f.item.section == "optim"))
     param_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == "param"), None)
     carried = source.extra.get("zero3") if source.format == fmt_name else None
-    extra = carried or extra_from_zero12(source, param_dtype or ("bfloat16" if "bf16" in str(source.extra) else "float32"))
+    # The training dtype: the source's weights', else float32 (a source with only fp32 masters, such as a
+    # universal checkpoint, does not say).
+    extra = carried or extra_from_zero12(source, param_dtype or "float32")
     return Target(format=fmt_name, spec_name=spec_name, spec=parsed, topology=topo, sizes=dict(source.sizes),
                   layout=layout, dtypes=dict.fromkeys(items, "float32"),
                   extra={"zero3": extra, "param_order": order, **({"config": source.extra["config"]}
