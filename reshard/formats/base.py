@@ -23,7 +23,8 @@ from reshard.layout import Item, Layout
 from reshard.spec import Spec
 from reshard.topology import Topology
 
-__all__ = ["DTYPE_SIZES", "LLAMA_SIZES", "Fill", "Format", "Located", "Source", "Target", "itemsize", "require_sizes"]
+__all__ = ["DTYPE_SIZES", "LLAMA_SIZES", "Fill", "Format", "Located", "Source", "Target", "itemsize", "require_sizes",
+           "scalar_value", "stream_item"]
 
 # torch dtype names (without "torch.") and their sizes in bytes.
 DTYPE_SIZES = {
@@ -100,6 +101,37 @@ class Target:
 
 Fill = Callable[[Item, int, int], "bytes | memoryview"]
 """``fill(item, lo, hi)``: the bytes of the item's elements ``[lo, hi)`` (row-major), padding included."""
+
+
+def stream_item(fill: Fill, item: Item, numel: int, dtype: str, write: Callable[["bytes | memoryview"], None],
+                progress: Callable[[int], None] | None, window: int) -> None:
+    """Copy an item's ``numel`` elements from ``fill`` to ``write``, at most ``window`` bytes at a time.
+
+    Raises CheckpointFormatError when ``fill`` returns the wrong number of bytes.
+    """
+    size = itemsize(dtype)
+    step = max(1, window // size)
+    for lo in range(0, numel, step):
+        hi = min(numel, lo + step)
+        data = fill(item, lo, hi)
+        got = memoryview(data).nbytes
+        if got != (hi - lo) * size:
+            raise CheckpointFormatError(
+                f"fill returned {got} bytes for elements [{lo}, {hi}) of {item}, expected {(hi - lo) * size} ({dtype})")
+        write(data)
+        if progress:
+            progress(got)
+
+
+_SCALAR_KINDS = {"float32": "<f4", "float64": "<f8", "int64": "<i8", "int32": "<i4"}
+
+
+def scalar_value(raw: bytes, dtype: str) -> float | None:
+    """The value of a 0-d tensor from its little-endian bytes; None for a dtype that is not a plain number."""
+    import numpy as np
+
+    kind = _SCALAR_KINDS.get(dtype)
+    return float(np.frombuffer(raw, dtype=kind, count=1)[0]) if kind and len(raw) >= np.dtype(kind).itemsize else None
 
 
 class Format(Protocol):

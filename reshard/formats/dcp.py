@@ -51,8 +51,17 @@ from typing import Any
 
 from reshard.dcp_metadata import METADATA_NAME, DcpChunk, DcpMetadata, DcpStorage, DcpTensor, read_metadata, write_metadata
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.formats.base import DTYPE_SIZES, LLAMA_SIZES, Fill, Located, Source, Target, itemsize, require_sizes
-import numpy as np
+from reshard.formats.base import (
+    DTYPE_SIZES,
+    LLAMA_SIZES,
+    Fill,
+    Located,
+    Source,
+    Target,
+    require_sizes,
+    scalar_value,
+    stream_item,
+)
 
 from reshard.geometry import row_major_strides
 from reshard.catalog import load_spec
@@ -62,7 +71,7 @@ from reshard.topology import Topology
 from reshard.safetensors_io import read_header
 from reshard.torch_read import read_torch_file
 from reshard.torch_types import TensorRef, TensorSpec
-from reshard.torch_write import TorchFileWriter
+from reshard.torch_write import TorchFileWriter, _pwrite
 
 __all__ = ["FORMAT", "DcpFormat"]
 
@@ -163,7 +172,6 @@ class DcpFormat:
             verbatim.append(_Verbatim(key, None, _entry_bytes(path, md, key, None)[0]))
         if problems:
             raise CheckpointFormatError(f"{path}: cannot read this DCP checkpoint:\n  " + "\n  ".join(problems[:20]))
-        _check_cover(path, md, naming)
         ranks = {int(m.group(1)) for s in md.storage.values() if (m := _DATA_FILE.fullmatch(s.relative_path))}
         topology = Topology(dp=max(len(ranks), 1))
         layout = Layout(topology=topology, tensors=MappingProxyType(tensors), items=MappingProxyType(items),
@@ -248,14 +256,15 @@ class DcpFormat:
             try:
                 for e in entries:
                     if e.item is None:
-                        os.pwrite(fd, e.data, e.base)
+                        _pwrite(fd, e.data, e.base)
                         continue
                     dtype = target.dtypes[e.item]
                     w = TorchFileWriter(out / rel, TensorSpec(dtype, e.chunk.sizes, key=0), archive_name="archive",
                                         fd=fd, base=e.base)
                     if w.size != e.length:
                         raise AssertionError(f"{e.key}: archive is {w.size} bytes, planned {e.length}")
-                    _stream(w, e.item, math.prod(e.chunk.sizes), itemsize(dtype), fill, progress, window)
+                    stream_item(fill, e.item, math.prod(e.chunk.sizes), dtype, lambda data, w=w: w.write(0, data),
+                                progress, window)
                     w.close()
                 os.fsync(fd)
             finally:
@@ -339,14 +348,6 @@ def _naming(md: DcpMetadata, path: Path) -> _Naming:
     return _Naming(prefix, optim, frozenset(k[len(prefix):] for k in model_keys))
 
 
-def _check_cover(path: Path, md: DcpMetadata, naming: _Naming) -> None:
-    """Optimizer state tensors must belong to a parameter: an unknown tensor is an error, never skipped."""
-    for key, t in md.tensors.items():
-        if naming.optim and key.startswith(f"{naming.optim}state.") and t.size != () and naming.role(key) is None:
-            raise CheckpointFormatError(f"{path}/{METADATA_NAME}: optimizer state '{key}' belongs to no parameter "
-                                        f"of the checkpoint (parameters are '{naming.model}<fqn>' keys)")
-
-
 # -- reading --------------------------------------------------------------------------------------------
 
 
@@ -428,12 +429,9 @@ def _what(obj: object) -> str:
 
 
 def _step_value(data: bytes, ref: TensorRef, base: int) -> float | None:
-    """The value of a 0-d numeric tensor whose archive (``data``) was read from byte ``base`` of its file."""
-    kinds = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32}
-    if ref.dtype not in kinds:
-        return None
+    """The value of a 0-d tensor whose archive (``data``) was read from byte ``base`` of its file."""
     at = ref.data_offset - base
-    return float(np.frombuffer(data[at:at + ref.itemsize], dtype=kinds[ref.dtype])[0])
+    return scalar_value(data[at:at + ref.itemsize], ref.dtype)
 
 
 # -- writing --------------------------------------------------------------------------------------------
@@ -453,10 +451,9 @@ def _dtype_of(source: Source) -> str:
 
 
 def _tensor_order(source: Source) -> list[str]:
-    """Non-blob tensors of the source in its own order (embedding, layers, ...)."""
-    have = {(f.tensor, f.state) for f in source.layout.fragments}
-    names = [n for n, t in source.layout.tensors.items() if not t.blob and t.shape and any(k[0] == n for k in have)]
-    return names
+    """The source's stored, non-blob, non-scalar tensors in its own order (embedding, layers, ...)."""
+    held = {f.tensor for f in source.layout.fragments}
+    return [n for n, t in source.layout.tensors.items() if not t.blob and t.shape and n in held]
 
 
 def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: list[str]) -> list[_Verbatim]:
@@ -605,18 +602,6 @@ def _file_plan(target: Target) -> dict[str, list[_Entry]]:
         if entries:  # a rank with nothing to write (a dp replica, a rank past a short tensor) gets no file
             files[_rank_file(rank)] = entries
     return files
-
-
-def _stream(w: TorchFileWriter, item: Item, numel: int, size: int, fill: Fill, progress, window: int) -> None:
-    step = max(1, window // size)
-    for lo in range(0, numel, step):
-        hi = min(numel, lo + step)
-        data = fill(item, lo, hi)
-        if memoryview(data).nbytes != (hi - lo) * size:
-            raise CheckpointFormatError(f"{item}: fill returned {memoryview(data).nbytes} bytes for elements {lo}..{hi}")
-        w.write(0, data)
-        if progress:
-            progress((hi - lo) * size)
 
 
 FORMAT = DcpFormat()

@@ -60,7 +60,7 @@ from typing import Any
 
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, SpecError, TopologyError
-from reshard.formats.base import LLAMA_SIZES, Fill, Located, Source, Target, itemsize, require_sizes
+from reshard.formats.base import LLAMA_SIZES, Fill, Located, Source, Target, itemsize, require_sizes, stream_item
 from reshard.formats.deepspeed_zero3 import files_of_zero3, is_zero3, open_zero3, target_zero3, write_zero3
 from reshard.formats.hf import llama_config
 from reshard.layout import Item, Layout, resolve
@@ -942,17 +942,8 @@ def _write_file(path: Path, tree: Any, sources: _Sources, fill: Fill, target: Ta
             if isinstance(src, Scalar):
                 writer.write(key, src.data)
                 continue
-            size = itemsize(target.dtypes[src])
-            step = max(1, window // size)
-            for lo in range(0, numel, step):
-                hi = min(numel, lo + step)
-                data = fill(src, lo, hi)
-                if memoryview(data).nbytes != (hi - lo) * size:
-                    raise CheckpointFormatError(f"{src}: fill gave {memoryview(data).nbytes} bytes for elements "
-                                                f"[{lo}, {hi}) of {size} bytes each")
-                writer.write(key, data)
-                if progress:
-                    progress((hi - lo) * size)
+            stream_item(fill, src, numel, target.dtypes[src], lambda data, key=key: writer.write(key, data),
+                        progress, window)
 
 
 # --- sizes and synthesized state -------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any
 
 from reshard.catalog import available_specs, load_spec
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.formats.base import DTYPE_SIZES, Fill, Located, Source, Target, itemsize
+from reshard.formats.base import DTYPE_SIZES, Fill, Located, Source, Target, itemsize, stream_item
 from reshard.layout import Item, Layout, resolve
 from reshard.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter, TensorInfo, plan_shards, read_header
 from reshard.topology import Topology
@@ -174,8 +174,8 @@ class HFFormat:
             with SafetensorsWriter(out / file, spec, metadata={"format": "pt"}) as w:
                 for name in w.order:
                     it = by_key[name]
-                    _stream(it, target.layout.items[it].numel, dtype_of[it], w, fill, progress,
-                            window_bytes or WINDOW_BYTES)
+                    stream_item(fill, it, target.layout.items[it].numel, dtype_of[it],
+                                lambda data, name=name: w.write(name, data), progress, window_bytes or WINDOW_BYTES)
             written.append(Path(file))
         if only:  # a worker's share: index and configs are written by the call with only=()
             return written
@@ -444,21 +444,3 @@ def _shard_plan(target: Target) -> tuple[list[Item], dict[str, Item], dict[Item,
         dtype_of[it] = target.dtypes[it]
     sizes = [(it.key, target.layout.items[it].numel * itemsize(dtype_of[it])) for it in items]
     return items, by_key, dtype_of, plan_shards(sizes, target.extra.get("max_shard_size", DEFAULT_MAX_SHARD_SIZE))
-
-
-def _stream(item: Item, numel: int, dtype: str, w: SafetensorsWriter, fill: Fill,
-            progress: Callable[[int], None] | None, window: int = WINDOW_BYTES) -> None:
-    """Copy one item from ``fill`` into its place in ``w``, at most ``window`` bytes at a time."""
-    size = itemsize(dtype)
-    step = max(1, window // size)
-    for lo in range(0, numel, step):
-        hi = min(numel, lo + step)
-        data = fill(item, lo, hi)
-        got = memoryview(data).nbytes
-        if got != (hi - lo) * size:
-            raise CheckpointFormatError(
-                f"fill returned {got} bytes for elements [{lo}, {hi}) of {item}, expected {(hi - lo) * size} ({dtype})")
-        w.write(item.key, data)
-        if progress:
-            progress(got)
-

@@ -93,7 +93,7 @@ import numpy as np
 
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, ReshardError
-from reshard.formats.base import LLAMA_SIZES, Fill, Located, Source, Target, itemsize, require_sizes
+from reshard.formats.base import LLAMA_SIZES, Fill, Located, Source, Target, itemsize, require_sizes, stream_item
 from reshard.layout import Item, Layout, resolve
 from reshard.spec import Flat, Section, Spec
 from reshard.topology import Topology, parse_topology
@@ -1523,19 +1523,8 @@ class _Writer:
                 if isinstance(src, SmallTensor):
                     w.write(key, src.data)
                     continue
-                info = self.t.layout.items[src]
-                size = itemsize(self._dtype(src))
-                step = max(1, self.window_bytes // size)
-                for lo in range(0, info.numel, step):
-                    hi = min(info.numel, lo + step)
-                    data = self.fill(src, lo, hi)
-                    if memoryview(data).nbytes != (hi - lo) * size:
-                        raise CheckpointFormatError(
-                            f"{path}: fill({src}, {lo}, {hi}) gave {memoryview(data).nbytes} bytes, "
-                            f"expected {(hi - lo) * size}")
-                    w.write(key, data)
-                    if self.progress:
-                        self.progress(memoryview(data).nbytes)
+                stream_item(self.fill, src, self.t.layout.items[src].numel, self._dtype(src),
+                            lambda data, key=key: w.write(key, data), self.progress, self.window_bytes)
 
 
 _TOP_ORDER = ("args", "checkpoint_version", "iteration", "<models>", "optimizer", "opt_param_scheduler",

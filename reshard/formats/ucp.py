@@ -22,10 +22,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
 
 from reshard.errors import CheckpointFormatError
-from reshard.formats.base import Located, Source, Target
+from reshard.formats.base import Located, Source, Target, scalar_value
 from reshard.geometry import row_major_strides
 from reshard.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
 from reshard.spec import parse_spec
@@ -142,13 +141,10 @@ def _folder(path: Path) -> Path | None:
     return None
 
 
-def _scalar(file: Path, ref: TensorRef) -> float:
-    kinds = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32}
-    if ref.dtype not in kinds:
-        raise CheckpointFormatError(f"{file}: step is {ref.dtype}")
+def _scalar(file: Path, ref: TensorRef) -> float | None:
     with open(file, "rb") as f:
         f.seek(ref.data_offset)
-        return float(np.frombuffer(f.read(ref.itemsize), dtype=kinds[ref.dtype])[0])
+        return scalar_value(f.read(ref.itemsize), ref.dtype)
 
 
 def _lr(folder: Path) -> float | None:
