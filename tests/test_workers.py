@@ -21,6 +21,9 @@ def read_all(path):
     ("megatron", "tp=2,pp=2", "tp=1,pp=2"),    # two stages: two independent units
     ("megatron", "tp=2,pp=2", "tp=1,pp=4"),
     ("deepspeed", "dp=2,zero=2", "dp=3,zero=2"),
+    ("deepspeed", "dp=2,zero=3", "dp=2,zero=3"),  # one unit per rank; the model files hold no items
+    ("dcp", "dp=2", "dp=2"),
+    ("mcore-dist", "tp=2", "tp=2"),
 ])
 def test_two_workers_write_the_same_bytes_as_one(tmp_path, fmt, src_topo, dst_topo):
     src = tmp_path / "src"

@@ -36,7 +36,7 @@ from typing import Any
 
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, SpecError
-from reshard.formats.base import Fill, Located, Source, Target
+from reshard.formats.base import LLAMA_SIZES, Fill, Located, Source, Target, require_sizes
 from reshard.layout import Item, Layout, resolve
 from reshard.topology import Topology
 from reshard.torchfile import TensorRef, TensorSpec, TorchSize
@@ -82,7 +82,8 @@ def open_zero3(fmt_name: str, root: Path, tag: str, tag_dir: Path, *, spec: str 
     spec_name = spec or SPEC
     parsed = load_spec(spec_name)
     topology = Topology(dp=dp, zero=3)
-    osd = [_get(_read(tag_dir / optims[(0, d)]), "optimizer_state_dict", tag_dir / optims[(0, d)]) for d in range(dp)]
+    optim_trees = [_read(tag_dir / optims[(0, d)]) for d in range(dp)]
+    osd = [_get(tree, "optimizer_state_dict", tag_dir / optims[(0, d)]) for d, tree in enumerate(optim_trees)]
     states = _states(osd[0], tag_dir / optims[(0, 0)])
     try:
         full = resolve(parsed, topology, all_sizes, states={"optim": (MASTER, *states)})
@@ -119,8 +120,7 @@ def open_zero3(fmt_name: str, root: Path, tag: str, tag_dir: Path, *, spec: str 
     config = _hf_config(files)
     extra: dict[str, Any] = {"step": first.get("global_steps")} if isinstance(first.get("global_steps"), int) else {}
     bf16 = optims[(0, 0)].startswith("bf16_")
-    extra["zero3"] = extra_from_files(first, _read(tag_dir / optims[(0, 0)]), first_path, tag_dir / optims[(0, 0)],
-                                      tag, bf16)
+    extra["zero3"] = extra_from_files(first, optim_trees[0], first_path, tag_dir / optims[(0, 0)], tag, bf16)
     if config:
         extra["config"] = config
     return Source(format=fmt_name, path=root, spec_name=spec_name, spec=parsed, topology=topology, sizes=all_sizes,
@@ -165,7 +165,6 @@ class Zero3Extra:
     optim_file: dict[str, Any]
     """The optimizer file's other keys (``ds_config``, ``ds_version``)."""
     ds_id: str
-    ds_version: str
 
 
 def extra_from_files(model: Mapping, optim: Mapping, model_path: Path, optim_path: Path, tag: str,
@@ -183,7 +182,7 @@ def extra_from_files(model: Mapping, optim: Mapping, model_path: Path, optim_pat
     rest = {k: v for k, v in optim.items() if k != "optimizer_state_dict"}
     return Zero3Extra(tag=tag, bf16=bf16, model_states=_template(model, model_path, drop=("module",)),
                       optim_states=_template(osd, optim_path), optim_file=_template(rest, optim_path),
-                      ds_id=str(ds_id), ds_version=str(optim.get("ds_version", "")))
+                      ds_id=str(ds_id))
 
 
 def extra_from_zero12(source: Source, dtype: str) -> Zero3Extra:
@@ -208,12 +207,11 @@ def extra_from_zero12(source: Source, dtype: str) -> Zero3Extra:
                     "partition_count": 0, "optimizer_state_dict": inner}
     rest = {k: v for k, v in base.optim_states.items() if k != "optimizer_state_dict"}
     return Zero3Extra(tag=base.tag, bf16=dtype == "bfloat16", model_states=model_states, optim_states=optim_states,
-                      optim_file=rest, ds_id="", ds_version=base.optim_states.get("ds_version", "0.19.8"))
+                      optim_file=rest, ds_id="")
 
 
 def target_zero3(fmt_name: str, source: Source, topology: Topology, spec: str | None) -> Target:
     """The ZeRO-3 layout of ``source``'s model at ``topology.dp`` (tp=1)."""
-    from reshard.formats.base import LLAMA_SIZES, require_sizes
 
     if topology.tp != 1 or topology.pp != 1 or topology.vpp != 1:
         raise CheckpointFormatError(f"{topology}: the ZeRO-3 target supports dp only (tp=1, pp=1)")
@@ -259,7 +257,7 @@ def files_of_zero3(target: Target) -> dict[Item, Path]:
 def write_zero3(target: Target, out: Path, fill: Fill, *, progress=None, only=None, window_bytes=None) -> list[Path]:
     """Per dp rank a model file (``param_shapes``, empty module placeholders) and an optimizer file
     (``fp32_flat_groups`` and the optimizer's flat states), as DeepSpeed's stage 3 saves them."""
-    from reshard.formats.deepspeed import WINDOW_BYTES, _ds_config, _with_scalars, _write_file
+    from reshard.formats.deepspeed import WINDOW_BYTES, Scalar, _ds_config, _with_scalars, _write_file
     from reshard.formats.hf import llama_config
 
     extra: Zero3Extra = target.extra["zero3"]
@@ -276,18 +274,17 @@ def write_zero3(target: Target, out: Path, fill: Fill, *, progress=None, only=No
     written: list[Path] = []
     for d in range(dp):
         rel = Path(extra.tag) / model_file3(d)
-        if keep is None or rel in keep:
-            sources: dict = {}
+        if not keep:  # model files hold no items: written by the call that writes the files without any
+            sources: dict = {("module", k): (Scalar(module_dtype, b""), 0) for k, _ in order}
             tree = {"module": OrderedDict((k, TensorSpec(module_dtype, (0,), ("module", k))) for k, _ in order),
                     **_with_scalars(extra.model_states, sources)}
-            sources.update({("module", k): (b"", 0) for k, _ in order})
             tree["param_shapes"] = [OrderedDict((k, TorchSize(s)) for k, s in order)]
             tree["dp_world_size"], tree["mp_world_size"] = dp, 1
             if "checkpoint_parallel_dimensions" in tree:
                 tree["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
             if "ds_config" in tree:
                 tree["ds_config"] = ds_config
-            _write_tree(out / rel, tree, sources, fill, target, progress, window_bytes or WINDOW_BYTES)
+            _write_file(out / rel, tree, sources, fill, target, progress)
             written.append(rel)
         rel = Path(extra.tag) / optim_file3(d, extra.bf16)
         if keep is None or rel in keep:
@@ -319,14 +316,3 @@ def write_zero3(target: Target, out: Path, fill: Fill, *, progress=None, only=No
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "latest").write_text(extra.tag)
     return [*written, Path("config.json"), Path("latest")]
-
-
-def _write_tree(path: Path, tree: Any, sources: dict, fill: Fill, target: Target, progress, window: int) -> None:
-    """A model file: its only tensors are empty placeholders and scalars."""
-    from reshard.formats.deepspeed import Scalar
-    from reshard.torchfile import TorchFileWriter
-
-    with TorchFileWriter(path, tree) as writer:
-        for key in writer.entries:
-            src, _ = sources[key]
-            writer.write(key, src.data if isinstance(src, Scalar) else b"")

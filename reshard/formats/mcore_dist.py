@@ -40,7 +40,7 @@ from typing import Any
 from reshard.catalog import load_spec
 from reshard.dcp_metadata import read_metadata
 from reshard.errors import CheckpointFormatError
-from reshard.formats.base import DTYPE_SIZES, Fill, Located, Source, Target
+from reshard.formats.base import DTYPE_SIZES, LLAMA_SIZES, Fill, Located, Source, Target, require_sizes
 from reshard.formats.dcp import FORMAT as DCP
 from reshard.formats.dcp import _Chunk, _chunk_ref, _entry_bytes, _Naming, _Verbatim
 from reshard.dcp_metadata import DcpChunk
@@ -58,7 +58,6 @@ RANK_SPEC = "megatron-llama"
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 _EMBEDDING = "embedding.word_embeddings.weight"
-_SIZE_KEYS = ("h", "heads", "g", "hd", "f", "vocab", "layers")
 
 
 class McoreDistFormat:
@@ -81,7 +80,8 @@ class McoreDistFormat:
         Raises:
           CheckpointFormatError: another backend, missing model sizes, a stored
             key the spec does not know (or the reverse), a global shape that
-            differs from the spec's, or optimizer state (not read yet).
+            differs from the spec's, or optimizer state other than the
+            ``fully_reshardable`` format's.
         """
         path = Path(path)
         backend = _read_json(path / METADATA_JSON).get("sharded_backend")
@@ -174,7 +174,6 @@ class McoreDistFormat:
         rank numbers and ``args``). Weights only: optimizer states are not written
         (reported as not carried).
         """
-        from reshard.formats.base import LLAMA_SIZES, require_sizes
         from reshard.formats.megatron import _padded_vocab, megatron_args
 
         bad = [f"{a}({topology.degree(a)})" for a in ("cp", "ep") if topology.degree(a) > 1]
@@ -400,7 +399,7 @@ def _sizes(path: Path, common: Mapping[str, Any], md, given: Mapping[str, int]) 
             sizes.setdefault("layers", qkv.size[0])
         if fc1 is not None:
             sizes.setdefault("f", fc1.size[1] // 2)
-        missing = [k for k in _SIZE_KEYS if k not in sizes]
+        missing = [k for k in LLAMA_SIZES if k not in sizes]
         if missing:
             raise CheckpointFormatError(f"{path}: {COMMON} holds no args, so the model sizes {', '.join(missing)} "
                                         "are unknown; give them as sizes")
