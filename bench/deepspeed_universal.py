@@ -5,6 +5,7 @@ copy, Adam exp_avg / exp_avg_sq; about 1.2 GiB at the default scale) as two dp
 ranks would save it, then measures, each in its own process tree:
 
 - ``reshard convert SRC DST --to dp=4``: a checkpoint DeepSpeed loads at dp=4;
+- ``reshard convert SRC DST --format ucp``: the universal folder ds_to_universal writes;
 - ``ds_to_universal --inject_missing_state``: the universal folder DeepSpeed
   loads at dp=4 with ``load_universal`` (its own route to a new dp).
 
@@ -99,7 +100,7 @@ def main() -> None:
     layers = max(2, round(6 * args.scale))
     sizes = {"h": 1024, "heads": 16, "g": 4, "hd": 64, "f": 2816, "vocab": 32000, "layers": layers}
     base = args.keep or Path(tempfile.mkdtemp(prefix="reshard-ds-bench-", dir=os.environ.get("TMPDIR")))
-    src, dst, ucp = base / "src", base / "dst", base / "universal"
+    src, dst, ucp, ours_ucp = base / "src", base / "dst", base / "universal", base / "universal-reshard"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
     try:
         if not src.exists():
@@ -111,6 +112,8 @@ def main() -> None:
         for name, out, cmd in (
             ("reshard convert --to dp=4", dst,
              [sys.executable, "-m", "cli.main", "convert", str(src), str(dst), "--to", "dp=4"]),
+            ("reshard convert --format ucp", ours_ucp,
+             [sys.executable, "-m", "cli.main", "convert", str(src), str(ours_ucp), "--format", "ucp"]),
             ("ds_to_universal --inject_missing_state", ucp,
              [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
               str(src / (src / "latest").read_text().strip()), "--output_folder", str(ucp), "--inject_missing_state"]),
@@ -127,10 +130,11 @@ def main() -> None:
         for name, f, out_size in runs:
             print(f"| {name} | {f['seconds']:.1f} | {f['rss'] / gib:.2f} | {f['written'] / gib:.2f} "
                   f"| {out_size / gib:.2f} | {f['written'] / max(out_size, 1):.2f} |")
-        ours, theirs = runs[0][1], runs[1][1]
-        print(f"\nreshard: {theirs['seconds'] / ours['seconds']:.1f}x faster, "
-              f"{theirs['rss'] / max(ours['rss'], 1):.1f}x less peak memory, "
-              f"{theirs['written'] / max(ours['written'], 1):.1f}x fewer bytes written")
+        theirs = runs[-1][1]
+        for name, ours, _ in runs[:-1]:
+            print(f"\n{name}: {theirs['seconds'] / ours['seconds']:.1f}x faster than ds_to_universal, "
+                  f"{theirs['rss'] / max(ours['rss'], 1):.1f}x less peak memory, "
+                  f"{theirs['written'] / max(ours['written'], 1):.1f}x fewer bytes written")
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)

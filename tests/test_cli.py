@@ -68,7 +68,8 @@ def test_verify_exits_1_and_names_the_difference(ckpt, tmp_path):
     (["convert", "{src}", "{tmp}/x", "--to", "tq=2"],
      "unknown topology key 'tq' in 'tq=2' (expected one of: tp, pp, dp, cp, ep, vpp, zero, stages, layout, order)"),
     (["convert", "{src}", "{tmp}/x", "--to", "tp=3"], "is not divisible by tp(3)"),
-    (["convert", "{src}", "{tmp}/x", "--format", "ucp"], "writing universal checkpoints is not supported yet"),
+    (["convert", "{src}", "{tmp}/x", "--format", "ucp", "--to", "dp=2"],
+     "a universal checkpoint holds whole tensors and no topology"),
     (["inspect", "{tmp}/missing"], "missing: no such file or directory"),
     (["fixture", "{tmp}/f", "--model", "gpt-9"], "unknown fixture model 'gpt-9'"),
 ])

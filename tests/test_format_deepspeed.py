@@ -486,7 +486,7 @@ def test_torch_load_reads_the_files_with_deepspeeds_classes(tmp_path, monkeypatc
 
 DEEPSPEED_RUN = '''
 """Train, save or load a tiny HF-named Llama with DeepSpeed on CPU (gloo): ZeRO-2 and bf16 unless
-RESHARD_DS_STAGE / RESHARD_DS_BF16 say otherwise."""
+RESHARD_DS_STAGE / RESHARD_DS_BF16 say otherwise; RESHARD_DS_UNIVERSAL=1 loads a universal folder."""
 import os
 import sys
 import numpy as np
@@ -557,7 +557,8 @@ torch.manual_seed(0)
 model = Llama()
 stage, bf16 = int(os.environ.get("RESHARD_DS_STAGE", "2")), os.environ.get("RESHARD_DS_BF16", "1") == "1"
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
-          "zero_allow_untested_optimizer": True, "bf16": {"enabled": bf16}}
+          "zero_allow_untested_optimizer": True, "bf16": {"enabled": bf16},
+          "checkpoint": {"load_universal": os.environ.get("RESHARD_DS_UNIVERSAL") == "1"}}
 adam = torch.optim.Adam(model.parameters(), lr=1e-3)
 engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adam, config=config)
 
@@ -594,7 +595,7 @@ os._exit(0)  # gloo's threads sometimes abort at interpreter exit, after all the
 '''
 
 
-def run_deepspeed(tmp_path, nproc: int, *args: str, stage: int = 2, bf16: bool = True) -> None:
+def run_deepspeed(tmp_path, nproc: int, *args: str, stage: int = 2, bf16: bool = True, universal: bool = False) -> None:
     from jobs import run_job
 
     script = tmp_path / "deepspeed_run.py"
@@ -605,6 +606,7 @@ def run_deepspeed(tmp_path, nproc: int, *args: str, stage: int = 2, bf16: bool =
                    tmp_path)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1",
            "RESHARD_DS_STAGE": str(stage), "RESHARD_DS_BF16": "1" if bf16 else "0",
+           "RESHARD_DS_UNIVERSAL": "1" if universal else "0",
            "TORCH_EXTENSIONS_DIR": str(session / "torch-extensions")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
            *args]
@@ -728,13 +730,9 @@ def test_resharded_checkpoints_resume_in_deepspeed_bit_exactly(ds_saved, tmp_pat
 def test_a_universal_checkpoint_from_ds_to_universal_converts_and_resumes_bit_exactly(ds_saved, tmp_path):
     """DeepSpeed's own universal folder as a source: resharded to ZeRO-2 at dp=3, DeepSpeed resumes from it."""
     import reshard
-    from jobs import run_job
 
     src = ds_saved(2, False)
-    code, output = run_job([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                            str(src / (src / "latest").read_text().strip()), "--output_folder", str(tmp_path / "ucp"),
-                            "--inject_missing_state"], {**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert code == 0, output[-4000:]
+    ds_to_universal(src, tmp_path / "ucp")
     ucp = reshard.open_checkpoint(tmp_path / "ucp", sizes={"heads": 4})
     assert ucp.format == "ucp" and ucp.layout.states == ("exp_avg", "exp_avg_sq", "master")
     reshard.convert(tmp_path / "ucp", tmp_path / "dp3", format="deepspeed", to="dp=3,zero=2", sizes={"heads": 4})
@@ -745,3 +743,64 @@ def test_a_universal_checkpoint_from_ds_to_universal_converts_and_resumes_bit_ex
     for key in dump.files:
         name, state = key.rsplit(":", 1)
         np.testing.assert_array_equal(dump[key], logical[(name, state)].reshape(dump[key].shape), err_msg=key)
+
+
+def ds_to_universal(src, out) -> None:
+    """DeepSpeed's own converter on the checkpoint ``src`` (a save dir), into the universal folder ``out``."""
+    from jobs import run_job
+
+    code, output = run_job([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                            str(src / (src / "latest").read_text().strip()), "--output_folder", str(out),
+                            "--inject_missing_state"], {**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert code == 0, output[-4000:]
+
+
+UNIVERSAL = [(2, False, 3), (1, True, 4)]  # (source stage, bf16, dp that loads the universal folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,bf16,dp", UNIVERSAL, ids=[f"z{s}-{'bf16' if b else 'fp32'}-dp{d}" for s, b, d in UNIVERSAL])
+def test_universal_folders_written_by_reshard_equal_ds_to_universals_and_load_alike(ds_saved, tmp_path, stage, bf16,
+                                                                                     dp):
+    """reshard's universal export against DeepSpeed's: the same files and values, and DeepSpeed's
+    load_universal at a new dp sees the same parameters and optimizer states from both."""
+    torch = pytest.importorskip("torch")
+    import reshard
+
+    src = ds_saved(stage, bf16)
+    tag = (src / "latest").read_text().strip()
+    result = reshard.convert(src, tmp_path / "ours", format="ucp", sizes={"heads": 4})
+    assert (tmp_path / "ours" / "latest_universal").read_text() == tag
+    ds_to_universal(src, tmp_path / "theirs" / tag)
+    ours, theirs = tmp_path / "ours" / tag / "zero", tmp_path / "theirs" / tag / "zero"
+    files = sorted(p.relative_to(theirs) for p in theirs.rglob("*.pt"))
+    assert files == sorted(p.relative_to(ours) for p in ours.rglob("*.pt"))
+    assert len(files) == 21 * 4 + 1  # fp32, exp_avg, exp_avg_sq, step per param; optimizer_state.pt
+    for rel in files:
+        a, b = torch.load(ours / rel, weights_only=False), torch.load(theirs / rel, weights_only=False)
+        if rel.name == "optimizer_state.pt":
+            assert a.keys() == b.keys() and a["param_groups"] == b["param_groups"], rel
+            continue
+        if rel.name == "step.pt":
+            assert a.dtype == b.dtype and torch.equal(a, b), rel
+            continue
+        assert list(a) == list(b) == ["cat_dim", "param"] and a["cat_dim"] == b["cat_dim"], rel
+        assert a["param"].dtype == b["param"].dtype == torch.float32 and torch.equal(a["param"], b["param"]), rel
+    model = torch.load(tmp_path / "ours" / tag / "mp_rank_00_model_states.pt", weights_only=False)
+    original = torch.load(src / tag / "mp_rank_00_model_states.pt", weights_only=False)
+    assert model.keys() == original.keys() and model["global_steps"] == original["global_steps"] == 2
+    for name, v in original["module"].items():
+        assert model["module"][name].dtype == v.dtype and torch.equal(model["module"][name], v), name
+    assert result.bytes_written == sum(p.stat().st_size for p in (tmp_path / "ours").rglob("*") if p.is_file()
+                                       and p.name != "reshard.json")
+    dumps = {}
+    for name in ("ours", "theirs"):
+        dumps[name] = tmp_path / f"{name}.npz"
+        run_deepspeed(tmp_path, dp, "load", str(tmp_path / name), str(dumps[name]), stage=stage, bf16=bf16,
+                      universal=True)
+    mine, ref, logical = np.load(dumps["ours"]), np.load(dumps["theirs"]), logical_of(src)
+    assert sorted(mine.files) == sorted(ref.files) and len(mine.files) == 21 * (4 if bf16 else 3)
+    for key in mine.files:
+        np.testing.assert_array_equal(mine[key], ref[key], err_msg=key)
+        name, state = key.rsplit(":", 1)
+        np.testing.assert_array_equal(mine[key], logical[(name, state)].reshape(mine[key].shape), err_msg=key)

@@ -38,7 +38,8 @@ States: model weights ``param``; fp32 master ``master``; every tensor the torch 
 keeps per flat param (``exp_avg``, ``exp_avg_sq``, ...) under its own name, laid out like
 ``master``. Scalars (``step``) and all other non-tensor state are carried, never resharded.
 
-ZeRO stage 3 checkpoints are read by ``reshard.formats.deepspeed_zero3`` (not written yet).
+ZeRO stage 3 checkpoints are read and written by ``reshard.formats.deepspeed_zero3``; universal
+folders by ``reshard.formats.ucp``.
 Not supported, each refused with a message: the pipeline engine, MoE
 expert files, ``round_robin_gradients``, ``parameter_alignment``, frozen parameters,
 persistent buffers, tied weights, and tp > 1 with a spec that splits nothing over tp.

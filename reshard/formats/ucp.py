@@ -1,4 +1,4 @@
-"""DeepSpeed universal checkpoints (UCP, what ``ds_to_universal`` writes), read as a source.
+"""DeepSpeed universal checkpoints (UCP, what ``ds_to_universal`` writes), read and written.
 
 A universal folder holds, per parameter, ``zero/<name>/fp32.pt``,
 ``exp_avg.pt``, ``exp_avg_sq.pt`` (each ``{"param": full tensor, "cat_dim":
@@ -13,33 +13,77 @@ above it, or from ``sizes``, and the rest from the tensors' shapes (given the
 head count, which shapes cannot tell from the head size). Refused with a message: sub-parameter and vocab
 padding entries (Megatron-DeepSpeed's tp-fused layouts) and tensors that are
 not contiguous.
+
+Written as ``ds_to_universal`` writes one for a ZeRO-1/2 run (DeepSpeed 0.19.8,
+``checkpoint/ds_to_universal.py``), so that ``"checkpoint": {"load_universal":
+true}`` resumes from it at any dp::
+
+    <out>/latest_universal                      the tag
+    <out>/<tag>/zero/<name>/fp32.pt             {"cat_dim": 0, "param": whole fp32 master}
+    <out>/<tag>/zero/<name>/<state>.pt          each optimizer state (exp_avg, exp_avg_sq), likewise
+    <out>/<tag>/zero/<name>/step.pt             the optimizer's step of the param's group (a 0-d tensor)
+    <out>/<tag>/zero/optimizer_state.pt         the ZeRO optimizer's state_dict without its partitions,
+                                                plus the torch optimizer's param_groups
+    <out>/<tag>/mp_rank_00_model_states.pt      the engine's model file (weights in the training dtype)
+
+DeepSpeed's loader reads the model file named for its own ZeRO stage, which is
+``mp_rank_00_model_states.pt`` for stages 1 and 2. A DeepSpeed ZeRO-1/2 source's
+non-tensor state is carried (tag, counters, config, loss scaler, param groups);
+other sources get ``synthesize_extra``'s. Needs the fp32 master weights (or fp32
+weights, which are them); tp = pp = 1 (the universal folder has no topology: the
+loading job's is used).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 
-from reshard.errors import CheckpointFormatError
-from reshard.formats.base import Located, Source, Target, scalar_value
+from reshard.errors import CheckpointFormatError, TopologyError
+from reshard.formats.base import Fill, Located, Source, Target, scalar_value, stream_item
 from reshard.geometry import row_major_strides
 from reshard.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
 from reshard.spec import parse_spec
 from reshard.topology import Topology
 from reshard.torch_read import read_torch_file
-from reshard.torch_types import TensorRef
+from reshard.torch_types import TensorRef, TensorSpec, TorchSize
+from reshard.torch_write import TorchFileWriter
 
 __all__ = ["FORMAT", "UcpFormat"]
 
 ZERO = "zero"
+MODEL = "model"
+MODEL_FILE = "mp_rank_00_model_states.pt"
 _KNOWN_KEYS = {"param", "cat_dim"}
+_SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+"""What ``ds_to_universal`` leaves out of ``optimizer_state.pt``: the per-rank partitions."""
+WINDOW_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UcpExtra:
+    """A universal folder's non-tensor content, as ``write`` lays it down."""
+
+    tag: str
+    model_states: dict[str, Any]
+    """The model file's tree without ``module`` (``Scalar`` for 0-d tensors)."""
+    optimizer_state: dict[str, Any]
+    """``zero/optimizer_state.pt``."""
+    step: Any
+    """``step.pt`` of every param (a ``Scalar``), or None when the optimizer keeps no step."""
+    names: tuple[str, ...]
+    """The params, in the model's order."""
 
 
 class UcpFormat:
-    """The ``ucp`` format adapter (see ``reshard.formats.base.Format``); reading only."""
+    """The ``ucp`` format adapter (see ``reshard.formats.base.Format``)."""
 
     name = "ucp"
 
@@ -118,14 +162,172 @@ class UcpFormat:
                       topology=Topology(), sizes=model_sizes, layout=layout, where=where, extra=extra)
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
-        raise CheckpointFormatError("writing universal checkpoints is not supported yet; write --format deepspeed "
-                                    "at the new dp (DeepSpeed loads it without load_universal)")
+        """Whole tensors, one file per param and state; the weights in the model file.
 
-    def write(self, *args, **kwargs):
-        raise CheckpointFormatError("writing universal checkpoints is not supported yet")
+        Raises:
+          TopologyError: for a topology other than the trivial one.
+          CheckpointFormatError: when the source has no fp32 master weights.
+        """
+        if topology != Topology(zero=topology.zero):
+            raise TopologyError(f"a universal checkpoint holds whole tensors and no topology (DeepSpeed splits them "
+                                f"for the job that loads it); got {topology}: leave out --to")
+        if spec is not None:
+            raise CheckpointFormatError("the ucp format takes no spec: every tensor is stored whole")
+        held = {(f.tensor, f.state) for f in source.layout.fragments}
+        names = [n for n, t in source.layout.tensors.items()
+                 if not t.blob and t.shape and any((n, s) in held for s in source.layout.states)]
+        states = set(source.layout.states)
+        fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == "param")
+        if "master" not in states and not ("param" in states and fp32):
+            raise CheckpointFormatError(f"{source.path}: a universal checkpoint needs the fp32 master weights "
+                                        f"(fp32.pt); the source has {', '.join(sorted(states))}, and its weights are "
+                                        "not float32")
+        opt_states = [s for s in dict.fromkeys(it.state for it in source.layout.items) if s not in ("param", "master")]
+        tensors: dict[str, LogicalTensor] = {}
+        items: dict[Item, ItemInfo] = {}
+        fragments: list[Fragment] = []
+        for name in names:
+            shape = source.layout.tensors[name].shape
+            t = tensors[name] = LogicalTensor(name=name, shape=shape, axes=tuple(f"d{k}" for k in range(len(shape))),
+                                              view=shape, dim_axes=(1,) * len(shape))
+            for section, state in ((MODEL, "param"), (ZERO, "master"), *((ZERO, s) for s in opt_states)):
+                item = Item(section, (), 0, state, name)
+                items[item] = ItemInfo(shape=shape, mapped=math.prod(shape), rule="ucp")
+                for box, off, st in box_fragments(t, (0,) * len(shape), shape, row_major_strides(shape), 0):
+                    fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
+        layout = Layout(topology=Topology(), tensors=MappingProxyType(tensors), items=MappingProxyType(items),
+                        fragments=tuple(fragments))
+        model_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == "param"), "float32")
+        extra = _extra(source, tuple(names), model_dtype, tuple(opt_states))
+        dtypes = {it: model_dtype if it.section == MODEL else "float32" for it in items}
+        carried = {"config": source.extra["config"]} if "config" in source.extra else {}
+        return Target(format=self.name, spec_name="ucp", spec=parse_spec("", "<ucp>"), topology=Topology(),
+                      sizes=dict(source.sizes), layout=layout, dtypes=dtypes, extra={"ucp": extra, **carried})
 
-    def files_of(self, target: Target):
-        raise CheckpointFormatError("writing universal checkpoints is not supported yet")
+    def files_of(self, target: Target) -> dict[Item, Path]:
+        """The file, relative to the output directory, that holds each item."""
+        tag = target.extra["ucp"].tag
+        return {it: Path(tag) / (MODEL_FILE if it.section == MODEL else Path(ZERO, it.key, _file_stem(it.state) + ".pt"))
+                for it in target.layout.items}
+
+    def write(self, target: Target, out: Path, fill: Fill, *, progress: Callable[[int], None] | None = None,
+              only: Collection[Path] | None = None, window_bytes: int | None = None) -> list[Path]:
+        """Write the universal folder under ``out`` (see the module docstring).
+
+        With ``only``, just those item files; the files holding no items (``step.pt``,
+        ``optimizer_state.pt``, ``latest_universal``, ``config.json``) are written by the
+        call without ``only`` or with ``only=()``.
+        """
+        from reshard.formats.deepspeed import _with_scalars
+        from reshard.formats.hf import llama_config
+
+        out = Path(out)
+        extra: UcpExtra = target.extra["ucp"]
+        window = window_bytes or WINDOW_BYTES
+        keep = None if only is None else set(only)
+        by_file: dict[Path, list[Item]] = {}
+        for it, rel in self.files_of(target).items():
+            by_file.setdefault(rel, []).append(it)
+        written: list[Path] = []
+        for rel, its in by_file.items():
+            if keep is not None and rel not in keep:
+                continue
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            sources: dict[Any, tuple[Any, int]] = {}
+            if rel.name == MODEL_FILE:
+                by_key = {it.key: it for it in its}
+                module = OrderedDict()
+                for name in extra.names:
+                    module[name] = TensorSpec(target.dtypes[by_key[name]], target.layout.items[by_key[name]].shape,
+                                              ("item", name))
+                    sources[("item", name)] = (by_key[name], target.layout.items[by_key[name]].numel)
+                tree: Any = {"module": module, **_with_scalars(extra.model_states, sources)}
+            else:
+                (it,) = its
+                tree = {"cat_dim": 0, "param": TensorSpec("float32", target.layout.items[it].shape, ("item", it.key))}
+                sources[("item", it.key)] = (it, target.layout.items[it].numel)
+            with TorchFileWriter(out / rel, tree) as writer:
+                for key in writer.entries:
+                    src, numel = sources[key]
+                    if isinstance(src, Item):
+                        stream_item(fill, src, numel, target.dtypes[src], lambda data, k=key: writer.write(k, data),
+                                    progress, window)
+                    else:
+                        writer.write(key, src.data)
+            written.append(rel)
+        if keep:
+            return written
+        rest: list[tuple[Path, Any]] = [(Path(extra.tag, ZERO, "optimizer_state.pt"), extra.optimizer_state)]
+        if extra.step is not None:
+            rest += [(Path(extra.tag, ZERO, name, "step.pt"), extra.step) for name in extra.names]
+        for rel, obj in rest:
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            scalars: dict[Any, tuple[Any, int]] = {}
+            tree = _with_scalars({"x": obj}, scalars)["x"]
+            with TorchFileWriter(out / rel, tree) as writer:
+                for key in writer.entries:
+                    writer.write(key, scalars[key][0].data)
+            written.append(rel)
+        model_dtype = next((d for it, d in target.dtypes.items() if it.section == MODEL), "float32")
+        config = target.extra.get("config") or llama_config(target.sizes, [model_dtype])
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (out / "latest_universal").write_text(extra.tag)
+        return [*written, Path("config.json"), Path("latest_universal")]
+
+
+def _file_stem(state: str) -> str:
+    return "fp32" if state == "master" else state
+
+
+def _extra(source: Source, names: tuple[str, ...], model_dtype: str, opt_states: tuple[str, ...]) -> UcpExtra:
+    """The universal folder's non-tensor content: a DeepSpeed ZeRO-1/2 source's own, else synthesized."""
+    from reshard.formats.deepspeed import DeepSpeedExtra, Scalar, synthesize_extra
+
+    ds: DeepSpeedExtra | None = source.extra.get("deepspeed") if source.format == "deepspeed" else None
+    if ds is None:
+        step = _source_step(source)
+        if opt_states and step is None:
+            raise CheckpointFormatError(f"{source.path}: the source records no optimizer step, which a universal "
+                                        f"folder keeps beside {', '.join(opt_states)} (step.pt)")
+        value = int(scalar_value(step.data, step.dtype) or 0) if step is not None else 0
+        ds = synthesize_extra(dtype=model_dtype if model_dtype in ("bfloat16", "float32") else "float32",
+                              states=opt_states, global_steps=value, dp=1, lr=float(source.extra.get("lr", 1e-3)))
+        ds.model_states["param_shapes"] = [OrderedDict((n, TorchSize(source.layout.tensors[n].shape)) for n in names)]
+        for group in ds.optim_states["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+            group["step"] = step
+    if ds.elastic:
+        raise CheckpointFormatError(f"{source.path}: an elastic DeepSpeed checkpoint (base_optimizer_state is a list "
+                                    "of groups) has no param_groups to put in optimizer_state.pt")
+    osd = ds.optim_states["optimizer_state_dict"]
+    base = osd["base_optimizer_state"]
+    optimizer_state = {k: v for k, v in osd.items() if k not in _SHARDED}
+    optimizer_state["param_groups"] = base.get("param_groups", [])
+    steps = [s.get("step") for s in base.get("state", {}).values()]
+    if len({(s.dtype, s.data) if isinstance(s, Scalar) else repr(s) for s in steps}) > 1:
+        raise CheckpointFormatError(f"{source.path}: the optimizer's param groups are at different steps "
+                                    f"({len(steps)} groups); a universal folder keeps one step per param")
+    step = steps[0] if steps and isinstance(steps[0], Scalar) else None
+    order = [n for n in ds.module_order if n in names] + [n for n in names if n not in ds.module_order]
+    return UcpExtra(tag=ds.tag, model_states=ds.model_states, optimizer_state=optimizer_state, step=step,
+                    names=tuple(order))
+
+
+def _source_step(source: Source):
+    """The optimizer step of a source that is not DeepSpeed ZeRO-1/2, as a ``Scalar`` (Adam keeps a float32)."""
+    import struct
+
+    from reshard.formats.deepspeed import Scalar
+
+    zero3 = source.extra.get("zero3")
+    if zero3 is not None:
+        inner = zero3.optim_states.get("optimizer_state_dict", {})
+        for group in inner.get("state", {}).values():
+            if isinstance(group.get("step"), Scalar):
+                return group["step"]
+    for key in ("step", "iteration"):
+        if source.extra.get(key):
+            return Scalar("float32", struct.pack("<f", float(source.extra[key])))
+    return None
 
 
 def _folder(path: Path) -> Path | None:
