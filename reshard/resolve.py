@@ -125,6 +125,20 @@ class _Resolver:
             order=MappingProxyType(self.order),
         )
 
+    def key_of(self, pattern: S.Pattern, values: dict[str, tuple[int, int]]) -> str:
+        """A stored tensor's name: each capture numbered as it says (local, or global ``{i@pp}``), plus its
+        offset; ``{=expr}`` parts evaluated."""
+        out = []
+        for p in pattern.parts:
+            if isinstance(p, str):
+                out.append(p)
+            elif isinstance(p, S.Computed):
+                out.append(str(self.eval(p.expr)))
+            else:
+                g, local = values[p.name]
+                out.append(str((g if p.numbered == "global" else local) + (self.eval(p.offset) if p.offset else 0)))
+        return "".join(out)
+
     def eval(self, e: S.Expr) -> int:
         if isinstance(e, S.Num):
             return e.value
@@ -176,7 +190,7 @@ class _Resolver:
             if names.count(a) > 1:
                 raise self.err(f"axis '{a}' appears twice in logical tensor {st.pattern.text}", p)
         for cap in st.pattern.captures:
-            if cap.axis is not None:
+            if cap.axis is not None or not st.pattern.plain:
                 raise self.err(f"a logical name captures global indices only; write '{{{cap.name}}}'", cap.pos)
             if cap.name not in self.indexes:
                 raise self.err(f"unknown index '{cap.name}' (declared: {', '.join(self.indexes) or 'none'}; add 'index {cap.name} < N')", cap.pos)
@@ -193,6 +207,8 @@ class _Resolver:
     def declare_blob(self, st: S.Blob) -> None:
         if st.pattern.text in self.by_ref:
             return
+        if not st.pattern.plain:
+            raise self.err("a blob name takes plain captures only ('{name}')", st.pos)
         for cap in st.pattern.captures:
             if cap.name not in self.indexes:
                 raise self.err(f"unknown index '{cap.name}' (declared: {', '.join(self.indexes) or 'none'})", cap.pos)
@@ -428,7 +444,7 @@ class _Resolver:
         return out
 
     def stored(self, sec, rule, unit, coords, chunk, values, states) -> list[Item]:
-        key = rule.pattern.format({k: v[1] for k, v in values.items()})
+        key = self.key_of(rule.pattern, values)
         global_values = {k: v[0] for k, v in values.items()}
         if isinstance(rule, S.Blob):
             decl = self.by_ref[rule.pattern.text]
@@ -503,6 +519,8 @@ class _Resolver:
     # -- flat buffers
 
     def flat(self, sec: S.Section, fl: S.Flat, unit, chunk: int, states: tuple[str, ...], sections: dict[str, S.Section]) -> None:
+        if not fl.pattern.plain:
+            raise self.err("a flat buffer's name takes plain captures only ('{state}', '{bucket}')", fl.pos)
         src = sections.get(fl.source)
         if src is None:
             raise self.err(f"unknown section '{fl.source}' (declared: {', '.join(sections)})", fl.pos)

@@ -27,7 +27,9 @@ Grammar (one statement per line; ``#`` starts a comment)::
     expr      := sum; sum := prod (('+'|'-') prod)*; prod := eatom (('*'|'/'|'//') eatom)*
     eatom     := INT | NAME | NAME '(' expr (',' expr)* ')' | '(' expr ')'
     PATTERN   := a name such as ``decoder.layers.{i/pp}.mlp.linear_fc1.weight``;
-                 ``{x}`` captures index x, ``{x/axis}`` its local index under a split
+                 ``{x}`` captures index x, ``{x/axis}`` its local index under a split,
+                 ``{x@axis}`` the same placement numbered globally; ``+expr`` after any of
+                 them adds to the number; ``{=expr}`` is a number computed from sizes
 
 The published, normative version of this grammar is ``specs/README.md``.
 """
@@ -44,6 +46,7 @@ __all__ = [
     "Blob",
     "Call",
     "Capture",
+    "Computed",
     "Concat",
     "Expr",
     "Flat",
@@ -191,15 +194,33 @@ class Capture:
     name: str
     axis: str | None  # {i/pp}: local index under a split over pp
     pos: Pos
+    numbered: str = "local"
+    """How the name numbers it: ``local`` ({i/pp}, the index within the split) or ``global`` ({i@pp})."""
+    offset: "Expr | None" = None
+    """Added to the number in the name: ``{i@pp+1}`` (DeepSpeed pipelines number an embedding layer 0)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """A number in a name computed from sizes: ``{=layers+1}``."""
+
+    expr: "Expr"
+    pos: Pos
 
 
 @dataclass(frozen=True, slots=True)
 class Pattern:
     """A tensor name with captures: literal pieces and ``Capture``s, in order."""
 
-    parts: tuple[str | Capture, ...]
+    parts: tuple["str | Capture | Computed", ...]
     text: str
     pos: Pos
+
+    @property
+    def plain(self) -> bool:
+        """Only literal text and ``{name}`` / ``{name/axis}`` captures: no offsets, global numbering or computed parts."""
+        return all(isinstance(p, str) or (isinstance(p, Capture) and p.numbered == "local" and p.offset is None)
+                   for p in self.parts)
 
     @property
     def captures(self) -> tuple[Capture, ...]:
@@ -523,21 +544,43 @@ def _pattern(ln: _Line, tok: _Tok) -> Pattern:
         if close < 0:
             raise SpecError("unclosed '{' in name (expected '{name}' or '{name/axis}')", source=ln.source, line=ln.lineno, col=tok.col + i, text=ln.text)
         body = text[i + 1 : close]
-        name, _, axis = body.partition("/")
-        bad = next((x for x in ([name, axis] if "/" in body else [name]) if not _NAME.fullmatch(x)), None)
-        if bad is not None:
-            raise SpecError(
-                f"bad capture '{{{body}}}' (expected '{{name}}' or '{{name/axis}}')",
-                source=ln.source, line=ln.lineno, col=tok.col + i, length=close - i + 1, text=ln.text,
-            )
+        pos = Pos(ln.lineno, tok.col + i, close - i + 1, ln.source)
         if lit:
             parts.append(lit)
             lit = ""
-        parts.append(Capture(name, axis or None, Pos(ln.lineno, tok.col + i, close - i + 1, ln.source)))
+        if body.startswith("="):
+            parts.append(Computed(_sub_expr(ln, body[1:], tok.col + i + 2), pos))
+            i = close + 1
+            continue
+        m = _CAPTURE.fullmatch(body)
+        if m is None:
+            raise SpecError(
+                f"bad capture '{{{body}}}' (expected '{{name}}', '{{name/axis}}', '{{name@axis}}', an offset "
+                "'+expr' after any of them, or '{=expr}')",
+                source=ln.source, line=ln.lineno, col=tok.col + i, length=close - i + 1, text=ln.text,
+            )
+        offset = _sub_expr(ln, m.group("offset"), tok.col + i + 1 + m.start("offset")) if m.group("offset") else None
+        parts.append(Capture(m.group("name"), m.group("axis"), pos, "global" if m.group("sep") == "@" else "local",
+                             offset))
         i = close + 1
     if lit:
         parts.append(lit)
     return Pattern(tuple(parts), text, ln.pos(tok))
+
+
+_CAPTURE = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<sep>[/@])(?P<axis>[A-Za-z_][A-Za-z0-9_]*))?"
+                      r"(?:\+(?P<offset>.+))?")
+
+
+def _sub_expr(ln: _Line, text: str, col: int) -> Expr:
+    """An expression written inside a name's braces, parsed on its own; errors point into the line."""
+    sub = _Line(ln.source, ln.lineno, ln.text[: col - 1 + len(text)])
+    sub._tokenize(col - 1)
+    sub.text = ln.text  # errors show the whole line
+    e = _expr(sub)
+    if sub.peek().kind != "end":
+        raise sub.fail(f"unexpected '{sub.peek().text}' in '{text}'")
+    return e
 
 
 def _dims(ln: _Line) -> tuple[Term, ...] | None:

@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import types
+import zlib
 from collections import OrderedDict
 
 import numpy as np
@@ -324,11 +325,69 @@ def test_a_zero3_checkpoint_missing_a_ranks_files_is_named(tmp_path):
                             "(zero_pp_rank_0_mp_rank_00_model_states.pt says dp_world_size=2)")
 
 
-def test_targets_refuse_pipeline_stages_and_unsplit_tensor_parallelism(tmp_path):
+def test_pipeline_checkpoints_have_layer_files_and_a_flat_buffer_per_stage(tmp_path):
+    target, values, _, files = write_checkpoint(tmp_path, "pp=2,dp=2", spec="deepspeed-pipe-llama", zero_stage=1)
+    layers = [f"global_step1/layer_{i:02d}-model_00-model_states.pt" for i in range(5)]  # embed, 2 layers, norm, head
+    models = [f"global_step1/mp_rank_{m:02d}_model_states.pt" for m in range(2)]
+    assert sorted(map(str, files)) == sorted(["config.json", "latest", *layers, *models,
+                                              *(optim_name(d).replace("mp_rank_00", f"mp_rank_{m:02d}")
+                                                for m in range(2) for d in range(2))])
+    layer = read_torch_file(tmp_path / layers[2])  # decoder layer 1
+    assert list(layer) == [n.removeprefix("model.layers.1.") for n in hf_order() if n.startswith("model.layers.1.")]
+    np.testing.assert_array_equal(read(layer["mlp.up_proj.weight"], "float32", 24 * 16),
+                                  values[("model.layers.1.mlp.up_proj.weight", "param")].ravel())
+    stage1 = read_torch_file(tmp_path / models[1])
+    assert stage1["module"] is None and stage1["mp_world_size"] == 2
+    assert stage1["checkpoint_parallel_dimensions"] == {"pp_degree": 2, "tp_degree": 1}
+    assert list(stage1["param_shapes"][0])[0] == "2.self_attn.q_proj.weight"
+    assert list(stage1["param_shapes"][0])[-2:] == ["3.weight", "4.weight"]  # the final norm, the head
+    osd = read_torch_file(tmp_path / optim_name(0).replace("mp_rank_00", "mp_rank_01"))["optimizer_state_dict"]
+    assert osd["param_slice_mappings"][0]["2.self_attn.q_proj.weight"].state == {"numel": 256, "start": 0}
+    src = FORMAT.open(tmp_path, sizes=SIZES)  # read back: the layout proves itself against every file
+    assert src.spec_name == "deepspeed-pipe-llama" and (src.topology.pp, src.topology.dp) == (2, 2)
+    items = {item: read(loc, loc.dtype, src.layout.items[item].numel) for item, loc in src.where.items()}
+    for key, value in gather(src.layout, items).items():
+        np.testing.assert_array_equal(value, values[key], err_msg=str(key))
+
+
+def test_pipeline_layer_files_without_a_model_axis_are_read_and_their_naming_kept(tmp_path):
+    """A PipeDataParallelTopology (no 'model' axis) names layer files layer_XX-model_states.pt."""
+    import reshard
+
+    write_checkpoint(tmp_path / "src", "pp=2,dp=1", spec="deepspeed-pipe-llama", zero_stage=1)
+    for f in (tmp_path / "src" / "global_step1").glob("layer_*"):
+        f.rename(f.with_name(f.name.replace("-model_00-", "-")))
+    reshard.convert(tmp_path / "src", tmp_path / "one", to="pp=1,dp=2", sizes=SIZES)
+    assert sorted(p.name for p in (tmp_path / "one" / "global_step1").glob("layer_*")) == [
+        f"layer_{i:02d}-model_states.pt" for i in range(5)]
+    reshard.convert(tmp_path / "src", tmp_path / "two", to="pp=1,dp=2", sizes=SIZES, workers=2)
+    for f in (tmp_path / "one" / "global_step1").iterdir():
+        assert f.read_bytes() == (tmp_path / "two" / "global_step1" / f.name).read_bytes(), f.name
+    before, after = logical_of(tmp_path / "src"), logical_of(tmp_path / "one")
+    assert before.keys() == after.keys()
+    for key in before:
+        np.testing.assert_array_equal(before[key], after[key], err_msg=str(key))
+
+
+def test_a_pipeline_checkpoint_missing_a_layer_file_names_it(tmp_path):
+    write_checkpoint(tmp_path, "pp=2,dp=1", spec="deepspeed-pipe-llama", zero_stage=1)
+    (tmp_path / "global_step1" / "layer_03-model_00-model_states.pt").unlink()
+    with pytest.raises(CheckpointFormatError, match=r"layer_03-model_00-model_states\.pt: missing \(spec "
+                                                    r"'deepspeed-pipe-llama' places weight there\)"):
+        FORMAT.open(tmp_path, sizes=SIZES)
+
+
+def test_targets_refuse_pipelines_deepspeed_cannot_run_and_unsplit_tensor_parallelism(tmp_path):
     write_checkpoint(tmp_path, "dp=2")
     src = FORMAT.open(tmp_path, sizes=SIZES)
-    with pytest.raises(TopologyError, match=r"^DeepSpeed ZeRO checkpoints have no pipeline stages: pp\(2\) must be 1"):
-        FORMAT.target(src, parse_topology("pp=2,dp=1"))
+    with pytest.raises(TopologyError, match=r"^spec 'deepspeed-llama' describes DeepSpeed's engine without a pipeline: "
+                                            r"pp\(2\) must be 1"):
+        FORMAT.target(src, parse_topology("pp=2,dp=1"), spec="deepspeed-llama")
+    with pytest.raises(TopologyError, match=r"^DeepSpeed runs ZeRO stage 0 or 1 under a pipeline, not zero=2"):
+        FORMAT.target(src, parse_topology("pp=2,dp=1,zero=2"))
+    with pytest.raises(TopologyError, match=r"no virtual stages: vpp\(2\) must be 1"):
+        FORMAT.target(src, parse_topology("pp=2,vpp=2,dp=1"))
+    assert FORMAT.target(src, parse_topology("pp=2,dp=1")).spec_name == "deepspeed-pipe-llama"
     with pytest.raises(TopologyError, match=r"^spec 'deepspeed-llama' splits nothing over tp"):
         FORMAT.target(src, parse_topology("tp=2,dp=1"))
 
@@ -484,18 +543,9 @@ def test_torch_load_reads_the_files_with_deepspeeds_classes(tmp_path, monkeypatc
     assert osd["loss_scaler"].__dict__ == {"cur_scale": 1.0, "dynamic": False}
 
 
-DEEPSPEED_RUN = '''
-"""Train, save or load a tiny HF-named Llama with DeepSpeed on CPU (gloo): ZeRO-2 and bf16 unless
-RESHARD_DS_STAGE / RESHARD_DS_BF16 say otherwise; RESHARD_DS_UNIVERSAL=1 loads a universal folder."""
-import os
-import sys
-import numpy as np
-import torch
-from torch import nn
-import deepspeed
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-H, HEADS, G, HD, F, V, L = 16, 4, 2, 4, 24, 100, 2
+SCRIPT_COMMON = '''
+H, HEADS, G, HD, F, V = 16, 4, 2, 4, 24, 100
+L = int(os.environ.get("RESHARD_DS_LAYERS", "2"))
 
 
 class Attention(nn.Module):
@@ -518,7 +568,7 @@ class Norm(nn.Module):
         self.weight = nn.Parameter(torch.ones(H))
 
 
-class Layer(nn.Module):
+class DecoderLayer(nn.Module):
     def __init__(self):
         super().__init__()
         self.self_attn, self.mlp = Attention(), MLP()
@@ -532,11 +582,36 @@ class Layer(nn.Module):
         return x + m.down_proj(nn.functional.silu(m.gate_proj(y)) * m.up_proj(y))
 
 
+def dump_state(engine, bf16):
+    """Every parameter this rank holds, as DeepSpeed sees it: weights (bf16 bits), fp32 master, Adam states."""
+    dump = {}
+    for name, p in engine.module.named_parameters():
+        if bf16:
+            dump[name + ":param"] = p.detach().view(torch.int16).numpy().view(np.uint16).copy()
+        dump[name + ":master"] = safe_get_full_fp32_param(p).numpy().copy()
+        for key in ("exp_avg", "exp_avg_sq"):
+            dump[name + ":" + key] = safe_get_full_optimizer_state(p, key).numpy().copy()
+    return dump
+'''
+
+DEEPSPEED_RUN = '''
+"""Train, save or load a tiny HF-named Llama with DeepSpeed on CPU (gloo): ZeRO-2 and bf16 unless
+RESHARD_DS_STAGE / RESHARD_DS_BF16 say otherwise; RESHARD_DS_UNIVERSAL=1 loads a universal folder."""
+import os
+import sys
+import numpy as np
+import torch
+from torch import nn
+import deepspeed
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+''' + SCRIPT_COMMON + '''
+
 class Inner(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed_tokens = nn.Embedding(V, H)
-        self.layers, self.norm = nn.ModuleList(Layer() for _ in range(L)), Norm()
+        self.layers, self.norm = nn.ModuleList(DecoderLayer() for _ in range(L)), Norm()
 
 
 class Llama(nn.Module):  # the registration order of transformers' LlamaForCausalLM
@@ -577,13 +652,7 @@ else:
     path, _ = engine.load_checkpoint(ckpt)
     assert path is not None
     getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()  # ZeRO-1/2 only
-    dump = {}
-    for name, p in engine.module.named_parameters():
-        if bf16:
-            dump[name + ":param"] = p.detach().view(torch.int16).numpy().view(np.uint16).copy()
-        dump[name + ":master"] = safe_get_full_fp32_param(p).numpy().copy()
-        for key in ("exp_avg", "exp_avg_sq"):
-            dump[name + ":" + key] = safe_get_full_optimizer_state(p, key).numpy().copy()
+    dump = dump_state(engine, bf16)
     if torch.distributed.get_rank() == 0:
         np.savez(out, **dump)
     step()  # training goes on at the new world size
@@ -595,20 +664,106 @@ os._exit(0)  # gloo's threads sometimes abort at interpreter exit, after all the
 '''
 
 
-def run_deepspeed(tmp_path, nproc: int, *args: str, stage: int = 2, bf16: bool = True, universal: bool = False) -> None:
+PIPELINE_RUN = '''
+"""Train, save or load a tiny Llama as a DeepSpeed PipelineModule on CPU (gloo): [embedding, decoder layers,
+norm, head], partitioned by decoder layer; RESHARD_PP / RESHARD_DP / RESHARD_DS_LAYERS / RESHARD_DS_BF16 set it up."""
+import os
+import sys
+import numpy as np
+import torch
+from torch import nn
+import deepspeed
+from deepspeed.pipe import PipelineModule, LayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+''' + SCRIPT_COMMON + '''
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(V, H))
+
+    def forward(self, ids):
+        return nn.functional.embedding(ids, self.weight)
+
+
+class FinalNorm(Norm):
+    def forward(self, x):
+        return x * self.weight
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(V, H) * 0.02)
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+mode, ckpt, out = sys.argv[1:4]
+pp, dp = int(os.environ.get("RESHARD_PP", "2")), int(os.environ.get("RESHARD_DP", "1"))
+bf16 = os.environ.get("RESHARD_DS_BF16", "0") == "1"
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+layers = [LayerSpec(Embed), *[LayerSpec(DecoderLayer) for _ in range(L)], LayerSpec(FinalNorm), LayerSpec(Head)]
+model = PipelineModule(layers=layers, topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=1, num_dp=dp),
+                       loss_fn=lambda logits, labels: logits.float().pow(2).mean(), partition_method="type:DecoderLayer")
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
+          "zero_allow_untested_optimizer": True, "bf16": {"enabled": bf16}}
+adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adam, config=config)
+
+
+def batches():
+    while True:
+        ids = torch.randint(0, V, (2, 5))
+        yield ids, ids
+
+
+data = batches()
+if mode == "save":
+    engine.train_batch(data)
+    engine.train_batch(data)
+    engine.save_checkpoint(ckpt)
+else:
+    path, _ = engine.load_checkpoint(ckpt)
+    assert path is not None
+    getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()
+    dump = dump_state(engine, bf16)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, dump)
+    if torch.distributed.get_rank() == 0:
+        merged = {}
+        for d in gathered:
+            merged.update(d)
+        np.savez(out, **merged)
+    engine.train_batch(data)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # gloo's threads sometimes abort at interpreter exit, after all the work is done
+'''
+
+
+def run_deepspeed(tmp_path, nproc: int, *args: str, stage: int = 2, bf16: bool = True, universal: bool = False,
+                  script: str = DEEPSPEED_RUN, env: dict | None = None) -> None:
     from jobs import run_job
 
-    script = tmp_path / "deepspeed_run.py"
-    script.write_text(DEEPSPEED_RUN)
+    path = tmp_path / f"deepspeed_run_{zlib.crc32(script.encode()):08x}.py"
+    path.write_text(script)
     # DeepSpeed JIT-builds a small op on first use; a build dir of this test session's own means a lock left
     # behind by an interrupted earlier run can never hang this one.
     session = next((p for p in tmp_path.parents if p.name.startswith("pytest-") and not p.name.startswith("pytest-of")),
                    tmp_path)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "OMP_NUM_THREADS": "1",
            "RESHARD_DS_STAGE": str(stage), "RESHARD_DS_BF16": "1" if bf16 else "0",
-           "RESHARD_DS_UNIVERSAL": "1" if universal else "0",
+           "RESHARD_DS_UNIVERSAL": "1" if universal else "0", **(env or {}),
            "TORCH_EXTENSIONS_DIR": str(session / "torch-extensions")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path),
            *args]
     code, output = run_job(cmd, env)
     assert code == 0, output[-6000:]
@@ -804,3 +959,98 @@ def test_universal_folders_written_by_reshard_equal_ds_to_universals_and_load_al
         np.testing.assert_array_equal(mine[key], ref[key], err_msg=key)
         name, state = key.rsplit(":", 1)
         np.testing.assert_array_equal(mine[key], logical[(name, state)].reshape(mine[key].shape), err_msg=key)
+
+
+# --- the pipeline engine ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipe_saved(tmp_path_factory):
+    """Real DeepSpeed pipeline-engine checkpoints (ZeRO-1, pp=2, dp=1, 4 decoder layers) after two batches."""
+    cache = {}
+
+    def get(bf16: bool):
+        _deepspeed_or_skip()
+        if bf16 not in cache:
+            root = tmp_path_factory.mktemp(f"ds-pipe-{'bf16' if bf16 else 'fp32'}")
+            run_deepspeed(root, 2, "save", str(root / "ckpt"), "-", bf16=bf16, script=PIPELINE_RUN,
+                          env={"RESHARD_PP": "2", "RESHARD_DP": "1", "RESHARD_DS_LAYERS": "4"})
+            cache[bf16] = root / "ckpt"
+        return cache[bf16]
+
+    return get
+
+
+@pytest.mark.slow
+def test_real_pipeline_checkpoints_read_with_their_layer_files(pipe_saved):
+    torch = pytest.importorskip("torch")
+    import reshard
+
+    ckpt = pipe_saved(False)
+    src = reshard.open_checkpoint(ckpt, sizes={"heads": 4})
+    assert src.spec_name == "deepspeed-pipe-llama" and (src.topology.pp, src.topology.dp, src.topology.zero) == (2, 1, 1)
+    assert src.sizes["layers"] == 4
+    logical = logical_of(ckpt)
+    tag = ckpt / (ckpt / "latest").read_text().strip()
+    layer = torch.load(tag / "layer_02-model_00-model_states.pt")  # decoder layer 1
+    for local, value in layer.items():
+        np.testing.assert_array_equal(logical[(f"model.layers.1.{local}", "param")], value.numpy(), err_msg=local)
+    head = torch.load(tag / "layer_06-model_00-model_states.pt")["weight"]
+    np.testing.assert_array_equal(logical[("lm_head.weight", "master")], head.numpy())  # fp32: the weights are the master
+
+
+PIPE_RESUMES = [
+    # (bf16, destination topology and spec, ranks, script that loads it)
+    (False, "pp=1,dp=3", None, 3, "pipe"),
+    (True, "pp=1,dp=2", None, 2, "pipe"),
+    (False, "dp=3,zero=2", "deepspeed-llama", 3, "plain"),  # out of the pipeline engine
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16,to,spec,ranks,engine", PIPE_RESUMES,
+                         ids=[f"{'bf16' if b else 'fp32'}-{t}-{e}" for b, t, _, _, e in PIPE_RESUMES])
+def test_resharded_pipeline_checkpoints_resume_in_deepspeed_bit_exactly(pipe_saved, tmp_path, bf16, to, spec, ranks,
+                                                                        engine):
+    import reshard
+
+    src = pipe_saved(bf16)
+    reshard.convert(src, tmp_path / "out", to=to, spec=spec, sizes={"heads": 4})
+    topo = reshard.open_checkpoint(tmp_path / "out", sizes={"heads": 4}).topology
+    if engine == "pipe":
+        run_deepspeed(tmp_path, ranks, "load", str(tmp_path / "out"), str(tmp_path / "dump.npz"), bf16=bf16,
+                      script=PIPELINE_RUN, env={"RESHARD_PP": str(topo.pp), "RESHARD_DP": str(topo.dp),
+                                                "RESHARD_DS_LAYERS": "4"})
+    else:
+        run_deepspeed(tmp_path, ranks, "load", str(tmp_path / "out"), str(tmp_path / "dump.npz"), stage=topo.zero,
+                      bf16=bf16, env={"RESHARD_DS_LAYERS": "4"})
+    logical = logical_of(src)
+    names = {"0.weight": "model.embed_tokens.weight", "5.weight": "model.norm.weight", "6.weight": "lm_head.weight"}
+    dump = np.load(tmp_path / "dump.npz")
+    assert len(dump.files) == (4 if bf16 else 3) * (9 * 4 + 3)
+    for key in dump.files:
+        name, state = key.rsplit(":", 1)
+        index, _, local = name.partition(".")
+        if engine == "pipe":  # the PipelineModule's names: '<layer index>.<name in the layer>'
+            name = names.get(name) or f"model.layers.{int(index) - 1}.{local}"
+        np.testing.assert_array_equal(dump[key], logical[(name, state)].reshape(dump[key].shape), err_msg=key)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_the_plain_engine_resumes_in_the_pipeline_engine(ds_saved, tmp_path):
+    import reshard
+
+    src = ds_saved(1, False)  # ZeRO-1, fp32, dp=2, 2 decoder layers
+    reshard.convert(src, tmp_path / "out", to="pp=2,dp=1", sizes={"heads": 4})
+    assert (tmp_path / "out" / "global_step2" / "layer_03-model_00-model_states.pt").is_file()
+    run_deepspeed(tmp_path, 2, "load", str(tmp_path / "out"), str(tmp_path / "dump.npz"), bf16=False,
+                  script=PIPELINE_RUN, env={"RESHARD_PP": "2", "RESHARD_DP": "1", "RESHARD_DS_LAYERS": "2"})
+    logical = logical_of(src)
+    names = {"0.weight": "model.embed_tokens.weight", "3.weight": "model.norm.weight", "4.weight": "lm_head.weight"}
+    dump = np.load(tmp_path / "dump.npz")
+    assert len(dump.files) == 3 * 21
+    for key in dump.files:
+        name, state = key.rsplit(":", 1)
+        index, _, local = name.partition(".")
+        name = names.get(name) or f"model.layers.{int(index) - 1}.{local}"
+        np.testing.assert_array_equal(dump[key], logical[(name, state)].reshape(dump[key].shape), err_msg=key)

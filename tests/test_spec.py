@@ -55,7 +55,8 @@ SYNTAX_ERRORS = [
     ("x = (g/tp", "bad.spec:1:10: expected ')' to close '(', found end of line\n    x = (g/tp\n             ^"),
     ("x = [q: a | ]", "bad.spec:1:13: expected a part name (a logical tensor alias) or 'pad', found ']'\n    x = [q: a | ]\n                ^"),
     ("logical a.{i = h", "bad.spec:1:11: unclosed '{' in name (expected '{name}' or '{name/axis}')\n    logical a.{i = h\n              ^"),
-    ("x.{i/} = h", "bad.spec:1:3: bad capture '{i/}' (expected '{name}' or '{name/axis}')\n    x.{i/} = h\n      ^^^^"),
+    ("x.{i/} = h", "bad.spec:1:3: bad capture '{i/}' (expected '{name}', '{name/axis}', '{name@axis}', an offset "
+                   "'+expr' after any of them, or '{=expr}')\n    x.{i/} = h\n      ^^^^"),
     ("x -> y @mid = h", "bad.spec:1:9: unknown placement 'mid' (expected one of: first, last, lastonly)\n    x -> y @mid = h\n            ^^^"),
     ("x = h/tp:foo", "bad.spec:1:10: unknown split mode 'foo' (expected one of: chunk, even, (w1, w2, ...))\n    x = h/tp:foo\n             ^^^"),
     ("x = h~4:ones", "bad.spec:1:9: unknown pad policy 'ones' (expected one of: zero, last)\n    x = h~4:ones\n            ^^^^"),
@@ -196,3 +197,45 @@ def test_every_shipped_spec_parses_and_resolves(name):
         except ReshardError as e:  # a spec for another model family needs other sizes
             pytest.fail(f"{name}: {e}")
         assert layout.fragments
+
+
+PIPELINE_NAMES = """
+index i < layers
+logical embed = v h
+logical layers.{i}.w = h
+logical norm = h
+section model per pp
+0.weight -> embed @first = v h
+{i@pp+1}.w -> layers.{i}.w = h
+{=layers+1}.weight -> norm @last = h
+"""
+
+
+def test_global_numbering_offsets_and_computed_numbers_in_stored_names():
+    """A DeepSpeed PipelineModule numbers layers across stages: embedding 0, decoder layer i at i + 1."""
+    layout = resolve(parse_spec(PIPELINE_NAMES), parse_topology("pp=2"), {"v": 5, "h": 2, "layers": 4})
+    keys = {p: sorted((it.key for it in layout.items if dict(it.unit)["pp"] == p), key=lambda k: int(k.split(".")[0]))
+            for p in (0, 1)}
+    assert keys == {0: ["0.weight", "1.w", "2.w"], 1: ["3.w", "4.w", "5.weight"]}
+    by_key = {it.key: f.tensor for f in layout.fragments for it in [f.item]}
+    assert by_key["3.w"] == "layers.2.w" and by_key["5.weight"] == "norm"
+    local = resolve(parse_spec(PIPELINE_NAMES.replace("{i@pp+1}", "{i/pp}")), parse_topology("pp=2"),
+                    {"v": 5, "h": 2, "layers": 4})
+    assert sorted(it.key for it in local.items if it.key.endswith(".w")) == ["0.w", "0.w", "1.w", "1.w"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("index i < 2\nlogical w.{i@pp} = h", "a logical name captures global indices only"),
+    ("index i < 2\nlogical w.{i+1} = h", "a logical name captures global indices only"),
+    ("section s\nflat f.{=1} = s", "a flat buffer's name takes plain captures only"),
+])
+def test_offsets_and_global_numbering_belong_to_stored_names_only(text, message):
+    with pytest.raises(ReshardError, match=message):
+        resolve(parse_spec(text), parse_topology("dp=1"), {"h": 2})
+
+
+def test_an_offset_is_an_expression_and_its_errors_point_into_the_name():
+    pattern = parse_spec("x.{i@pp+layers*2}.y = h").statements[0].pattern
+    assert pattern.captures[0].numbered == "global" and pattern.captures[0].offset is not None
+    with pytest.raises(SpecError, match=r"bad\.spec:1:\d+: unexpected"):
+        parse_spec("x.{=1)}.y = h", "bad.spec")

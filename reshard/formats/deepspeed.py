@@ -40,8 +40,17 @@ keeps per flat param (``exp_avg``, ``exp_avg_sq``, ...) under its own name, laid
 
 ZeRO stage 3 checkpoints are read and written by ``reshard.formats.deepspeed_zero3``; universal
 folders by ``reshard.formats.ucp``.
-Not supported, each refused with a message: the pipeline engine, MoE
-expert files, ``round_robin_gradients``, ``parameter_alignment``, frozen parameters,
+The pipeline engine (``PipelineModule``, ZeRO 0/1) keeps the weights in one file per layer,
+``layer_{idx:02d}-model_{tp:02d}-model_states.pt`` (``layer_{idx:02d}-model_states.pt`` under a
+topology without a model axis), keyed by the names inside the layer; its model files, one per
+model-parallel rank ``pp * tp_size + tp``, hold ``module`` None and the stage's
+``param_shapes``, and each stage has its own flat buffers. Its parameters are named
+``<layer index>.<name>`` with the layer index global over the layer list; the shipped
+``deepspeed-pipe-llama`` spec says how a Llama's layers map onto them. ``pp`` changes, and
+moves in and out of the pipeline engine, are a change of spec.
+
+Not supported, each refused with a message: MoE expert files, tied pipeline modules
+(``tied_modules.*``), ``round_robin_gradients``, ``parameter_alignment``, frozen parameters,
 persistent buffers, tied weights, and tp > 1 with a spec that splits nothing over tp.
 """
 
@@ -74,6 +83,8 @@ __all__ = ["FORMAT", "DeepSpeedExtra", "DeepSpeedFormat", "Scalar", "synthesize_
 DEFAULT_SPEC = "deepspeed-llama"
 SPEC_BY_GROUPS = {1: "deepspeed-llama", 2: "deepspeed-llama-hf-trainer"}
 """The shipped spec for a checkpoint with this many param groups."""
+PIPE_SPEC_BY_GROUPS = {1: "deepspeed-pipe-llama"}
+"""The same for a pipeline-engine checkpoint."""
 DS_VERSION = "0.19.8"
 """The DeepSpeed release whose files ``synthesize_extra`` imitates."""
 WINDOW_BYTES = 8 << 20
@@ -82,9 +93,8 @@ PARAM, MASTER = "param", "master"
 
 _MODEL_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 _OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+_LAYER_FILE = re.compile(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt")
 _REFUSED_FILES = (
-    (re.compile(r"layer_\d+-model_\d+-model_states\.pt"),
-     "DeepSpeed pipeline-engine checkpoints (layer_XX-model_YY-model_states.pt) are not supported"),
     (re.compile(r"(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt|expp_rank_\d+_mp_rank_\d+_optim_states\.pt"),
      "DeepSpeed MoE checkpoints (expert files) are not supported"),
 )
@@ -96,12 +106,18 @@ _ZERO_STAGE = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
 _LOSS_SCALER = ("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 
 
-def model_file(tp: int) -> str:
-    return f"mp_rank_{tp:02d}_model_states.pt"
+def model_file(mp: int) -> str:
+    """The model file of model-parallel rank ``mp`` (``pp * tp_size + tp`` under a pipeline)."""
+    return f"mp_rank_{mp:02d}_model_states.pt"
 
 
-def optim_file(tp: int, dp: int, bf16: bool) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"
+def optim_file(mp: int, dp: int, bf16: bool) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"
+
+
+def layer_file(layer: int, tp: int | None) -> str:
+    """A pipeline layer's weights; ``tp`` None under a topology without a model axis."""
+    return f"layer_{layer:02d}{'' if tp is None else f'-model_{tp:02d}'}-model_states.pt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +154,8 @@ class DeepSpeedExtra:
     """Key order of the source's ``module``; keys it lacks follow in the spec's order."""
     synthesized: bool = False
     """Made by ``synthesize_extra``: ``write`` sets the bf16 file names and config from the target's dtypes."""
+    layer_model_axis: bool = True
+    """Pipeline layer files name their tp rank (``layer_XX-model_YY-``; a topology with a model axis)."""
 
 
 # --- files -----------------------------------------------------------------------------------------
@@ -150,10 +168,12 @@ class _Files:
     tag: str
     tag_dir: Path
     model: tuple[Path, ...]
-    """Per tp rank."""
+    """Per model-parallel rank (the tp rank, or ``pp * tp_size + tp`` under a pipeline)."""
     optim: tuple[tuple[Path, ...], ...]
-    """Per tp rank, the optimizer files found (dp order)."""
+    """Per model-parallel rank, the optimizer files found (dp order)."""
     bf16_names: bool
+    layers: Mapping[tuple[int, int | None], Path] = dataclasses.field(default_factory=dict)
+    """A pipeline's layer files: (layer index, tp rank or None) -> path; empty without a pipeline."""
 
 
 def _locate(path: Path) -> tuple[Path, str, Path]:
@@ -196,9 +216,16 @@ def _find_files(path: Path) -> _Files:
     if len(prefixes) > 1:
         raise CheckpointFormatError(f"{tag_dir}: both bf16_zero_pp_rank_* and zero_pp_rank_* files; "
                                     "remove the stale set")
+    layers: dict[tuple[int, int | None], Path] = {}
+    for n in names:
+        if m := _LAYER_FILE.fullmatch(n):
+            layers[(int(m.group(1)), None if m.group(2) is None else int(m.group(2)))] = tag_dir / n
+    if len({tp is None for _, tp in layers}) > 1:
+        raise CheckpointFormatError(f"{tag_dir}: both layer_XX-model_YY-model_states.pt and "
+                                    "layer_XX-model_states.pt files; remove the stale set")
     return _Files(root=root, tag=tag, tag_dir=tag_dir, model=tuple(tag_dir / model_file(t) for t in tps),
                   optim=tuple(tuple(tag_dir / optim[t][d] for d in sorted(optim[t])) for t in tps),
-                  bf16_names=prefixes.pop())
+                  bf16_names=prefixes.pop(), layers=layers)
 
 
 # --- what the spec says ----------------------------------------------------------------------------
@@ -257,8 +284,18 @@ def _splits_over(spec: Spec, axis: str) -> bool:
     return any(isinstance(st, Stored) and any(walk(t) for t in st.dims or ()) for st in spec.statements)
 
 
-def _unit(tp: int, dp: int | None = None) -> tuple[tuple[str, int], ...]:
-    return (("tp", tp), ("pp", 0)) if dp is None else (("tp", tp), ("pp", 0), ("dp", dp))
+Rank = tuple[int, int]
+"""A model-parallel rank as (pp, tp)."""
+
+
+def _unit(pt: Rank, dp: int | None = None) -> tuple[tuple[str, int], ...]:
+    unit = (("tp", pt[1]), ("pp", pt[0]))
+    return unit if dp is None else (*unit, ("dp", dp))
+
+
+def _ranks(topology: Topology) -> list[Rank]:
+    """The model-parallel ranks in file order: ``mp_rank_{pp * tp_size + tp}``."""
+    return [(p, t) for p in range(topology.pp) for t in range(topology.tp)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,19 +331,19 @@ class _Group:
         return gaps + [0] * bool(self.params)
 
 
-def _groups(layout: Layout, info: _SpecInfo, tp: int) -> list[_Group]:
-    """The flat geometry of each param group at tp rank ``tp``, read off the resolved layout's fragments."""
+def _groups(layout: Layout, info: _SpecInfo, pt: Rank) -> list[_Group]:
+    """The flat geometry of each param group at model-parallel rank ``pt``, read off the layout's fragments."""
     frags: dict[Item, list] = {}
     for f in layout.fragments:
         frags.setdefault(f.item, []).append(f)
     state = next(it.state for it in layout.items if it.section == info.optim_section)
-    unit = ",".join(f"{a}={c}" for a, c in _unit(tp))
+    unit = ",".join(f"{a}={c}" for a, c in _unit(pt))
     out = []
     for g, (section, _) in enumerate(info.groups):
         order = [it for it in layout.order.get(f"{section}/{unit}/0", ()) if it.state == PARAM]
         key_of = {f.tensor: it.key for it in order for f in frags.get(it, ())}
         key = info.flat_key(g, state)
-        items = [Item(info.optim_section, _unit(tp, r), 0, state, key) for r in range(layout.topology.dp)]
+        items = [Item(info.optim_section, _unit(pt, r), 0, state, key) for r in range(layout.topology.dp)]
         share = layout.items[items[0]].shape[0]
         starts: dict[str, int] = {}
         for r, item in enumerate(items):
@@ -357,13 +394,14 @@ class DeepSpeedFormat:
         if is_zero3([p.name for p in tag_dir.iterdir()]):
             return open_zero3(self.name, root, tag, tag_dir, spec=spec, sizes=sizes)
         files = _find_files(Path(path))
-        tp = len(files.model)
         models = [_read(p) for p in files.model]
         first = models[0]
         dp, mp = _get(first, "dp_world_size", files.model[0]), _get(first, "mp_world_size", files.model[0])
-        if mp != tp:
+        if mp != len(files.model):
             raise CheckpointFormatError(f"{files.model[0]}: mp_world_size is {mp} but {files.tag_dir} "
-                                        f"has {tp} model files")
+                                        f"has {len(files.model)} model files")
+        pipeline = bool(files.layers) or first.get("module", {}) is None
+        pp, tp = _pipeline_degrees(first, files, mp) if pipeline else (1, mp)
         for t, row in enumerate(files.optim):
             if len(row) != dp:
                 raise CheckpointFormatError(f"{files.tag_dir}: {len(row)} optimizer files for mp rank {t:02d} but "
@@ -377,7 +415,7 @@ class DeepSpeedFormat:
         stage = _stage(osd0["zero_stage"], files.optim[0][0]) if optimizer == "zero" else 1
         _refuse_options(first, files.model[0])
         shapes = [_param_shapes(tree, p) for tree, p in zip(models, files.model, strict=True)]
-        spec_name = spec or SPEC_BY_GROUPS.get(len(shapes[0]))
+        spec_name = spec or (PIPE_SPEC_BY_GROUPS if pipeline else SPEC_BY_GROUPS).get(len(shapes[0]))
         if spec_name is None:
             raise CheckpointFormatError(f"{files.model[0]}: {len(shapes[0])} param groups, and no shipped spec "
                                         "has that many; give a spec")
@@ -389,8 +427,13 @@ class DeepSpeedFormat:
         if tp > 1 and not _splits_over(parsed, "tp"):
             raise CheckpointFormatError(f"{files.model[0]}: mp_world_size={tp} but spec '{spec_name}' splits "
                                         "nothing over tp; give a spec that says how tp splits the model")
-        all_sizes = _llama_sizes(files, shapes[0] if tp == 1 else [], sizes)
-        topology = Topology(tp=tp, dp=dp, zero=stage)
+        if pipeline != _is_pipeline(parsed):
+            raise CheckpointFormatError(f"{files.tag_dir}: {'a' if pipeline else 'not a'} pipeline-engine checkpoint, "
+                                        f"but spec '{spec_name}' describes {'no' if pipeline else 'a'} pipeline")
+        named = _pipeline_names([g for tree in shapes for g in tree]) if pipeline else shapes[0]
+        all_sizes = _llama_sizes(files, named if tp == 1 else [], sizes)
+        stages = _pipeline_stages(shapes, all_sizes.get("layers"), pp) if pipeline else None
+        topology = Topology(tp=tp, pp=pp, dp=dp, zero=stage, stages=stages)
         flat_states = _flat_states(optims, files)
         try:
             layout = resolve(parsed, topology, all_sizes, states={info.optim_section: (MASTER, *flat_states)})
@@ -401,17 +444,20 @@ class DeepSpeedFormat:
             raise CheckpointFormatError(f"{files.tag_dir}: spec '{spec_name}' does not resolve with the sizes known "
                                         f"({known}); give the others with sizes, or a config.json\n{e}") from None
         where: dict[Item, Located] = {}
-        for t in range(tp):
-            groups = _groups(layout, info, t)
-            _check_model(layout, info, models[t], files.model[t], t, groups, shapes[t], spec_name, where)
+        for m, pt in enumerate(_ranks(topology)):
+            groups = _groups(layout, info, pt)
+            _check_model(layout, info, models[m], files.model[m], pt, groups, shapes[m], spec_name, where)
             for d in range(dp):
-                _check_optim(layout, info, optims[t][d], files.optim[t][d], t, d, groups, optimizer, flat_states,
+                _check_optim(layout, info, optims[m][d], files.optim[m][d], pt, d, groups, optimizer, flat_states,
                              spec_name, where)
+        if pipeline:
+            _check_layers(layout, info, files, spec_name, where)
         elastic = not isinstance(osd0["base_optimizer_state"], Mapping)
         extra = DeepSpeedExtra(tag=files.tag, zero_stage=stage, optimizer=optimizer, bf16_names=files.bf16_names,
                                elastic=elastic, model_states=_template(first, files.model[0], drop=("module",)),
                                optim_states=_optim_template(optims[0][0], files.optim[0][0]),
-                               module_order=tuple(str(k) for k in first["module"]))
+                               module_order=tuple(str(k) for k in first["module"] or ()),
+                               layer_model_axis=not any(t is None for _, t in files.layers))
         config = _hf_config(files)
         return Source(format=self.name, path=files.root, spec_name=spec_name, spec=parsed, topology=topology,
                       sizes=all_sizes, layout=layout, where=where,
@@ -420,27 +466,37 @@ class DeepSpeedFormat:
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """The DeepSpeed layout of ``source``'s model at ``topology``.
 
-        ``topology.zero`` picks the stage (0: the source's, or 2). A DeepSpeed source's
-        non-tensor state is carried; any other source gets ``synthesize_extra``'s.
+        ``topology.zero`` picks the stage (0: the source's, or 2; 1 under a pipeline). A
+        DeepSpeed source's non-tensor state is carried; any other source gets
+        ``synthesize_extra``'s. ``pp`` > 1 means the pipeline engine: a pipeline spec
+        (by default ``deepspeed-pipe-llama``), whose layer files are written too.
         """
         if "transformer.wte.weight" not in source.layout.tensors:
             require_sizes(source, LLAMA_SIZES, "deepspeed")
-        if topology.pp != 1 or topology.vpp != 1:
-            raise TopologyError(f"DeepSpeed ZeRO checkpoints have no pipeline stages: pp({topology.pp}) must be 1 "
-                                "(the pipeline engine is not supported)")
+        if topology.vpp != 1:
+            raise TopologyError(f"DeepSpeed's pipeline engine has no virtual stages: vpp({topology.vpp}) must be 1")
         if topology.cp != 1 or topology.ep != 1:
             raise TopologyError(f"DeepSpeed ZeRO checkpoints here have cp=1 and ep=1, got {topology}")
         if "transformer.wte.weight" in source.layout.tensors:
             raise CheckpointFormatError(f"{source.path}: a GPT-2-style model; the deepspeed format supports "
                                         "Llama-style models (specs/deepspeed-llama*.spec) so far")
         carried = source.extra.get("deepspeed") if source.format == self.name else None
-        stage = topology.zero or (carried.zero_stage if carried else 3 if "zero3" in source.extra else 2)
+        spec_name = spec or (source.spec_name if carried else DEFAULT_SPEC)
+        if spec is None and topology.pp > 1 and not _is_pipeline(load_spec(spec_name)):
+            spec_name = PIPE_SPEC_BY_GROUPS[1]
+        pipeline = _is_pipeline(load_spec(spec_name))
+        if topology.pp != 1 and not pipeline:
+            raise TopologyError(f"spec '{spec_name}' describes DeepSpeed's engine without a pipeline: pp({topology.pp}) "
+                                "must be 1 (give a pipeline spec, such as deepspeed-pipe-llama)")
+        default = carried.zero_stage if carried else 3 if "zero3" in source.extra else 2
+        stage = topology.zero or (min(default, 1) if pipeline else default)
+        if pipeline and stage > 1:
+            raise TopologyError(f"DeepSpeed runs ZeRO stage 0 or 1 under a pipeline, not zero={stage}")
         if stage == 3:
             return target_zero3(self.name, source, topology, spec)
         if stage not in (1, 2):
             raise TopologyError(f"DeepSpeed target: writing ZeRO stage {stage} is not supported yet (only 1 and 2); "
                                 "give zero=1 or zero=2 in the topology")
-        spec_name = spec or (source.spec_name if carried else DEFAULT_SPEC)
         parsed = load_spec(spec_name)
         info = _spec_info(parsed, spec_name)
         if topology.tp > 1 and not _splits_over(parsed, "tp"):
@@ -509,20 +565,27 @@ class DeepSpeedFormat:
         keep = None if only is None else set(only)
         flat_states = tuple(dict.fromkeys(it.state for it in target.layout.items if it.section == info.optim_section))
         ds_config = _ds_config(extra.model_states.get("ds_config"), topo.dp, extra.zero_stage)
+        pipeline = _is_pipeline(target.spec)
         (Path(out) / extra.tag).mkdir(parents=True, exist_ok=True)
         written = []
-        for t in range(topo.tp):
-            groups = _groups(target.layout, info, t)
-            rel = Path(extra.tag) / model_file(t)
-            if keep is None or rel in keep:
-                tree = _model_tree(extra, info, groups, t, target, ds_config)
+        for m, pt in enumerate(_ranks(topo)):
+            groups = _groups(target.layout, info, pt)
+            rel = Path(extra.tag) / model_file(m)
+            # A pipeline's model files hold no items: the call that writes the item-less files writes them.
+            if keep is None or rel in keep or (pipeline and not keep):
+                tree = _model_tree(extra, info, groups, pt, target, ds_config, pipeline)
                 _write_file(Path(out) / rel, *tree, fill, target, progress, window)
                 written.append(rel)
             for d in range(topo.dp):
-                rel = Path(extra.tag) / optim_file(t, d, extra.bf16_names)
+                rel = Path(extra.tag) / optim_file(m, d, extra.bf16_names)
                 if keep is None or rel in keep:
-                    tree = _optim_tree(extra, info, groups, t, d, flat_states, target, ds_config)
+                    tree = _optim_tree(extra, info, groups, pt, d, flat_states, target, ds_config)
                     _write_file(Path(out) / rel, *tree, fill, target, progress, window)
+                    written.append(rel)
+        if pipeline:
+            for rel, items in _layer_files(target, info, extra).items():
+                if keep is None or rel in keep:
+                    _write_file(Path(out) / rel, *_layer_tree(target, items), fill, target, progress, window)
                     written.append(rel)
         if keep:  # a worker's share: the files holding no items are written by the call with only=()
             return written
@@ -540,11 +603,14 @@ class DeepSpeedFormat:
             return files_of_zero3(target)
         info = _spec_info(target.spec, target.spec_name)
         extra, _ = _write_extra(target, info)
-        out = {}
+        out = {it: rel for rel, items in _layer_files(target, info, extra).items() for it in items.values()}
+        tps = target.topology.tp
         for item in target.layout.items:
+            if item in out:
+                continue
             u = dict(item.unit)
-            name = (optim_file(u.get("tp", 0), u["dp"], extra.bf16_names) if item.section == info.optim_section
-                    else model_file(u.get("tp", 0)))
+            mp = u.get("pp", 0) * tps + u.get("tp", 0)
+            name = optim_file(mp, u["dp"], extra.bf16_names) if item.section == info.optim_section else model_file(mp)
             out[item] = Path(extra.tag) / name
         return out
 
@@ -648,14 +714,34 @@ def _flat_states(optims: list[list[Any]], files: _Files) -> tuple[str, ...]:
     return seen or ()
 
 
-def _check_model(layout: Layout, info: _SpecInfo, tree: Any, path: Path, tp: int, groups: list[_Group],
+def _check_model(layout: Layout, info: _SpecInfo, tree: Any, path: Path, pt: Rank, groups: list[_Group],
                  shapes: list[list[tuple[str, tuple[int, ...]]]], spec_name: str, where: dict[Item, Located]) -> None:
+    """A model file against the layout: its param_shapes, and its module unless a pipeline keeps that in layer files."""
     module = _get(tree, "module", path)
-    items = {it.key: it for it in layout.items if it.section in info.model_sections and it.unit == _unit(tp)}
-    if extra := [str(k) for k in module if k not in items]:
-        raise CheckpointFormatError(f"{path}: module tensors not described by spec '{spec_name}': {_few(extra)}")
-    if missing := [k for k in items if k not in module]:
-        raise CheckpointFormatError(f"{path}: module lacks {_few(missing)}, which spec '{spec_name}' stores")
+    items = {it.key: it for it in layout.items if it.section in info.model_sections and it.unit == _unit(pt)}
+    _check_param_shapes(layout, items, tree, path, groups, shapes, spec_name)
+    if module is None:  # a pipeline's: the weights are in its layer files
+        return
+    _state_dict_tensors(layout, module, items, path, "module", spec_name, where)
+
+
+def _state_dict_tensors(layout: Layout, state_dict: Mapping, items: Mapping[str, Item], path: Path, what: str,
+                        spec_name: str, where: dict[Item, Located]) -> None:
+    """A state dict (``module``, or a pipeline layer's) holds exactly ``items``, in their shapes: locate each."""
+    if extra := [str(k) for k in state_dict if k not in items]:
+        raise CheckpointFormatError(f"{path}: {what} tensors not described by spec '{spec_name}': {_few(extra)}")
+    if missing := [k for k in items if k not in state_dict]:
+        raise CheckpointFormatError(f"{path}: {what} lacks {_few(missing)}, which spec '{spec_name}' stores")
+    for key, it in items.items():
+        ref, shape = state_dict[key], layout.items[it].shape
+        if not isinstance(ref, TensorRef) or ref.shape != shape:
+            got = f"shape {list(ref.shape)}" if isinstance(ref, TensorRef) else "not a tensor"
+            raise CheckpointFormatError(f"{path}: {what}['{key}'] is {got}; spec '{spec_name}' stores {list(shape)}")
+        where[it] = _located(ref, path, f"{what}['{key}']")
+
+
+def _check_param_shapes(layout: Layout, items: Mapping[str, Item], tree: Any, path: Path, groups: list[_Group],
+                        shapes: list[list[tuple[str, tuple[int, ...]]]], spec_name: str) -> None:
     for g, (group, have) in enumerate(zip(groups, shapes, strict=True)):
         want = [(k, layout.items[items[k]].shape) for k, _, _ in group.params]
         for pos in range(max(len(have), len(want))):
@@ -665,13 +751,83 @@ def _check_model(layout: Layout, info: _SpecInfo, tree: Any, path: Path, tp: int
                         if tree.get("shared_params") else "")
                 raise CheckpointFormatError(f"{path}: param_shapes[{g}] position {pos} is {_show(h)} "
                                             f"but spec '{spec_name}' has {_show(w)}{hint}")
-    for key, it in items.items():
-        ref = module[key]
-        if not isinstance(ref, TensorRef) or ref.shape != layout.items[it].shape:
-            got = f"shape {list(ref.shape)}" if isinstance(ref, TensorRef) else "not a tensor"
-            raise CheckpointFormatError(f"{path}: module['{key}'] is {got}; spec '{spec_name}' stores "
-                                        f"{list(layout.items[it].shape)}")
-        where[it] = _located(ref, path, f"module['{key}']")
+
+
+def _layer_key(key: str, where: str) -> tuple[int, str]:
+    """A pipeline param's layer index and its name inside the layer: ``'3.mlp.up_proj.weight'`` -> (3, ...)."""
+    index, _, local = key.partition(".")
+    if not index.isdigit() or not local:
+        raise CheckpointFormatError(f"{where}: '{key}' is not a pipeline parameter name ('<layer index>.<name>')")
+    return int(index), local
+
+
+def _check_layers(layout: Layout, info: _SpecInfo, files: _Files, spec_name: str, where: dict[Item, Located]) -> None:
+    """A pipeline's layer files against the layout: each holds exactly its layer's tensors, in their shapes."""
+    named = any(t is not None for _, t in files.layers)
+    want: dict[tuple[int, int | None], dict[str, Item]] = {}
+    for it in layout.items:
+        if it.section in info.model_sections:
+            index, local = _layer_key(it.key, f"spec '{spec_name}'")
+            want.setdefault((index, dict(it.unit)["tp"] if named else None), {})[local] = it
+    if extra := sorted(set(files.layers) - set(want)):
+        raise CheckpointFormatError(f"{files.layers[extra[0]]}: a layer file spec '{spec_name}' does not describe "
+                                    f"(it places layers {sorted({i for i, _ in want})})")
+    for key, expected in sorted(want.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        path = files.layers.get(key)
+        if path is None:
+            raise CheckpointFormatError(f"{files.tag_dir / layer_file(key[0], key[1])}: missing (spec '{spec_name}' "
+                                        f"places {_few(sorted(expected))} there)")
+        _state_dict_tensors(layout, _read(path), expected, path, "layer", spec_name, where)
+
+
+def _is_pipeline(spec: Spec) -> bool:
+    """The spec names its model tensors as a PipelineModule does: '<layer index>.<name>'."""
+    stored = [st for st in spec.statements if isinstance(st, Stored)]
+    lead = re.compile(r"(\{[^}]*\}|\d+)\.")
+    return bool(stored) and all(lead.match(st.pattern.text) for st in stored)
+
+
+def _pipeline_degrees(model_states: Mapping, files: _Files, mp: int) -> tuple[int, int]:
+    """(pp, tp) of a pipeline checkpoint: ``checkpoint_parallel_dimensions``, else the layer files' tp ranks."""
+    dims = model_states.get("checkpoint_parallel_dimensions")
+    if isinstance(dims, Mapping) and isinstance(dims.get("pp_degree"), int) and isinstance(dims.get("tp_degree"), int):
+        pp, tp = dims["pp_degree"], dims["tp_degree"]
+    else:
+        tp = max(1, len({t for _, t in files.layers if t is not None}))
+        pp = mp // tp
+    if pp * tp != mp:
+        raise CheckpointFormatError(f"{files.model[0]}: pp_degree({pp}) * tp_degree({tp}) != mp_world_size({mp})")
+    return pp, tp
+
+
+def _pipeline_names(shapes: list[list[tuple[str, tuple[int, ...]]]]) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Hugging Face Llama names for the shipped pipeline spec's layer list (embedding, decoder layers, norm,
+    head), to tell the sizes from the shapes."""
+    flat = [(k, v) for group in shapes for k, v in group]
+    last = max((int(k.partition(".")[0]) for k, _ in flat if k.partition(".")[0].isdigit()), default=0)
+    out = []
+    for key, shape in flat:
+        index, _, local = key.partition(".")
+        if not index.isdigit():
+            continue
+        n = int(index)
+        name = ("model.embed_tokens.weight" if n == 0 else "lm_head.weight" if n == last else
+                "model.norm.weight" if n == last - 1 else f"model.layers.{n - 1}.{local}")
+        out.append((name, shape))
+    return [out]
+
+
+def _pipeline_stages(shapes: list[list[list[tuple[str, tuple[int, ...]]]]], layers: int | None,
+                     pp: int) -> tuple[int, ...] | None:
+    """Decoder layers per stage, as the model files' param_shapes show them (None: even, or not known)."""
+    if layers is None or pp == 1:
+        return None
+    tps = len(shapes) // pp
+    counts = []
+    for p in range(pp):
+        indexes = {int(k.partition(".")[0]) for g in shapes[p * tps] for k, _ in g if k.partition(".")[0].isdigit()}
+        counts.append(len({n for n in indexes if 1 <= n <= layers}))
+    return None if sum(counts) != layers or len(set(counts)) == 1 else tuple(counts)
 
 
 def _few(names: list[str], n: int = 5) -> str:
@@ -682,7 +838,7 @@ def _show(entry: tuple[str, tuple[int, ...]] | None) -> str:
     return f"'{entry[0]}' {list(entry[1])}" if entry else "nothing"
 
 
-def _check_optim(layout: Layout, info: _SpecInfo, tree: Any, path: Path, tp: int, dp: int, groups: list[_Group],
+def _check_optim(layout: Layout, info: _SpecInfo, tree: Any, path: Path, pt: Rank, dp: int, groups: list[_Group],
                  optimizer: str, flat_states: tuple[str, ...], spec_name: str, where: dict[Item, Located]) -> None:
     osd = _get(tree, "optimizer_state_dict", path)
     for key in ("single_partition_of_fp32_groups", "group_paddings", "partition_count", "param_slice_mappings"):
@@ -710,7 +866,7 @@ def _check_optim(layout: Layout, info: _SpecInfo, tree: Any, path: Path, tp: int
                 got = f"shape {list(ref.shape)}" if isinstance(ref, TensorRef) else "not a tensor"
                 raise CheckpointFormatError(f"{path}: {state} of param group {g} is {got}, expected [{numel}] "
                                             f"(partitions of {group.share} elements, {pad} of them padding here)")
-            item = Item(info.optim_section, _unit(tp, dp), 0, state, info.flat_key(g, state))
+            item = Item(info.optim_section, _unit(pt, dp), 0, state, info.flat_key(g, state))
             where[item] = _located(ref, path, f"{state} of param group {g}")
 
 
@@ -878,28 +1034,51 @@ def _with_scalars(tree: Mapping, sources: _Sources) -> dict[str, Any]:
     return {k: walk(v) for k, v in tree.items()}
 
 
-def _model_tree(extra: DeepSpeedExtra, info: _SpecInfo, groups: list[_Group], tp: int, target: Target,
-                ds_config: Any) -> tuple[dict[str, Any], _Sources]:
-    layout = target.layout
-    items = {it.key: it for it in layout.items if it.section in info.model_sections and it.unit == _unit(tp)}
+def _model_tree(extra: DeepSpeedExtra, info: _SpecInfo, groups: list[_Group], pt: Rank, target: Target,
+                ds_config: Any, pipeline: bool = False) -> tuple[dict[str, Any], _Sources]:
+    """A model file: ``module`` (None under a pipeline, whose weights are in layer files) and the engine state."""
+    layout, topo = target.layout, target.topology
+    items = {it.key: it for it in layout.items if it.section in info.model_sections and it.unit == _unit(pt)}
     order = [k for k in extra.module_order if k in items] + [k for k in items if k not in extra.module_order]
     sources: _Sources = {}
-    module = OrderedDict()
-    for k in order:
+    module: OrderedDict | None = None if pipeline else OrderedDict()
+    for k in order if module is not None else ():
         module[k] = TensorSpec(target.dtypes[items[k]], layout.items[items[k]].shape, ("module", k))
         sources[("module", k)] = (items[k], layout.items[items[k]].numel)
     tree = {"module": module, **_with_scalars(extra.model_states, sources)}
     tree["param_shapes"] = [OrderedDict((k, TorchSize(layout.items[items[k]].shape)) for k, _, _ in g.params)
                             for g in groups]
-    tree["dp_world_size"], tree["mp_world_size"] = target.topology.dp, target.topology.tp
+    tree["dp_world_size"], tree["mp_world_size"] = topo.dp, topo.pp * topo.tp
     if "checkpoint_parallel_dimensions" in tree:
-        tree["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": target.topology.tp}
+        tree["checkpoint_parallel_dimensions"] = {"pp_degree": topo.pp, "tp_degree": topo.tp}
     if "ds_config" in tree:
         tree["ds_config"] = ds_config
     return tree, sources
 
 
-def _optim_tree(extra: DeepSpeedExtra, info: _SpecInfo, groups: list[_Group], tp: int, dp: int,
+def _layer_files(target: Target, info: _SpecInfo, extra: DeepSpeedExtra) -> dict[Path, dict[str, Item]]:
+    """A pipeline's layer files (none without a pipeline): path -> {name in the layer: item}, in layer order."""
+    if not _is_pipeline(target.spec):
+        return {}
+    out: dict[tuple[int, int], dict[str, Item]] = {}
+    for it in target.layout.items:
+        if it.section in info.model_sections:
+            index, local = _layer_key(it.key, f"spec '{target.spec_name}'")
+            out.setdefault((index, dict(it.unit)["tp"]), {})[local] = it
+    return {Path(extra.tag) / layer_file(index, tp if extra.layer_model_axis else None): items
+            for (index, tp), items in sorted(out.items())}
+
+
+def _layer_tree(target: Target, items: Mapping[str, Item]) -> tuple[OrderedDict, _Sources]:
+    """A layer file: the layer's ``state_dict()``, keyed by the names inside the layer."""
+    tree, sources = OrderedDict(), {}
+    for local, it in items.items():
+        tree[local] = TensorSpec(target.dtypes[it], target.layout.items[it].shape, ("layer", local))
+        sources[("layer", local)] = (it, target.layout.items[it].numel)
+    return tree, sources
+
+
+def _optim_tree(extra: DeepSpeedExtra, info: _SpecInfo, groups: list[_Group], pt: Rank, dp: int,
                 flat_states: tuple[str, ...], target: Target, ds_config: Any) -> tuple[dict[str, Any], _Sources]:
     sources: _Sources = {}
     tree = _with_scalars(extra.optim_states, sources)
@@ -911,7 +1090,7 @@ def _optim_tree(extra: DeepSpeedExtra, info: _SpecInfo, groups: list[_Group], tp
         for state in flat_states:  # as _flat_tensors reads them: the master without padding unless BF16_Optimizer
             whole = extra.optimizer == "bf16" or (state != MASTER and not extra.elastic)
             n = group.share if whole else group.share - pads[g]
-            item = Item(info.optim_section, _unit(tp, dp), 0, state, info.flat_key(g, state))
+            item = Item(info.optim_section, _unit(pt, dp), 0, state, info.flat_key(g, state))
             specs[state] = TensorSpec(target.dtypes[item], (n,), ("flat", state, g))
             sources[("flat", state, g)] = (item, n)
         masters.append(specs.pop(MASTER))
