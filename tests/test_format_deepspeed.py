@@ -546,20 +546,40 @@ def test_torch_load_reads_the_files_with_deepspeeds_classes(tmp_path, monkeypatc
 SCRIPT_COMMON = '''
 H, HEADS, G, HD, F, V = 16, 4, 2, 4, 24, 100
 L = int(os.environ.get("RESHARD_DS_LAYERS", "2"))
+TP = int(os.environ.get("RESHARD_TP", "1"))
+TP_GROUP = None  # the pipeline grid's 'model' (slice) group, when TP > 1
 
 
-class Attention(nn.Module):
+def tp_sum(x):
+    if TP > 1:
+        x = x.clone()
+        torch.distributed.all_reduce(x, group=TP_GROUP)
+    return x
+
+
+class CopyToTP(torch.autograd.Function):  # Megatron's copy_to_tensor_model_parallel_region
+    forward = staticmethod(lambda ctx, x: x)
+    backward = staticmethod(lambda ctx, grad: tp_sum(grad))
+
+
+class ReduceFromTP(torch.autograd.Function):  # reduce_from_tensor_model_parallel_region
+    forward = staticmethod(lambda ctx, x: tp_sum(x))
+    backward = staticmethod(lambda ctx, grad: grad)
+
+
+class Attention(nn.Module):  # q, k, v split by output rows over TP ranks, o by input columns
     def __init__(self):
         super().__init__()
-        self.q_proj, self.k_proj = nn.Linear(H, HEADS * HD, bias=False), nn.Linear(H, G * HD, bias=False)
-        self.v_proj, self.o_proj = nn.Linear(H, G * HD, bias=False), nn.Linear(HEADS * HD, H, bias=False)
+        self.q_proj = nn.Linear(H, HEADS * HD // TP, bias=False)
+        self.k_proj = nn.Linear(H, G * HD // TP, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(H, G * HD // TP, bias=False), nn.Linear(HEADS * HD // TP, H, bias=False)
 
 
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(H, F, bias=False), nn.Linear(H, F, bias=False)
-        self.down_proj = nn.Linear(F, H, bias=False)
+        self.gate_proj, self.up_proj = nn.Linear(H, F // TP, bias=False), nn.Linear(H, F // TP, bias=False)
+        self.down_proj = nn.Linear(F // TP, H, bias=False)
 
 
 class Norm(nn.Module):
@@ -576,16 +596,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x):
         a, m = self.self_attn, self.mlp
-        y = x * self.input_layernorm.weight
-        x = x + a.o_proj(a.q_proj(y) + torch.cat([a.k_proj(y), a.v_proj(y)], -1))
-        y = x * self.post_attention_layernorm.weight
-        return x + m.down_proj(nn.functional.silu(m.gate_proj(y)) * m.up_proj(y))
+        y = CopyToTP.apply(x * self.input_layernorm.weight)
+        x = x + ReduceFromTP.apply(a.o_proj(a.q_proj(y) + torch.cat([a.k_proj(y), a.v_proj(y)], -1)))
+        y = CopyToTP.apply(x * self.post_attention_layernorm.weight)
+        return x + ReduceFromTP.apply(m.down_proj(nn.functional.silu(m.gate_proj(y)) * m.up_proj(y)))
 
 
-def dump_state(engine, bf16):
+def dump_state(engine, bf16, suffix=""):
     """Every parameter this rank holds, as DeepSpeed sees it: weights (bf16 bits), fp32 master, Adam states."""
     dump = {}
     for name, p in engine.module.named_parameters():
+        name += suffix
         if bf16:
             dump[name + ":param"] = p.detach().view(torch.int16).numpy().view(np.uint16).copy()
         dump[name + ":master"] = safe_get_full_fp32_param(p).numpy().copy()
@@ -709,8 +730,9 @@ bf16 = os.environ.get("RESHARD_DS_BF16", "0") == "1"
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 layers = [LayerSpec(Embed), *[LayerSpec(DecoderLayer) for _ in range(L)], LayerSpec(FinalNorm), LayerSpec(Head)]
-model = PipelineModule(layers=layers, topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=1, num_dp=dp),
+model = PipelineModule(layers=layers, topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=TP, num_dp=dp),
                        loss_fn=lambda logits, labels: logits.float().pow(2).mean(), partition_method="type:DecoderLayer")
+TP_GROUP = model._grid.get_slice_parallel_group()
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
           "zero_allow_untested_optimizer": True, "bf16": {"enabled": bf16}}
 adam = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -723,23 +745,30 @@ def batches():
         yield ids, ids
 
 
-data = batches()
-if mode == "save":
-    engine.train_batch(data)
-    engine.train_batch(data)
-    engine.save_checkpoint(ckpt)
-else:
-    path, _ = engine.load_checkpoint(ckpt)
-    assert path is not None
-    getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()
-    dump = dump_state(engine, bf16)
+def save_dump():
+    """Every rank's parameters, named '<layer>.<name>[@tp<rank>]:<state>', in one file written by rank 0."""
+    tp_rank = model._grid.get_slice_parallel_rank()
     gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, dump)
+    torch.distributed.all_gather_object(gathered, dump_state(engine, bf16, f"@tp{tp_rank}" if TP > 1 else ""))
     if torch.distributed.get_rank() == 0:
         merged = {}
         for d in gathered:
             merged.update(d)
         np.savez(out, **merged)
+
+
+data = batches()
+if mode == "save":
+    engine.train_batch(data)
+    engine.train_batch(data)
+    engine.save_checkpoint(ckpt)
+    if out != "-":
+        save_dump()
+else:
+    path, _ = engine.load_checkpoint(ckpt)
+    assert path is not None
+    getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()
+    save_dump()
     engine.train_batch(data)
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
@@ -964,6 +993,39 @@ def test_universal_folders_written_by_reshard_equal_ds_to_universals_and_load_al
 # --- the pipeline engine ---------------------------------------------------------------------
 
 
+_ROWS, _COLS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
+
+
+def pipeline_logical(dump, layers: int) -> dict:
+    """A pipeline run's dump as logical tensors: HF names, tp shards joined as the run split them."""
+    parts: dict = {}
+    for key in dump.files:
+        name, state = key.rsplit(":", 1)
+        name, _, tp = name.partition("@tp")
+        index, _, local = name.partition(".")
+        n = int(index)
+        hf = ({0: "model.embed_tokens.weight", layers + 1: "model.norm.weight", layers + 2: "lm_head.weight"}.get(n)
+              or f"model.layers.{n - 1}.{local}")
+        parts.setdefault((hf, state), {})[int(tp or 0)] = dump[key]
+    out = {}
+    for key, shards in parts.items():
+        ordered = [shards[t] for t in sorted(shards)]
+        kind = key[0].split(".")[-2]
+        if kind in _ROWS + _COLS:
+            out[key] = np.concatenate(ordered, 0 if kind in _ROWS else 1)
+        else:
+            for other in ordered[1:]:
+                np.testing.assert_array_equal(other, ordered[0], err_msg=f"{key}: tp replicas differ")
+            out[key] = ordered[0]
+    return out
+
+
+def assert_logical_equal(got: dict, want: dict, count: int) -> None:
+    assert len(got) == count
+    for key, value in got.items():
+        np.testing.assert_array_equal(value, want[key].reshape(value.shape), err_msg=str(key))
+
+
 @pytest.fixture(scope="module")
 def pipe_saved(tmp_path_factory):
     """Real DeepSpeed pipeline-engine checkpoints (ZeRO-1, pp=2, dp=1, 4 decoder layers) after two batches."""
@@ -1024,16 +1086,9 @@ def test_resharded_pipeline_checkpoints_resume_in_deepspeed_bit_exactly(pipe_sav
     else:
         run_deepspeed(tmp_path, ranks, "load", str(tmp_path / "out"), str(tmp_path / "dump.npz"), stage=topo.zero,
                       bf16=bf16, env={"RESHARD_DS_LAYERS": "4"})
-    logical = logical_of(src)
-    names = {"0.weight": "model.embed_tokens.weight", "5.weight": "model.norm.weight", "6.weight": "lm_head.weight"}
     dump = np.load(tmp_path / "dump.npz")
-    assert len(dump.files) == (4 if bf16 else 3) * (9 * 4 + 3)
-    for key in dump.files:
-        name, state = key.rsplit(":", 1)
-        index, _, local = name.partition(".")
-        if engine == "pipe":  # the PipelineModule's names: '<layer index>.<name in the layer>'
-            name = names.get(name) or f"model.layers.{int(index) - 1}.{local}"
-        np.testing.assert_array_equal(dump[key], logical[(name, state)].reshape(dump[key].shape), err_msg=key)
+    got = pipeline_logical(dump, 4) if engine == "pipe" else {tuple(k.rsplit(":", 1)): dump[k] for k in dump.files}
+    assert_logical_equal(got, logical_of(src), (4 if bf16 else 3) * (9 * 4 + 3))
 
 
 @pytest.mark.slow
@@ -1045,12 +1100,36 @@ def test_a_checkpoint_of_the_plain_engine_resumes_in_the_pipeline_engine(ds_save
     assert (tmp_path / "out" / "global_step2" / "layer_03-model_00-model_states.pt").is_file()
     run_deepspeed(tmp_path, 2, "load", str(tmp_path / "out"), str(tmp_path / "dump.npz"), bf16=False,
                   script=PIPELINE_RUN, env={"RESHARD_PP": "2", "RESHARD_DP": "1", "RESHARD_DS_LAYERS": "2"})
-    logical = logical_of(src)
-    names = {"0.weight": "model.embed_tokens.weight", "3.weight": "model.norm.weight", "4.weight": "lm_head.weight"}
-    dump = np.load(tmp_path / "dump.npz")
-    assert len(dump.files) == 3 * 21
-    for key in dump.files:
-        name, state = key.rsplit(":", 1)
-        index, _, local = name.partition(".")
-        name = names.get(name) or f"model.layers.{int(index) - 1}.{local}"
-        np.testing.assert_array_equal(dump[key], logical[(name, state)].reshape(dump[key].shape), err_msg=key)
+    assert_logical_equal(pipeline_logical(np.load(tmp_path / "dump.npz"), 2), logical_of(src), 3 * 21)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_pipeline_checkpoints_change_tp_bit_exactly(pipe_saved, tmp_path):
+    """tp over PipeModelDataParallelTopology's model axis, q/k/v/gate/up split by rows, o/down by columns."""
+    import reshard
+
+    _deepspeed_or_skip()
+    tp2 = {"RESHARD_PP": "1", "RESHARD_DP": "1", "RESHARD_TP": "2"}
+    run_deepspeed(tmp_path, 2, "save", str(tmp_path / "tp2"), str(tmp_path / "saved.npz"), bf16=False,
+                  script=PIPELINE_RUN, env={**tp2, "RESHARD_DS_LAYERS": "2"})
+    assert (tmp_path / "tp2" / "global_step2" / "layer_01-model_01-model_states.pt").is_file()
+    with pytest.raises(CheckpointFormatError, match="does not resolve with the sizes known"):
+        reshard.open_checkpoint(tmp_path / "tp2", sizes={"heads": 4})  # tp shards do not tell the model's sizes
+    (tmp_path / "tp2" / "config.json").write_text(json.dumps(  # as the transformers Trainer leaves it
+        {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 24,
+         "vocab_size": 100, "num_hidden_layers": 2}))
+    src = reshard.open_checkpoint(tmp_path / "tp2")
+    assert (src.topology.tp, src.topology.pp, src.spec_name) == (2, 1, "deepspeed-pipe-llama")
+    logical = logical_of(tmp_path / "tp2")
+    # reshard reads the shards as the run itself joins them
+    assert_logical_equal(pipeline_logical(np.load(tmp_path / "saved.npz"), 2), logical, 3 * 21)
+    reshard.convert(tmp_path / "tp2", tmp_path / "tp1", to="tp=1,dp=2")
+    run_deepspeed(tmp_path, 2, "load", str(tmp_path / "tp1"), str(tmp_path / "tp1.npz"), bf16=False,
+                  script=PIPELINE_RUN, env={"RESHARD_PP": "1", "RESHARD_DP": "2", "RESHARD_DS_LAYERS": "2"})
+    assert_logical_equal(pipeline_logical(np.load(tmp_path / "tp1.npz"), 2), logical, 3 * 21)
+    # and into tensor parallelism: the tp=1, pp=2 run split over two tp ranks
+    reshard.convert(pipe_saved(False), tmp_path / "to-tp2", to="tp=2,pp=1,dp=1", sizes={"heads": 4})
+    run_deepspeed(tmp_path, 2, "load", str(tmp_path / "to-tp2"), str(tmp_path / "to-tp2.npz"), bf16=False,
+                  script=PIPELINE_RUN, env={**tp2, "RESHARD_DS_LAYERS": "4"})
+    assert_logical_equal(pipeline_logical(np.load(tmp_path / "to-tp2.npz"), 4), logical_of(pipe_saved(False)),
+                         3 * 39)

@@ -1155,6 +1155,8 @@ def _llama_sizes(files: _Files, shapes: list[list[tuple[str, tuple[int, ...]]]],
             sizes["hd"] = q[0] // sizes["heads"]
         sizes.setdefault("heads", q[0] // sizes["hd"])
         sizes.setdefault("g", k[0] // sizes["hd"])
+    elif "hd" not in sizes and "h" in sizes and "heads" in sizes:
+        sizes["hd"] = sizes["h"] // sizes["heads"]  # Hugging Face's default head_dim
     return sizes
 
 
