@@ -27,8 +27,23 @@ out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 TopologyOpt = Annotated[str | None, typer.Option("--to", help="destination topology, e.g. tp=2,pp=2,dp=4,zero=1 (also ep=, cp=, vpp=, stages=)")]
-FormatOpt = Annotated[str | None, typer.Option("--format", help="destination format: megatron, deepspeed, hf, dcp, mcore-dist (default: the source's)")]
+FormatOpt = Annotated[str | None, typer.Option("--format", help="destination format: megatron, deepspeed, hf, dcp, mcore-dist, ucp (default: the source's)")]
 SpecOpt = Annotated[str | None, typer.Option("--spec", help="destination layout spec: a shipped name or a path")]
+SizesOpt = Annotated[str | None, typer.Option("--sizes", help="model sizes the checkpoint does not tell (no config.json), e.g. heads=32,g=8")]
+ShardOpt = Annotated[str | None, typer.Option("--max-shard-size", help="hf: largest safetensors shard, e.g. 5GB (default), 500MB")]
+
+
+def _sizes(text: str | None) -> dict[str, int] | None:
+    """``heads=32,g=8`` -> {"heads": 32, "g": 8}."""
+    if not text:
+        return None
+    out_: dict[str, int] = {}
+    for part in text.split(","):
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip() or not value.strip().isdigit():
+            raise ReshardError(f"--sizes: '{part}' is not name=integer (e.g. heads=32,g=8)")
+        out_[key.strip()] = int(value)
+    return out_
 
 
 def _user_errors(fn):
@@ -61,16 +76,20 @@ def convert(
     spec: SpecOpt = None,
     workers: Annotated[int, typer.Option("--workers", help="processes writing independent work units side by side")] = 1,
     memory_budget: Annotated[str, typer.Option("--memory-budget", help="memory the conversion may hold, e.g. 512MiB, 4GiB")] = "1GiB",
+    sizes: SizesOpt = None,
+    max_shard_size: ShardOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; read and write nothing")] = False,
 ) -> None:
     """Rewrite SRC for another topology (and format) at DST, streaming."""
     if dry_run:
-        _print_plan(reshard.plan(src, to=to, format=format, spec=spec).to_json())
+        _print_plan(reshard.plan(src, to=to, format=format, spec=spec, sizes=_sizes(sizes),
+                                 max_shard_size=max_shard_size).to_json())
         return
     columns = (TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("convert", total=None)
-        result = reshard.convert(src, dst, to=to, format=format, spec=spec, workers=workers, memory_budget=memory_budget,
+        result = reshard.convert(src, dst, to=to, format=format, spec=spec, sizes=_sizes(sizes), workers=workers,
+                                 memory_budget=memory_budget, max_shard_size=max_shard_size,
                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
     r = result.report
     out.print(f"wrote {result.path} ({r.target.format}, {r.target.topology}) from {r.source.path} "
@@ -87,10 +106,11 @@ def plan_cmd(
     to: TopologyOpt = None,
     format: FormatOpt = None,
     spec: SpecOpt = None,
+    sizes: SizesOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan report as JSON")] = False,
 ) -> None:
     """Show what moves where: per destination file the bytes, copies and source files; the work units."""
-    report = reshard.plan(src, to=to, format=format, spec=spec).to_json()
+    report = reshard.plan(src, to=to, format=format, spec=spec, sizes=_sizes(sizes)).to_json()
     if as_json:
         out.print_json(json.dumps(report))
     else:
@@ -117,10 +137,11 @@ def _print_plan(report: dict) -> None:
 @_user_errors
 def inspect(
     src: Annotated[Path, typer.Argument(help="checkpoint directory")],
+    sizes: SizesOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print as JSON")] = False,
 ) -> None:
     """Detected format, topology, model sizes, tensors, dtypes and sizes."""
-    info = reshard.inspect(src)
+    info = reshard.inspect(src, sizes=_sizes(sizes))
     if as_json:
         out.print_json(json.dumps(info))
         return
@@ -141,9 +162,10 @@ def verify(
     b: Annotated[Path | None, typer.Argument(help="second checkpoint (any layout or format); "
                                                   "without it, check A against its reshard.json")] = None,
     states: Annotated[str | None, typer.Option("--states", help="compare only these states, comma-separated (e.g. param)")] = None,
+    sizes: SizesOpt = None,
 ) -> None:
     """Compare two checkpoints' logical tensors bit for bit, or one against its manifest; exit 0 only if identical."""
-    result = reshard.verify(a, b, states=tuple(states.split(",")) if states else None)
+    result = reshard.verify(a, b, states=tuple(states.split(",")) if states else None, sizes=_sizes(sizes))
     what = "logical tensors compared" if b is not None else "files checked against reshard.json"
     if result:
         out.print(f"identical: {result.compared} {what}" if b is not None else f"intact: {result.compared} {what}",
