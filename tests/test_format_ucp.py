@@ -92,3 +92,32 @@ def test_bf16_weights_without_master_copies_are_refused(tmp_path):
     with pytest.raises(CheckpointFormatError, match="fp32 master weights"):
         reshard.convert(tmp_path / "hf", tmp_path / "ucp", format="ucp")
     assert not (tmp_path / "ucp").exists()
+
+
+def test_a_zero3_source_gets_the_folder_ds_to_universal_writes_for_zero3(tmp_path):
+    """Flat per-param tensors, no step.pt, a stage-3 optimizer_state.pt and a stage-3 model file."""
+    write_checkpoint(tmp_path / "ds", "dp=2", dtype="bfloat16", global_steps=5)
+    reshard.convert(tmp_path / "ds", tmp_path / "z3", to="dp=3,zero=3", sizes={"heads": 4})
+    reshard.convert(tmp_path / "z3", tmp_path / "ucp", format="ucp")
+    tag = tmp_path / "ucp" / "global_step5"
+    assert not (tag / "mp_rank_00_model_states.pt").exists()
+    model = read_torch_file(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    assert list(model["module"]) == hf_order() and all(t.shape == (0,) and t.dtype == "bfloat16"
+                                                      for t in model["module"].values())
+    assert list(model["param_shapes"][0]) == hf_order()
+    for name in hf_order():
+        assert sorted(p.name for p in (tag / "zero" / name).iterdir()) == ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt"]
+        flat = read_torch_file(tag / "zero" / name / "fp32.pt")
+        assert isinstance(flat, TensorRef) and len(flat.shape) == 1 and flat.dtype == "float32"
+    state = read_torch_file(tag / "zero" / "optimizer_state.pt")
+    assert state["param_groups"] == state["optimizer_state_dict"]["param_groups"]
+    step = state["optimizer_state_dict"]["state"][0]["step"]
+    assert np.fromfile(step.path, np.float32, 1, offset=step.data_offset)[0] == 5.0
+    before, after = logical_of(tmp_path / "ds"), logical_of(tmp_path / "ucp")
+    assert set(after) == {k for k in before if k[1] != "param"}
+    for key, value in after.items():
+        np.testing.assert_array_equal(value.reshape(-1), before[key].reshape(-1), err_msg=str(key))
+    assert reshard.open_checkpoint(tmp_path / "ucp").extra["step"] == 5
+    # zero=3 asks for the same folder from a ZeRO-1/2 source
+    reshard.convert(tmp_path / "ds", tmp_path / "ucp-from-z2", format="ucp", to="zero=3", sizes={"heads": 4})
+    assert (tmp_path / "ucp-from-z2" / "global_step5" / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()

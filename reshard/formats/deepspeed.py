@@ -126,6 +126,8 @@ class Scalar:
 
     dtype: str
     data: bytes
+    shape: tuple[int, ...] = ()
+    """``()``; ``(0,)`` for ZeRO-3's empty module placeholders."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -1027,8 +1029,8 @@ def _with_scalars(tree: Mapping, sources: _Sources) -> dict[str, Any]:
     def walk(x: Any) -> Any:
         if isinstance(x, Scalar):
             key = ("scalar", len(sources))
-            sources[key] = (x, 1)
-            return TensorSpec(x.dtype, (), key)
+            sources[key] = (x, math.prod(x.shape))
+            return TensorSpec(x.dtype, x.shape, key)
         return _map_tree(x, walk)
 
     return {k: walk(v) for k, v in tree.items()}

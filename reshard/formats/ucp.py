@@ -29,7 +29,15 @@ true}`` resumes from it at any dp::
 DeepSpeed's loader reads the model file named for its own ZeRO stage, which is
 ``mp_rank_00_model_states.pt`` for stages 1 and 2. A DeepSpeed ZeRO-1/2 source's
 non-tensor state is carried (tag, counters, config, loss scaler, param groups);
-other sources get ``synthesize_extra``'s. Needs the fp32 master weights (or fp32
+other sources get ``synthesize_extra``'s.
+
+For a ZeRO-3 engine (the default for a ZeRO-3 source, or ``zero=3``) the folder is
+the one ``ds_to_universal`` writes from a ZeRO-3 checkpoint: each state a bare flat
+fp32 tensor, no ``step.pt`` (the step is in ``optimizer_state.pt``, the stage-3
+optimizer's state_dict with ``param_groups`` on top, less the partitions
+ds_to_universal leaves in it and DeepSpeed never reads), and
+``zero_pp_rank_0_mp_rank_00_model_states.pt`` with empty module placeholders. Both
+kinds are read; a flat tensor takes its shape from the model file's ``param_shapes``. Needs the fp32 master weights (or fp32
 weights, which are them); tp = pp = 1 (the universal folder has no topology: the
 loading job's is used).
 """
@@ -61,6 +69,7 @@ __all__ = ["FORMAT", "UcpFormat"]
 ZERO = "zero"
 MODEL = "model"
 MODEL_FILE = "mp_rank_00_model_states.pt"
+MODEL_FILE3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 _KNOWN_KEYS = {"param", "cat_dim"}
 _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 """What ``ds_to_universal`` leaves out of ``optimizer_state.pt``: the per-rank partitions."""
@@ -80,6 +89,11 @@ class UcpExtra:
     """``step.pt`` of every param (a ``Scalar``), or None when the optimizer keeps no step."""
     names: tuple[str, ...]
     """The params, in the model's order."""
+    stage3: bool = False
+    module_dtype: str = "float32"
+    """The training dtype of a ZeRO-3 model file's placeholders."""
+    """For a ZeRO-3 engine: flat per-param tensors, no ``step.pt``, a stage-3 ``optimizer_state.pt`` and
+    ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (module placeholders) as the model file."""
 
 
 class UcpFormat:
@@ -104,6 +118,7 @@ class UcpFormat:
         where: dict[Item, Located] = {}
         step = None
         problems: list[str] = []
+        shapes = _param_shapes(folder)
         for pdir in sorted(p for p in (folder / ZERO).iterdir() if p.is_dir()):
             name = pdir.name
             for file in sorted(pdir.glob("*.pt")):
@@ -112,29 +127,37 @@ class UcpFormat:
                     if isinstance(obj, TensorRef) and obj.shape == () and step is None:
                         step = _scalar(file, obj)
                     continue
-                if not isinstance(obj, dict) or not isinstance(obj.get("param"), TensorRef):
+                if isinstance(obj, TensorRef) and name in shapes and obj.numel == math.prod(shapes[name]):
+                    ref, shape = obj, shapes[name]  # ZeRO-3's: flat, the shape in the model file's param_shapes
+                elif isinstance(obj, TensorRef):
+                    problems.append(f"{file}: a bare tensor of {obj.numel} elements, and no param_shapes entry of "
+                                    f"that size for '{name}' in a model file of {folder}")
+                    continue
+                elif not isinstance(obj, dict) or not isinstance(obj.get("param"), TensorRef):
                     problems.append(f"{file}: expected {{'param': tensor, ...}}, found {type(obj).__name__}")
                     continue
-                extra_keys = sorted(set(obj) - _KNOWN_KEYS)
+                else:
+                    ref = obj["param"]
+                    shape = ref.shape
+                extra_keys = sorted(set(obj) - _KNOWN_KEYS) if isinstance(obj, dict) else []
                 if extra_keys:
                     problems.append(f"{file}: entries {extra_keys} (sub-parameters or vocab padding) are not supported")
                     continue
-                ref: TensorRef = obj["param"]
                 if not ref.is_contiguous:
                     problems.append(f"{file}: '{name}' is stored non-contiguous (stride {list(ref.stride)})")
                     continue
                 state = "master" if file.stem == "fp32" else file.stem
-                t = tensors.setdefault(name, LogicalTensor(name=name, shape=ref.shape,
-                                                           axes=tuple(f"d{k}" for k in range(len(ref.shape))),
-                                                           view=ref.shape, dim_axes=(1,) * len(ref.shape)))
-                if t.shape != ref.shape:
-                    problems.append(f"{file}: '{name}' is {list(ref.shape)} here but {list(t.shape)} in its fp32.pt")
+                t = tensors.setdefault(name, LogicalTensor(name=name, shape=shape,
+                                                           axes=tuple(f"d{k}" for k in range(len(shape))),
+                                                           view=shape, dim_axes=(1,) * len(shape)))
+                if t.shape != shape:
+                    problems.append(f"{file}: '{name}' is {list(shape)} here but {list(t.shape)} in its fp32.pt")
                     continue
                 item = Item(ZERO, (), 0, state, name)
                 items[item] = ItemInfo(shape=ref.shape, mapped=ref.numel, rule="ucp")
                 where[item] = Located(ref.path, ref.data_offset, ref.dtype)
-                zeros = (0,) * len(ref.shape)
-                for box, off, st in box_fragments(t, zeros, ref.shape, row_major_strides(ref.shape), 0):
+                zeros = (0,) * len(shape)
+                for box, off, st in box_fragments(t, zeros, shape, row_major_strides(shape), 0):
                     fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
         if not tensors:
             problems.append(f"{folder / ZERO}: no parameter folders")
@@ -151,6 +174,7 @@ class UcpFormat:
         model_sizes.update({k: int(v) for k, v in (sizes or {}).items()})
         _shape_sizes(model_sizes, {n: t.shape for n, t in tensors.items()})
         extra: dict[str, Any] = {}
+        step = step if step is not None else _stage3_step(folder)
         if step is not None:
             extra["step"] = int(step)
         lr = _lr(folder)
@@ -173,6 +197,9 @@ class UcpFormat:
                                 f"for the job that loads it); got {topology}: leave out --to")
         if spec is not None:
             raise CheckpointFormatError("the ucp format takes no spec: every tensor is stored whole")
+        if topology.zero not in (0, 1, 2, 3):
+            raise TopologyError(f"zero={topology.zero}: a universal folder is for ZeRO stage 1, 2 or 3")
+        stage3 = topology.zero == 3 or (topology.zero == 0 and "zero3" in source.extra)
         held = {(f.tensor, f.state) for f in source.layout.fragments}
         names = [n for n, t in source.layout.tensors.items()
                  if not t.blob and t.shape and any((n, s) in held for s in source.layout.states)]
@@ -190,15 +217,19 @@ class UcpFormat:
             shape = source.layout.tensors[name].shape
             t = tensors[name] = LogicalTensor(name=name, shape=shape, axes=tuple(f"d{k}" for k in range(len(shape))),
                                               view=shape, dim_axes=(1,) * len(shape))
-            for section, state in ((MODEL, "param"), (ZERO, "master"), *((ZERO, s) for s in opt_states)):
+            kinds = ((ZERO, "master"), *((ZERO, s) for s in opt_states))
+            for section, state in kinds if stage3 else ((MODEL, "param"), *kinds):
                 item = Item(section, (), 0, state, name)
-                items[item] = ItemInfo(shape=shape, mapped=math.prod(shape), rule="ucp")
+                # ZeRO-3's folders hold each state flat (ds_to_universal's merge_zero3_slices)
+                items[item] = ItemInfo(shape=(math.prod(shape),) if stage3 else shape, mapped=math.prod(shape),
+                                       rule="ucp")
                 for box, off, st in box_fragments(t, (0,) * len(shape), shape, row_major_strides(shape), 0):
                     fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
         layout = Layout(topology=Topology(), tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                         fragments=tuple(fragments))
         model_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == "param"), "float32")
-        extra = _extra(source, tuple(names), model_dtype, tuple(opt_states))
+        extra = (_extra3(source, tuple(names), model_dtype) if stage3 else
+                 _extra(source, tuple(names), model_dtype, tuple(opt_states)))
         dtypes = {it: model_dtype if it.section == MODEL else "float32" for it in items}
         carried = {"config": source.extra["config"]} if "config" in source.extra else {}
         return Target(format=self.name, spec_name="ucp", spec=parse_spec("", "<ucp>"), topology=Topology(),
@@ -209,6 +240,9 @@ class UcpFormat:
         tag = target.extra["ucp"].tag
         return {it: Path(tag) / (MODEL_FILE if it.section == MODEL else Path(ZERO, it.key, _file_stem(it.state) + ".pt"))
                 for it in target.layout.items}
+
+    def _model_file(self, extra: UcpExtra) -> str:
+        return MODEL_FILE3 if extra.stage3 else MODEL_FILE
 
     def write(self, target: Target, out: Path, fill: Fill, *, progress: Callable[[int], None] | None = None,
               only: Collection[Path] | None = None, window_bytes: int | None = None) -> list[Path]:
@@ -244,7 +278,8 @@ class UcpFormat:
                 tree: Any = {"module": module, **_with_scalars(extra.model_states, sources)}
             else:
                 (it,) = its
-                tree = {"cat_dim": 0, "param": TensorSpec("float32", target.layout.items[it].shape, ("item", it.key))}
+                spec = TensorSpec("float32", target.layout.items[it].shape, ("item", it.key))
+                tree = spec if extra.stage3 else {"cat_dim": 0, "param": spec}
                 sources[("item", it.key)] = (it, target.layout.items[it].numel)
             with TorchFileWriter(out / rel, tree) as writer:
                 for key in writer.entries:
@@ -258,6 +293,8 @@ class UcpFormat:
         if keep:
             return written
         rest: list[tuple[Path, Any]] = [(Path(extra.tag, ZERO, "optimizer_state.pt"), extra.optimizer_state)]
+        if extra.stage3:  # its model file holds no items: placeholders only
+            rest.append((Path(extra.tag, MODEL_FILE3), _model_tree3(extra, target)))
         if extra.step is not None:
             rest += [(Path(extra.tag, ZERO, name, "step.pt"), extra.step) for name in extra.names]
         for rel, obj in rest:
@@ -273,6 +310,33 @@ class UcpFormat:
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (out / "latest_universal").write_text(extra.tag)
         return [*written, Path("config.json"), Path("latest_universal")]
+
+
+def _extra3(source: Source, names: tuple[str, ...], model_dtype: str) -> UcpExtra:
+    """What ds_to_universal writes beside the tensors of a ZeRO-3 checkpoint: the stage-3 optimizer's
+    state_dict (less its partitions) with ``param_groups`` on top, and a stage-3 model file."""
+    from reshard.formats.deepspeed_zero3 import Zero3Extra, extra_from_zero12
+
+    z3: Zero3Extra = source.extra.get("zero3") or extra_from_zero12(source, model_dtype)
+    osd = dict(z3.optim_states)
+    inner = dict(osd.get("optimizer_state_dict") or {})
+    osd["partition_count"] = 1 if not isinstance(osd.get("partition_count"), int) else osd["partition_count"]
+    osd["param_groups"] = inner.get("param_groups", [])
+    # The flat (registration) order: the source's param_shapes, when it has them.
+    carried = [str(k) for g in z3.model_states.get("param_shapes") or () if isinstance(g, Mapping) for k in g]
+    names = tuple([n for n in carried if n in names] + [n for n in names if n not in carried])
+    model_states = dict(z3.model_states, param_shapes=[OrderedDict((n, TorchSize(source.layout.tensors[n].shape))
+                                                                   for n in names)])
+    return UcpExtra(tag=z3.tag, model_states=model_states, optimizer_state=osd, step=None, names=names, stage3=True,
+                    module_dtype="bfloat16" if z3.bf16 else "float32")
+
+
+def _model_tree3(extra: UcpExtra, target: Target) -> dict[str, Any]:
+    """``zero_pp_rank_0_mp_rank_00_model_states.pt``: empty module placeholders, ``param_shapes``, counters."""
+    from reshard.formats.deepspeed import Scalar
+
+    module = OrderedDict((n, Scalar(extra.module_dtype, b"", shape=(0,))) for n in extra.names)
+    return {"module": module, **extra.model_states}
 
 
 def _file_stem(state: str) -> str:
@@ -343,6 +407,18 @@ def _folder(path: Path) -> Path | None:
     return None
 
 
+def _param_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape from the folder's model file (ZeRO-3's first, then ZeRO-1/2's); empty without one."""
+    for name in (MODEL_FILE3, MODEL_FILE):
+        if (folder / name).is_file():
+            tree = read_torch_file(folder / name)
+            groups = tree.get("param_shapes") if isinstance(tree, dict) else None
+            if isinstance(groups, list):
+                return {str(k): tuple(v) for g in groups if isinstance(g, Mapping) for k, v in g.items()
+                        if isinstance(v, tuple)}
+    return {}
+
+
 def _scalar(file: Path, ref: TensorRef) -> float | None:
     with open(file, "rb") as f:
         f.seek(ref.data_offset)
@@ -357,6 +433,16 @@ def _lr(folder: Path) -> float | None:
     groups = state.get("param_groups") if isinstance(state, dict) else None
     lr = groups[0].get("lr") if isinstance(groups, list) and groups and isinstance(groups[0], dict) else None
     return float(lr) if isinstance(lr, int | float) else None
+
+
+def _stage3_step(folder: Path) -> float | None:
+    """A ZeRO-3 folder's step (it has no step.pt): the optimizer's, in optimizer_state.pt."""
+    file = folder / ZERO / "optimizer_state.pt"
+    state = read_torch_file(file) if file.is_file() else None
+    inner = state.get("optimizer_state_dict") if isinstance(state, dict) else None
+    groups = inner.get("state") if isinstance(inner, dict) else None
+    ref = groups.get(0, {}).get("step") if isinstance(groups, dict) and isinstance(groups.get(0), dict) else None
+    return _scalar(file, ref) if isinstance(ref, TensorRef) and ref.shape == () else None
 
 
 def _shape_sizes(sizes: dict[str, int], shapes: Mapping[str, tuple[int, ...]]) -> None:
