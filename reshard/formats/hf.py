@@ -144,7 +144,7 @@ class HFFormat:
         elif spec_name == GPT2_SPEC:
             extra = {"config": gpt2_config(source.sizes, dtypes.values())}
         else:
-            extra = {"config": llama_config(source.sizes, dtypes.values())}
+            extra = {"config": _llama_target_config(source, dtypes.values(), tied=spec_name == TIED_SPEC)}
         return Target(format=self.name, spec_name=spec_name, spec=spec_obj, topology=Topology(),
                       sizes=dict(source.sizes), layout=layout, dtypes=dtypes, extra=extra)
 
@@ -254,6 +254,24 @@ def llama_config(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, Any]:
     }
     if common:
         config["dtype"] = common[0][0]
+    return config
+
+
+def _llama_target_config(source: Source, dtypes: Any, *, tied: bool) -> dict[str, Any]:
+    """The source's own Llama ``config.json`` when it carries one (DeepSpeed, DCP, UCP beside their files), else
+    one built from the sizes and the source's hints (Megatron's args: epsilon, rope base, positions); the
+    tying and dtype always as written."""
+    carried = source.extra.get("config")
+    if isinstance(carried, Mapping) and carried.get("model_type") == "llama":
+        config = copy.deepcopy(dict(carried))
+        common = Counter(dtypes).most_common(1)
+        if common:
+            config.pop("torch_dtype", None)
+            config["dtype"] = common[0][0]
+    else:
+        config = llama_config(source.sizes, dtypes)
+        config.update(source.extra.get("config_hints") or {})
+    config["tie_word_embeddings"] = tied
     return config
 
 

@@ -260,7 +260,8 @@ class MegatronFormat:
             where = reader.map(layout)
         extra = reader.extra(args, layout)
         extra.update(iteration=iteration, release=release,
-                     checkpoint_version=first.get("checkpoint_version", CHECKPOINT_VERSION))
+                     checkpoint_version=first.get("checkpoint_version", CHECKPOINT_VERSION),
+                     config_hints=config_hints(args))
         return Source(format=self.name, path=path, spec_name=spec_name, spec=spec_ast, topology=topo,
                       sizes=model_sizes, layout=layout, where=where, extra=extra)
 
@@ -365,6 +366,8 @@ class MegatronFormat:
                 f"(it has {', '.join(opt_states)})")
         states = {"model": ("param",), "optim": opt_states} if distopt else {"model": ("param", *opt_states)}
         args = megatron_args(sizes, topology, base=src_args, tied=tied)
+        if not meg and not gpt2:
+            args.update(_args_from_config(source.extra.get("config")))
         sizes["bucket_size"] = _bucket_size(args, topology) if distopt else 0
         layout = _resolve(spec_ast, topology, sizes, states)
         bad = next((it for it in layout.items if it.section not in ("model", "optim")
@@ -1079,6 +1082,36 @@ def _is_gpt2(args: Mapping[str, Any]) -> bool:
             and bool(args.get("add_bias_linear", True)) and args.get("position_embedding_type") == "learned_absolute")
 
 
+# Hugging Face LlamaConfig keys <-> Megatron args, for what changes the model's outputs.
+_HF_ARGS = (("rms_norm_eps", "norm_epsilon"), ("rope_theta", "rotary_base"),
+            ("max_position_embeddings", "max_position_embeddings"))
+
+
+def config_hints(args: Mapping[str, Any]) -> dict[str, Any]:
+    """What a Llama ``config.json`` takes from a Megatron run's args: epsilon, rope base, positions, tying."""
+    if _is_gpt2(args):
+        return {}
+    hints: dict[str, Any] = {"tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False)}
+    for hf, meg in _HF_ARGS:
+        value = args.get(meg)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            hints[hf] = value
+    return hints
+
+
+def _args_from_config(config: Any) -> dict[str, Any]:
+    """Megatron args for a Llama ``config.json`` (the source's, carried): the inverse of ``config_hints``."""
+    if not isinstance(config, Mapping):
+        return {}
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
+    if (rope.get("rope_type") or "default") != "default" or config.get("rope_scaling"):
+        raise CheckpointFormatError(f"rope scaling ({rope.get('rope_type') or config.get('rope_scaling')}) has no "
+                                    "Megatron args reshard can write yet; the weights would convert, the model would not")
+    values = {"rms_norm_eps": config.get("rms_norm_eps"), "rope_theta": rope.get("rope_theta", config.get("rope_theta")),
+              "max_position_embeddings": config.get("max_position_embeddings")}
+    return {meg: values[hf] for hf, meg in _HF_ARGS if isinstance(values[hf], int | float)}
+
+
 def _default_args(sizes: Mapping[str, int], tied: bool, iteration: int) -> dict[str, Any]:
     h, heads = int(sizes["h"]), int(sizes["heads"])
     g = int(sizes.get("g", heads))
@@ -1098,6 +1131,7 @@ def _llama_args(sizes: Mapping[str, int], h: int, heads: int, g: int, tied: bool
         "kv_channels": int(sizes.get("hd", h // heads)),
         "max_position_embeddings": sizes.get("max_position_embeddings"),
         "position_embedding_type": "rope", "add_position_embedding": False, "use_rotary_position_embeddings": True,
+        "rotary_base": 10000, "norm_epsilon": 1e-5,
         "rotary_interleaved": False, "normalization": "RMSNorm", "swiglu": True, "squared_relu": False,
         "add_bias_linear": False, "add_qkv_bias": False, "apply_layernorm_1p": False,
         "untie_embeddings_and_output_weights": not tied, "vocab_size": int(sizes["vocab"]),
