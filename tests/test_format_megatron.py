@@ -617,3 +617,37 @@ def test_extra_state_that_differs_between_tp_ranks_cannot_change_tp(tmp_path):
         FORMAT.target(source, parse_topology("tp=1"))
     assert str(e.value) == ("decoder.layers.1.mlp.linear_fc2._extra_state: the tp ranks hold different values "
                             "(fp8 scaling state?); cannot carry it to tp=1")
+
+
+def test_legacy_models_nest_their_state_dict_and_convert_with_every_state(tmp_path):
+    """Megatron-LM's legacy GPTModel: 'language_model' -> 'embedding'/'encoder'/'output_layer', local layer
+    numbers; weights and Adam state go there from mcore names and back unchanged."""
+    import reshard
+    from fixtures import make_fixture
+
+    from reshard.torchfile import read_torch_file
+
+    make_fixture(tmp_path / "mcore", format="megatron", to="tp=2,pp=2")
+    reshard.convert(tmp_path / "mcore", tmp_path / "legacy", to="tp=1,pp=2", spec="megatron-legacy-llama")
+    first = read_torch_file(tmp_path / "legacy" / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt")
+    last = read_torch_file(tmp_path / "legacy" / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt")
+    assert list(first["model"]) == ["language_model"]
+    assert list(first["model"]["language_model"]) == ["embedding", "encoder"]
+    assert list(first["model"]["language_model"]["embedding"]["word_embeddings"]) == ["weight"]
+    assert list(last["model"]["language_model"]) == ["encoder", "output_layer"]
+    encoder = list(last["model"]["language_model"]["encoder"])
+    assert encoder[:6] == [f"layers.0.{k}" for k in ("input_norm.weight", "self_attention.query_key_value.weight",
+                                                      "self_attention.dense.weight", "post_attention_norm.weight",
+                                                      "mlp.dense_h_to_4h.weight", "mlp.dense_4h_to_h.weight")]
+    assert encoder[-1] == "final_norm.weight"
+    args = first["args"] if isinstance(first["args"], dict) else vars(first["args"])
+    assert (args["use_legacy_models"], args["use_mcore_models"]) == (True, False)
+    legacy = reshard.open_checkpoint(tmp_path / "legacy")
+    assert legacy.spec_name == "megatron-legacy-llama" and set(legacy.layout.states) >= {"param", "exp_avg"}
+    reshard.convert(tmp_path / "legacy", tmp_path / "legacy-tp2", to="tp=2,pp=1")
+    assert reshard.open_checkpoint(tmp_path / "legacy-tp2").spec_name == "megatron-legacy-llama"
+    reshard.convert(tmp_path / "legacy-tp2", tmp_path / "back", to="tp=2,pp=2", spec="megatron-llama")
+    result = reshard.verify(tmp_path / "mcore", tmp_path / "back")
+    assert result and result.compared > 0, result.differences
+    with pytest.raises(CheckpointFormatError, match="has no distributed optimizer"):
+        reshard.convert(tmp_path / "legacy", tmp_path / "x", to="tp=1,pp=2,zero=1")

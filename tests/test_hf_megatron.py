@@ -48,3 +48,23 @@ def test_hf_to_megatron_and_a_virtual_pipeline_and_back_gives_identical_logits(t
         assert not any(info.values()), info  # nothing missing, unexpected or mismatched
         assert after.config.rope_parameters["rope_theta"] == 500000.0
         assert torch.equal(after.eval()(ids).logits, before)
+
+
+def test_hf_to_megatrons_legacy_model_and_back_gives_identical_logits(tmp_path):
+    """The legacy GPTModel's nested names (``--use-legacy-models``), at tp=2,pp=2, restaged to tp=1,pp=2."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=96, vocab_size=1000, num_hidden_layers=4,
+                                      tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    reshard.convert(tmp_path / "hf", tmp_path / "legacy", format="megatron", to="tp=2,pp=2",
+                    spec="megatron-legacy-llama")
+    reshard.convert(tmp_path / "legacy", tmp_path / "legacy-pp2", to="tp=1,pp=2")
+    reshard.convert(tmp_path / "legacy-pp2", tmp_path / "back", format="hf")
+    ids = torch.arange(48).reshape(2, 24) % 1000
+    with torch.no_grad():
+        before = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
+        after = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()(ids).logits
+    assert torch.equal(after, before)

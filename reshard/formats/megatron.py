@@ -16,6 +16,12 @@ TE ``_extra_state`` entries), ``optimizer``, ``opt_param_scheduler``, ``rng_stat
 (a list of one ``get_rng_state`` dict, or one per dp rank with
 ``--data-parallel-random-init``), ``num_floating_point_operations_so_far``.
 
+Megatron-LM's legacy GPTModel (``--use-legacy-models``) nests its state dict
+(``language_model`` -> ``embedding`` -> ``word_embeddings`` -> ``weight``; the
+encoder's layers flat inside ``encoder``); it is read flattened with '/' between the
+levels, which is how the ``megatron-legacy-llama`` spec names its tensors, and
+written nested again.
+
 ``optimizer`` is ``optimizer.state_dict()``:
 
 - mixed precision (``Float16OptimizerWithFloat16Params.state_dict``):
@@ -83,7 +89,7 @@ import random
 import re
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -122,6 +128,8 @@ SPECS = {
     (True, True): "megatron-llama-tied-distopt-torch",
 }
 """Shipped spec per (tied embeddings, distributed optimizer)."""
+LEGACY_SPEC = "megatron-legacy-llama"
+"""Megatron-LM's legacy GPTModel (nested ``language_model`` state dict), untied, plain optimizer."""
 
 # Megatron's file key for the fp32 main params in distrib_optim.pt, and our state name for them.
 _MAIN = ("param", "master")
@@ -246,6 +254,13 @@ class MegatronFormat:
             raise CheckpointFormatError(
                 f"{first_path}: args.swiglu is False; the shipped megatron specs are Llama-style (SwiGLU, RMSNorm, "
                 "no biases) or GPT-2-style (LayerNorm, biases, learned positions). Give a spec for this model")
+        if spec is None and _is_legacy(first):
+            if tied or distopt:
+                raise CheckpointFormatError(
+                    f"{first_path}: a legacy (non-mcore) model with {'tied embeddings' if tied else ''}"
+                    f"{' and ' if tied and distopt else ''}{'the distributed optimizer' if distopt else ''}; the "
+                    f"shipped {LEGACY_SPEC} spec is untied with Megatron's plain optimizer: give a spec for this one")
+            spec = LEGACY_SPEC
         spec_name = spec or SPECS[(tied, distopt)]
         reader = _Reader(ranks, topo, spec_name)
         model_sizes["bucket_size"] = _bucket_size(args, topo) if distopt else 0
@@ -354,9 +369,13 @@ class MegatronFormat:
             "lm_head.weight" not in source.layout.tensors
         gpt2 = "transformer.wte.weight" in source.layout.tensors
         gpt2_spec = GPT2_DISTOPT_SPEC if topology.zero == 1 else GPT2_SPEC
-        spec_name = spec or (gpt2_spec if gpt2 else SPECS[(tied, topology.zero == 1)])
+        legacy = meg and source.spec_name == LEGACY_SPEC and spec is None
+        spec_name = spec or (LEGACY_SPEC if legacy else gpt2_spec if gpt2 else SPECS[(tied, topology.zero == 1)])
         spec_ast = load_spec(spec_name)
         distopt = _has_flat(spec_ast)
+        if legacy and topology.zero == 1:
+            raise CheckpointFormatError(f"zero=1: the shipped {LEGACY_SPEC} spec has no distributed optimizer; "
+                                        "give a spec for the legacy model's buckets")
         topology = replace(topology, zero=1 if distopt else 0)
         src_states = [s for s in source.layout.states if s != "param"]
         opt_states = (("master",) if "master" in src_states else ()) + tuple(sorted(set(src_states) - {"master"}))
@@ -368,6 +387,8 @@ class MegatronFormat:
         args = megatron_args(sizes, topology, base=src_args, tied=tied)
         if not meg and not gpt2:
             args.update(_args_from_config(source.extra.get("config")))
+        if (spec_name == LEGACY_SPEC) != (meg and source.spec_name == LEGACY_SPEC):  # the model class changes
+            args.update(use_legacy_models=spec_name == LEGACY_SPEC, use_mcore_models=spec_name != LEGACY_SPEC)
         sizes["bucket_size"] = _bucket_size(args, topology) if distopt else 0
         layout = _resolve(spec_ast, topology, sizes, states)
         bad = next((it for it in layout.items if it.section not in ("model", "optim")
@@ -727,6 +748,33 @@ def _chunks(obj: dict, vpp: int, where: str) -> dict[int, Mapping[str, Any]]:
     return out
 
 
+def _flat_items(sd: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """A state dict's entries, nested dicts (the legacy model's ``language_model`` tree) joined with '/'."""
+    for key, value in sd.items():
+        if isinstance(value, Mapping):
+            yield from _flat_items(value, f"{prefix}{key}/")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _nested(sd: Mapping[str, Any]) -> OrderedDict:
+    """The inverse of ``_flat_items``: 'a/b/c' keys as nested dicts, in first-seen order."""
+    out: OrderedDict = OrderedDict()
+    for key, value in sd.items():
+        *path, last = key.split("/")
+        node = out
+        for part in path:
+            node = node.setdefault(part, OrderedDict())
+        node[last] = value
+    return out
+
+
+def _is_legacy(obj: Mapping[str, Any]) -> bool:
+    """A legacy (non-mcore) model: its state dict is the nested ``language_model`` tree."""
+    sd = obj.get("model", obj.get("model0"))
+    return isinstance(sd, Mapping) and isinstance(sd.get("language_model"), Mapping)
+
+
 class _Reader:
     """Maps the tensors of a checkpoint's rank files to layout items."""
 
@@ -742,7 +790,7 @@ class _Reader:
             for c, sd in _chunks(r.obj, topo.vpp, str(r.path)).items():
                 if not isinstance(sd, Mapping):
                     raise CheckpointFormatError(f"{r.path}: model chunk {c} is a {type(sd).__name__}, not a state dict")
-                for key, value in sd.items():
+                for key, value in _flat_items(sd):
                     if key.endswith("._extra_state") or key == "_extra_state":
                         xs.append((c, key, value))
                     elif _is_tensor(value):
@@ -1360,10 +1408,13 @@ def _model_order(layout: Layout, topology: Topology, extra_state: Mapping[str, M
                     f"{name}: the tp ranks hold different values (fp8 scaling state?); "
                     f"cannot carry it to tp={topology.tp}")
             out.setdefault((t, stage, chunk), []).append((key, _Extra(value)))
-    for entries in out.values():
-        order = _mcore_order([k for k, _ in entries])
-        pos = {k: i for i, k in enumerate(order)}
-        entries.sort(key=lambda e: pos[e[0]])
+    for (t, p, c), entries in out.items():
+        if any("/" in k for k, _ in entries):  # the legacy model's nested names: the spec's order is Megatron's
+            spec_order = [it.key for it in layout.order.get(f"model/tp={t},pp={p}/{c}", ())]
+        else:
+            spec_order = _mcore_order([k for k, _ in entries])
+        pos = {k: i for i, k in enumerate(spec_order)}
+        entries.sort(key=lambda e: pos.get(e[0], len(pos)))
     return out
 
 
@@ -1462,7 +1513,7 @@ class _Writer:
             for key, value in order.get((t, p, c), []):
                 is_item = isinstance(value, Item)
                 sd[key] = self._leaf(sources, value) if is_item else self._small_leaf(sources, value.value)
-            chunks["model" if self.topo.vpp == 1 else f"model{c}"] = sd
+            chunks["model" if self.topo.vpp == 1 else f"model{c}"] = _nested(sd)
         entries.update(chunks)
         optimizer = self._optimizer(t, p, sources)
         if optimizer is not None:
