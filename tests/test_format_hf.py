@@ -402,3 +402,30 @@ def test_llama_config_picks_the_most_common_dtype() -> None:
     with pytest.raises(CheckpointFormatError) as e:
         llama_config({"h": 8})
     assert str(e.value) == "cannot build a Llama config.json: model sizes f, heads, g, hd, layers, vocab are unknown"
+
+
+def test_a_mixtral_resharded_as_fsdp2_and_back_gives_identical_logits(tmp_path: Path) -> None:
+    """MixtralForCausalLM (experts saved per expert, as transformers saves them) through DCP at dp=3."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import reshard
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                        num_key_value_heads=2, num_hidden_layers=2, vocab_size=100,
+                                        num_local_experts=4, num_experts_per_tok=2)
+    transformers.MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "hf", max_shard_size="50KB")
+    src = reshard.open_checkpoint(tmp_path / "hf")
+    assert src.spec_name == "hf-mixtral" and src.sizes["experts"] == 4
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in src.layout.tensors
+    reshard.convert(tmp_path / "hf", tmp_path / "dcp", format="dcp", to="dp=3")
+    reshard.convert(tmp_path / "dcp", tmp_path / "back", format="hf")
+    ids = torch.arange(24).reshape(2, 12) % 100
+    with torch.no_grad():
+        before = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
+        after = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "back").eval()(ids).logits
+    assert torch.equal(after, before)
+    (tmp_path / "dcp" / "config.json").unlink()  # the routing (experts per token) is in no tensor
+    with pytest.raises(CheckpointFormatError, match="mixture-of-experts model without its config.json"):
+        reshard.convert(tmp_path / "dcp", tmp_path / "x", format="hf",
+                        sizes={"h": 32, "heads": 4, "g": 2, "hd": 8, "f": 48, "vocab": 100, "layers": 2, "experts": 4})

@@ -183,7 +183,7 @@ def test_include_cycles_and_missing_specs_are_errors(tmp_path):
 
 
 SHIPPED_SIZES = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 4, "vocab_div": 8, "positions": 32,
-                 "vpad": 128}
+                 "experts": 4, "vpad": 128}
 
 
 @pytest.mark.parametrize("name", available_specs())

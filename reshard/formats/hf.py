@@ -5,7 +5,9 @@ A directory holds ``config.json`` and either ``model.safetensors`` or
 (``model-00001-of-0000N.safetensors``, ...). Every tensor is stored whole and
 unsharded under its Hugging Face name, which is also its logical name, so
 the layout is the spec resolved at the trivial topology: ``hf-llama`` (or
-``hf-llama-tied``) for ``LlamaForCausalLM``, ``hf-gpt2`` for a config with
+``hf-llama-tied``) for ``LlamaForCausalLM``, ``hf-mixtral`` for
+``MixtralForCausalLM`` (``model_type`` ``"mixtral"``, experts stored per expert),
+``hf-gpt2`` for a config with
 ``model_type`` ``"gpt2"`` (``GPT2LMHeadModel``: output layer tied, Conv1D
 weights stored ``[in, out]``). Not supported: GPT-2 files of old
 ``transformers`` versions (names without the ``transformer.`` prefix,
@@ -43,6 +45,9 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 SPEC = "hf-llama"
 TIED_SPEC = "hf-llama-tied"
 GPT2_SPEC = "hf-gpt2"
+MIXTRAL_SPEC = "hf-mixtral"
+LLAMA_FAMILY = ("llama", "mixtral")
+"""``model_type``s whose config.json ``sizes_from_config`` reads."""
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 """huggingface_hub's default; transformers 5's ``save_pretrained`` defaults to 50GB."""
 WINDOW_BYTES = 8 << 20
@@ -106,7 +111,7 @@ class HFFormat:
                 problems.append(f"{file}: tensor '{name}' matches no item of spec '{spec_name}'")
         if problems:
             model_type = config.get("model_type")
-            hint = f" (config model_type {json.dumps(model_type)})" if model_type not in (None, "llama") else ""
+            hint = f" (config model_type {json.dumps(model_type)})" if model_type not in (None, *LLAMA_FAMILY) else ""
             raise CheckpointFormatError(
                 f"{path}: the stored tensors do not match spec '{spec_name}'{hint}:\n  " + _listing(problems))
         extra: dict[str, Any] = {"config": config}
@@ -214,6 +219,8 @@ def sizes_from_config(config: Mapping[str, Any], where: Path | str = CONFIG_NAME
     sizes = _config_ints(config, keys, ("num_key_value_heads", "head_dim"), where)
     sizes["g"] = int(config.get("num_key_value_heads") or sizes["heads"])
     sizes["hd"] = int(config.get("head_dim") or sizes["h"] // sizes["heads"])
+    if config.get("model_type") == "mixtral":
+        sizes.update(_config_ints(config, {"experts": "num_local_experts"}, (), where))
     return sizes
 
 
@@ -223,7 +230,7 @@ def llama_config_near(*dirs: Path) -> tuple[dict[str, int], dict[str, Any] | Non
         candidate = Path(d) / CONFIG_NAME
         if candidate.is_file():
             config = _read_json(candidate)
-            if isinstance(config, dict) and config.get("model_type") == "llama":
+            if isinstance(config, dict) and config.get("model_type") in LLAMA_FAMILY:
                 return sizes_from_config(config, candidate), config
     return {}, None
 
@@ -262,12 +269,15 @@ def _llama_target_config(source: Source, dtypes: Any, *, tied: bool) -> dict[str
     one built from the sizes and the source's hints (Megatron's args: epsilon, rope base, positions); the
     tying and dtype always as written."""
     carried = source.extra.get("config")
-    if isinstance(carried, Mapping) and carried.get("model_type") == "llama":
+    if isinstance(carried, Mapping) and carried.get("model_type") in LLAMA_FAMILY:
         config = copy.deepcopy(dict(carried))
         common = Counter(dtypes).most_common(1)
         if common:
             config.pop("torch_dtype", None)
             config["dtype"] = common[0][0]
+    elif "experts" in source.sizes:
+        raise CheckpointFormatError(f"{source.path}: a mixture-of-experts model without its config.json (the number of "
+                                    "experts each token is routed to is not in the weights); put it beside the source")
     else:
         config = llama_config(source.sizes, dtypes)
         config.update(source.extra.get("config_hints") or {})
@@ -318,6 +328,10 @@ def gpt2_config(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, Any]:
 def _spec_for_config(config: Mapping[str, Any], where: Path) -> str:
     if config.get("model_type") == "gpt2":
         return GPT2_SPEC
+    if config.get("model_type") == "mixtral":
+        if config.get("tie_word_embeddings", False):
+            raise CheckpointFormatError(f"{where}: tied Mixtral checkpoints are not supported yet")
+        return MIXTRAL_SPEC
     # LlamaConfig's default is untied; a config without the key is untied.
     if not config.get("tie_word_embeddings", False):
         return SPEC
@@ -329,6 +343,8 @@ def _spec_for_config(config: Mapping[str, Any], where: Path) -> str:
 def _spec_for_source(source: Source) -> str:
     if "transformer.wte.weight" in source.layout.tensors:
         return GPT2_SPEC
+    if "experts" in source.sizes or any(".block_sparse_moe." in n for n in source.layout.tensors):
+        return MIXTRAL_SPEC
     if "lm_head.weight" in source.layout.tensors:
         return SPEC
     if TIED_SPEC in available_specs():
