@@ -31,6 +31,7 @@ FormatOpt = Annotated[str | None, typer.Option("--format", help="destination for
 SpecOpt = Annotated[str | None, typer.Option("--spec", help="destination layout spec: a shipped name or a path")]
 SizesOpt = Annotated[str | None, typer.Option("--sizes", help="model sizes the checkpoint does not tell (no config.json), e.g. heads=32,g=8")]
 ShardOpt = Annotated[str | None, typer.Option("--max-shard-size", help="hf: largest safetensors shard, e.g. 5GB (default), 500MB")]
+VocabPadOpt = Annotated[str | None, typer.Option("--vocab-pad", help="megatron: rows padding the vocab for the target tp: zero (default) or last (copies of the last row)")]
 
 
 def _sizes(text: str | None) -> dict[str, int] | None:
@@ -78,18 +79,19 @@ def convert(
     memory_budget: Annotated[str, typer.Option("--memory-budget", help="memory the conversion may hold, e.g. 512MiB, 4GiB")] = "1GiB",
     sizes: SizesOpt = None,
     max_shard_size: ShardOpt = None,
+    vocab_pad: VocabPadOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; read and write nothing")] = False,
 ) -> None:
     """Rewrite SRC for another topology (and format) at DST, streaming."""
     if dry_run:
         _print_plan(reshard.plan(src, to=to, format=format, spec=spec, sizes=_sizes(sizes),
-                                 max_shard_size=max_shard_size).to_json())
+                                 max_shard_size=max_shard_size, vocab_pad=vocab_pad).to_json())
         return
     columns = (TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("convert", total=None)
         result = reshard.convert(src, dst, to=to, format=format, spec=spec, sizes=_sizes(sizes), workers=workers,
-                                 memory_budget=memory_budget, max_shard_size=max_shard_size,
+                                 memory_budget=memory_budget, max_shard_size=max_shard_size, vocab_pad=vocab_pad,
                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
     r = result.report
     out.print(f"wrote {result.path} ({r.target.format}, {r.target.topology}) from {r.source.path} "

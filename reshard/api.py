@@ -60,14 +60,16 @@ def _topology(to: str | Topology | None, default: Topology) -> Topology:
 
 
 def _target(source: Source, to: str | Topology | None, format: str | None, spec: str | None,
-            max_shard_size: int | str | None = None) -> Target:
+            max_shard_size: int | str | None = None, vocab_pad: str | None = None) -> Target:
     fmt = get_format(format or source.format)
     same = fmt.name == source.format
     topology = _topology(to, source.topology if same else Topology())
     if same and isinstance(to, str) and "zero" not in _keys(to):
         # A new layout keeps the source's optimizer sharding unless the user names another.
         topology = dataclasses.replace(topology, zero=source.topology.zero)
-    target = fmt.target(source, topology, spec=spec)
+    if vocab_pad is not None and fmt.name != "megatron":
+        raise ReshardError(f"vocab_pad applies to the megatron format (its padded vocabulary), not {fmt.name}")
+    target = fmt.target(source, topology, spec=spec, **({"vocab_pad": vocab_pad} if vocab_pad else {}))
     if max_shard_size is not None:
         if target.format != "hf":
             raise ReshardError(f"max_shard_size applies to the hf format (safetensors shards), not {target.format}")
@@ -131,14 +133,15 @@ class PlanReport:
 
 
 def plan(src: str | Path, *, to: str | Topology | None = None, format: str | None = None, spec: str | None = None,
-         sizes: Mapping[str, int] | None = None, max_shard_size: int | str | None = None) -> PlanReport:
+         sizes: Mapping[str, int] | None = None, max_shard_size: int | str | None = None,
+         vocab_pad: str | None = None) -> PlanReport:
     """What converting ``src`` to topology ``to`` (in ``format``) moves where, without reading tensor data.
 
     >>> report = plan("ckpt/", to="tp=1,pp=4")   # doctest: +SKIP
     >>> report.plan.summary()["copies"]          # doctest: +SKIP
     """
     source = open_checkpoint(src, sizes=sizes)
-    target = _target(source, to, format, spec, max_shard_size)
+    target = _target(source, to, format, spec, max_shard_size, vocab_pad)
     held = set(source.layout.states)
     source.layout, target.layout = common_views(source.layout, target.layout)
     if "master" in target.layout.states and "master" not in source.layout.states and all(
@@ -177,6 +180,7 @@ def convert(
     workers: int = 1,
     memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
     max_shard_size: int | str | None = None,
+    vocab_pad: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> ConvertResult:
     """Rewrite the checkpoint ``src`` for topology ``to`` (and ``format``) at ``dst``.
@@ -202,6 +206,9 @@ def convert(
         Too small a budget for the plan is an error before anything is written.
       max_shard_size: hf only: the largest safetensors shard (bytes, or ``"5GB"``;
         default 5GB as transformers), with ``model.safetensors.index.json``.
+      vocab_pad: megatron only: ``zero`` (default) or ``last``, what fills the rows that
+        pad the vocabulary for the target tp (``last``: copies of the last real row, as
+        Megatron's own converter pads).
       progress: ``progress(done_bytes, total_bytes)`` while writing (one worker).
 
     Raises:
@@ -211,7 +218,8 @@ def convert(
     dst = Path(dst)
     if workers < 1:
         raise ReshardError(f"workers must be at least 1, got {workers}")
-    report = plan(src, to=to, format=format, spec=spec, sizes=sizes, max_shard_size=max_shard_size)
+    report = plan(src, to=to, format=format, spec=spec, sizes=sizes, max_shard_size=max_shard_size,
+                  vocab_pad=vocab_pad)
     _check_destination(Path(src), dst)
     window = _window_bytes(report, parse_size(memory_budget), workers)
     target = report.target
@@ -236,7 +244,8 @@ def convert(
                                     window_bytes=window)
                 bytes_read = reader.bytes_read
         else:
-            written, bytes_read = _run_workers(shares, src, tmp, to, format, spec, sizes, window, max_shard_size)
+            written, bytes_read = _run_workers(shares, src, tmp, to, format, spec, sizes, window,
+                                               {"max_shard_size": max_shard_size, "vocab_pad": vocab_pad})
             with ByteReader() as reader:  # the files that hold no items: trackers, configs, indexes
                 written += fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), only=())
         files = {}
@@ -329,13 +338,14 @@ def _shares(report: PlanReport, workers: int) -> list[list[str]]:
 
 
 def _run_workers(shares: list[list[str]], src, tmp: Path, to, format, spec, sizes, window: int,
-                 max_shard_size=None) -> tuple[list[Path], int]:
+                 options: Mapping[str, Any] | None = None) -> tuple[list[Path], int]:
     """Write each share of destination files in its own process; returns the files written and bytes read."""
     import multiprocessing
 
     # spawn, not fork: a child forked from a large parent starts with the parent's memory.
     ctx = multiprocessing.get_context("spawn")
-    jobs = [(str(src), str(tmp), to, format, spec, dict(sizes or {}), files, window, max_shard_size) for files in shares]
+    jobs = [(str(src), str(tmp), to, format, spec, dict(sizes or {}), files, window, dict(options or {}))
+            for files in shares]
     with ctx.Pool(len(jobs)) as pool:
         results = pool.map(_worker, jobs)
     written: list[Path] = []
@@ -350,9 +360,9 @@ def _run_workers(shares: list[list[str]], src, tmp: Path, to, format, spec, size
 
 def _worker(job) -> tuple[list[str], str | None, int]:
     """One worker: re-plan (deterministic), write its share of files. Errors come back as text."""
-    src, tmp, to, format, spec, sizes, files, window, max_shard_size = job
+    src, tmp, to, format, spec, sizes, files, window, options = job
     try:
-        report = plan(src, to=to, format=format, spec=spec, sizes=sizes or None, max_shard_size=max_shard_size)
+        report = plan(src, to=to, format=format, spec=spec, sizes=sizes or None, **options)
         with ByteReader() as reader:
             fill = PlanFill(report.plan, report.source.where, reader)
             written = get_format(report.target.format).write(report.target, Path(tmp), fill,

@@ -651,3 +651,36 @@ def test_legacy_models_nest_their_state_dict_and_convert_with_every_state(tmp_pa
     assert result and result.compared > 0, result.differences
     with pytest.raises(CheckpointFormatError, match="has no distributed optimizer"):
         reshard.convert(tmp_path / "legacy", tmp_path / "x", to="tp=1,pp=2,zero=1")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_vocab_padding_rows_are_zeros_or_copies_of_the_last_row(tmp_path, workers):
+    import reshard
+    from fixtures import make_fixture
+
+    from reshard.errors import ReshardError
+    from reshard.torchfile import read_torch_file
+
+    make_fixture(tmp_path / "hf", format="hf")
+    vocab, h = (reshard.open_checkpoint(tmp_path / "hf").sizes[k] for k in ("vocab", "h"))
+    rows = {}
+    for pad in ("zero", "last"):
+        out = tmp_path / pad
+        reshard.convert(tmp_path / "hf", out, format="megatron", to="tp=2", vocab_pad=pad, workers=workers)
+        args = reshard.open_checkpoint(out).extra["args"]
+        padded = (args if isinstance(args, dict) else vars(args))["padded_vocab_size"]
+        assert padded > vocab
+        ref = read_torch_file(out / "iter_0000000" / "mp_rank_01" / "model_optim_rng.pt")["model"][
+            "embedding.word_embeddings.weight"]
+        dtype = np.uint16 if ref.dtype == "bfloat16" else np.float32
+        shard = np.fromfile(ref.path, dtype, ref.numel, offset=ref.data_offset).reshape(ref.shape)
+        real = vocab - padded // 2  # rows of the last tp rank that hold real tokens
+        rows[pad] = shard[real:]
+        assert shard.shape[0] - real == padded - vocab
+        if pad == "last":
+            assert (rows[pad] == shard[real - 1]).all() and shard[real - 1].any()
+        else:
+            assert not rows[pad].any()
+        assert reshard.verify(tmp_path / "hf", out, states=("param",))  # padding is never read back
+    with pytest.raises(ReshardError, match="vocab_pad applies to the megatron format"):
+        reshard.convert(tmp_path / "hf", tmp_path / "x", format="dcp", vocab_pad="last")

@@ -335,8 +335,13 @@ class MegatronFormat:
 
     # -- target
 
-    def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
+    def target(self, source: Source, topology: Topology, *, spec: str | None = None,
+               vocab_pad: str = "zero") -> Target:
         """The layout and non-tensor state of ``source``'s model written as Megatron at ``topology``.
+
+        ``vocab_pad`` fills the rows that pad the vocabulary to a multiple of
+        ``make_vocab_size_divisible_by * tp``: ``zero``, or ``last`` (copies of the last
+        real row, as Megatron's ``tools/checkpoint`` pads when it grows a vocabulary).
 
         The distributed optimizer is used when ``topology.zero`` is 1 (``zero=1`` in a
         topology string) or ``spec`` names a ``-distopt`` spec. ``Target.extra`` holds what
@@ -390,6 +395,9 @@ class MegatronFormat:
         if (spec_name == LEGACY_SPEC) != (meg and source.spec_name == LEGACY_SPEC):  # the model class changes
             args.update(use_legacy_models=spec_name == LEGACY_SPEC, use_mcore_models=spec_name != LEGACY_SPEC)
         sizes["bucket_size"] = _bucket_size(args, topology) if distopt else 0
+        if vocab_pad not in ("zero", "last"):
+            raise CheckpointFormatError(f"vocab_pad '{vocab_pad}': expected zero or last")
+        spec_ast = _with_vocab_pad(spec_ast, vocab_pad)
         layout = _resolve(spec_ast, topology, sizes, states)
         bad = next((it for it in layout.items if it.section not in ("model", "optim")
                     or tuple(a for a, _ in it.unit) != ("tp", "pp")), None)
@@ -1158,6 +1166,28 @@ def _args_from_config(config: Any) -> dict[str, Any]:
     values = {"rms_norm_eps": config.get("rms_norm_eps"), "rope_theta": rope.get("rope_theta", config.get("rope_theta")),
               "max_position_embeddings": config.get("max_position_embeddings")}
     return {meg: values[hf] for hf, meg in _HF_ARGS if isinstance(values[hf], int | float)}
+
+
+def _with_vocab_pad(spec_ast: Spec, policy: str) -> Spec:
+    """``spec_ast`` with every padding of the ``vocab`` axis filled by ``policy`` (zero or last)."""
+    from reshard.spec import Axis, Concat, Pad, Product, Split, Stored
+
+    def term(t: Any) -> Any:
+        if isinstance(t, Pad):
+            inner = term(t.term)
+            vocab = isinstance(inner, Axis) and inner.name == "vocab"
+            return replace(t, term=inner, policy=policy if vocab else t.policy)
+        if isinstance(t, Split):
+            return replace(t, term=term(t.term))
+        if isinstance(t, Product):
+            return replace(t, terms=tuple(term(x) for x in t.terms))
+        if isinstance(t, Concat):
+            return replace(t, parts=tuple(replace(p, terms=tuple(term(x) for x in p.terms)) for p in t.parts))
+        return t
+
+    statements = tuple(replace(st, dims=tuple(term(d) for d in st.dims)) if isinstance(st, Stored) and st.dims else st
+                       for st in spec_ast.statements)
+    return replace(spec_ast, statements=statements)
 
 
 def _default_args(sizes: Mapping[str, int], tied: bool, iteration: int) -> dict[str, Any]:
