@@ -275,6 +275,9 @@ def _llama_target_config(source: Source, dtypes: Any, *, tied: bool) -> dict[str
         if common:
             config.pop("torch_dtype", None)
             config["dtype"] = common[0][0]
+    elif "experts" in source.sizes and isinstance((source.extra.get("config_hints") or {}).get("num_experts_per_tok"), int):
+        config = llama_config(source.sizes, dtypes)  # a Megatron MoE run: its args name the routing
+        config.update(source.extra["config_hints"])
     elif "experts" in source.sizes:
         raise CheckpointFormatError(f"{source.path}: a mixture-of-experts model without its config.json (the number of "
                                     "experts each token is routed to is not in the weights); put it beside the source")

@@ -65,10 +65,13 @@ Models: Llama style (SwiGLU, RMSNorm, no biases, rotary; ``megatron-llama*`` spe
 GPT-2 style (``args.swiglu`` false, ``normalization`` LayerNorm, ``add_bias_linear``,
 ``position_embedding_type`` learned_absolute: per-head QKV with biases, LayerNorm biases,
 ``embedding.position_embeddings`` on the first stage, output layer tied;
-``megatron-gpt2*`` specs, sizes with ``positions`` from ``max_position_embeddings``).
+``megatron-gpt2*`` specs, sizes with ``positions`` from ``max_position_embeddings``), and
+Mixtral-style MoE (``--num-experts`` with SequentialMLP experts at expert parallelism 1,
+untied, plain optimizer; ``megatron-mixtral``; sizes with ``experts``).
 
-Not supported yet (each raises ``CheckpointFormatError`` saying so): expert parallelism and
-MoE, context parallelism > 1, torch_dist/DCP checkpoints, a ``ChainedOptimizer`` of several
+Not supported yet (each raises ``CheckpointFormatError`` saying so): expert parallelism > 1
+(``mp_rank_TT_PPP_EEE``), ``--moe-grouped-gemm`` experts, MoE with the distributed optimizer
+or tied embeddings, context parallelism > 1, torch_dist/DCP checkpoints, a ``ChainedOptimizer`` of several
 optimizers, distrib_optim.pt files before ``buckets_coalesced`` (megatron-core < 0.7),
 ``--ddp-num-buckets``, param groups other than the standard weight-decay split (e.g.
 ``--decoupled-lr``), GPT-2 style with an untied output layer or grouped-query
@@ -128,6 +131,8 @@ SPECS = {
     (True, True): "megatron-llama-tied-distopt-torch",
 }
 """Shipped spec per (tied embeddings, distributed optimizer)."""
+MOE_SPEC = "megatron-mixtral"
+"""Megatron-core GPT with SequentialMLP experts (ep=1), untied, plain optimizer."""
 LEGACY_SPEC = "megatron-legacy-llama"
 """Megatron-LM's legacy GPTModel (nested ``language_model`` state dict), untied, plain optimizer."""
 
@@ -254,6 +259,12 @@ class MegatronFormat:
             raise CheckpointFormatError(
                 f"{first_path}: args.swiglu is False; the shipped megatron specs are Llama-style (SwiGLU, RMSNorm, "
                 "no biases) or GPT-2-style (LayerNorm, biases, learned positions). Give a spec for this model")
+        if spec is None and args.get("num_experts"):
+            if tied or distopt:
+                raise CheckpointFormatError(
+                    f"{first_path}: a mixture-of-experts model with {'tied embeddings' if tied else 'the distributed optimizer'}"
+                    f"; the shipped {MOE_SPEC} spec is untied with Megatron's plain optimizer: give a spec for this one")
+            spec = MOE_SPEC
         if spec is None and _is_legacy(first):
             if tied or distopt:
                 raise CheckpointFormatError(
@@ -375,7 +386,12 @@ class MegatronFormat:
         gpt2 = "transformer.wte.weight" in source.layout.tensors
         gpt2_spec = GPT2_DISTOPT_SPEC if topology.zero == 1 else GPT2_SPEC
         legacy = meg and source.spec_name == LEGACY_SPEC and spec is None
-        spec_name = spec or (LEGACY_SPEC if legacy else gpt2_spec if gpt2 else SPECS[(tied, topology.zero == 1)])
+        moe = "experts" in source.sizes
+        if moe and spec is None and (tied or topology.zero == 1):
+            raise CheckpointFormatError(f"the shipped {MOE_SPEC} spec is untied with Megatron's plain optimizer; "
+                                        f"{'tied embeddings' if tied else 'zero=1'} need a spec of their own")
+        spec_name = spec or (LEGACY_SPEC if legacy else MOE_SPEC if moe else gpt2_spec if gpt2 else
+                             SPECS[(tied, topology.zero == 1)])
         spec_ast = load_spec(spec_name)
         distopt = _has_flat(spec_ast)
         if legacy and topology.zero == 1:
@@ -392,6 +408,8 @@ class MegatronFormat:
         args = megatron_args(sizes, topology, base=src_args, tied=tied)
         if not meg and not gpt2:
             args.update(_args_from_config(source.extra.get("config")))
+        if moe and not meg:
+            args.update(_moe_args(source, sizes))
         if (spec_name == LEGACY_SPEC) != (meg and source.spec_name == LEGACY_SPEC):  # the model class changes
             args.update(use_legacy_models=spec_name == LEGACY_SPEC, use_mcore_models=spec_name != LEGACY_SPEC)
         sizes["bucket_size"] = _bucket_size(args, topology) if distopt else 0
@@ -500,9 +518,12 @@ def _topology_from_args(args: Mapping[str, Any], where: str) -> Topology:
     pp = int(_arg(args, "pipeline_model_parallel_size", where))
     cp = int(args.get("context_parallel_size") or 1)
     ep = int(args.get("expert_model_parallel_size") or 1)
-    if ep > 1 or args.get("num_experts"):
+    if ep > 1:
         raise CheckpointFormatError(
-            f"{where}: mixture-of-experts checkpoints (num_experts, expert_model_parallel_size) are not supported yet")
+            f"{where}: expert_model_parallel_size={ep}: expert-parallel checkpoints are not supported yet (ep=1 is)")
+    if args.get("num_experts") and args.get("moe_grouped_gemm"):
+        raise CheckpointFormatError(f"{where}: --moe-grouped-gemm experts (GroupedMLP weight1/weight2) are not "
+                                    "supported yet; the SequentialMLP experts (local_experts.N) are")
     if cp > 1:
         raise CheckpointFormatError(f"{where}: context_parallel_size={cp} is not supported yet")
     world = args.get("world_size")
@@ -550,10 +571,12 @@ def _sizes_from_args(args: Mapping[str, Any], given: Mapping[str, int], topo: To
     sizes = {
         "h": h, "heads": heads, "g": g,
         "hd": int(args.get("kv_channels") or h // heads),
-        "f": int(_arg(args, "ffn_hidden_size", where)),
+        "f": int(args.get("moe_ffn_hidden_size") or _arg(args, "ffn_hidden_size", where)),
         "layers": int(_arg(args, "num_layers", where)),
         "vocab_div": int(args.get("make_vocab_size_divisible_by") or 128),
     }
+    if args.get("num_experts"):
+        sizes["experts"] = int(args["num_experts"])
     if _is_gpt2(args):
         if sizes["g"] != heads:
             raise CheckpointFormatError(f"{where}: num_query_groups={sizes['g']} with num_attention_heads={heads}; "
@@ -645,13 +668,16 @@ _SUB = {
 _LAYER_KEY = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
 
 
-def _mcore_rank(key: str) -> tuple[int, int, int, int, int] | None:
+_LOCAL_EXPERT = re.compile(r"experts\.local_experts\.([0-9]+)\.linear_fc([12])\.")
+
+
+def _mcore_rank(key: str) -> tuple[int, ...] | None:
     """Sort key of a state-dict key in Megatron-core's registration order; None if unknown."""
     extra = int(key.endswith("._extra_state"))
     m = _LAYER_KEY.fullmatch(key)
     if m is None:
         top = next((k for k, p in enumerate(_TOP) if key.startswith(p)), None)
-        return None if top is None else (top, 0, 0, 0, extra)
+        return None if top is None else (top, 0, 0, 0, 0, 0, extra)
     rest = m.group(2)
     part = next((k for k, p in enumerate(_LAYER) if rest.startswith(p)), None)
     if part is None:
@@ -661,7 +687,10 @@ def _mcore_rank(key: str) -> tuple[int, int, int, int, int] | None:
     sub = next((k for k, p in enumerate(sub_names) if tail.startswith(p)), 0 if not sub_names else None)
     if sub is None:
         return None
-    return (1, int(m.group(1)), part, sub, extra)
+    # SequentialMLP registers each local expert whole: expert 0's fc1 and fc2, then expert 1's, ...
+    e = _LOCAL_EXPERT.match(tail) if sub_names and sub_names[sub] == "experts." else None
+    expert = (int(e.group(1)), int(e.group(2))) if e else (0, 0)
+    return (1, int(m.group(1)), part, sub, *expert, extra)
 
 
 def _mcore_order(keys: list[str]) -> list[str]:
@@ -1143,11 +1172,27 @@ _HF_ARGS = (("rms_norm_eps", "norm_epsilon"), ("rope_theta", "rotary_base"),
             ("max_position_embeddings", "max_position_embeddings"))
 
 
+def _moe_args(source: Source, sizes: Mapping[str, int]) -> dict[str, Any]:
+    """Megatron's MoE args for a Mixtral-style source: experts, their ffn size, and top-k routing from its config."""
+    config = source.extra.get("config") if isinstance(source.extra.get("config"), Mapping) else {}
+    topk = config.get("num_experts_per_tok")
+    if not isinstance(topk, int):
+        raise CheckpointFormatError(f"{source.path}: a mixture-of-experts model without num_experts_per_tok in its "
+                                    "config.json; Megatron's args need moe_router_topk")
+    return {"num_experts": int(sizes["experts"]), "moe_router_topk": topk, "moe_ffn_hidden_size": int(sizes["f"]),
+            "ffn_hidden_size": int(sizes["f"]), "moe_grouped_gemm": False, "expert_model_parallel_size": 1,
+            "moe_router_load_balancing_type": "aux_loss",
+            "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0) or 0.0)}
+
+
 def config_hints(args: Mapping[str, Any]) -> dict[str, Any]:
     """What a Llama ``config.json`` takes from a Megatron run's args: epsilon, rope base, positions, tying."""
     if _is_gpt2(args):
         return {}
     hints: dict[str, Any] = {"tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False)}
+    if args.get("num_experts"):
+        hints.update(model_type="mixtral", architectures=["MixtralForCausalLM"],
+                     num_local_experts=int(args["num_experts"]), num_experts_per_tok=args.get("moe_router_topk"))
     for hf, meg in _HF_ARGS:
         value = args.get(meg)
         if isinstance(value, int | float) and not isinstance(value, bool):
