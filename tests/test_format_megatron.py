@@ -684,3 +684,23 @@ def test_vocab_padding_rows_are_zeros_or_copies_of_the_last_row(tmp_path, worker
         assert reshard.verify(tmp_path / "hf", out, states=("param",))  # padding is never read back
     with pytest.raises(ReshardError, match="vocab_pad applies to the megatron format"):
         reshard.convert(tmp_path / "hf", tmp_path / "x", format="dcp", vocab_pad="last")
+
+
+def test_without_vocab_pad_a_specs_own_pad_policy_stands(tmp_path):
+    import reshard
+    from fixtures import make_fixture
+
+    from reshard.catalog import SPECS_DIR
+    from reshard.torchfile import read_torch_file
+
+    make_fixture(tmp_path / "hf", format="hf")
+    vocab = reshard.open_checkpoint(tmp_path / "hf").sizes["vocab"]
+    text = (SPECS_DIR / "megatron-llama.spec").read_text().replace("(vocab~(vocab_div*tp))", "(vocab~(vocab_div*tp):last)")
+    (tmp_path / "last.spec").write_text(text.replace("include llama", f"include {SPECS_DIR / 'llama.spec'}"))
+    reshard.convert(tmp_path / "hf", tmp_path / "out", format="megatron", to="tp=2", spec=str(tmp_path / "last.spec"))
+    ref = read_torch_file(tmp_path / "out" / "iter_0000000" / "mp_rank_01" / "model_optim_rng.pt")["model"][
+        "embedding.word_embeddings.weight"]
+    shard = np.fromfile(ref.path, np.uint16 if ref.dtype == "bfloat16" else np.float32, ref.numel,
+                        offset=ref.data_offset).reshape(ref.shape)
+    real = vocab - ref.shape[0]  # the last tp rank's real rows
+    assert real < ref.shape[0] and (shard[real:] == shard[real - 1]).all() and shard[real - 1].any()

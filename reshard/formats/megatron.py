@@ -347,12 +347,13 @@ class MegatronFormat:
     # -- target
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None,
-               vocab_pad: str = "zero") -> Target:
+               vocab_pad: str | None = None) -> Target:
         """The layout and non-tensor state of ``source``'s model written as Megatron at ``topology``.
 
         ``vocab_pad`` fills the rows that pad the vocabulary to a multiple of
         ``make_vocab_size_divisible_by * tp``: ``zero``, or ``last`` (copies of the last
-        real row, as Megatron's ``tools/checkpoint`` pads when it grows a vocabulary).
+        real row, as Megatron's ``tools/checkpoint`` pads when it grows a vocabulary);
+        None keeps the spec's own pad policy (the shipped specs pad with zeros).
 
         The distributed optimizer is used when ``topology.zero`` is 1 (``zero=1`` in a
         topology string) or ``spec`` names a ``-distopt`` spec. ``Target.extra`` holds what
@@ -413,9 +414,10 @@ class MegatronFormat:
         if (spec_name == LEGACY_SPEC) != (meg and source.spec_name == LEGACY_SPEC):  # the model class changes
             args.update(use_legacy_models=spec_name == LEGACY_SPEC, use_mcore_models=spec_name != LEGACY_SPEC)
         sizes["bucket_size"] = _bucket_size(args, topology) if distopt else 0
-        if vocab_pad not in ("zero", "last"):
-            raise CheckpointFormatError(f"vocab_pad '{vocab_pad}': expected zero or last")
-        spec_ast = _with_vocab_pad(spec_ast, vocab_pad)
+        if vocab_pad is not None:
+            if vocab_pad not in ("zero", "last"):
+                raise CheckpointFormatError(f"vocab_pad '{vocab_pad}': expected zero or last")
+            spec_ast = _with_vocab_pad(spec_ast, vocab_pad)
         layout = _resolve(spec_ast, topology, sizes, states)
         bad = next((it for it in layout.items if it.section not in ("model", "optim")
                     or tuple(a for a, _ in it.unit) != ("tp", "pp")), None)
