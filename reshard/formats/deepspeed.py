@@ -1043,10 +1043,12 @@ def _model_tree(extra: DeepSpeedExtra, info: _SpecInfo, groups: list[_Group], pt
     items = {it.key: it for it in layout.items if it.section in info.model_sections and it.unit == _unit(pt)}
     order = [k for k in extra.module_order if k in items] + [k for k in items if k not in extra.module_order]
     sources: _Sources = {}
-    module: OrderedDict | None = None if pipeline else OrderedDict()
-    for k in order if module is not None else ():
-        module[k] = TensorSpec(target.dtypes[items[k]], layout.items[items[k]].shape, ("module", k))
-        sources[("module", k)] = (items[k], layout.items[items[k]].numel)
+    module: OrderedDict | None = None
+    if not pipeline:
+        module = OrderedDict()
+        for k in order:
+            module[k] = TensorSpec(target.dtypes[items[k]], layout.items[items[k]].shape, ("module", k))
+            sources[("module", k)] = (items[k], layout.items[items[k]].numel)
     tree = {"module": module, **_with_scalars(extra.model_states, sources)}
     tree["param_shapes"] = [OrderedDict((k, TorchSize(layout.items[items[k]].shape)) for k, _, _ in g.params)
                             for g in groups]

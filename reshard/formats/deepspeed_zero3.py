@@ -241,6 +241,33 @@ def target_zero3(fmt_name: str, source: Source, topology: Topology, spec: str | 
                                                                  if "config" in source.extra else {})})
 
 
+def model_tree3(extra: Zero3Extra, order: list[tuple[str, tuple[int, ...]]], dp: int) -> dict[str, Any]:
+    """A ZeRO-3 model file: empty module placeholders (``Scalar`` leaves of shape ``(0,)``), ``param_shapes``
+    in flat order, the world sizes and the ZeRO-3 ds_config; the rest from ``extra``."""
+    from reshard.formats.deepspeed import Scalar
+
+    dtype = "bfloat16" if extra.bf16 else "float32"
+    tree: dict[str, Any] = {"module": OrderedDict((k, Scalar(dtype, b"", shape=(0,))) for k, _ in order),
+                            **extra.model_states}
+    tree["param_shapes"] = [OrderedDict((k, TorchSize(s)) for k, s in order)]
+    tree["dp_world_size"], tree["mp_world_size"] = dp, 1
+    if "checkpoint_parallel_dimensions" in tree:
+        tree["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
+    if "ds_config" in tree:
+        tree["ds_config"] = _ds_config3(tree["ds_config"], dp)
+    return tree
+
+
+def _ds_config3(config: Any, dp: int) -> Any:
+    """``config`` for ZeRO stage 3 at ``dp`` ranks (a stage added when it names none)."""
+    from reshard.formats.deepspeed import _ds_config
+
+    config = _ds_config(config, dp, 3)
+    if isinstance(config, dict):
+        config.setdefault("zero_optimization", {})["stage"] = 3
+    return config
+
+
 def model_file3(dp: int) -> str:
     return f"zero_pp_rank_{dp}_mp_rank_00_model_states.pt"
 
@@ -257,33 +284,23 @@ def files_of_zero3(target: Target) -> dict[Item, Path]:
 def write_zero3(target: Target, out: Path, fill: Fill, *, progress=None, only=None, window_bytes=None) -> list[Path]:
     """Per dp rank a model file (``param_shapes``, empty module placeholders) and an optimizer file
     (``fp32_flat_groups`` and the optimizer's flat states), as DeepSpeed's stage 3 saves them."""
-    from reshard.formats.deepspeed import WINDOW_BYTES, Scalar, _ds_config, _with_scalars, _write_file
+    from reshard.formats.deepspeed import WINDOW_BYTES, _with_scalars, _write_file
     from reshard.formats.hf import llama_config
 
     extra: Zero3Extra = target.extra["zero3"]
     dp = target.topology.dp
     keep = None if only is None else set(only)
-    ds_config = _ds_config(extra.model_states.get("ds_config"), dp, 3)
-    if isinstance(ds_config, dict):
-        ds_config.setdefault("zero_optimization", {})["stage"] = 3
+    ds_config = _ds_config3(extra.model_states.get("ds_config"), dp)
     out = Path(out)
     (out / extra.tag).mkdir(parents=True, exist_ok=True)
     order = target.extra["param_order"]
     states = tuple(dict.fromkeys(it.state for it in target.layout.items))
-    module_dtype = "bfloat16" if extra.bf16 else "float32"
     written: list[Path] = []
     for d in range(dp):
         rel = Path(extra.tag) / model_file3(d)
         if not keep:  # model files hold no items: written by the call that writes the files without any
-            sources: dict = {("module", k): (Scalar(module_dtype, b""), 0) for k, _ in order}
-            tree = {"module": OrderedDict((k, TensorSpec(module_dtype, (0,), ("module", k))) for k, _ in order),
-                    **_with_scalars(extra.model_states, sources)}
-            tree["param_shapes"] = [OrderedDict((k, TorchSize(s)) for k, s in order)]
-            tree["dp_world_size"], tree["mp_world_size"] = dp, 1
-            if "checkpoint_parallel_dimensions" in tree:
-                tree["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
-            if "ds_config" in tree:
-                tree["ds_config"] = ds_config
+            sources: dict = {}
+            tree = _with_scalars(model_tree3(extra, order, dp), sources)
             _write_file(out / rel, tree, sources, fill, target, progress)
             written.append(rel)
         rel = Path(extra.tag) / optim_file3(d, extra.bf16)
@@ -312,7 +329,7 @@ def write_zero3(target: Target, out: Path, fill: Fill, *, progress=None, only=No
             written.append(rel)
     if keep:
         return written
-    config = target.extra.get("config") or llama_config(target.sizes, [module_dtype])
+    config = target.extra.get("config") or llama_config(target.sizes, ["bfloat16" if extra.bf16 else "float32"])
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "latest").write_text(extra.tag)
     return [*written, Path("config.json"), Path("latest")]

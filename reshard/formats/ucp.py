@@ -37,9 +37,9 @@ fp32 tensor, no ``step.pt`` (the step is in ``optimizer_state.pt``, the stage-3
 optimizer's state_dict with ``param_groups`` on top, less the partitions
 ds_to_universal leaves in it and DeepSpeed never reads), and
 ``zero_pp_rank_0_mp_rank_00_model_states.pt`` with empty module placeholders. Both
-kinds are read; a flat tensor takes its shape from the model file's ``param_shapes``. Needs the fp32 master weights (or fp32
-weights, which are them); tp = pp = 1 (the universal folder has no topology: the
-loading job's is used).
+kinds are read; a flat tensor takes its shape from the model file's ``param_shapes``.
+Needs the fp32 master weights (or fp32 weights, which are them); tp = pp = 1 (the
+universal folder has no topology: the loading job's is used).
 """
 
 from __future__ import annotations
@@ -90,10 +90,8 @@ class UcpExtra:
     names: tuple[str, ...]
     """The params, in the model's order."""
     stage3: bool = False
-    module_dtype: str = "float32"
-    """The training dtype of a ZeRO-3 model file's placeholders."""
     """For a ZeRO-3 engine: flat per-param tensors, no ``step.pt``, a stage-3 ``optimizer_state.pt`` and
-    ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (module placeholders) as the model file."""
+    ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (module placeholders, ``model_states`` whole) as the model file."""
 
 
 class UcpFormat:
@@ -241,9 +239,6 @@ class UcpFormat:
         return {it: Path(tag) / (MODEL_FILE if it.section == MODEL else Path(ZERO, it.key, _file_stem(it.state) + ".pt"))
                 for it in target.layout.items}
 
-    def _model_file(self, extra: UcpExtra) -> str:
-        return MODEL_FILE3 if extra.stage3 else MODEL_FILE
-
     def write(self, target: Target, out: Path, fill: Fill, *, progress: Callable[[int], None] | None = None,
               only: Collection[Path] | None = None, window_bytes: int | None = None) -> list[Path]:
         """Write the universal folder under ``out`` (see the module docstring).
@@ -294,7 +289,7 @@ class UcpFormat:
             return written
         rest: list[tuple[Path, Any]] = [(Path(extra.tag, ZERO, "optimizer_state.pt"), extra.optimizer_state)]
         if extra.stage3:  # its model file holds no items: placeholders only
-            rest.append((Path(extra.tag, MODEL_FILE3), _model_tree3(extra, target)))
+            rest.append((Path(extra.tag, MODEL_FILE3), extra.model_states))
         if extra.step is not None:
             rest += [(Path(extra.tag, ZERO, name, "step.pt"), extra.step) for name in extra.names]
         for rel, obj in rest:
@@ -315,7 +310,7 @@ class UcpFormat:
 def _extra3(source: Source, names: tuple[str, ...], model_dtype: str) -> UcpExtra:
     """What ds_to_universal writes beside the tensors of a ZeRO-3 checkpoint: the stage-3 optimizer's
     state_dict (less its partitions) with ``param_groups`` on top, and a stage-3 model file."""
-    from reshard.formats.deepspeed_zero3 import Zero3Extra, extra_from_zero12
+    from reshard.formats.deepspeed_zero3 import Zero3Extra, extra_from_zero12, model_tree3
 
     z3: Zero3Extra = source.extra.get("zero3") or extra_from_zero12(source, model_dtype)
     osd = dict(z3.optim_states)
@@ -325,18 +320,9 @@ def _extra3(source: Source, names: tuple[str, ...], model_dtype: str) -> UcpExtr
     # The flat (registration) order: the source's param_shapes, when it has them.
     carried = [str(k) for g in z3.model_states.get("param_shapes") or () if isinstance(g, Mapping) for k in g]
     names = tuple([n for n in carried if n in names] + [n for n in names if n not in carried])
-    model_states = dict(z3.model_states, param_shapes=[OrderedDict((n, TorchSize(source.layout.tensors[n].shape))
-                                                                   for n in names)])
-    return UcpExtra(tag=z3.tag, model_states=model_states, optimizer_state=osd, step=None, names=names, stage3=True,
-                    module_dtype="bfloat16" if z3.bf16 else "float32")
-
-
-def _model_tree3(extra: UcpExtra, target: Target) -> dict[str, Any]:
-    """``zero_pp_rank_0_mp_rank_00_model_states.pt``: empty module placeholders, ``param_shapes``, counters."""
-    from reshard.formats.deepspeed import Scalar
-
-    module = OrderedDict((n, Scalar(extra.module_dtype, b"", shape=(0,))) for n in extra.names)
-    return {"module": module, **extra.model_states}
+    dp = source.topology.dp if "zero3" in source.extra else 1  # ds_to_universal copies the source's rank 0 file
+    model_file = model_tree3(z3, [(n, source.layout.tensors[n].shape) for n in names], dp)
+    return UcpExtra(tag=z3.tag, model_states=model_file, optimizer_state=osd, step=None, names=names, stage3=True)
 
 
 def _file_stem(state: str) -> str:
