@@ -31,7 +31,7 @@ FormatOpt = Annotated[str | None, typer.Option("--format", help="destination for
 SpecOpt = Annotated[str | None, typer.Option("--spec", help="destination layout spec: a shipped name or a path")]
 SizesOpt = Annotated[str | None, typer.Option("--sizes", help="model sizes the checkpoint does not tell (no config.json), e.g. heads=32,g=8")]
 ShardOpt = Annotated[str | None, typer.Option("--max-shard-size", help="hf: largest safetensors shard, e.g. 5GB (default), 500MB")]
-VocabPadOpt = Annotated[str | None, typer.Option("--vocab-pad", help="megatron: rows padding the vocab for the target tp: zero (default) or last (copies of the last row)")]
+VocabPadOpt = Annotated[str | None, typer.Option("--vocab-pad", help="megatron: rows padding the vocab for the target tp: zero or last (copies of the last row); default: the spec's (zeros)")]
 
 
 def _sizes(text: str | None) -> dict[str, int] | None:

@@ -206,9 +206,9 @@ def convert(
         Too small a budget for the plan is an error before anything is written.
       max_shard_size: hf only: the largest safetensors shard (bytes, or ``"5GB"``;
         default 5GB as transformers), with ``model.safetensors.index.json``.
-      vocab_pad: megatron only: ``zero`` (default) or ``last``, what fills the rows that
-        pad the vocabulary for the target tp (``last``: copies of the last real row, as
-        Megatron's own converter pads).
+      vocab_pad: megatron only: ``zero`` or ``last``, what fills the rows that pad the
+        vocabulary for the target tp (``last``: copies of the last real row, as Megatron's
+        own converter pads); default: the spec's own policy (zeros in the shipped specs).
       progress: ``progress(done_bytes, total_bytes)`` while writing (one worker).
 
     Raises:
