@@ -42,6 +42,19 @@ def _run_once(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int,
         return code, out.read().decode(errors="replace")
 
 
+def run_ranks(script: str, args: list[str], what: str) -> None:
+    """Run ``python script *args`` (a job that spawns its ranks) with a free port in ``RESHARD_MCORE_PORT``."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESHARD_MCORE_PORT": str(port)}
+    code, err = run_job([sys.executable, script, *args], env)
+    if code:
+        raise RuntimeError(f"{what} job {args} failed ({code}):\n{err[-4000:]}")
+
+
 def exit_now() -> None:
     """End a rank that finished its work without running C++ static destructors (gloo's threads sometimes
     abort at interpreter exit, failing a job that succeeded), stopping its helper processes first."""

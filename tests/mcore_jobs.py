@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from pathlib import Path
 
-from jobs import exit_now, run_job
+from jobs import exit_now, run_ranks
 
 SIZES = {"h": 64, "heads": 8, "g": 4, "hd": 8, "f": 160, "vocab": 300, "layers": 4}
 DIVISIBLE_BY = 128
@@ -43,13 +42,7 @@ def load(ckpt: Path, tp: int, pp: int, dump: Path) -> None:
 
 
 def _job(args: list[str]) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESHARD_MCORE_PORT": str(port)}
-    code, err = run_job([sys.executable, __file__, *args], env)
-    if code:
-        raise RuntimeError(f"megatron-core job {args} failed ({code}):\n{err[-4000:]}")
+    run_ranks(__file__, args, "megatron-core")
 
 
 def _args(tp: int, pp: int) -> argparse.Namespace:

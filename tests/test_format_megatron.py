@@ -347,7 +347,7 @@ def test_fixture_extra_is_a_fresh_run_of_megatron(tmp_path):
     torch = _torch()
     extra = write_fixture_extra(SIZES, Topology(tp=2, pp=2), iteration=7)
     assert extra["args"]["padded_vocab_size"] == 112 and extra["iteration"] == 7
-    rng = extra["rng_state"][(1, 1)][0]
+    rng = extra["rng_state"][(1, 1, 0)][0]
     seed = 1234 + 100  # _set_random_seed: seed + 100 * pp_rank
     assert rng["random_rng_state"] == random.Random(seed).getstate()
     np.testing.assert_array_equal(rng["np_rng_state"][1], np.random.RandomState(seed).get_state()[1])

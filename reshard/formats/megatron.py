@@ -4,12 +4,15 @@ On disk (``megatron/training/checkpointing.py :: get_checkpoint_name``,
 ``get_checkpoint_tracker_filename``, ``get_distributed_optimizer_checkpoint_name``)::
 
     <dir>/latest_checkpointed_iteration.txt           the iteration, or 'release'
-    <dir>/iter_{it:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
+    <dir>/iter_{it:07d}/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
     <dir>/iter_{it:07d}/mp_rank_{tp:02d}[_{pp:03d}]/distrib_optim.pt   with --use-distributed-optimizer
 
 (``release/`` instead of ``iter_…`` for release checkpoints; the pp suffix only when
-pp > 1.) Each ``model_optim_rng.pt`` is the dict ``generate_state_dict`` builds on dp
-rank 0 of one (tp, pp) rank, in this key order: ``args`` (an ``argparse.Namespace``),
+pp > 1, the ep suffix only when ep > 1.) Each ``model_optim_rng.pt`` is the dict
+``generate_state_dict`` builds on data-parallel rank 0 of one (tp, pp) rank, or, with
+expert parallelism, on expert-data-parallel rank 0 of one (tp, pp, ep) rank: its local
+experts (``local_experts.0`` … ``E/ep - 1``, global expert ``ep_rank * E/ep + j``) and a
+replica of every dense weight. In this key order: ``args`` (an ``argparse.Namespace``),
 ``checkpoint_version`` (3.0), ``iteration``, ``model`` (or ``model0``, ``model1``, … with
 a virtual pipeline; each an ``OrderedDict`` state dict with stage-local layer numbers and
 TE ``_extra_state`` entries), ``optimizer``, ``opt_param_scheduler``, ``rng_state``
@@ -32,6 +35,10 @@ written nested again.
   model chunks, the params with weight decay (``wd_mult`` 1) or without (1-D params and
   biases, ``wd_mult`` 0) (``megatron/core/optimizer/__init__.py :: _get_param_groups``).
 - fp32 (``FP32Optimizer.state_dict``): the torch state dict itself.
+- MoE at ep > 1: ``[dense, expert]``, one of the above each (``ChainedOptimizer``): expert
+  params are not ``allreduce`` params there, so ``get_megatron_optimizer`` gives them an
+  optimizer of their own, with its own indices and param groups (``is_expert_parallel``).
+  At ep = 1 they are ordinary params of the one optimizer.
 - distributed (``DistributedOptimizer.state_dict``): ``{'optimizer': {'param_groups': […]
   without 'params', with 'step'}, ['grad_scaler': …]}``; the tensors are in
   ``distrib_optim.pt`` (``save_parameter_state`` / ``get_parameter_state_dp_zero``):
@@ -66,13 +73,15 @@ GPT-2 style (``args.swiglu`` false, ``normalization`` LayerNorm, ``add_bias_line
 ``position_embedding_type`` learned_absolute: per-head QKV with biases, LayerNorm biases,
 ``embedding.position_embeddings`` on the first stage, output layer tied;
 ``megatron-gpt2*`` specs, sizes with ``positions`` from ``max_position_embeddings``), and
-Mixtral-style MoE (``--num-experts`` with SequentialMLP experts at expert parallelism 1,
-untied, plain optimizer; ``megatron-mixtral``; sizes with ``experts``).
+Mixtral-style MoE (``--num-experts`` with SequentialMLP experts over any ep, untied, plain
+optimizer; ``megatron-mixtral``, or ``megatron-mixtral-local`` with
+``--transformer-impl local``; sizes with ``experts``).
 
-Not supported yet (each raises ``CheckpointFormatError`` saying so): expert parallelism > 1
-(``mp_rank_TT_PPP_EEE``), ``--moe-grouped-gemm`` experts, MoE with the distributed optimizer
-or tied embeddings, context parallelism > 1, torch_dist/DCP checkpoints, a ``ChainedOptimizer`` of several
-optimizers, distrib_optim.pt files before ``buckets_coalesced`` (megatron-core < 0.7),
+Not supported yet (each raises ``CheckpointFormatError`` saying so): ``--moe-grouped-gemm``
+experts, experts with their own tp (``--expert-tensor-parallel-size`` other than tp), MoE
+with the distributed optimizer or tied embeddings, context parallelism > 1, torch_dist/DCP
+checkpoints, other ``ChainedOptimizer``s than the dense + expert pair,
+distrib_optim.pt files before ``buckets_coalesced`` (megatron-core < 0.7),
 ``--ddp-num-buckets``, param groups other than the standard weight-decay split (e.g.
 ``--decoupled-lr``), GPT-2 style with an untied output layer or grouped-query
 attention, tied embeddings with pp > 1 and the distributed optimizer when the
@@ -132,7 +141,9 @@ SPECS = {
 }
 """Shipped spec per (tied embeddings, distributed optimizer)."""
 MOE_SPEC = "megatron-mixtral"
-"""Megatron-core GPT with SequentialMLP experts (ep=1), untied, plain optimizer."""
+"""Megatron-core GPT with SequentialMLP experts over ep, untied, plain optimizer (Transformer Engine layers)."""
+MOE_LOCAL_SPEC = "megatron-mixtral-local"
+"""The same with megatron-core's local layers (``--transformer-impl local``)."""
 LEGACY_SPEC = "megatron-legacy-llama"
 """Megatron-LM's legacy GPTModel (nested ``language_model`` state dict), untied, plain optimizer."""
 
@@ -183,6 +194,7 @@ def _namespace(obj: Any, where: str) -> dict[str, Any]:
 class _Rank:
     tp: int
     pp: int
+    ep: int
     path: Path  # model_optim_rng.pt
     obj: dict
     distopt: Any = None  # the distrib_optim.pt tree
@@ -217,8 +229,9 @@ class MegatronFormat:
           ``param_groups`` (without ``params``), ``grad_scaler``, ``step`` (the per-parameter
           ``step`` all parameters share, or None), ``state_keys`` (per-parameter state key
           order), ``buffer_dtypes`` (distributed: ``(param_dtype, grad_dtype)`` names);
-        - ``rng_state``: per ``(tp, pp)``, the file's ``rng_state`` tree;
-        - ``extra_state``: per ``_extra_state`` key with global layer numbers, per tp rank, its value.
+        - ``rng_state``: per ``(tp, pp, ep)``, the file's ``rng_state`` tree;
+        - ``extra_state``: per ``_extra_state`` key with global layer and expert numbers, per tp rank,
+          its value.
 
         Args:
           path: the save directory (with ``latest_checkpointed_iteration.txt``) or an
@@ -264,7 +277,7 @@ class MegatronFormat:
                 raise CheckpointFormatError(
                     f"{first_path}: a mixture-of-experts model with {'tied embeddings' if tied else 'the distributed optimizer'}"
                     f"; the shipped {MOE_SPEC} spec is untied with Megatron's plain optimizer: give a spec for this one")
-            spec = MOE_SPEC
+            spec = MOE_LOCAL_SPEC if args.get("transformer_impl") == "local" else MOE_SPEC
         if spec is None and _is_legacy(first):
             if tied or distopt:
                 raise CheckpointFormatError(
@@ -273,9 +286,13 @@ class MegatronFormat:
                     f"shipped {LEGACY_SPEC} spec is untied with Megatron's plain optimizer: give a spec for this one")
             spec = LEGACY_SPEC
         spec_name = spec or SPECS[(tied, distopt)]
-        reader = _Reader(ranks, topo, spec_name)
-        model_sizes["bucket_size"] = _bucket_size(args, topo) if distopt else 0
         spec_ast = load_spec(spec_name)
+        per_ep = _per_ep(spec_ast)
+        if topo.ep > 1 and not per_ep:
+            raise CheckpointFormatError(
+                f"{first_path}: expert_model_parallel_size={topo.ep}, but spec {spec_name} has no section per ep")
+        reader = _Reader(ranks, topo, spec_name, per_ep, model_sizes.get("experts", 0))
+        model_sizes["bucket_size"] = _bucket_size(args, topo) if distopt else 0
         # Weights first, so an unknown tensor is named before the optimizer's structure is judged.
         layout = _resolve(spec_ast, topo, model_sizes, {"model": ("param",), "optim": ()})
         where = reader.map(layout)
@@ -292,26 +309,29 @@ class MegatronFormat:
                       sizes=model_sizes, layout=layout, where=where, extra=extra)
 
     def _read_ranks(self, it_dir: Path, topo: Topology, first_path: Path, first: dict,
-                    iteration: int | None) -> dict[tuple[int, int], _Rank]:
-        expected = {_rank_dir_name(t, p, topo.pp): (t, p) for t in range(topo.tp) for p in range(topo.pp)}
+                    iteration: int | None) -> dict[tuple[int, int, int], _Rank]:
+        expected = {_rank_dir_name(t, p, topo.pp, e, topo.ep): (t, p, e)
+                    for t in range(topo.tp) for p in range(topo.pp) for e in range(topo.ep)}
         found = {p.name for p in it_dir.iterdir() if p.name.startswith("mp_rank_") and p.is_dir()}
         missing = sorted(n for n in expected if not (it_dir / n / MODEL_FILE).is_file())
         if missing:
             raise CheckpointFormatError(
                 f"{it_dir}: missing rank file {missing[0]}/{MODEL_FILE}"
                 f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; args say "
-                f"tensor_model_parallel_size={topo.tp}, pipeline_model_parallel_size={topo.pp}")
+                f"tensor_model_parallel_size={topo.tp}, pipeline_model_parallel_size={topo.pp}"
+                f"{f', expert_model_parallel_size={topo.ep}' if topo.ep > 1 else ''}")
         extra = sorted(found - set(expected))
         if extra:
             raise CheckpointFormatError(
                 f"{it_dir}: unexpected rank directory {extra[0]}; args say tensor_model_parallel_size={topo.tp}, "
-                f"pipeline_model_parallel_size={topo.pp} ({', '.join(sorted(expected))})")
-        ranks: dict[tuple[int, int], _Rank] = {}
+                f"pipeline_model_parallel_size={topo.pp}, expert_model_parallel_size={topo.ep} "
+                f"({', '.join(sorted(expected))})")
+        ranks: dict[tuple[int, int, int], _Rank] = {}
         first_it = first.get("iteration")
         if iteration is not None and first_it is not None and first_it != iteration:
             raise CheckpointFormatError(
                 f"{first_path}: iteration {first_it}, but {TRACKER} says {iteration}; the checkpoint mixes iterations")
-        for name, (t, p) in sorted(expected.items(), key=lambda kv: (kv[1][1], kv[1][0])):
+        for name, (t, p, e) in sorted(expected.items(), key=lambda kv: (kv[1][1], kv[1][2], kv[1][0])):
             fpath = it_dir / name / MODEL_FILE
             obj = first if fpath == first_path else _read(fpath)
             if obj.get("iteration") != first_it:
@@ -320,15 +340,17 @@ class MegatronFormat:
                     "the checkpoint mixes iterations")
             if "args" in obj and fpath != first_path:
                 a = _namespace(obj["args"], str(fpath))
-                got = (a.get("tensor_model_parallel_size"), a.get("pipeline_model_parallel_size"))
-                if got != (topo.tp, topo.pp):
+                got = (a.get("tensor_model_parallel_size"), a.get("pipeline_model_parallel_size"),
+                       a.get("expert_model_parallel_size") or 1)
+                if got != (topo.tp, topo.pp, topo.ep):
                     raise CheckpointFormatError(
-                        f"{fpath}: args say tp={got[0]}, pp={got[1]}, but {first_path} says tp={topo.tp}, pp={topo.pp}")
-            rank = _Rank(t, p, fpath, obj)
+                        f"{fpath}: args say tp={got[0]}, pp={got[1]}, ep={got[2]}, but {first_path} says "
+                        f"tp={topo.tp}, pp={topo.pp}, ep={topo.ep}")
+            rank = _Rank(t, p, e, fpath, obj)
             dpath = it_dir / name / DISTOPT_FILE
             if dpath.is_file():
                 rank.distopt, rank.distopt_path = _read(dpath, model=False), dpath
-            ranks[(t, p)] = rank
+            ranks[(t, p, e)] = rank
         with_opt = [r for r in ranks.values() if r.distopt is not None]
         if with_opt and len(with_opt) != len(ranks):
             lacking = next(r for r in ranks.values() if r.distopt is None)
@@ -359,25 +381,26 @@ class MegatronFormat:
         topology string) or ``spec`` names a ``-distopt`` spec. ``Target.extra`` holds what
         ``write`` needs besides item bytes: ``args`` (updated for the topology),
         ``iteration``, ``checkpoint_version``, ``opt_param_scheduler``, ``optimizer``,
-        per-(tp, pp) ``rng_state``, per-(tp, pp, chunk) ``model_order`` (keys, with
-        ``_extra_state`` values), ``other`` and ``top_keys``.
+        per-(tp, pp, ep) ``rng_state``, per-(tp, pp, ep, chunk) ``model_order`` (keys, with
+        ``_extra_state`` values), ``other`` and ``top_keys``. A mixture-of-experts target at
+        ep > 1 gets the dense + expert optimizer pair (``expert_param_groups``).
 
-        RNG state is carried from the source rank with the same (tp, pp) when tp and pp are
-        unchanged (and dp too with ``--data-parallel-random-init``); otherwise it is the
+        RNG state is carried from the source rank with the same (tp, pp, ep) when tp, pp and
+        ep are unchanged (and dp too with ``--data-parallel-random-init``); otherwise it is the
         state ``_set_random_seed(args.seed)`` gives that rank at the start of a run
         (``megatron/training/initialize.py``): python ``random``, numpy and torch CPU
         generators seeded ``seed + 100 * pp_rank`` (``+ 10 * dp_rank`` with
         data_parallel_random_init), the CUDA default state and the rng trackers
         ``data-parallel-rng`` (seed), ``model-parallel-rng`` (seed + 2718 + tp_rank),
-        ``expert-parallel-rng`` (seed + 1024 + tp_rank) with offset 0
+        ``expert-parallel-rng`` (seed + 1024 + 100 * ep_rank + tp_rank) with offset 0
         (``model_parallel_cuda_manual_seed``).
         """
         if "transformer.wte.weight" not in source.layout.tensors:
             require_sizes(source, LLAMA_SIZES, "megatron")
         if topology.zero > 1:
             raise CheckpointFormatError(f"zero={topology.zero}: Megatron's distributed optimizer is ZeRO-1 (zero=1)")
-        if topology.ep > 1 or topology.cp > 1:
-            raise CheckpointFormatError(f"{topology}: the megatron format does not support ep or cp > 1 yet")
+        if topology.cp > 1:
+            raise CheckpointFormatError(f"{topology}: the megatron format does not support cp > 1 yet")
         meg = source.format == self.name and "args" in source.extra  # else: synthesize Megatron's state
         src_args = dict(source.extra.get("args", {})) if meg else {}
         sizes = {k: v for k, v in source.sizes.items() if k != "bucket_size"}
@@ -391,10 +414,18 @@ class MegatronFormat:
         if moe and spec is None and (tied or topology.zero == 1):
             raise CheckpointFormatError(f"the shipped {MOE_SPEC} spec is untied with Megatron's plain optimizer; "
                                         f"{'tied embeddings' if tied else 'zero=1'} need a spec of their own")
-        spec_name = spec or (LEGACY_SPEC if legacy else MOE_SPEC if moe else gpt2_spec if gpt2 else
+        moe_spec = MOE_LOCAL_SPEC if meg and source.spec_name == MOE_LOCAL_SPEC else MOE_SPEC
+        spec_name = spec or (LEGACY_SPEC if legacy else moe_spec if moe else gpt2_spec if gpt2 else
                              SPECS[(tied, topology.zero == 1)])
         spec_ast = load_spec(spec_name)
         distopt = _has_flat(spec_ast)
+        per_ep = _per_ep(spec_ast)
+        if topology.ep > 1 and not per_ep:
+            raise CheckpointFormatError(
+                f"{topology}: ep > 1 needs a mixture-of-experts spec with sections per ep; {spec_name} has none")
+        if topology.ep > 1 and distopt:
+            raise CheckpointFormatError(f"{topology}: expert parallelism with the distributed optimizer is not "
+                                        "supported yet")
         if legacy and topology.zero == 1:
             raise CheckpointFormatError(f"zero=1: the shipped {LEGACY_SPEC} spec has no distributed optimizer; "
                                         "give a spec for the legacy model's buckets")
@@ -413,18 +444,22 @@ class MegatronFormat:
             args.update(_moe_args(source, sizes))
         if (spec_name == LEGACY_SPEC) != (meg and source.spec_name == LEGACY_SPEC):  # the model class changes
             args.update(use_legacy_models=spec_name == LEGACY_SPEC, use_mcore_models=spec_name != LEGACY_SPEC)
+        if moe and (spec_name == MOE_LOCAL_SPEC) != (meg and source.spec_name == MOE_LOCAL_SPEC):
+            args["transformer_impl"] = "local" if spec_name == MOE_LOCAL_SPEC else "transformer_engine"
         sizes["bucket_size"] = _bucket_size(args, topology) if distopt else 0
         if vocab_pad is not None:
             if vocab_pad not in ("zero", "last"):
                 raise CheckpointFormatError(f"vocab_pad '{vocab_pad}': expected zero or last")
             spec_ast = _with_vocab_pad(spec_ast, vocab_pad)
         layout = _resolve(spec_ast, topology, sizes, states)
+        unit_axes = ("tp", "pp", "ep") if per_ep else ("tp", "pp")
         bad = next((it for it in layout.items if it.section not in ("model", "optim")
-                    or tuple(a for a, _ in it.unit) != ("tp", "pp")), None)
+                    or tuple(a for a, _ in it.unit) != unit_axes), None)
         if bad is not None:
             raise CheckpointFormatError(
                 f"spec {spec_name} stores {bad} per {', '.join(a for a, _ in bad.unit) or 'nothing'}; the torch format "
-                "holds sections 'model' and 'optim' per (tp, pp) rank (distrib_optim.pt is gathered on dp rank 0)")
+                "holds sections 'model' and 'optim' per (tp, pp) rank, or per (tp, pp, ep) rank for experts "
+                "(distrib_optim.pt is gathered on dp rank 0)")
         _check_registration_order(layout, spec_name, strict=distopt)
         if distopt and tied and topology.pp > 1:
             _check_shared_embedding_bucket(layout)
@@ -452,7 +487,8 @@ class MegatronFormat:
         for item in target.layout.items:
             u = dict(item.unit)
             name = DISTOPT_FILE if item.section == "optim" else MODEL_FILE
-            out[item] = Path(it_dir) / _rank_dir_name(u.get("tp", 0), u.get("pp", 0), target.topology.pp) / name
+            out[item] = Path(it_dir) / _rank_dir_name(u.get("tp", 0), u.get("pp", 0), target.topology.pp,
+                                                      u.get("ep", 0), target.topology.ep) / name
         return out
 
 
@@ -495,16 +531,17 @@ def _iteration_dir(path: Path) -> tuple[Path, int | None, bool]:
     raise CheckpointFormatError(f"{path}: no {TRACKER} and not an iter_XXXXXXX directory")
 
 
-def _rank_dir_name(tp: int, pp: int, pp_size: int) -> str:
-    return f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+def _rank_dir_name(tp: int, pp: int, pp_size: int, ep: int = 0, ep_size: int = 1) -> str:
+    """``mp_rank_TT``, ``_PPP`` when pp > 1, then ``_EEE`` when ep > 1 (``get_checkpoint_name``)."""
+    name = f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    return name + (f"_{ep:03d}" if ep_size > 1 else "")
 
 
 def _rank0_file(it_dir: Path) -> Path:
-    for name in ("mp_rank_00", "mp_rank_00_000"):
+    """The file of rank (tp 0, pp 0, ep 0), whatever the pp and ep suffixes (args tell which apply)."""
+    for name in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000"):
         if (it_dir / name / MODEL_FILE).is_file():
             return it_dir / name / MODEL_FILE
-    if any(p.name.startswith("mp_rank_00_000_") for p in it_dir.iterdir()):
-        raise CheckpointFormatError(f"{it_dir}: expert-parallel rank files (mp_rank_TT_PPP_EEE) are not supported yet")
     raise CheckpointFormatError(f"{it_dir}: missing rank file mp_rank_00/{MODEL_FILE} (nor mp_rank_00_000/)")
 
 
@@ -520,9 +557,13 @@ def _topology_from_args(args: Mapping[str, Any], where: str) -> Topology:
     pp = int(_arg(args, "pipeline_model_parallel_size", where))
     cp = int(args.get("context_parallel_size") or 1)
     ep = int(args.get("expert_model_parallel_size") or 1)
-    if ep > 1:
+    if ep > 1 and not args.get("num_experts"):
+        raise CheckpointFormatError(f"{where}: expert_model_parallel_size={ep} without num_experts")
+    etp = args.get("expert_tensor_parallel_size")
+    if args.get("num_experts") and etp is not None and int(etp) != tp:
         raise CheckpointFormatError(
-            f"{where}: expert_model_parallel_size={ep}: expert-parallel checkpoints are not supported yet (ep=1 is)")
+            f"{where}: expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}; "
+            "experts split over their own tp are not supported yet")
     if args.get("num_experts") and args.get("moe_grouped_gemm"):
         raise CheckpointFormatError(f"{where}: --moe-grouped-gemm experts (GroupedMLP weight1/weight2) are not "
                                     "supported yet; the SequentialMLP experts (local_experts.N) are")
@@ -534,7 +575,9 @@ def _topology_from_args(args: Mapping[str, Any], where: str) -> Topology:
         raise CheckpointFormatError(f"{where}: tp({tp}) * pp({pp}) * dp({dp}) = {tp * pp * dp} != world_size({world})")
     layers = int(_arg(args, "num_layers", where))
     vpp, stages = _pipeline_from_args(args, pp, layers, where)
-    return Topology(tp=tp, pp=pp, dp=int(dp), cp=cp, vpp=vpp, stages=stages)
+    if (int(dp) * cp) % ep:
+        raise CheckpointFormatError(f"{where}: expert_model_parallel_size={ep} does not divide data_parallel_size={dp}")
+    return Topology(tp=tp, pp=pp, dp=int(dp), cp=cp, ep=ep, vpp=vpp, stages=stages)
 
 
 def _pipeline_from_args(args: Mapping[str, Any], pp: int, layers: int,
@@ -617,6 +660,23 @@ def _bucket_size(args: Mapping[str, Any], topo: Topology) -> int:
             "--ddp-num-buckets is not supported yet (its bucket size depends on the model's parameter count)")
     size = args.get("ddp_bucket_size")
     return int(size) if size else max(40_000_000, 1_000_000 * topo.dp * topo.cp)
+
+
+def _per_ep(spec: Spec) -> bool:
+    """Whether the spec's sections are per expert-parallel rank (the ``_EEE`` files)."""
+    return any(isinstance(st, Section) and "ep" in st.axes for st in spec.statements)
+
+
+def _is_expert(key: str) -> bool:
+    """An expert parameter (``allreduce`` False at ep > 1: the expert optimizer's, not the dense one's)."""
+    return ".mlp.experts." in key
+
+
+_EXPERT_NUM = re.compile(r"(\.mlp\.experts\.local_experts\.)([0-9]+)(\.)")
+
+
+def _renumber_expert(key: str, fn: Callable[[int], int]) -> str:
+    return _EXPERT_NUM.sub(lambda m: f"{m.group(1)}{fn(int(m.group(2)))}{m.group(3)}", key, count=1)
 
 
 def _has_flat(spec: Spec) -> bool:
@@ -817,14 +877,17 @@ def _is_legacy(obj: Mapping[str, Any]) -> bool:
 class _Reader:
     """Maps the tensors of a checkpoint's rank files to layout items."""
 
-    def __init__(self, ranks: dict[tuple[int, int], _Rank], topo: Topology, spec_name: str) -> None:
+    def __init__(self, ranks: dict[tuple[int, int, int], _Rank], topo: Topology, spec_name: str, per_ep: bool,
+                 experts: int) -> None:
         self.ranks = ranks
         self.topo = topo
         self.spec_name = spec_name
+        self.per_ep = per_ep  # items carry an ep coordinate (the spec's sections are per ep)
+        self.experts = experts
         # per rank: [(chunk, key, TensorRef)] params in named_parameters order, and extra states
-        self.params: dict[tuple[int, int], list[tuple[int, str, Any]]] = {}
-        self.extras: dict[tuple[int, int], list[tuple[int, str, Any]]] = {}
-        for (t, p), r in ranks.items():
+        self.params: dict[tuple[int, int, int], list[tuple[int, str, Any]]] = {}
+        self.extras: dict[tuple[int, int, int], list[tuple[int, str, Any]]] = {}
+        for rk, r in ranks.items():
             ps, xs = [], []
             for c, sd in _chunks(r.obj, topo.vpp, str(r.path)).items():
                 if not isinstance(sd, Mapping):
@@ -836,13 +899,17 @@ class _Reader:
                         ps.append((c, key, value))
                     else:
                         raise CheckpointFormatError(f"{r.path}: '{key}' is a {type(value).__name__}, not a tensor")
-            self.params[(t, p)], self.extras[(t, p)] = ps, xs
+            self.params[rk], self.extras[rk] = ps, xs
         self.kind: str | None = None
+        self.chained = False  # a ChainedOptimizer of a dense and an expert optimizer (MoE at ep > 1)
         self.state_keys: list[str] = []
         self.step: SmallTensor | None = None
         # per rank: {(chunk, key): {state: TensorRef}}
-        self.per_param: dict[tuple[int, int], dict[tuple[int, str], dict[str, Any]]] = {}
+        self.per_param: dict[tuple[int, int, int], dict[tuple[int, str], dict[str, Any]]] = {}
         self.buffer_dtypes: tuple[str, str] | None = None
+
+    def unit(self, t: int, p: int, e: int) -> tuple[tuple[str, int], ...]:
+        return (("tp", t), ("pp", p)) + ((("ep", e),) if self.per_ep else ())
 
     # -- optimizer
 
@@ -855,17 +922,11 @@ class _Reader:
                 found: tuple[str, ...] = ()
                 kind = None
             elif isinstance(opt, list):
-                raise CheckpointFormatError(
-                    f"{r.path}: 'optimizer' is a list of {len(opt)} optimizers (a ChainedOptimizer); not supported yet")
+                kind, found = self._chained(r, opt)
             elif r.distopt is not None:
                 kind, found = "distributed", self._distributed(r)
-            elif "fp32_from_fp16_params" in opt:
-                kind, found = "fp16", self._per_param(r, opt["optimizer"], opt["fp32_from_fp16_params"])
-            elif "state" in opt and "param_groups" in opt:
-                kind, found = "fp32", self._per_param(r, opt, None)
             else:
-                raise CheckpointFormatError(
-                    f"{r.path}: 'optimizer' has keys {sorted(map(str, opt))}; expected a Megatron optimizer state dict")
+                kind, found = self._one(r, opt, None, "'optimizer'")
             if states is None:
                 states, self.kind = found, kind
             elif (found, kind) != (states, self.kind):
@@ -874,16 +935,44 @@ class _Reader:
                     f"but other ranks have {self.kind} with {list(states)}")
         return states or ()
 
+    def _one(self, r: _Rank, opt: Any, which: Callable[[str], bool] | None, shown: str) -> tuple[str, tuple[str, ...]]:
+        """One fp16 or fp32 optimizer's kind and state names, over the params ``which`` selects."""
+        if not isinstance(opt, Mapping):
+            raise CheckpointFormatError(f"{r.path}: {shown} is a {type(opt).__name__}, expected a Megatron optimizer "
+                                        "state dict")
+        if "fp32_from_fp16_params" in opt:
+            return "fp16", self._per_param(r, opt["optimizer"], opt["fp32_from_fp16_params"], which)
+        if "state" in opt and "param_groups" in opt:
+            return "fp32", self._per_param(r, opt, None, which)
+        raise CheckpointFormatError(
+            f"{r.path}: {shown} has keys {sorted(map(str, opt))}; expected a Megatron optimizer state dict")
+
+    def _chained(self, r: _Rank, opts: list) -> tuple[str, tuple[str, ...]]:
+        """``ChainedOptimizer.state_dict()``: the dense optimizer's, then the expert optimizer's (MoE at ep > 1)."""
+        experts = any(_is_expert(key) for _, key, _ in self.params[(r.tp, r.pp, r.ep)])
+        if len(opts) != 2 or not experts or r.distopt is not None:
+            raise CheckpointFormatError(
+                f"{r.path}: 'optimizer' is a list of {len(opts)} optimizers (a ChainedOptimizer); only the dense + "
+                "expert pair of a mixture-of-experts model with the plain optimizer is supported")
+        self.chained = True
+        dense = self._one(r, opts[0], lambda k: not _is_expert(k), "'optimizer'[0] (dense)")
+        expert = self._one(r, opts[1], _is_expert, "'optimizer'[1] (experts)")
+        if dense != expert:
+            raise CheckpointFormatError(
+                f"{r.path}: the dense optimizer is {dense[0]} with states {list(dense[1])}, the expert optimizer "
+                f"{expert[0]} with {list(expert[1])}")
+        return dense
+
     def _groups(self, r: _Rank, inner: Any) -> list[dict]:
         groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
         if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
             raise CheckpointFormatError(f"{r.path}: optimizer has no list of param_groups")
         return groups
 
-    def _per_param(self, r: _Rank, inner: Mapping, masters: Any) -> tuple[str, ...]:
+    def _per_param(self, r: _Rank, inner: Mapping, masters: Any, which: Callable[[str], bool] | None) -> tuple[str, ...]:
         """fp16/fp32 optimizer: map optimizer index -> param through the param groups."""
         groups = self._groups(r, inner)
-        params = self.params[(r.tp, r.pp)]
+        params = [x for x in self.params[(r.tp, r.pp, r.ep)] if which is None or which(x[1])]
         assign = _assign_groups(groups, [(key, tuple(ref.shape)) for _, key, ref in params], str(r.path))
         state = inner.get("state", {})
         if masters is not None and (not isinstance(masters, list) or len(masters) != len(groups)):
@@ -935,7 +1024,7 @@ class _Reader:
         if extra:
             raise CheckpointFormatError(
                 f"{r.path}: optimizer state for index {sorted(extra, key=str)[0]} belongs to no parameter")
-        self.per_param[(r.tp, r.pp)] = out
+        self.per_param.setdefault((r.tp, r.pp, r.ep), {}).update(out)
         return names or ()
 
     def _distributed(self, r: _Rank) -> tuple[str, ...]:
@@ -984,7 +1073,7 @@ class _Reader:
             elif got != names:
                 raise CheckpointFormatError(f"{path}: buffer {gbuf} holds {list(got)}, others {list(names)}")
             out[(chunks[gbuf], "distrib_optim")] = found
-        self.per_param[(r.tp, r.pp)] = out
+        self.per_param[(r.tp, r.pp, r.ep)] = out
         if names and "master" not in names:
             raise CheckpointFormatError(f"{path}: no 'param' (fp32 main params) in the buffers")
         return (("master",) + tuple(n for n in names if n != "master")) if names else ()
@@ -999,9 +1088,9 @@ class _Reader:
         index = {(it.section, it.unit, it.chunk, it.state, it.key): it for it in layout.items}
         where: dict[Item, Located] = {}
 
-        def place(section: str, t: int, p: int, chunk: int, state: str, key: str, ref: Any, path: Path,
+        def place(section: str, rk: tuple[int, int, int], chunk: int, state: str, key: str, ref: Any, path: Path,
                   shown: str) -> None:
-            it = index.get((section, (("tp", t), ("pp", p)), chunk, state, key))
+            it = index.get((section, self.unit(*rk), chunk, state, key))
             if it is None:
                 raise CheckpointFormatError(
                     f"{path}: tensor '{shown}' is not in spec {self.spec_name} at {self.topo}"
@@ -1014,33 +1103,34 @@ class _Reader:
                 raise CheckpointFormatError(f"{path}: '{shown}' is stored twice")
             where[it] = Located(path, _contiguous_offset(ref, f"{path}: '{shown}'"), _dtype_name(ref.dtype))
 
-        for (t, p), r in self.ranks.items():
-            for chunk, key, ref in self.params[(t, p)]:
-                place("model", t, p, chunk, "param", key, ref, r.path, key)
-            for (chunk, key), states in self.per_param.get((t, p), {}).items():
+        for rk, r in self.ranks.items():
+            for chunk, key, ref in self.params[rk]:
+                place("model", rk, chunk, "param", key, ref, r.path, key)
+            for (chunk, key), states in self.per_param.get(rk, {}).items():
                 if r.distopt is not None:
                     for state, ref in states.items():
                         name = _MAIN[0] if state == _MAIN[1] else state
-                        place("optim", t, p, chunk, state, f"distrib_optim.{state}", ref, Path(r.distopt_path or ""),
+                        place("optim", rk, chunk, state, f"distrib_optim.{state}", ref, Path(r.distopt_path or ""),
                               f"[{chunk}][{_dtype_pair_text(self.buffer_dtypes)}]['{name}']")
                 else:
                     for state, ref in states.items():
-                        place("model", t, p, chunk, state, key, ref, r.path, f"optimizer state '{state}' of {key}")
+                        place("model", rk, chunk, state, key, ref, r.path, f"optimizer state '{state}' of {key}")
             if r.distopt is not None:
-                self._check_order(layout, t, p, r)
+                self._check_order(layout, rk, r)
         missing = [it for it, info in layout.items.items() if info.mapped and it not in where]
         if missing:
             it = missing[0]
-            r = self.ranks[(dict(it.unit)["tp"], dict(it.unit)["pp"])]
+            u = dict(it.unit)
+            r = self.ranks[(u["tp"], u["pp"], u.get("ep", 0))]
             raise CheckpointFormatError(
                 f"{r.path.parent}: no tensor for {it} (spec {self.spec_name} expects it)"
                 f"{f'; {len(missing) - 1} more missing' if len(missing) > 1 else ''}")
         return where
 
-    def _check_order(self, layout: Layout, t: int, p: int, r: _Rank) -> None:
+    def _check_order(self, layout: Layout, rk: tuple[int, int, int], r: _Rank) -> None:
         for chunk in range(self.topo.vpp):
-            have = [key for c, key, _ in self.params[(t, p)] if c == chunk]
-            want = [it.key for it in layout.order.get(f"model/tp={t},pp={p}/{chunk}", ())]
+            have = [key for c, key, _ in self.params[rk] if c == chunk]
+            want = [it.key for it in layout.order.get(_order_name(self.unit(*rk), chunk), ())]
             if have != want:
                 k = next((i for i, (a, b) in enumerate(zip(have, want, strict=False)) if a != b),
                          min(len(have), len(want)))
@@ -1052,39 +1142,58 @@ class _Reader:
     # -- non-tensor state
 
     def extra(self, args: dict, layout: Layout) -> dict[str, Any]:
-        r0 = self.ranks[(0, 0)]
+        r0 = self.ranks[(0, 0, 0)]
         obj = r0.obj
         known = {"args", "checkpoint_version", "iteration", "optimizer", "opt_param_scheduler", "rng_state"}
         known |= {k for k in obj if re.fullmatch(r"model[0-9]*", str(k))}
         opt = obj.get("optimizer")
         groups: list[dict] = []
+        expert_groups: list[dict] | None = None
         scaler = None
-        if isinstance(opt, Mapping):
-            inner = opt if self.kind == "fp32" else opt.get("optimizer", {})
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in self._groups(r0, inner)]
-            scaler = _capture(opt.get("grad_scaler"), f"{r0.path}: grad_scaler") if "grad_scaler" in opt else None
+
+        def groups_of(one: Any) -> list[dict]:
+            inner = one if self.kind == "fp32" else one.get("optimizer", {})
+            return [{k: v for k, v in g.items() if k != "params"} for g in self._groups(r0, inner)]
+
+        if isinstance(opt, list) and self.chained:
+            groups, expert_groups = groups_of(opt[0]), groups_of(opt[1])
+            opt = opt[0]
+        elif isinstance(opt, Mapping):
+            groups = groups_of(opt)
+        if isinstance(opt, Mapping) and "grad_scaler" in opt:
+            scaler = _capture(opt.get("grad_scaler"), f"{r0.path}: grad_scaler")
         extra_state: dict[str, dict[int, Any]] = {}
         places = self.topo.layer_placement(int(args["num_layers"]))
         local_to_global = {(pl.stage, pl.chunk, pl.local): g for g, pl in enumerate(places)}
-        for (t, p), xs in self.extras.items():
+        local_experts = self.experts // self.topo.ep if self.experts else 0
+        for (t, p, e), xs in self.extras.items():
             for chunk, key, value in xs:
                 m = _LAYER_KEY.fullmatch(key)
                 name = key
                 if m is not None:
                     name = f"decoder.layers.{local_to_global[(p, chunk, int(m.group(1)))]}.{m.group(2)}"
-                extra_state.setdefault(name, {})[t] = _capture(value, f"{self.ranks[(t, p)].path}: {key}")
+                    if local_experts:  # local expert numbers are global ones on ep rank e
+                        name = _renumber_expert(name, lambda j: e * local_experts + j)
+                extra_state.setdefault(name, {})[t] = _capture(value, f"{self.ranks[(t, p, e)].path}: {key}")
         return {
             "args": args,
             "top_keys": [str(k) for k in obj],
             "other": {k: _capture(v, f"{r0.path}: {k}") for k, v in obj.items() if k not in known},
             "opt_param_scheduler": _capture(obj.get("opt_param_scheduler"), f"{r0.path}: opt_param_scheduler"),
             "optimizer": {"kind": self.kind, "param_groups": _capture(groups, f"{r0.path}: param_groups"),
+                          "expert_param_groups": None if expert_groups is None else
+                          _capture(expert_groups, f"{r0.path}: param_groups of the expert optimizer"),
                           "grad_scaler": scaler, "has_grad_scaler": isinstance(opt, Mapping) and "grad_scaler" in opt,
                           "step": self.step, "state_keys": list(self.state_keys), "buffer_dtypes": self.buffer_dtypes},
-            "rng_state": {tp_pp: _capture(r.obj["rng_state"], f"{r.path}: rng_state")
-                          for tp_pp, r in self.ranks.items() if "rng_state" in r.obj},
+            "rng_state": {rk: _capture(r.obj["rng_state"], f"{r.path}: rng_state")
+                          for rk, r in self.ranks.items() if "rng_state" in r.obj},
             "extra_state": extra_state,
         }
+
+
+def _order_name(unit: tuple[tuple[str, int], ...], chunk: int, section: str = "model") -> str:
+    """The key of ``Layout.order`` for a unit's model chunk (as ``resolve`` names it)."""
+    return f"{section}/{','.join(f'{a}={c}' for a, c in unit)}/{chunk}"
 
 
 def _dtype_pair_text(pair: tuple[str, str] | None) -> str:
@@ -1133,7 +1242,7 @@ def megatron_args(sizes: Mapping[str, int], topology: Topology, *, base: Mapping
     """Megatron's ``args`` (as a dict) for a checkpoint of the model ``sizes`` at ``topology``.
 
     ``base`` (a source checkpoint's args) is kept and only its parallel layout is
-    updated: tensor/pipeline sizes, the virtual pipeline and uneven stages,
+    updated: tensor/pipeline/expert sizes, the virtual pipeline and uneven stages,
     ``data_parallel_size``, ``world_size``, ``padded_vocab_size`` (recomputed for the
     new tp, as ``vocab_size_with_padding`` does) and ``use_distributed_optimizer``.
     Without ``base``, a minimal Llama-style set is synthesized (GPT-2 style when
@@ -1159,6 +1268,8 @@ def megatron_args(sizes: Mapping[str, int], topology: Topology, *, base: Mapping
         a["transformer_pipeline_model_parallel_size"] = pp
     if a.get("expert_tensor_parallel_size") is not None and a["expert_tensor_parallel_size"] == old_tp:
         a["expert_tensor_parallel_size"] = tp
+    if "expert_model_parallel_size" in a or topology.ep > 1:
+        a["expert_model_parallel_size"] = topology.ep
     a.update(_pipeline_args(topology, int(sizes["layers"])))
     return a
 
@@ -1177,12 +1288,13 @@ _HF_ARGS = (("rms_norm_eps", "norm_epsilon"), ("rope_theta", "rotary_base"),
 def _moe_args(source: Source, sizes: Mapping[str, int]) -> dict[str, Any]:
     """Megatron's MoE args for a Mixtral-style source: experts, their ffn size, and top-k routing from its config."""
     config = source.extra.get("config") if isinstance(source.extra.get("config"), Mapping) else {}
-    topk = config.get("num_experts_per_tok")
+    hints = source.extra.get("config_hints") if isinstance(source.extra.get("config_hints"), Mapping) else {}
+    topk = config.get("num_experts_per_tok", hints.get("num_experts_per_tok"))
     if not isinstance(topk, int):
         raise CheckpointFormatError(f"{source.path}: a mixture-of-experts model without num_experts_per_tok in its "
                                     "config.json; Megatron's args need moe_router_topk")
     return {"num_experts": int(sizes["experts"]), "moe_router_topk": topk, "moe_ffn_hidden_size": int(sizes["f"]),
-            "ffn_hidden_size": int(sizes["f"]), "moe_grouped_gemm": False, "expert_model_parallel_size": 1,
+            "ffn_hidden_size": int(sizes["f"]), "moe_grouped_gemm": False,
             "moe_router_load_balancing_type": "aux_loss",
             "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0) or 0.0)}
 
@@ -1315,7 +1427,7 @@ def write_fixture_extra(sizes: Mapping[str, int], topology: Topology, *, iterati
     ``opt_param_scheduler`` (cosine decay, as ``OptimizerParamScheduler.state_dict``),
     the optimizer's two standard param groups (weight decay and none; torch AdamW keys
     plus Megatron's ``wd_mult``/``lr_mult``/...), a per-parameter ``step`` of
-    ``iteration``, and per (tp, pp) rank the rng state a run seeded ``seed`` starts with.
+    ``iteration``, and per (tp, pp, ep) rank the rng state a run seeded ``seed`` starts with.
 
     Example:
         >>> extra = write_fixture_extra({"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100,
@@ -1338,7 +1450,8 @@ def write_fixture_extra(sizes: Mapping[str, int], topology: Topology, *, iterati
         "optimizer": {"kind": None, "param_groups": groups, "grad_scaler": None, "has_grad_scaler": False,
                       "step": SmallTensor.scalar(float(iteration)) if optimizer else None,
                       "state_keys": [], "buffer_dtypes": None},
-        "rng_state": {(t, p): _fresh_rng(args, t, p, None) for t in range(topology.tp) for p in range(topology.pp)},
+        "rng_state": {(t, p, e): _fresh_rng(args, t, p, None, e) for t in range(topology.tp)
+                      for p in range(topology.pp) for e in range(topology.ep)},
         "extra_state": {},
     }
 
@@ -1360,7 +1473,7 @@ def _default_param_groups(args: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [group(1.0), group(0.0)]
 
 
-def _fresh_rng(args: Mapping[str, Any], tp_rank: int, pp_rank: int, like: Any) -> list[dict[str, Any]]:
+def _fresh_rng(args: Mapping[str, Any], tp_rank: int, pp_rank: int, like: Any, ep_rank: int = 0) -> list[dict[str, Any]]:
     """``rng_state`` of a rank at the start of a run (``_set_random_seed``, ``model_parallel_cuda_manual_seed``).
 
     ``like`` (a source rank's rng_state) decides which entries and tracker names appear.
@@ -1378,7 +1491,7 @@ def _fresh_rng(args: Mapping[str, Any], tp_rank: int, pp_rank: int, like: Any) -
         seed = seed0 + 100 * pp_rank + (10 * dp_rank if per_dp else 0)
         cpu = torch.Generator().manual_seed(seed).get_state().numpy().tobytes()
         tracker_seeds = {"data-parallel-rng": seed, "model-parallel-rng": seed + 2718 + tp_rank,
-                         "expert-parallel-rng": seed + 1024 + tp_rank}
+                         "expert-parallel-rng": seed + 1024 + 100 * ep_rank + tp_rank}
         state = {
             "random_rng_state": random.Random(seed).getstate(),
             "np_rng_state": np.random.RandomState(seed).get_state(),
@@ -1427,15 +1540,29 @@ def _target_extra(source: Source, topology: Topology, layout: Layout, args: dict
         keys = [k for k in state_keys if k in opt_names or (k == "step" and step is not None)]
         state_keys = (["step"] if step is not None and "step" not in keys else []) + keys
         state_keys += [s for s in opt_names if s not in state_keys]
-    same_ranks = (src_topo.tp, src_topo.pp) == (topology.tp, topology.pp) and (
+    # Megatron splits expert params into an optimizer of their own only at ep > 1 (they are allreduce
+    # params otherwise): optimizer.state_dict() is then [dense, expert] (ChainedOptimizer).
+    expert_keys = [(it.key, info.shape) for it, info in layout.items.items()
+                   if it.section == "model" and it.state == "param" and _is_expert(it.key)]
+    chained = kind in ("fp16", "fp32") and topology.ep > 1 and bool(expert_keys)
+    expert_groups = None
+    if chained:
+        expert_groups = [dict(g) for g in (opt.get("expert_param_groups") or [])]
+        if not expert_groups:  # the dense groups as the expert optimizer has them: only those with members
+            classes = {_no_wd(k, shape) for k, shape in expert_keys}
+            expert_groups = [{**g, "is_expert_parallel": True} for g in groups if _group_is_no_wd(g, "", 0) in classes]
+    elif opt.get("expert_param_groups"):  # back to one optimizer: every param in the dense groups
+        groups = [{**g, "is_expert_parallel": False} for g in groups]
+    same_ranks = (src_topo.tp, src_topo.pp, src_topo.ep) == (topology.tp, topology.pp, topology.ep) and (
         not args.get("data_parallel_random_init") or src_topo.dp == topology.dp)
-    rng: dict[tuple[int, int], Any] = {}
+    rng: dict[tuple[int, int, int], Any] = {}
     src_rng = src.get("rng_state") or {}
     if src_rng or not meg:
         for t in range(topology.tp):
             for p in range(topology.pp):
-                rng[(t, p)] = src_rng[(t, p)] if same_ranks and (t, p) in src_rng else \
-                    _fresh_rng(args, t, p, next(iter(src_rng.values()), None))
+                for e in range(topology.ep):
+                    rng[(t, p, e)] = src_rng[(t, p, e)] if same_ranks and (t, p, e) in src_rng else \
+                        _fresh_rng(args, t, p, next(iter(src_rng.values()), None), e)
     return {
         "args": args,
         "iteration": src.get("iteration") or 0,
@@ -1444,32 +1571,43 @@ def _target_extra(source: Source, topology: Topology, layout: Layout, args: dict
         "top_keys": list(src.get("top_keys") or []),
         "other": dict(src.get("other") or {}),
         "opt_param_scheduler": src.get("opt_param_scheduler"),
-        "optimizer": {"kind": kind, "param_groups": groups, "grad_scaler": opt.get("grad_scaler"),
+        "optimizer": {"kind": kind, "param_groups": groups, "expert_param_groups": expert_groups,
+                      "grad_scaler": opt.get("grad_scaler"),
                       "has_grad_scaler": bool(opt.get("has_grad_scaler")),
                       "step": step if kind in ("fp16", "fp32") else None,
                       "state_keys": state_keys, "opt_states": opt_states,
                       "grad_dtype": (opt.get("buffer_dtypes") or (None, None))[1]},
         "rng_state": rng,
         "model_order": _model_order(layout, topology, src.get("extra_state") or {}, src_topo.tp,
-                                    int(args["num_layers"])),
+                                    int(args["num_layers"]), int(source.sizes.get("experts", 0))),
     }
 
 
 def _model_order(layout: Layout, topology: Topology, extra_state: Mapping[str, Mapping[int, Any]], src_tp: int,
-                 layers: int) -> dict[tuple[int, int, int], list[tuple[str, Any]]]:
-    """Per (tp, pp, chunk): the model state dict's entries in Megatron's order: (key, Item or extra-state value)."""
-    out: dict[tuple[int, int, int], list[tuple[str, Any]]] = {}
+                 layers: int, experts: int = 0) -> dict[tuple[int, int, int, int], list[tuple[str, Any]]]:
+    """Per (tp, pp, ep, chunk): the model state dict's entries in Megatron's order: (key, Item or extra-state value).
+
+    ``extra_state`` names carry global layer and expert numbers; here they become the
+    stage-local layer and the ep-local expert of the rank that holds them.
+    """
+    out: dict[tuple[int, int, int, int], list[tuple[str, Any]]] = {}
     for it in layout.items:
         if it.section == "model" and it.state == "param":
             u = dict(it.unit)
-            out.setdefault((u["tp"], u["pp"], it.chunk), []).append((it.key, it))
+            out.setdefault((u["tp"], u["pp"], u.get("ep", 0), it.chunk), []).append((it.key, it))
+    local_experts = experts // topology.ep if experts else 0
     places = topology.layer_placement(layers)
     last = (topology.pp - 1, topology.vpp - 1)
     for name, per_tp in extra_state.items():
         m = _LAYER_KEY.fullmatch(name)
+        ep_ranks = range(topology.ep)
         if m:
             pl = places[int(m.group(1))]
             stage, chunk, key = pl.stage, pl.chunk, f"decoder.layers.{pl.local}.{m.group(2)}"
+            g = _EXPERT_NUM.search(key)
+            if g is not None and local_experts:
+                ep_ranks = [int(g.group(2)) // local_experts]
+                key = _renumber_expert(key, lambda j: j % local_experts)
         else:
             rank = _mcore_rank(name)
             stage, chunk = (0, 0) if rank is not None and rank[0] == 0 else last
@@ -1484,15 +1622,22 @@ def _model_order(layout: Layout, topology: Topology, extra_state: Mapping[str, M
                 raise CheckpointFormatError(
                     f"{name}: the tp ranks hold different values (fp8 scaling state?); "
                     f"cannot carry it to tp={topology.tp}")
-            out.setdefault((t, stage, chunk), []).append((key, _Extra(value)))
-    for (t, p, c), entries in out.items():
+            for e in ep_ranks:
+                out.setdefault((t, stage, e, chunk), []).append((key, _Extra(value)))
+    per_ep = _layout_per_ep(layout)
+    for (t, p, e, c), entries in out.items():
         if any("/" in k for k, _ in entries):  # the legacy model's nested names: the spec's order is Megatron's
-            spec_order = [it.key for it in layout.order.get(f"model/tp={t},pp={p}/{c}", ())]
+            unit = (("tp", t), ("pp", p)) + ((("ep", e),) if per_ep else ())
+            spec_order = [it.key for it in layout.order.get(_order_name(unit, c), ())]
         else:
             spec_order = _mcore_order([k for k, _ in entries])
         pos = {k: i for i, k in enumerate(spec_order)}
         entries.sort(key=lambda e: pos.get(e[0], len(pos)))
     return out
+
+
+def _layout_per_ep(layout: Layout) -> bool:
+    return any(a == "ep" for it in layout.items for a, _ in it.unit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1540,15 +1685,16 @@ class _Writer:
         it_dir = "release" if release else f"iter_{int(x['iteration']):07d}"
         written: list[Path] = []
         for p in range(self.topo.pp):
-            for t in range(self.topo.tp):
-                rel = Path(it_dir) / _rank_dir_name(t, p, self.topo.pp)
-                (self.out / rel).mkdir(parents=True, exist_ok=True)
-                if self.only is None or rel / MODEL_FILE in self.only:
-                    self._file(self.out / rel / MODEL_FILE, self._model_tree(t, p))
-                    written.append(rel / MODEL_FILE)
-                if x["optimizer"]["kind"] == "distributed" and (self.only is None or rel / DISTOPT_FILE in self.only):
-                    self._file(self.out / rel / DISTOPT_FILE, self._distopt_tree(t, p))
-                    written.append(rel / DISTOPT_FILE)
+            for e in range(self.topo.ep):
+                for t in range(self.topo.tp):
+                    rel = Path(it_dir) / _rank_dir_name(t, p, self.topo.pp, e, self.topo.ep)
+                    (self.out / rel).mkdir(parents=True, exist_ok=True)
+                    if self.only is None or rel / MODEL_FILE in self.only:
+                        self._file(self.out / rel / MODEL_FILE, self._model_tree(t, p, e))
+                        written.append(rel / MODEL_FILE)
+                    if x["optimizer"]["kind"] == "distributed" and (self.only is None or rel / DISTOPT_FILE in self.only):
+                        self._file(self.out / rel / DISTOPT_FILE, self._distopt_tree(t, p))
+                        written.append(rel / DISTOPT_FILE)
         if not self.only:  # the tracker: by a full write, or the call with only=() after parallel workers
             (self.out / TRACKER).write_text("release" if release else str(int(x["iteration"])))
             written.append(Path(TRACKER))
@@ -1575,7 +1721,7 @@ class _Writer:
             dtype = "float32" if item.state != "param" else "bfloat16"
         return dtype
 
-    def _model_tree(self, t: int, p: int) -> tuple[dict, dict]:
+    def _model_tree(self, t: int, p: int, e: int) -> tuple[dict, dict]:
         x = self.x
         sources: dict[int, Any] = {}  # TensorSpec key -> the Item or SmallTensor its bytes come from
         entries: dict[str, Any] = {
@@ -1587,41 +1733,53 @@ class _Writer:
         order = x["model_order"]
         for c in range(self.topo.vpp):
             sd = OrderedDict()
-            for key, value in order.get((t, p, c), []):
+            for key, value in order.get((t, p, e, c), []):
                 is_item = isinstance(value, Item)
                 sd[key] = self._leaf(sources, value) if is_item else self._small_leaf(sources, value.value)
             chunks["model" if self.topo.vpp == 1 else f"model{c}"] = _nested(sd)
         entries.update(chunks)
-        optimizer = self._optimizer(t, p, sources)
+        optimizer = self._optimizer(t, p, e, sources)
         if optimizer is not None:
             entries["optimizer"] = optimizer
         if x.get("opt_param_scheduler") is not None:
             entries["opt_param_scheduler"] = self._small_leaf(sources, x["opt_param_scheduler"])
         for k, v in x.get("other", {}).items():
             entries[k] = self._small_leaf(sources, v)
-        if (t, p) in x.get("rng_state", {}):
-            entries["rng_state"] = self._small_leaf(sources, x["rng_state"][(t, p)])
+        if (t, p, e) in x.get("rng_state", {}):
+            entries["rng_state"] = self._small_leaf(sources, x["rng_state"][(t, p, e)])
         return _ordered_top(entries, x.get("top_keys") or [], list(chunks)), sources
 
-    def _params(self, t: int, p: int) -> list[tuple[int, str, Item]]:
+    def _params(self, t: int, p: int, e: int = 0) -> list[tuple[int, str, Item]]:
         """This rank's parameters in named_parameters order over its model chunks."""
         order = self.x["model_order"]
-        return [(c, key, v) for c in range(self.topo.vpp) for key, v in order.get((t, p, c), []) if isinstance(v, Item)]
+        return [(c, key, v) for c in range(self.topo.vpp) for key, v in order.get((t, p, e, c), [])
+                if isinstance(v, Item)]
 
-    def _optimizer(self, t: int, p: int, sources: dict) -> Any:
+    def _optimizer(self, t: int, p: int, e: int, sources: dict) -> Any:
         o = self.x["optimizer"]
         kind = o["kind"]
         if kind is None:
             return None
-        groups = [dict(g) for g in o["param_groups"]]
-        out: dict[str, Any] = {}
         if kind == "distributed":
-            out["optimizer"] = {"param_groups": self._small_leaf(sources, groups)}
+            out: dict[str, Any] = {"optimizer": {"param_groups": self._small_leaf(sources, o["param_groups"])}}
             if o["has_grad_scaler"]:
                 out["grad_scaler"] = self._small_leaf(sources, o["grad_scaler"])
             return out
-        params = self._params(t, p)
-        where = f"{self.t.spec_name} at {self.topo}, rank tp={t}, pp={p}"
+        params = self._params(t, p, e)
+        where = f"{self.t.spec_name} at {self.topo}, rank tp={t}, pp={p}{f', ep={e}' if self.topo.ep > 1 else ''}"
+        if o.get("expert_param_groups") is None:
+            return self._one_optimizer(params, o["param_groups"], sources, where)
+        return [self._one_optimizer([x for x in params if not _is_expert(x[1])], o["param_groups"], sources, where),
+                self._one_optimizer([x for x in params if _is_expert(x[1])], o["expert_param_groups"], sources,
+                                    where + ", expert optimizer")]
+
+    def _one_optimizer(self, params: list[tuple[int, str, Item]], param_groups: list[dict], sources: dict,
+                       where: str) -> Any:
+        """One fp16 or fp32 optimizer's state dict over ``params``."""
+        o = self.x["optimizer"]
+        kind = o["kind"]
+        groups = [dict(g) for g in param_groups]
+        out: dict[str, Any] = {}
         assign = _assign_groups(groups, [(key, self.t.layout.items[it].shape) for _, key, it in params], where)
         state: dict[int, dict] = {}
         masters: list[list[TensorSpec]] = []
@@ -1663,7 +1821,7 @@ class _Writer:
             items = self._optim_items.get((t, p, c))
             if not items:
                 continue
-            params = [v for k, v in self.x["model_order"].get((t, p, c), []) if isinstance(v, Item)]
+            params = [v for k, v in self.x["model_order"].get((t, p, 0, c), []) if isinstance(v, Item)]
             param_dtype = self._dtype(params[0]) if params else "bfloat16"
             grad_dtype = o.get("grad_dtype") or ("float32" if self.x["args"].get("accumulate_allreduce_grads_in_fp32")
                                                    else param_dtype)

@@ -1,0 +1,185 @@
+"""Real megatron-core mixture-of-experts checkpoints in Megatron's torch format, written on CPU with gloo.
+
+Importable (no side effects) and runnable as a script. ``save`` runs
+``python tests/mcore_moe_jobs.py save TP PP EP DP OUT DUMP``: ``tp * pp * dp`` ranks
+each build their part of a Mixtral-style ``GPTModel`` (GQA, SwiGLU experts as
+SequentialMLP ``local_experts``, RMSNorm, untied output layer) with megatron-core's
+local layers at expert parallelism ``ep``, wrap it in megatron-core's
+``DistributedDataParallel`` and take one step of ``get_megatron_optimizer``'s Adam
+(a ``ChainedOptimizer`` of a dense and an expert optimizer when ep > 1). The rank that
+Megatron-LM's ``save_checkpoint`` picks for each (tp, pp, ep) shard (data-parallel rank
+0 or expert-data-parallel rank 0) then writes
+``iter_0000010/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` with ``args``,
+``checkpoint_version``, ``iteration``, ``model`` (``state_dict_for_save_checkpoint``) and
+``optimizer`` (``optimizer.state_dict()``), as ``generate_state_dict`` does, plus the
+tracker file. ``load`` builds the model and optimizer at another layout and loads one
+such checkpoint with megatron-core's own ``load_state_dict`` calls, strictly, then steps
+once more.
+
+Both dump, per rank, what megatron-core holds: its (tp, pp, ep) coordinates from
+``parallel_state`` and each parameter's value and Adam state by name, for the test to
+compare under global layer and expert numbers. CUDA-only calls megatron-core makes on
+the way (device tensors, a synchronize) are redirected to the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from jobs import exit_now, run_ranks
+
+SIZES = {"h": 32, "heads": 4, "g": 2, "hd": 8, "f": 48, "vocab": 300, "layers": 4, "experts": 4}
+DIVISIBLE_BY = 128
+ITERATION = 10
+
+
+def padded_vocab(tp: int) -> int:
+    multiple = DIVISIBLE_BY * tp
+    return -(-SIZES["vocab"] // multiple) * multiple
+
+
+def save(out: Path, dump: Path, tp: int, pp: int, ep: int, dp: int) -> None:
+    """A real MoE checkpoint at ``out`` after one optimizer step, written by ``tp * pp * dp`` ranks."""
+    _job(["save", str(tp), str(pp), str(ep), str(dp), str(out), str(dump)])
+
+
+def load(ckpt: Path, dump: Path, tp: int, pp: int, ep: int, dp: int) -> None:
+    """megatron-core loads ``ckpt`` into a model and optimizer built at tp/pp/ep/dp and steps once more."""
+    _job(["load", str(tp), str(pp), str(ep), str(dp), str(ckpt), str(dump)])
+
+
+def _job(args: list[str]) -> None:
+    run_ranks(__file__, args, "megatron-core")
+
+
+def _args(tp: int, pp: int, ep: int, dp: int) -> argparse.Namespace:
+    s = SIZES
+    return argparse.Namespace(
+        num_layers=s["layers"], hidden_size=s["h"], ffn_hidden_size=s["f"], moe_ffn_hidden_size=s["f"],
+        num_attention_heads=s["heads"], group_query_attention=True, num_query_groups=s["g"], kv_channels=s["hd"],
+        vocab_size=s["vocab"], padded_vocab_size=padded_vocab(tp), make_vocab_size_divisible_by=DIVISIBLE_BY,
+        swiglu=True, normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp, data_parallel_size=dp,
+        world_size=tp * pp * dp, num_experts=s["experts"], moe_router_topk=2, moe_grouped_gemm=False,
+        transformer_impl="local", use_distributed_optimizer=False, params_dtype="float32", seed=1234,
+        use_mcore_models=True, use_legacy_models=False)
+
+
+def _cpu_only(torch) -> None:
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        make = getattr(torch, name)
+
+        def on_cpu(*a, _make=make, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return _make(*a, **k)
+        setattr(torch, name, on_cpu)
+
+
+def _rank(rank: int, world: int, tp: int, pp: int, ep: int, port: int, action: str, paths: list[str]) -> None:
+    import torch
+
+    _cpu_only(torch)
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(1234)
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
+    s = SIZES
+    config = TransformerConfig(
+        num_layers=s["layers"], hidden_size=s["h"], num_attention_heads=s["heads"], num_query_groups=s["g"],
+        kv_channels=s["hd"], ffn_hidden_size=s["f"], gated_linear_unit=True, activation_func=F.silu,
+        normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        num_moe_experts=s["experts"], moe_router_topk=2, moe_token_dispatcher_type="allgather",
+        pipeline_dtype=torch.float32)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+                         num_experts=s["experts"], moe_grouped_gemm=False, normalization="RMSNorm"),
+                     vocab_size=padded_vocab(tp), max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope")
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=False), model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.0, bf16=False, fp16=False,
+                        params_dtype=torch.float32), [ddp])
+    ep_rank, local = ps.get_expert_model_parallel_rank(), s["experts"] // ep
+    coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(), "ep": ep_rank,
+              "dp": ps.get_data_parallel_rank(), "edp": ps.get_expert_data_parallel_rank()}
+    if action == "save":
+        # CPU initialization gives every ep rank the same local experts: offset each by its global
+        # number so that a misplaced expert shows. Replicas stay equal, as in training.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".local_experts." in name:
+                    j = int(name.split(".local_experts.")[1].split(".")[0])
+                    p.add_(float(ep_rank * local + j))
+        _step(ddp, optimizer)
+        if coords["dp"] == 0 or coords["edp"] == 0:  # save_checkpoint's writers of the torch format
+            name = f"mp_rank_{coords['tp']:02d}" + (f"_{coords['pp']:03d}" if pp > 1 else "") + \
+                (f"_{ep_rank:03d}" if ep > 1 else "")
+            it_dir = Path(paths[0]) / f"iter_{ITERATION:07d}" / name
+            it_dir.mkdir(parents=True, exist_ok=True)
+            world_dp = world // (tp * pp)
+            state = {"args": _args(tp, pp, ep, world_dp), "checkpoint_version": 3.0, "iteration": ITERATION,
+                     "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict()}
+            torch.save(state, it_dir / "model_optim_rng.pt")
+            if rank == 0:
+                (Path(paths[0]) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    else:
+        name = f"mp_rank_{coords['tp']:02d}" + (f"_{coords['pp']:03d}" if pp > 1 else "") + \
+            (f"_{ep_rank:03d}" if ep > 1 else "")
+        state = torch.load(Path(paths[0]) / f"iter_{ITERATION:07d}" / name / "model_optim_rng.pt",
+                           weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
+        optimizer.load_state_dict(state["optimizer"])
+    _dump(Path(paths[1]) / f"rank{rank}.pt", model, optimizer, coords, torch)
+    if action == "load":
+        _step(ddp, optimizer)  # the loaded state trains on
+    dist.barrier()
+    exit_now()  # no destroy_process_group: gloo's teardown sometimes crashes after the work is done
+
+
+def _step(ddp, optimizer) -> None:
+    """One Adam step on gradients that are a function of the weights (equal on every replica)."""
+    for p in ddp.parameters():
+        p.main_grad.copy_(p.detach() * 0.5 + 0.01)
+    ok, _, _ = optimizer.step()
+    assert ok
+
+
+def _dump(path: Path, model, optimizer, coords: dict, torch) -> None:
+    names = {p: n for n, p in model.named_parameters()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    states = {}
+    for o in optimizer.chained_optimizers:
+        for p, st in o.optimizer.state.items():
+            states[names[p]] = {k: v.clone() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq", "step")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"coords": coords, "params": params, "states": states}, path)
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    action = sys.argv[1]
+    tp, pp, ep, dp = (int(a) for a in sys.argv[2:6])
+    paths = sys.argv[6:]
+    os.makedirs(paths[-1], exist_ok=True)
+    mp.spawn(_rank, args=(tp * pp * dp, tp, pp, ep, int(os.environ["RESHARD_MCORE_PORT"]), action, paths),
+             nprocs=tp * pp * dp)
