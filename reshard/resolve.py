@@ -9,6 +9,7 @@ a file.
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import math
 from collections.abc import Iterable, Mapping
@@ -269,17 +270,22 @@ class _Resolver:
         """Rules with their capture values for one unit, in registration order.
 
         Consecutive rules sharing the capture split over pp form a block that is
-        repeated layer by layer (a transformer layer's parameters stay together).
+        repeated layer by layer (a transformer layer's parameters stay together);
+        inside it, or outside, consecutive rules sharing a capture split over
+        another axis form a block repeated index by index (a local expert's
+        parameters stay together).
         """
         i = 0
         while i < len(rules):
             rule = rules[i]
             layer = _pp_capture(rule)
             if layer is None:
-                if self.placed(rule, coords, chunk, pipelined):
-                    for values in self.rule_values(rule, coords, chunk, None):
-                        yield rule, values
-                i += 1
+                j = i + 1
+                while j < len(rules) and _pp_capture(rules[j]) is None:
+                    j += 1
+                yield from self.by_index([r for r in rules[i:j] if self.placed(r, coords, chunk, pipelined)],
+                                         coords, chunk, None)
+                i = j
                 continue
             if getattr(rule, "place", None) is not None:
                 raise self.err(f"a rule with '{{{layer.name}/pp}}' sits on the stage of its layer; drop '@{rule.place}'", rule.pos)
@@ -288,9 +294,23 @@ class _Resolver:
                 j += 1
             block = rules[i:j]
             for lv in self.layer_values(layer, coords, chunk, rule):
-                for r in block:
-                    for values in self.rule_values(r, coords, chunk, lv):
-                        yield r, values
+                yield from self.by_index(block, coords, chunk, lv)
+            i = j
+
+    def by_index(self, rules: list[S.Statement], coords: dict[str, int], chunk: int, layer: tuple[int, int] | None):
+        """Rules with their capture values; a run of rules sharing a ``{x/axis}`` capture (axis not pp) goes index by index."""
+        i = 0
+        while i < len(rules):
+            cap = _split_capture(rules[i])
+            j = i + 1
+            while cap is not None and j < len(rules) and _split_capture(rules[j]) == cap:
+                j += 1
+            run = [(r, list(self.rule_values(r, coords, chunk, layer))) for r in rules[i:j]]
+            if j - i == 1:
+                yield from ((r, v) for r, vs in run for v in vs)
+            else:
+                for x in dict.fromkeys(v[cap][0] for _, vs in run for v in vs):
+                    yield from ((r, v) for r, vs in run for v in vs if v[cap][0] == x)
             i = j
 
     def placed(self, rule: S.Statement, coords: dict[str, int], chunk: int, pipelined: bool) -> bool:
@@ -546,6 +566,9 @@ class _Resolver:
                 first_state.setdefault(it.key, it)
             self.flat_params[order_key] = (list(first_state.values()), [self.items[p].numel for p in first_state.values()])
         params, numels = self.flat_params[order_key]
+        chosen = [k for k, p in enumerate(params) if _selected(p.key, fl.ops)]
+        if len(chosen) < len(params):
+            params, numels = [params[k] for k in chosen], [numels[k] for k in chosen]
         buckets = flat_layout(fl, numels, coords, self)
         caps = {c.name for c in fl.pattern.captures}
         unknown = caps - {"state", "bucket"}
@@ -581,6 +604,23 @@ def _name(rule: S.Statement) -> str:
 
 def _pp_capture(rule: S.Statement) -> S.Capture | None:
     return next((c for c in rule.pattern.captures if c.axis == "pp"), None) if hasattr(rule, "pattern") else None
+
+
+def _selected(key: str, ops: tuple[S.FlatOp, ...]) -> bool:
+    """Whether a flat buffer's ``only``/``except`` globs keep the param stored as ``key``."""
+    for op in ops:
+        if op.op == "only" and not fnmatch.fnmatchcase(key, op.arg):
+            return False
+        if op.op == "except" and fnmatch.fnmatchcase(key, op.arg):
+            return False
+    return True
+
+
+def _split_capture(rule: S.Statement) -> str | None:
+    """The name of a rule's first capture split over a mesh axis other than pp, if any."""
+    if not hasattr(rule, "pattern"):
+        return None
+    return next((c.name for c in rule.pattern.captures if c.axis not in (None, "pp")), None)
 
 
 def _stacks_over_pp(rule: S.Statement) -> bool:

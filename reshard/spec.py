@@ -23,13 +23,14 @@ Grammar (one statement per line; ``#`` starts a comment)::
     split     := '/' NAME [':' ('chunk' | '(' expr (',' expr)* ')')]
     pad       := '~' eatom [':' ('zero' | 'last')]
     flatop    := 'reverse' | 'align' expr | 'buckets' expr | 'pad' expr | 'split' NAME
-               | 'perparam' | 'coalesce'
+               | 'perparam' | 'coalesce' | 'only' GLOB | 'except' GLOB
     expr      := sum; sum := prod (('+'|'-') prod)*; prod := eatom (('*'|'/'|'//') eatom)*
     eatom     := INT | NAME | NAME '(' expr (',' expr)* ')' | '(' expr ')'
     PATTERN   := a name such as ``decoder.layers.{i/pp}.mlp.linear_fc1.weight``;
                  ``{x}`` captures index x, ``{x/axis}`` its local index under a split,
                  ``{x@axis}`` the same placement numbered globally; ``+expr`` after any of
                  them adds to the number; ``{=expr}`` is a number computed from sizes
+    GLOB      := a whitespace-free ``fnmatch`` pattern over stored names (``*.mlp.experts.*``)
 
 The published, normative version of this grammar is ``specs/README.md``.
 """
@@ -285,7 +286,7 @@ class Blob:
 
 @dataclass(frozen=True, slots=True)
 class FlatOp:
-    op: str  # reverse | align | buckets | pad | split | perparam
+    op: str  # one of FLAT_OPS
     arg: Expr | str | None
     pos: Pos
 
@@ -324,7 +325,7 @@ class Spec:
 # --- the parser ----------------------------------------------------------------------
 
 KEYWORDS = ("let", "index", "include", "logical", "section", "blob", "flat")
-FLAT_OPS = ("reverse", "align", "buckets", "pad", "split", "perparam", "coalesce")
+FLAT_OPS = ("reverse", "align", "buckets", "pad", "split", "perparam", "coalesce", "only", "except")
 PLACES = ("first", "last", "lastonly")
 FUNCTIONS = ("cdiv", "roundup", "lcm", "min", "max")
 
@@ -681,6 +682,8 @@ def _flatop(ln: _Line) -> FlatOp:
         return FlatOp(tok.text, None, ln.pos(tok))
     if tok.text == "split":
         return FlatOp("split", ln.name("a mesh axis after 'split'").text, ln.pos(tok))
+    if tok.text in ("only", "except"):
+        return FlatOp(tok.text, ln.word(f"a glob of stored names after '{tok.text}'").text, ln.pos(tok))
     return FlatOp(tok.text, _expr(ln), ln.pos(tok))
 
 

@@ -41,21 +41,22 @@ def padded_vocab(tp: int) -> int:
     return -(-SIZES["vocab"] // multiple) * multiple
 
 
-def save(out: Path, dump: Path, tp: int, pp: int, ep: int, dp: int) -> None:
-    """A real MoE checkpoint at ``out`` after one optimizer step, written by ``tp * pp * dp`` ranks."""
-    _job(["save", str(tp), str(pp), str(ep), str(dp), str(out), str(dump)])
+def save(out: Path, dump: Path, tp: int, pp: int, ep: int, dp: int, distopt: bool = False) -> None:
+    """A real MoE checkpoint at ``out`` after one optimizer step, written by ``tp * pp * dp`` ranks
+    (with ``distopt``, megatron-core's DistributedOptimizer and its ``distrib_optim.pt``)."""
+    _job(["save", str(tp), str(pp), str(ep), str(dp), str(int(distopt)), str(out), str(dump)])
 
 
-def load(ckpt: Path, dump: Path, tp: int, pp: int, ep: int, dp: int) -> None:
+def load(ckpt: Path, dump: Path, tp: int, pp: int, ep: int, dp: int, distopt: bool = False) -> None:
     """megatron-core loads ``ckpt`` into a model and optimizer built at tp/pp/ep/dp and steps once more."""
-    _job(["load", str(tp), str(pp), str(ep), str(dp), str(ckpt), str(dump)])
+    _job(["load", str(tp), str(pp), str(ep), str(dp), str(int(distopt)), str(ckpt), str(dump)])
 
 
 def _job(args: list[str]) -> None:
     run_ranks(__file__, args, "megatron-core")
 
 
-def _args(tp: int, pp: int, ep: int, dp: int) -> argparse.Namespace:
+def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool) -> argparse.Namespace:
     s = SIZES
     return argparse.Namespace(
         num_layers=s["layers"], hidden_size=s["h"], ffn_hidden_size=s["f"], moe_ffn_hidden_size=s["f"],
@@ -65,7 +66,7 @@ def _args(tp: int, pp: int, ep: int, dp: int) -> argparse.Namespace:
         untie_embeddings_and_output_weights=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=tp, data_parallel_size=dp,
         world_size=tp * pp * dp, num_experts=s["experts"], moe_router_topk=2, moe_grouped_gemm=False,
-        transformer_impl="local", use_distributed_optimizer=False, params_dtype="float32", seed=1234,
+        transformer_impl="local", use_distributed_optimizer=distopt, params_dtype="float32", seed=1234,
         use_mcore_models=True, use_legacy_models=False)
 
 
@@ -80,9 +81,16 @@ def _cpu_only(torch) -> None:
                 k["device"] = "cpu"
             return _make(*a, **k)
         setattr(torch, name, on_cpu)
+    type_of = torch.Tensor.type
+
+    def cuda_type(self, *a, **k):  # the optimizers check for torch.cuda.*Tensor
+        name = type_of(self, *a, **k)
+        return name.replace("torch.", "torch.cuda.", 1) if not a and not k and "cuda" not in name else name
+    torch.Tensor.type = cuda_type
 
 
-def _rank(rank: int, world: int, tp: int, pp: int, ep: int, port: int, action: str, paths: list[str]) -> None:
+def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, port: int, action: str,
+          paths: list[str]) -> None:
     import torch
 
     _cpu_only(torch)
@@ -114,13 +122,16 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, port: int, action: s
                      vocab_size=padded_vocab(tp), max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
                      position_embedding_type="rope")
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=False), model)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=distopt), model)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.0, bf16=False, fp16=False,
-                        params_dtype=torch.float32), [ddp])
+                        params_dtype=torch.float32, use_distributed_optimizer=distopt), [ddp])
     ep_rank, local = ps.get_expert_model_parallel_rank(), s["experts"] // ep
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(), "ep": ep_rank,
               "dp": ps.get_data_parallel_rank(), "edp": ps.get_expert_data_parallel_rank()}
+    name = f"mp_rank_{coords['tp']:02d}" + (f"_{coords['pp']:03d}" if pp > 1 else "") + \
+        (f"_{ep_rank:03d}" if ep > 1 else "")  # get_checkpoint_name
+    it_dir = Path(paths[0]) / f"iter_{ITERATION:07d}" / name
     if action == "save":
         # CPU initialization gives every ep rank the same local experts: offset each by its global
         # number so that a misplaced expert shows. Replicas stay equal, as in training.
@@ -130,24 +141,30 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, port: int, action: s
                     j = int(name.split(".local_experts.")[1].split(".")[0])
                     p.add_(float(ep_rank * local + j))
         _step(ddp, optimizer)
+        it_dir.mkdir(parents=True, exist_ok=True)
+        if distopt:  # a collective; written by each optimizer's data-parallel rank 0 (save_parameter_state)
+            optimizer.save_parameter_state(str(it_dir / "distrib_optim.pt"))
         if coords["dp"] == 0 or coords["edp"] == 0:  # save_checkpoint's writers of the torch format
-            name = f"mp_rank_{coords['tp']:02d}" + (f"_{coords['pp']:03d}" if pp > 1 else "") + \
-                (f"_{ep_rank:03d}" if ep > 1 else "")
-            it_dir = Path(paths[0]) / f"iter_{ITERATION:07d}" / name
-            it_dir.mkdir(parents=True, exist_ok=True)
-            world_dp = world // (tp * pp)
-            state = {"args": _args(tp, pp, ep, world_dp), "checkpoint_version": 3.0, "iteration": ITERATION,
-                     "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict()}
+            state = {"args": _args(tp, pp, ep, world // (tp * pp), distopt), "checkpoint_version": 3.0,
+                     "iteration": ITERATION, "model": model.state_dict_for_save_checkpoint(),
+                     "optimizer": optimizer.state_dict()}
             torch.save(state, it_dir / "model_optim_rng.pt")
             if rank == 0:
                 (Path(paths[0]) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     else:
-        name = f"mp_rank_{coords['tp']:02d}" + (f"_{coords['pp']:03d}" if pp > 1 else "") + \
-            (f"_{ep_rank:03d}" if ep > 1 else "")
-        state = torch.load(Path(paths[0]) / f"iter_{ITERATION:07d}" / name / "model_optim_rng.pt",
-                           weights_only=False)
+        state = torch.load(it_dir / "model_optim_rng.pt", weights_only=False)
         model.load_state_dict(state["model"], strict=True)
         optimizer.load_state_dict(state["optimizer"])
+        if distopt:
+            # Without Apex or TE, load_state_dict gives each torch Adam state a 'step', which
+            # load_parameter_state_from_dp_zero then looks for in distrib_optim.pt and fails on
+            # (a checkpoint megatron-core itself saved included): set it aside around the call.
+            steps = [(st, st.pop("step")) for o in optimizer.chained_optimizers for st in o.optimizer.state.values()
+                     if "step" in st]
+            with torch.no_grad():  # fp32 main params are views of the weights, which require grad
+                optimizer.load_parameter_state(str(it_dir / "distrib_optim.pt"))
+            for st, step in steps:
+                st["step"] = step
     _dump(Path(paths[1]) / f"rank{rank}.pt", model, optimizer, coords, torch)
     if action == "load":
         _step(ddp, optimizer)  # the loaded state trains on
@@ -164,12 +181,25 @@ def _step(ddp, optimizer) -> None:
 
 
 def _dump(path: Path, model, optimizer, coords: dict, torch) -> None:
+    """Each parameter's value and, per optimizer state, ``(start, end, values)``: the range of the flattened
+    parameter this rank's optimizer holds (all of it, or its distributed optimizer shard)."""
     names = {p: n for n, p in model.named_parameters()}
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    states = {}
+    states: dict[str, dict] = {}
     for o in optimizer.chained_optimizers:
-        for p, st in o.optimizer.state.items():
-            states[names[p]] = {k: v.clone() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq", "step")}
+        if not hasattr(o, "model_param_gbuf_map"):  # the plain optimizer: whole parameters
+            for p, st in o.optimizer.state.items():
+                states[names[p]] = {k: (0, v.numel(), v.detach().flatten().clone()) if v.dim() else (0, 0, v.clone())
+                                    for k, v in st.items() if k in ("exp_avg", "exp_avg_sq", "step")}
+            continue
+        for p in o.model_param_gbuf_map:  # DistributedOptimizer: the shard of each param this dp rank owns
+            try:
+                r = o._get_model_param_range_map(p)["param"]
+            except KeyError:
+                continue
+            t = o._get_main_param_and_optimizer_states(p)
+            states[names[p]] = {k: (r.start, r.end, v.detach().flatten().clone()) if v.dim() else (0, 0, v.clone())
+                                for k, v in t.items() if k in ("param", "exp_avg", "exp_avg_sq", "step")}
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"coords": coords, "params": params, "states": states}, path)
 
@@ -178,8 +208,8 @@ if __name__ == "__main__":
     import torch.multiprocessing as mp
 
     action = sys.argv[1]
-    tp, pp, ep, dp = (int(a) for a in sys.argv[2:6])
-    paths = sys.argv[6:]
+    tp, pp, ep, dp, distopt = (int(a) for a in sys.argv[2:7])
+    paths = sys.argv[7:]
     os.makedirs(paths[-1], exist_ok=True)
-    mp.spawn(_rank, args=(tp * pp * dp, tp, pp, ep, int(os.environ["RESHARD_MCORE_PORT"]), action, paths),
-             nprocs=tp * pp * dp)
+    mp.spawn(_rank, args=(tp * pp * dp, tp, pp, ep, bool(distopt), int(os.environ["RESHARD_MCORE_PORT"]), action,
+                          paths), nprocs=tp * pp * dp)

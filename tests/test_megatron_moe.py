@@ -4,6 +4,7 @@ and the layout real megatron-core writes and loads."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import struct
 from pathlib import Path
@@ -78,6 +79,44 @@ def test_experts_split_over_ep_into_their_own_rank_files_with_local_numbers(tmp_
         assert f.read_bytes() == (back / f.relative_to(tmp_path / "a")).read_bytes(), f
 
 
+def test_distributed_optimizer_keeps_experts_in_a_buffer_of_their_own_at_ep_above_1(tmp_path):
+    """zero=1: at ep=2 distrib_optim.pt is [dense, expert] in the ep rank 0 file and [None, expert] in the
+    others, the expert buffer holding only expert params; at ep=1 one buffer holds everything. Through ep=4,
+    ep=1 and the plain optimizer and back, every state is kept and the files come back byte for byte."""
+    from fixtures import make_fixture
+
+    make_fixture(tmp_path / "a", to="tp=2,pp=2,dp=4,ep=2,zero=1", model="tiny-mixtral")
+    a = reshard.open_checkpoint(tmp_path / "a")
+    assert a.spec_name == "megatron-mixtral-ep-distopt-torch"
+    first = read_torch_file(next((tmp_path / "a").glob("iter_*/mp_rank_00_000_000/distrib_optim.pt")))
+    other = read_torch_file(next((tmp_path / "a").glob("iter_*/mp_rank_00_000_001/distrib_optim.pt")))
+    assert isinstance(first, list) and first[0] is not None and other[0] is None
+    model = rank_file(tmp_path / "a", "mp_rank_00_000_001")["model"]
+    experts = sum(math.prod(v.shape) for k, v in model.items() if ".local_experts." in k and hasattr(v, "shape"))
+    (pair, buf), = other[1][0].items()
+    assert buf["numel_unpadded"] >= experts and buf["numel_unpadded"] < experts + 64 * 8  # 64-aligned starts
+    assert [g["is_expert_parallel"] for g in rank_file(tmp_path / "a", "mp_rank_00_000_001")["optimizer"][1]
+            ["optimizer"]["param_groups"]] == [True]
+    for to, spec in (("tp=1,pp=2,dp=4,ep=4,zero=1", "megatron-mixtral-ep-distopt-torch"),
+                     ("tp=2,pp=1,dp=2,ep=1,zero=1", "megatron-mixtral-distopt-torch"),
+                     ("tp=1,pp=2,dp=2,ep=2,zero=0", "megatron-mixtral")):
+        out = tmp_path / re.sub(r"\W", "", to)
+        reshard.convert(tmp_path / "a", out, to=to)
+        assert reshard.open_checkpoint(out).spec_name == spec
+        result = reshard.verify(tmp_path / "a", out)
+        assert result and result.compared > 0, result.differences
+    single = read_torch_file(next((tmp_path / "tp2pp1dp2ep1zero1").glob("iter_*/mp_rank_01/distrib_optim.pt")))
+    assert isinstance(single, dict)  # ep=1: experts are ordinary params of the one DistributedOptimizer
+    for via in ("tp1pp2dp4ep4zero1", "tp2pp1dp2ep1zero1", "tp1pp2dp2ep2zero0"):
+        back = tmp_path / f"back-{via}"
+        reshard.convert(tmp_path / via, back, to="tp=2,pp=2,dp=4,ep=2,zero=1")
+        for f in (tmp_path / "a").rglob("*.pt"):
+            assert f.read_bytes() == (back / f.relative_to(tmp_path / "a")).read_bytes(), (via, f)
+    with pytest.raises(CheckpointFormatError, match="at ep=1 Megatron keeps them in the dense buffer"):
+        reshard.convert(tmp_path / "a", tmp_path / "x", to="tp=1,dp=2,ep=1,zero=1",
+                        spec="megatron-mixtral-ep-distopt-torch")
+
+
 def reshard_bytes(ref) -> bytes:
     with open(ref.path, "rb") as f:
         f.seek(ref.data_offset)
@@ -106,8 +145,8 @@ def test_experts_that_do_not_divide_over_ep_and_dense_models_at_ep_are_refused(t
     make_fixture(tmp_path / "dense", to="tp=1")
     with pytest.raises(CheckpointFormatError, match="ep > 1 needs a mixture-of-experts spec"):
         reshard.convert(tmp_path / "dense", tmp_path / "c", to="tp=1,dp=2,ep=2")
-    with pytest.raises(CheckpointFormatError, match="plain optimizer; zero=1 need a spec of their own"):
-        reshard.convert(tmp_path / "a", tmp_path / "d", to="tp=1,dp=2,ep=2,zero=1")
+    with pytest.raises(CheckpointFormatError, match="at ep=2 Megatron gives them an optimizer of their own"):
+        reshard.convert(tmp_path / "a", tmp_path / "d", to="tp=1,dp=2,ep=2,zero=1", spec="megatron-mixtral-distopt-torch")
 
 
 def global_names(dump: dict, layers: int, experts: int, pp: int, ep: int) -> dict[str, str]:
@@ -123,50 +162,67 @@ def global_names(dump: dict, layers: int, experts: int, pp: int, ep: int) -> dic
 
 
 def collect(dump_dir: Path, pp: int, ep: int, S: dict) -> dict[tuple[str, str], object]:
-    """(global name, value or Adam state) -> tensor over every rank's dump; replicas must agree."""
+    """(global name, value or optimizer state) -> tensor over every rank's dump, optimizer states flattened and
+    assembled from the ranges each rank holds; replicas must agree and every element must be held."""
     import torch
 
     out: dict[tuple[str, str], torch.Tensor] = {}
+    held: dict[tuple[str, str], torch.Tensor] = {}
+
+    def put(key, start, value, target):
+        have = out.setdefault(key, target)
+        seen = held.setdefault(key, torch.zeros(have.shape, dtype=torch.bool))
+        end = start + value.numel()
+        if seen[start:end].any():
+            assert torch.equal(have[start:end][seen[start:end]], value[seen[start:end]]), key
+        have[start:end], seen[start:end] = value, True
+
     for f in sorted(dump_dir.glob("rank*.pt")):
         d = torch.load(f, weights_only=False)
         names = global_names(d, S["layers"], S["experts"], pp, ep)
         for n, v in d["params"].items():
-            entries = {"param": v, **{k: s for k, s in d["states"][n].items()}}
-            for k, t in entries.items():
-                key = (names[n], k)
-                if key in out:
-                    assert torch.equal(out[key], t), key
-                out[key] = t
+            put((names[n], "value"), 0, v.flatten(), torch.empty(v.numel(), dtype=v.dtype))
+            for k, (a, z, t) in d["states"].get(n, {}).items():
+                if t.dim() == 0:
+                    put((names[n], k), 0, t.reshape(1), torch.empty(1, dtype=t.dtype))
+                else:
+                    put((names[n], k), a, t, torch.empty(v.numel(), dtype=t.dtype))
+    assert all(h.all() for h in held.values()), [k for k, h in held.items() if not h.all()][:3]
     return out
 
 
 @pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (CI installs it)")
-def test_real_megatron_core_moe_checkpoint_changes_ep_and_pp_and_loads_back_into_megatron_core(tmp_path):
-    """megatron-core at tp=1, pp=2, ep=2 (its ChainedOptimizer after one Adam step) -> ep=4, pp=1 and
-    -> ep=1 (one optimizer), each loaded strictly by megatron-core built at that layout: every weight
-    and Adam state equal to the source's under global layer and expert numbers; a step then runs."""
+@pytest.mark.parametrize("distopt", [False, True], ids=["plain-optimizer", "distributed-optimizer"])
+def test_real_megatron_core_moe_checkpoint_changes_ep_and_pp_and_loads_back_into_megatron_core(tmp_path, distopt):
+    """megatron-core at tp=1, pp=2, ep=2 (its ChainedOptimizer of a dense and an expert optimizer after one
+    Adam step; with the distributed optimizer, distrib_optim.pt from its own save_parameter_state) -> ep=4,
+    pp=1 and -> ep=1 (one optimizer), each loaded strictly by megatron-core built at that layout: every weight
+    and optimizer state equal to the source's under global layer and expert numbers; a step then runs."""
     import torch
 
     import mcore_moe_jobs as jobs
 
     S = jobs.SIZES
-    jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=1, pp=2, ep=2, dp=2)
+    jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=1, pp=2, ep=2, dp=2, distopt=distopt)
     src = reshard.open_checkpoint(tmp_path / "src")
-    assert src.spec_name == "megatron-mixtral-local" and (src.topology.pp, src.topology.ep) == (2, 2)
+    assert src.spec_name == ("megatron-mixtral-local-ep-distopt-torch" if distopt else "megatron-mixtral-local")
+    assert (src.topology.pp, src.topology.ep, src.topology.zero) == (2, 2, int(distopt))
     assert isinstance(rank_file(tmp_path / "src", "mp_rank_00_001_001")["optimizer"], list)  # [dense, expert]
     want = collect(tmp_path / "dump-src", 2, 2, S)
-    assert {k for _, k in want} == {"param", "exp_avg", "exp_avg_sq", "step"}
+    assert {k for _, k in want} == {"value", "exp_avg", "exp_avg_sq", "step"} | ({"param"} if distopt else set())
     for to, (pp, ep, dp) in (("tp=1,pp=1,dp=4,ep=4", (1, 4, 4)), ("tp=1,pp=2,dp=2,ep=1", (2, 1, 2))):
         out = tmp_path / re.sub(r"\W", "", to)
         reshard.convert(tmp_path / "src", out, to=to)
+        assert reshard.open_checkpoint(out).topology.zero == int(distopt)
         dump = tmp_path / f"dump-{out.name}"
-        jobs.load(out, dump, tp=1, pp=pp, ep=ep, dp=dp)
+        jobs.load(out, dump, tp=1, pp=pp, ep=ep, dp=dp, distopt=distopt)
         got = collect(dump, pp, ep, S)
         assert got.keys() == want.keys(), to
         for (name, state), value in want.items():
             have = got[(name, state)]
             if name in ("embedding.word_embeddings.weight", "output_layer.weight") and state != "step":
                 # Rows past the vocabulary pad it to a multiple of 128 * tp: written as zeros (--vocab-pad)
-                assert not have[S["vocab"]:].any()
-                have, value = have[:S["vocab"]], value[:S["vocab"]]
+                rows = S["vocab"] * S["h"]
+                assert not have[rows:].any()
+                have, value = have[:rows], value[:rows]
             assert have.dtype == value.dtype and torch.equal(have, value), (to, name, state)

@@ -63,7 +63,7 @@ SYNTAX_ERRORS = [
     ("let a = b +", "bad.spec:1:12: expected a number, a name or '(', found end of line\n    let a = b +\n               ^"),
     ("let a = sqrt(b)", "bad.spec:1:9: unknown function 'sqrt' (expected one of: cdiv, roundup, lcm, min, max)\n    let a = sqrt(b)\n            ^^^^"),
     ("section s per tp states", "bad.spec:1:24: expected state names after 'states', found end of line\n    section s per tp states\n                           ^"),
-    ("flat f = m | spin", "bad.spec:1:14: unknown flat operation 'spin' (expected one of: reverse, align, buckets, pad, split, perparam, coalesce)\n    flat f = m | spin\n                 ^^^^"),
+    ("flat f = m | spin", "bad.spec:1:14: unknown flat operation 'spin' (expected one of: reverse, align, buckets, pad, split, perparam, coalesce, only, except)\n    flat f = m | spin\n                 ^^^^"),
     ("x = h )", "bad.spec:1:7: expected an axis name, '(', '[' or '{', found ')'\n    x = h )\n          ^"),
     ("x h", "bad.spec:1:3: expected '=' after the stored tensor name, found 'h'\n    x h\n      ^"),
     ("x =", "bad.spec:1:4: expected dims (axis names, '(', '[', '{') or 'scalar', found end of line\n    x =\n       ^"),
@@ -239,3 +239,29 @@ def test_an_offset_is_an_expression_and_its_errors_point_into_the_name():
     assert pattern.captures[0].numbered == "global" and pattern.captures[0].offset is not None
     with pytest.raises(SpecError, match=r"bad\.spec:1:\d+: unexpected"):
         parse_spec("x.{=1)}.y = h", "bad.spec")
+
+
+ONLY_EXCEPT = """
+index e < n
+logical a = h
+logical x.{e} = h
+section model per ep
+a = h
+x.{e/ep} -> x.{e} = h
+section dense per ep states master
+flat dense.{state} = model | except x.* | align 4 | coalesce
+section experts per ep states master
+flat experts.{state} = model | only x.* | reverse | align 4 | coalesce
+"""
+
+
+def test_only_and_except_build_flat_buffers_from_part_of_a_section():
+    """Megatron's dense and expert buffers: one section's params split by name into two flat buffers."""
+    spec = parse_spec(ONLY_EXCEPT)
+    layout = resolve(spec, parse_topology("dp=2,ep=2"), {"h": 3, "n": 4}, states={"model": ("param",)})
+    by_key = {(it.key, dict(it.unit)["ep"]): info.shape for it, info in layout.items.items() if it.section != "model"}
+    assert by_key == {("dense.master", 0): (3,), ("dense.master", 1): (3,),
+                      ("experts.master", 0): (7,), ("experts.master", 1): (7,)}  # x.1 at 0, x.0 at 4 (aligned)
+    frags = sorted((f.tensor, f.offset) for f in layout.fragments if f.item.key == "experts.master"
+                   and dict(f.item.unit)["ep"] == 1)
+    assert frags == [("x.2", 4), ("x.3", 0)]

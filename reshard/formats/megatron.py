@@ -44,7 +44,11 @@ written nested again.
   ``distrib_optim.pt`` (``save_parameter_state`` / ``get_parameter_state_dp_zero``):
   ``{'buckets_coalesced': True, gbuf_idx: {(param_dtype, grad_dtype): {'param', 'exp_avg',
   'exp_avg_sq', 'numel_unpadded'}}}``, one buffer per model chunk, laid out as
-  MEGATRON-DISTOPT.md §2/§4 and ``specs/megatron-llama-distopt-torch.spec`` say.
+  MEGATRON-DISTOPT.md §2/§4 and ``specs/megatron-llama-distopt-torch.spec`` say. MoE at
+  ep > 1 chains a dense and an expert DistributedOptimizer: ``optimizer`` is a list of two
+  such dicts and ``distrib_optim.pt`` the list ``[dense, expert]`` (``save_parameter_state``),
+  the dense entry ``None`` except in the ep rank 0 file; expert buffers hold only expert
+  params (``megatron-mixtral-ep-distopt-torch``).
 
 Mapping. Every tensor of a model chunk is a layout item of section ``model`` (state
 ``param``); fp32 main params are state ``master`` and per-parameter optimizer tensors keep
@@ -73,13 +77,13 @@ GPT-2 style (``args.swiglu`` false, ``normalization`` LayerNorm, ``add_bias_line
 ``position_embedding_type`` learned_absolute: per-head QKV with biases, LayerNorm biases,
 ``embedding.position_embeddings`` on the first stage, output layer tied;
 ``megatron-gpt2*`` specs, sizes with ``positions`` from ``max_position_embeddings``), and
-Mixtral-style MoE (``--num-experts`` with SequentialMLP experts over any ep, untied, plain
-optimizer; ``megatron-mixtral``, or ``megatron-mixtral-local`` with
-``--transformer-impl local``; sizes with ``experts``).
+Mixtral-style MoE (``--num-experts`` with SequentialMLP experts over any ep, untied, plain or
+distributed optimizer; ``megatron-mixtral*``, ``-local`` with ``--transformer-impl local``,
+``moe_spec`` picks one; sizes with ``experts``).
 
 Not supported yet (each raises ``CheckpointFormatError`` saying so): ``--moe-grouped-gemm``
 experts, experts with their own tp (``--expert-tensor-parallel-size`` other than tp), MoE
-with the distributed optimizer or tied embeddings, context parallelism > 1, torch_dist/DCP
+with tied embeddings, context parallelism > 1, torch_dist/DCP
 checkpoints, other ``ChainedOptimizer``s than the dense + expert pair,
 distrib_optim.pt files before ``buckets_coalesced`` (megatron-core < 0.7),
 ``--ddp-num-buckets``, param groups other than the standard weight-decay split (e.g.
@@ -144,6 +148,19 @@ MOE_SPEC = "megatron-mixtral"
 """Megatron-core GPT with SequentialMLP experts over ep, untied, plain optimizer (Transformer Engine layers)."""
 MOE_LOCAL_SPEC = "megatron-mixtral-local"
 """The same with megatron-core's local layers (``--transformer-impl local``)."""
+
+
+def moe_spec(local: bool, distopt: bool, ep: int) -> str:
+    """The shipped MoE spec: TE or local layers; with the distributed optimizer, one buffer over every param at
+    ep = 1, a dense and an expert buffer at ep > 1."""
+    base = MOE_LOCAL_SPEC if local else MOE_SPEC
+    return base if not distopt else f"{base}-distopt-torch" if ep == 1 else f"{base}-ep-distopt-torch"
+
+
+_MOE_SPECS = {moe_spec(lo, d, ep) for lo in (False, True) for d in (False, True) for ep in (1, 2)}
+_MOE_LOCAL_SPECS = {moe_spec(True, d, ep) for d in (False, True) for ep in (1, 2)}
+# The distrib_optim.pt buffers each flat section holds: the dense optimizer's, or the expert optimizer's.
+_FLAT_NAMES = {"optim": "distrib_optim", "expert_optim": "expert_distrib_optim"}
 LEGACY_SPEC = "megatron-legacy-llama"
 """Megatron-LM's legacy GPTModel (nested ``language_model`` state dict), untied, plain optimizer."""
 
@@ -273,11 +290,11 @@ class MegatronFormat:
                 f"{first_path}: args.swiglu is False; the shipped megatron specs are Llama-style (SwiGLU, RMSNorm, "
                 "no biases) or GPT-2-style (LayerNorm, biases, learned positions). Give a spec for this model")
         if spec is None and args.get("num_experts"):
-            if tied or distopt:
+            if tied:
                 raise CheckpointFormatError(
-                    f"{first_path}: a mixture-of-experts model with {'tied embeddings' if tied else 'the distributed optimizer'}"
-                    f"; the shipped {MOE_SPEC} spec is untied with Megatron's plain optimizer: give a spec for this one")
-            spec = MOE_LOCAL_SPEC if args.get("transformer_impl") == "local" else MOE_SPEC
+                    f"{first_path}: a mixture-of-experts model with tied embeddings; the shipped {MOE_SPEC} specs are "
+                    "untied: give a spec for this one")
+            spec = moe_spec(args.get("transformer_impl") == "local", distopt, topo.ep)
         if spec is None and _is_legacy(first):
             if tied or distopt:
                 raise CheckpointFormatError(
@@ -294,11 +311,12 @@ class MegatronFormat:
         reader = _Reader(ranks, topo, spec_name, per_ep, model_sizes.get("experts", 0))
         model_sizes["bucket_size"] = _bucket_size(args, topo) if distopt else 0
         # Weights first, so an unknown tensor is named before the optimizer's structure is judged.
-        layout = _resolve(spec_ast, topo, model_sizes, {"model": ("param",), "optim": ()})
+        layout = _resolve(spec_ast, topo, model_sizes, {"model": ("param",), "optim": (), "expert_optim": ()})
         where = reader.map(layout)
         opt_states = reader.optimizer_states()
         if opt_states:
-            states = {"model": ("param", *opt_states)} if not distopt else {"model": ("param",), "optim": opt_states}
+            states = {"model": ("param", *opt_states)} if not distopt else \
+                {"model": ("param",), "optim": opt_states, "expert_optim": opt_states}
             layout = _resolve(spec_ast, topo, model_sizes, states)
             where = reader.map(layout)
         extra = reader.extra(args, layout)
@@ -411,21 +429,27 @@ class MegatronFormat:
         gpt2_spec = GPT2_DISTOPT_SPEC if topology.zero == 1 else GPT2_SPEC
         legacy = meg and source.spec_name == LEGACY_SPEC and spec is None
         moe = "experts" in source.sizes
-        if moe and spec is None and (tied or topology.zero == 1):
-            raise CheckpointFormatError(f"the shipped {MOE_SPEC} spec is untied with Megatron's plain optimizer; "
-                                        f"{'tied embeddings' if tied else 'zero=1'} need a spec of their own")
-        moe_spec = MOE_LOCAL_SPEC if meg and source.spec_name == MOE_LOCAL_SPEC else MOE_SPEC
-        spec_name = spec or (LEGACY_SPEC if legacy else moe_spec if moe else gpt2_spec if gpt2 else
-                             SPECS[(tied, topology.zero == 1)])
+        if moe and spec is None and tied:
+            raise CheckpointFormatError(f"the shipped {MOE_SPEC} specs are untied; tied embeddings need a spec of "
+                                        "their own")
+        local = meg and source.spec_name in _MOE_LOCAL_SPECS
+        spec_name = spec or (LEGACY_SPEC if legacy else moe_spec(local, topology.zero == 1, topology.ep) if moe else
+                             gpt2_spec if gpt2 else SPECS[(tied, topology.zero == 1)])
         spec_ast = load_spec(spec_name)
         distopt = _has_flat(spec_ast)
         per_ep = _per_ep(spec_ast)
         if topology.ep > 1 and not per_ep:
             raise CheckpointFormatError(
                 f"{topology}: ep > 1 needs a mixture-of-experts spec with sections per ep; {spec_name} has none")
-        if topology.ep > 1 and distopt:
-            raise CheckpointFormatError(f"{topology}: expert parallelism with the distributed optimizer is not "
-                                        "supported yet")
+        flats = _flat_sections(spec_ast)
+        if distopt and "expert_optim" in flats and topology.ep == 1:
+            raise CheckpointFormatError(
+                f"spec {spec_name} gives experts a buffer of their own, but at ep=1 Megatron keeps them in the dense "
+                f"buffer (they are allreduce params); use {moe_spec(spec_name in _MOE_LOCAL_SPECS, True, 1)}")
+        if distopt and moe and topology.ep > 1 and "expert_optim" not in flats:
+            raise CheckpointFormatError(
+                f"spec {spec_name} keeps experts in the dense buffer, but at ep={topology.ep} Megatron gives them an "
+                f"optimizer of their own; use {moe_spec(spec_name in _MOE_LOCAL_SPECS, True, topology.ep)}")
         if legacy and topology.zero == 1:
             raise CheckpointFormatError(f"zero=1: the shipped {LEGACY_SPEC} spec has no distributed optimizer; "
                                         "give a spec for the legacy model's buckets")
@@ -436,7 +460,8 @@ class MegatronFormat:
             raise CheckpointFormatError(
                 f"the distributed optimizer stores fp32 main params (state 'master'), which {source.path} lacks "
                 f"(it has {', '.join(opt_states)})")
-        states = {"model": ("param",), "optim": opt_states} if distopt else {"model": ("param", *opt_states)}
+        states = {"model": ("param",), "optim": opt_states, "expert_optim": opt_states} if distopt else \
+            {"model": ("param", *opt_states)}
         args = megatron_args(sizes, topology, base=src_args, tied=tied)
         if not meg and not gpt2:
             args.update(_args_from_config(source.extra.get("config")))
@@ -444,8 +469,8 @@ class MegatronFormat:
             args.update(_moe_args(source, sizes))
         if (spec_name == LEGACY_SPEC) != (meg and source.spec_name == LEGACY_SPEC):  # the model class changes
             args.update(use_legacy_models=spec_name == LEGACY_SPEC, use_mcore_models=spec_name != LEGACY_SPEC)
-        if moe and (spec_name == MOE_LOCAL_SPEC) != (meg and source.spec_name == MOE_LOCAL_SPEC):
-            args["transformer_impl"] = "local" if spec_name == MOE_LOCAL_SPEC else "transformer_engine"
+        if moe and (spec_name in _MOE_LOCAL_SPECS) != local:
+            args["transformer_impl"] = "local" if spec_name in _MOE_LOCAL_SPECS else "transformer_engine"
         sizes["bucket_size"] = _bucket_size(args, topology) if distopt else 0
         if vocab_pad is not None:
             if vocab_pad not in ("zero", "last"):
@@ -453,7 +478,7 @@ class MegatronFormat:
             spec_ast = _with_vocab_pad(spec_ast, vocab_pad)
         layout = _resolve(spec_ast, topology, sizes, states)
         unit_axes = ("tp", "pp", "ep") if per_ep else ("tp", "pp")
-        bad = next((it for it in layout.items if it.section not in ("model", "optim")
+        bad = next((it for it in layout.items if it.section not in ("model", *_FLAT_NAMES)
                     or tuple(a for a, _ in it.unit) != unit_axes), None)
         if bad is not None:
             raise CheckpointFormatError(
@@ -486,7 +511,7 @@ class MegatronFormat:
         out = {}
         for item in target.layout.items:
             u = dict(item.unit)
-            name = DISTOPT_FILE if item.section == "optim" else MODEL_FILE
+            name = DISTOPT_FILE if item.section in _FLAT_NAMES else MODEL_FILE
             out[item] = Path(it_dir) / _rank_dir_name(u.get("tp", 0), u.get("pp", 0), target.topology.pp,
                                                       u.get("ep", 0), target.topology.ep) / name
         return out
@@ -950,11 +975,15 @@ class _Reader:
     def _chained(self, r: _Rank, opts: list) -> tuple[str, tuple[str, ...]]:
         """``ChainedOptimizer.state_dict()``: the dense optimizer's, then the expert optimizer's (MoE at ep > 1)."""
         experts = any(_is_expert(key) for _, key, _ in self.params[(r.tp, r.pp, r.ep)])
-        if len(opts) != 2 or not experts or r.distopt is not None:
+        if len(opts) != 2 or not experts:
             raise CheckpointFormatError(
                 f"{r.path}: 'optimizer' is a list of {len(opts)} optimizers (a ChainedOptimizer); only the dense + "
-                "expert pair of a mixture-of-experts model with the plain optimizer is supported")
+                "expert pair of a mixture-of-experts model is supported")
         self.chained = True
+        if r.distopt is not None:
+            if not all(isinstance(o, Mapping) and isinstance(o.get("optimizer"), Mapping) for o in opts):
+                raise CheckpointFormatError(f"{r.path}: 'optimizer' is not two DistributedOptimizer state dicts")
+            return "distributed", self._distributed(r)
         dense = self._one(r, opts[0], lambda k: not _is_expert(k), "'optimizer'[0] (dense)")
         expert = self._one(r, opts[1], _is_expert, "'optimizer'[1] (experts)")
         if dense != expert:
@@ -1028,10 +1057,28 @@ class _Reader:
         return names or ()
 
     def _distributed(self, r: _Rank) -> tuple[str, ...]:
+        """distrib_optim.pt: one optimizer's buffers, or ``[dense, expert]`` (MoE at ep > 1; ``None`` for the
+        dense one except in the ep rank 0 file, whose writer is dense data-parallel rank 0)."""
         d, path = r.distopt, r.distopt_path
-        if isinstance(d, list):
+        if not isinstance(d, list):
+            return self._buffers(r, d, "optim")
+        if len(d) != 2 or not any(_is_expert(key) for _, key, _ in self.params[(r.tp, r.pp, r.ep)]):
             raise CheckpointFormatError(
-                f"{path}: a list of {len(d)} optimizer states (a ChainedOptimizer); not supported yet")
+                f"{path}: a list of {len(d)} optimizer states (a ChainedOptimizer); only the dense + expert pair of "
+                "a mixture-of-experts model is supported")
+        if d[1] is None or (d[0] is None) != (r.ep > 0):
+            raise CheckpointFormatError(
+                f"{path}: holds {['dense' if d[0] is not None else None, 'expert' if d[1] is not None else None]}; "
+                f"expert-parallel rank {r.ep}'s file holds {'the expert' if r.ep else 'the dense and the expert'} "
+                "optimizer's buffers")
+        self.chained = True
+        names = self._buffers(r, d[1], "expert_optim")
+        if d[0] is not None and self._buffers(r, d[0], "optim") != names:
+            raise CheckpointFormatError(f"{path}: the dense and the expert buffers hold different states")
+        return names
+
+    def _buffers(self, r: _Rank, d: Any, section: str) -> tuple[str, ...]:
+        path = r.distopt_path
         if not isinstance(d, Mapping) or not d.get("buckets_coalesced"):
             raise CheckpointFormatError(
                 f"{path}: not the coalesced format of megatron-core >= 0.7 (no 'buckets_coalesced'); "
@@ -1072,8 +1119,8 @@ class _Reader:
                 names = got
             elif got != names:
                 raise CheckpointFormatError(f"{path}: buffer {gbuf} holds {list(got)}, others {list(names)}")
-            out[(chunks[gbuf], "distrib_optim")] = found
-        self.per_param[(r.tp, r.pp, r.ep)] = out
+            out[(chunks[gbuf], section)] = found
+        self.per_param.setdefault((r.tp, r.pp, r.ep), {}).update(out)
         if names and "master" not in names:
             raise CheckpointFormatError(f"{path}: no 'param' (fp32 main params) in the buffers")
         return (("master",) + tuple(n for n in names if n != "master")) if names else ()
@@ -1110,13 +1157,22 @@ class _Reader:
                 if r.distopt is not None:
                     for state, ref in states.items():
                         name = _MAIN[0] if state == _MAIN[1] else state
-                        place("optim", rk, chunk, state, f"distrib_optim.{state}", ref, Path(r.distopt_path or ""),
-                              f"[{chunk}][{_dtype_pair_text(self.buffer_dtypes)}]['{name}']")
+                        shown = f"[{chunk}][{_dtype_pair_text(self.buffer_dtypes)}]['{name}']"
+                        if self.chained:
+                            shown = f"[{0 if key == 'optim' else 1}]{shown}"
+                        place(key, rk, chunk, state, f"{_FLAT_NAMES[key]}.{state}", ref, Path(r.distopt_path or ""),
+                              shown)
                 else:
                     for state, ref in states.items():
                         place("model", rk, chunk, state, key, ref, r.path, f"optimizer state '{state}' of {key}")
             if r.distopt is not None:
                 self._check_order(layout, rk, r)
+        for it in layout.items:  # the dense buffers of ep ranks > 0: replicas of ep rank 0's, stored there only
+            u = dict(it.unit)
+            if it.section == "optim" and u.get("ep", 0) > 0 and self.chained and it not in where:
+                twin = replace(it, unit=tuple((a, 0 if a == "ep" else c) for a, c in it.unit))
+                if twin in where:
+                    where[it] = where[twin]
         missing = [it for it, info in layout.items.items() if info.mapped and it not in where]
         if missing:
             it = missing[0]
@@ -1522,29 +1578,12 @@ def _target_extra(source: Source, topology: Topology, layout: Layout, args: dict
     if opt_states:
         kind = "distributed" if flat else "fp16" if "master" in opt_states else "fp32"
     groups = [dict(g) for g in (opt.get("param_groups") or [])] or (_default_param_groups(args) if kind else [])
-    step, state_keys = opt.get("step"), list(opt.get("state_keys") or [])
-    group_step = next((g["step"] for g in groups if "step" in g), None)
-    if kind == "distributed":
-        # DistributedOptimizer.state_dict puts the step into every group (a float from torch Adam's tensors).
-        value = group_step if group_step is not None else \
-            step.value() if step is not None else float(src.get("iteration") or 0)
-        for g in groups:
-            g["step"] = value
-    elif kind is not None and step is None and isinstance(group_step, float):
-        # From the distributed optimizer with torch Adam: the step goes back into each parameter's state.
-        step = SmallTensor.scalar(group_step)
-        for g in groups:
-            g.pop("step", None)
-    opt_names = [s for s in opt_states if s != "master"]
-    if kind in ("fp16", "fp32"):
-        keys = [k for k in state_keys if k in opt_names or (k == "step" and step is not None)]
-        state_keys = (["step"] if step is not None and "step" not in keys else []) + keys
-        state_keys += [s for s in opt_names if s not in state_keys]
     # Megatron splits expert params into an optimizer of their own only at ep > 1 (they are allreduce
-    # params otherwise): optimizer.state_dict() is then [dense, expert] (ChainedOptimizer).
+    # params otherwise): optimizer.state_dict() is then [dense, expert] (ChainedOptimizer), and so is
+    # distrib_optim.pt.
     expert_keys = [(it.key, info.shape) for it, info in layout.items.items()
                    if it.section == "model" and it.state == "param" and _is_expert(it.key)]
-    chained = kind in ("fp16", "fp32") and topology.ep > 1 and bool(expert_keys)
+    chained = kind is not None and topology.ep > 1 and bool(expert_keys)
     expert_groups = None
     if chained:
         expert_groups = [dict(g) for g in (opt.get("expert_param_groups") or [])]
@@ -1553,6 +1592,25 @@ def _target_extra(source: Source, topology: Topology, layout: Layout, args: dict
             expert_groups = [{**g, "is_expert_parallel": True} for g in groups if _group_is_no_wd(g, "", 0) in classes]
     elif opt.get("expert_param_groups"):  # back to one optimizer: every param in the dense groups
         groups = [{**g, "is_expert_parallel": False} for g in groups]
+    every_group = groups + (expert_groups or [])
+    step, state_keys = opt.get("step"), list(opt.get("state_keys") or [])
+    group_step = next((g["step"] for g in every_group if "step" in g), None)
+    if kind == "distributed":
+        # DistributedOptimizer.state_dict puts the step into every group (a float from torch Adam's tensors).
+        value = group_step if group_step is not None else \
+            step.value() if step is not None else float(src.get("iteration") or 0)
+        for g in every_group:
+            g["step"] = value
+    elif kind is not None and step is None and isinstance(group_step, float):
+        # From the distributed optimizer with torch Adam: the step goes back into each parameter's state.
+        step = SmallTensor.scalar(group_step)
+        for g in every_group:
+            g.pop("step", None)
+    opt_names = [s for s in opt_states if s != "master"]
+    if kind in ("fp16", "fp32"):
+        keys = [k for k in state_keys if k in opt_names or (k == "step" and step is not None)]
+        state_keys = (["step"] if step is not None and "step" not in keys else []) + keys
+        state_keys += [s for s in opt_names if s not in state_keys]
     same_ranks = (src_topo.tp, src_topo.pp, src_topo.ep) == (topology.tp, topology.pp, topology.ep) and (
         not args.get("data_parallel_random_init") or src_topo.dp == topology.dp)
     rng: dict[tuple[int, int, int], Any] = {}
@@ -1673,11 +1731,11 @@ class _Writer:
         self.topo = target.topology
         if "model_order" not in self.x:
             raise CheckpointFormatError("target has no megatron state; make it with the megatron format's target()")
-        self._optim_items: dict[tuple[int, int, int], dict[str, Item]] = {}
+        self._optim_items: dict[tuple[str, int, int, int, int], dict[str, Item]] = {}
         for it in target.layout.items:
-            if it.section == "optim":
+            if it.section in _FLAT_NAMES:
                 u = dict(it.unit)
-                self._optim_items.setdefault((u["tp"], u["pp"], it.chunk), {})[it.state] = it
+                self._optim_items.setdefault((it.section, u["tp"], u["pp"], u.get("ep", 0), it.chunk), {})[it.state] = it
 
     def run(self) -> list[Path]:
         x = self.x
@@ -1693,7 +1751,7 @@ class _Writer:
                         self._file(self.out / rel / MODEL_FILE, self._model_tree(t, p, e))
                         written.append(rel / MODEL_FILE)
                     if x["optimizer"]["kind"] == "distributed" and (self.only is None or rel / DISTOPT_FILE in self.only):
-                        self._file(self.out / rel / DISTOPT_FILE, self._distopt_tree(t, p))
+                        self._file(self.out / rel / DISTOPT_FILE, self._distopt_tree(t, p, e))
                         written.append(rel / DISTOPT_FILE)
         if not self.only:  # the tracker: by a full write, or the call with only=() after parallel workers
             (self.out / TRACKER).write_text("release" if release else str(int(x["iteration"])))
@@ -1761,10 +1819,14 @@ class _Writer:
         if kind is None:
             return None
         if kind == "distributed":
-            out: dict[str, Any] = {"optimizer": {"param_groups": self._small_leaf(sources, o["param_groups"])}}
-            if o["has_grad_scaler"]:
-                out["grad_scaler"] = self._small_leaf(sources, o["grad_scaler"])
-            return out
+            def one(groups: list[dict]) -> dict[str, Any]:
+                out: dict[str, Any] = {"optimizer": {"param_groups": self._small_leaf(sources, groups)}}
+                if o["has_grad_scaler"]:
+                    out["grad_scaler"] = self._small_leaf(sources, o["grad_scaler"])
+                return out
+            if o.get("expert_param_groups") is None:
+                return one(o["param_groups"])
+            return [one(o["param_groups"]), one(o["expert_param_groups"])]
         params = self._params(t, p, e)
         where = f"{self.t.spec_name} at {self.topo}, rank tp={t}, pp={p}{f', ep={e}' if self.topo.ep > 1 else ''}"
         if o.get("expert_param_groups") is None:
@@ -1812,16 +1874,24 @@ class _Writer:
         out["fp32_from_fp16_params"] = masters
         return out
 
-    def _distopt_tree(self, t: int, p: int) -> tuple[dict, dict]:
-        o = self.x["optimizer"]
+    def _distopt_tree(self, t: int, p: int, e: int) -> tuple[Any, dict]:
+        """distrib_optim.pt of rank (t, p, e): one optimizer's buffers, or [dense, expert] with the dense ones
+        only in the ep rank 0 file (its writer is dense data-parallel rank 0; save_parameter_state)."""
         sources: dict[int, Any] = {}
+        if self.x["optimizer"].get("expert_param_groups") is None:
+            return self._buffers_tree("optim", t, p, e, sources), sources
+        dense = self._buffers_tree("optim", t, p, e, sources) if e == 0 else None
+        return [dense, self._buffers_tree("expert_optim", t, p, e, sources)], sources
+
+    def _buffers_tree(self, section: str, t: int, p: int, e: int, sources: dict[int, Any]) -> dict:
+        o = self.x["optimizer"]
         tree: dict[Any, Any] = {"buckets_coalesced": True}
         gbuf = 0
         for c in range(self.topo.vpp):
-            items = self._optim_items.get((t, p, c))
+            items = self._optim_items.get((section, t, p, e, c))
             if not items:
                 continue
-            params = [v for k, v in self.x["model_order"].get((t, p, 0, c), []) if isinstance(v, Item)]
+            params = [v for k, v in self.x["model_order"].get((t, p, e, c), []) if isinstance(v, Item)]
             param_dtype = self._dtype(params[0]) if params else "bfloat16"
             grad_dtype = o.get("grad_dtype") or ("float32" if self.x["args"].get("accumulate_allreduce_grads_in_fp32")
                                                    else param_dtype)
@@ -1831,7 +1901,7 @@ class _Writer:
             buf["numel_unpadded"] = n
             tree[gbuf] = {(TorchDtype(param_dtype), TorchDtype(grad_dtype)): buf}
             gbuf += 1
-        return tree, sources
+        return tree
 
     # -- bytes
 
