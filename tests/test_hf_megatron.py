@@ -78,26 +78,29 @@ def test_hf_to_megatrons_legacy_model_and_back_gives_identical_logits(tmp_path):
 
 
 def test_a_mixtral_to_megatron_moe_and_back_gives_identical_logits(tmp_path):
-    """MixtralForCausalLM -> Megatron-core MoE (SequentialMLP experts) at tp=2,pp=2 -> tp=1,pp=4 -> HF."""
+    """MixtralForCausalLM -> Megatron-core MoE (SequentialMLP experts) at tp=2,pp=2,ep=2 -> tp=1,pp=4,vpp=2,ep=4
+    -> HF."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from reshard.torchfile import read_torch_file
 
     torch.manual_seed(0)
     config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                                        num_key_value_heads=2, num_hidden_layers=4, vocab_size=100,
+                                        num_key_value_heads=2, num_hidden_layers=8, vocab_size=100,
                                         num_local_experts=4, num_experts_per_tok=2)
     transformers.MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "hf", max_shard_size="50KB")
-    reshard.convert(tmp_path / "hf", tmp_path / "m1", format="megatron", to="tp=2,pp=2")
-    rank = read_torch_file(tmp_path / "m1" / "iter_0000000" / "mp_rank_01_001" / "model_optim_rng.pt")
+    reshard.convert(tmp_path / "hf", tmp_path / "m1", format="megatron", to="tp=2,pp=2,dp=2,ep=2")
+    rank = read_torch_file(tmp_path / "m1" / "iter_0000000" / "mp_rank_01_001_001" / "model_optim_rng.pt")
     args = rank["args"] if isinstance(rank["args"], dict) else vars(rank["args"])
     assert (args["num_experts"], args["moe_router_topk"], args["moe_ffn_hidden_size"]) == (4, 2, 48)
     layer = [k for k in rank["model"] if k.startswith("decoder.layers.0.")]
     assert layer[3:8] == ["decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.0.mlp.router.weight",
                           *(f"decoder.layers.0.mlp.experts.local_experts.0.linear_fc{n}.weight" for n in (1, 2)),
                           "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"]  # registration order
-    assert rank["model"]["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"].shape == (48, 32)  # 2f/tp
+    assert rank["model"]["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"].shape == (48, 32)  # 2f/tp
+    assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight" not in rank["model"]  # E/ep = 2 each
     assert reshard.open_checkpoint(tmp_path / "m1").spec_name == "megatron-mixtral"
-    reshard.convert(tmp_path / "m1", tmp_path / "m2", to="tp=1,pp=4")
+    reshard.convert(tmp_path / "m1", tmp_path / "m2", to="tp=1,pp=4,vpp=2,dp=4,ep=4")
+    assert (tmp_path / "m2" / "iter_0000000" / "mp_rank_00_003_003" / "model_optim_rng.pt").is_file()
     reshard.convert(tmp_path / "m2", tmp_path / "back", format="hf")
     assert_same_logits(transformers.MixtralForCausalLM, tmp_path / "hf", tmp_path / "back", 100)

@@ -1230,7 +1230,14 @@ class _Reader:
                     name = f"decoder.layers.{local_to_global[(p, chunk, int(m.group(1)))]}.{m.group(2)}"
                     if local_experts:  # local expert numbers are global ones on ep rank e
                         name = _renumber_expert(name, lambda j: e * local_experts + j)
-                extra_state.setdefault(name, {})[t] = _capture(value, f"{self.ranks[(t, p, e)].path}: {key}")
+                where = f"{self.ranks[(t, p, e)].path}: {key}"
+                per_tp = extra_state.setdefault(name, {})
+                value = _capture(value, where)
+                if t in per_tp and per_tp[t] != value:  # a replica over ep (dense) that is not one
+                    raise CheckpointFormatError(
+                        f"{where}: differs from the same entry of another expert-parallel rank; cannot tell "
+                        "which to carry")
+                per_tp[t] = value
         return {
             "args": args,
             "top_keys": [str(k) for k in obj],
