@@ -7,7 +7,6 @@ Each is one call a user or the CLI makes; everything below them is pure
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from reshard.formats import detect_format, get_format
 from reshard.formats.base import Source, Target, itemsize
 from reshard.layout import Item, common_views, with_state_alias
 from reshard.planner import Plan, plan as make_plan
+from reshard.storage import HASH, file_digest, take_digest
 from reshard.topology import Topology, parse_topology
 
 __all__ = [
@@ -240,17 +240,19 @@ def convert(
         shares = _shares(report, workers)
         if len(shares) <= 1:
             with ByteReader() as reader:
-                written = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), progress=tick,
-                                    window_bytes=window)
+                paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), progress=tick,
+                                  window_bytes=window)
+                written = {p: take_digest(tmp / p) for p in paths}
                 bytes_read = reader.bytes_read
         else:
             written, bytes_read = _run_workers(shares, src, tmp, to, format, spec, sizes, window,
                                                {"max_shard_size": max_shard_size, "vocab_pad": vocab_pad})
             with ByteReader() as reader:  # the files that hold no items: trackers, configs, indexes
-                written += fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), only=())
+                paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), only=())
+                written.update({p: take_digest(tmp / p) for p in paths})
         files = {}
         for rel in sorted(written, key=str):
-            files[str(rel)] = _file_record(tmp / rel)
+            files[str(rel)] = _file_record(tmp / rel, written[rel])
         manifest = {
             "reshard": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -338,8 +340,9 @@ def _shares(report: PlanReport, workers: int) -> list[list[str]]:
 
 
 def _run_workers(shares: list[list[str]], src, tmp: Path, to, format, spec, sizes, window: int,
-                 options: Mapping[str, Any] | None = None) -> tuple[list[Path], int]:
-    """Write each share of destination files in its own process; returns the files written and bytes read."""
+                 options: Mapping[str, Any] | None = None) -> tuple[dict[Path, str | None], int]:
+    """Write each share of destination files in its own process; returns the files written (with the
+    checksums their writers took) and bytes read."""
     import multiprocessing
 
     # spawn, not fork: a child forked from a large parent starts with the parent's memory.
@@ -348,17 +351,17 @@ def _run_workers(shares: list[list[str]], src, tmp: Path, to, format, spec, size
             for files in shares]
     with ctx.Pool(len(jobs)) as pool:
         results = pool.map(_worker, jobs)
-    written: list[Path] = []
+    written: dict[Path, str | None] = {}
     read = 0
     for files, error, nbytes in results:
         if error:
             raise ReshardError(error)
-        written += [Path(f) for f in files]
+        written.update({Path(f): d for f, d in files.items()})
         read += nbytes
     return written, read
 
 
-def _worker(job) -> tuple[list[str], str | None, int]:
+def _worker(job) -> tuple[dict[str, str | None], str | None, int]:
     """One worker: re-plan (deterministic), write its share of files. Errors come back as text."""
     src, tmp, to, format, spec, sizes, files, window, options = job
     try:
@@ -367,9 +370,9 @@ def _worker(job) -> tuple[list[str], str | None, int]:
             fill = PlanFill(report.plan, report.source.where, reader)
             written = get_format(report.target.format).write(report.target, Path(tmp), fill,
                                                              only=[Path(f) for f in files], window_bytes=window)
-            return [str(w) for w in written], None, reader.bytes_read
+            return {str(w): take_digest(Path(tmp) / w) for w in written}, None, reader.bytes_read
     except ReshardError as e:
-        return [], f"{e} (while writing {', '.join(files[:3])}{' ...' if len(files) > 3 else ''})", 0
+        return {}, f"{e} (while writing {', '.join(files[:3])}{' ...' if len(files) > 3 else ''})", 0
 
 
 def _check_destination(src: Path, dst: Path) -> None:
@@ -380,12 +383,9 @@ def _check_destination(src: Path, dst: Path) -> None:
         raise CheckpointFormatError(f"{dst}: destination is inside the source {src}")
 
 
-def _file_record(path: Path) -> dict[str, Any]:
-    h = hashlib.blake2b(digest_size=16)
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return {"bytes": path.stat().st_size, "blake2b": h.hexdigest()}
+def _file_record(path: Path, digest: str | None = None) -> dict[str, Any]:
+    """A manifest entry: size and xxh3-128, the one taken while writing if given, else read from the file."""
+    return {"bytes": path.stat().st_size, HASH: digest or file_digest(path)}
 
 
 @dataclass(slots=True)
@@ -514,11 +514,16 @@ def _verify_manifest(path: Path) -> VerifyResult:
         if not file.is_file():
             diffs.append(f"{rel}: missing")
             continue
-        got = _file_record(file)
-        if got["bytes"] != want.get("bytes"):
-            diffs.append(f"{rel}: {got['bytes']} bytes, the manifest says {want.get('bytes')}")
-        elif got["blake2b"] != want.get("blake2b"):
-            diffs.append(f"{rel}: checksum {got['blake2b']} differs from the manifest's {want.get('blake2b')}")
+        size = file.stat().st_size
+        if size != want.get("bytes"):
+            diffs.append(f"{rel}: {size} bytes, the manifest says {want.get('bytes')}")
+            continue
+        if HASH not in want:
+            diffs.append(f"{rel}: the manifest has no {HASH} checksum")
+            continue
+        got = file_digest(file)
+        if got != want[HASH]:
+            diffs.append(f"{rel}: {HASH} {got} differs from the manifest's {want[HASH]}")
     listed = set(files) | {MANIFEST}
     extra = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and str(p.relative_to(path)) not in listed)
     diffs += [f"{rel}: not in the manifest" for rel in extra]

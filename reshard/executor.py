@@ -12,6 +12,7 @@ is one window plus the source spans feeding it.
 from __future__ import annotations
 
 import bisect
+import math
 import os
 from collections import defaultdict
 from collections.abc import Mapping
@@ -34,6 +35,10 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # read exactly the bytes needed (overlapping and touching runs still merge); raise
 # it to trade gap bytes for fewer syscalls on sparse (transposed) layouts.
 _MERGE_GAP = 0
+
+# A source run of at least this many bytes that is contiguous in the destination too is read
+# straight into the destination window (no gather buffer, no second copy).
+_DIRECT_RUN = 256 << 10
 
 
 def uint_dtype(dtype: str) -> np.dtype:
@@ -132,20 +137,52 @@ class PlanFill:
 
     def __call__(self, item: Item, lo: int, hi: int) -> memoryview:
         dtype = uint_dtype(self.dtypes.get(item, "uint8"))
-        out = np.zeros(hi - lo, dtype=dtype)
+        pieces = []
         copies = self._copies.get(item)
         if copies:
             starts, ends = self._extents[item]
-            pieces = []
             for k in np.nonzero((starts < hi) & (ends > lo))[0]:
                 c = copies[int(k)]
                 for offs, lens, base in restrict(c.box.offsets, c.lengths, c.dst_strides, c.dst_offset, lo, hi):
                     src_base = c.src_offset + sum((o - b) * s for o, b, s in zip(offs, c.box.offsets, c.src_strides))
                     pieces.append((_Region(c.src, src_base, c.src_strides, lens), base - lo, c.dst_strides))
-            window = self._read([r for r, _, _ in pieces], dtype)
-            for region, at, strides in pieces:
+        covered = sum(math.prod(r.lengths) for r, _, _ in pieces)  # pieces never overlap in the destination
+        out = np.empty(hi - lo, dtype=dtype) if covered == hi - lo else np.zeros(hi - lo, dtype=dtype)
+        gathered = []
+        for region, at, strides in pieces:
+            if not self._read_direct(region, out, at, strides):
+                gathered.append((region, at, strides))
+        if gathered:
+            window = self._read([r for r, _, _ in gathered], dtype)
+            for region, at, strides in gathered:
                 view(out, at, strides, region.lengths)[...] = window.get(region)
         return memoryview(out).cast("B")
+
+    def _read_direct(self, region: _Region, out: np.ndarray, at: int, dst_strides: tuple[int, ...]) -> bool:
+        """Read a region straight into the destination window when each of its contiguous source runs is
+        contiguous there too and long enough to be worth its own read; False to gather it instead."""
+        outer, inner, run = region.split()
+        if run * out.itemsize < _DIRECT_RUN or len(outer) > 1:
+            return False
+        # Inner axes must keep the same compact layout in the destination.
+        step = 1
+        for k in reversed(inner):
+            if dst_strides[k] != step:
+                return False
+            step *= region.lengths[k]
+        loc = self.where.get(region.item)
+        if loc is None or out.itemsize != itemsize(loc.dtype):
+            return False
+        size = out.itemsize
+        flat = memoryview(out).cast("B")
+        if not outer:
+            self.reader.read_into(loc.path, loc.offset + region.base * size, flat[at * size:(at + run) * size])
+            return True
+        k = outer[0]
+        for i in range(region.lengths[k]):
+            src, dst = region.base + i * region.strides[k], at + i * dst_strides[k]
+            self.reader.read_into(loc.path, loc.offset + src * size, flat[dst * size:(dst + run) * size])
+        return True
 
     def read_region(self, item: Item, base: int, strides: tuple[int, ...], lengths: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """The elements of a strided region of a source item, as an array of shape ``lengths``."""

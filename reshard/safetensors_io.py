@@ -31,6 +31,7 @@ from types import MappingProxyType, TracebackType
 from typing import Any
 
 from reshard.errors import CheckpointFormatError
+from reshard.storage import OutputFile
 
 __all__ = [
     "INDEX_NAME",
@@ -304,13 +305,9 @@ class SafetensorsWriter:
         self.size = _N_LEN + len(header) + sum(t.nbytes for t in self.tensors.values())
         """Final file size in bytes."""
         self._written = dict.fromkeys(self.tensors, 0)
+        self._out: OutputFile | None = OutputFile(self.path, self.size)
         try:
-            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        except OSError as e:
-            raise CheckpointFormatError(f"{self.path}: cannot create ({e.strerror})") from None
-        try:
-            os.ftruncate(self._fd, self.size)
-            self._pwrite(len(header).to_bytes(_N_LEN, "little") + header, 0)
+            self._out.pwrite(len(header).to_bytes(_N_LEN, "little") + header, 0)
         except BaseException:
             self.abort()
             raise
@@ -325,39 +322,32 @@ class SafetensorsWriter:
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointFormatError(f"{self.path}: tensor '{name}' is not in this file")
-        if self._fd is None:
+        if self._out is None:
             raise CheckpointFormatError(f"{self.path}: write to tensor '{name}' after the file was closed")
         view = memoryview(data).cast("B")
         done = self._written[name]
         if done + len(view) > info.nbytes:
             raise _error(self.path, f"writing {len(view)} bytes at byte {done} overflows its {info.nbytes} bytes", name)
-        self._pwrite(view, info.data_offset + done)
+        self._out.pwrite(view, info.data_offset + done)
         self._written[name] = done + len(view)
-
-    def _pwrite(self, data: bytes | memoryview, offset: int) -> None:
-        assert self._fd is not None
-        view = memoryview(data)
-        while len(view):
-            n = os.pwrite(self._fd, view, offset)
-            view, offset = view[n:], offset + n
 
     def close(self) -> None:
         """Finish the file; raises (and removes the file) if a tensor is incomplete."""
-        if self._fd is None:
+        if self._out is None:
             return
         short = [f"'{n}' ({self._written[n]} of {t.nbytes} bytes)"
                  for n, t in self.tensors.items() if self._written[n] != t.nbytes]
         if short:
             self.abort()
             raise CheckpointFormatError(f"{self.path}: incomplete, tensors not fully written: {', '.join(short)}")
-        fd, self._fd = self._fd, None
-        os.close(fd)
+        out, self._out = self._out, None
+        out.close()
 
     def abort(self) -> None:
         """Close and remove the partial file."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
+        if self._out is not None:
+            out, self._out = self._out, None
+            out.abort()
         self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> SafetensorsWriter:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from reshard.errors import CheckpointFormatError
+from reshard.storage import OutputFile
 from reshard.torch_read import _is_builtin_type
 from reshard.torch_types import (
     _STORAGE_OF,
@@ -335,7 +336,8 @@ class TorchFileWriter:
     and ``TensorSpec`` leaves), lays out the whole zip as torch.save does, creates the file at its final
     size and writes everything but tensor bytes. Each ``TensorSpec`` gets its own contiguous storage; a key
     used twice gives two tensors sharing one storage. Then ``write`` appends each tensor's bytes, and
-    ``close`` checks every tensor is complete, fills in the CRC-32s and fsyncs.
+    ``close`` checks every tensor is complete, fills in the CRC-32s and fsyncs. Tensors are written in file
+    order (that of ``entries``), so ``OutputFile`` checksums the file as it goes.
 
     Used as a context manager, an exception (or an incomplete tensor) removes the partial file.
 
@@ -353,26 +355,24 @@ class TorchFileWriter:
     size: int
     """Bytes of the whole archive."""
 
-    def __init__(self, path: str | Path, obj: object, *, archive_name: str | None = None, fd: int | None = None,
-                 base: int = 0) -> None:
-        """With ``fd``, the archive is written into that open file at byte ``base`` (DCP's ``.distcp``
-        files hold one archive per chunk, each self-contained); the caller owns, sizes and syncs it."""
+    def __init__(self, path: str | Path, obj: object, *, archive_name: str | None = None,
+                 file: OutputFile | None = None, base: int = 0) -> None:
+        """With ``file``, the archive is written into that open file at byte ``base`` (DCP's ``.distcp``
+        files hold one archive per chunk, each self-contained); the caller owns, sizes and closes it."""
         self.path = Path(path)
-        self._base, self._owned = base, fd is None
+        self._base, self._owned = base, file is None
         prefix = archive_name or _archive_name(self.path)
         self._tensors, self._id, self._records, tail, offset = _lay_out(obj, prefix)
         self.entries = {k: (base + r.data_offset, r.size) for k, r in self._tensors.items()}
         self.size = offset + len(tail)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if fd is None else fd
+        self._out: OutputFile | None = OutputFile(self.path, self.size) if file is None else file
         try:
-            if self._owned:
-                os.ftruncate(self._fd, self.size)
             for r in self._records:
-                _pwrite(self._fd, r.local_header(), base + r.header_offset)
+                self._out.pwrite(r.local_header(), base + r.header_offset)
                 if r.payload is not None:
-                    _pwrite(self._fd, r.payload + r.descriptor(), base + r.data_offset)
-                _pwrite(self._fd, r.central_entry(), base + r.central_offset)
-            _pwrite(self._fd, tail, base + offset)
+                    self._out.pwrite(r.payload + r.descriptor(), base + r.data_offset)
+                self._out.pwrite(r.central_entry(), base + r.central_offset)
+            self._out.pwrite(tail, base + offset)
         except BaseException:
             self.abort()
             raise
@@ -385,7 +385,7 @@ class TorchFileWriter:
 
     def write(self, key: object, data: bytes | memoryview | np.ndarray) -> None:
         """Appends the next bytes of tensor ``key`` (row-major; an array's raw bytes are used whatever its dtype)."""
-        if self._fd is None:
+        if self._out is None:
             raise CheckpointFormatError(f"{self.path}: write after close")
         r = self._tensors[key]
         if isinstance(data, np.ndarray):
@@ -394,13 +394,15 @@ class TorchFileWriter:
         if r.written + n > r.size:
             raise CheckpointFormatError(
                 f"{self.path}: tensor {key!r} takes {r.size} bytes; {n} more after {r.written} would overflow it")
-        _pwrite(self._fd, data, self._base + r.data_offset + r.written)
+        self._out.pwrite(data, self._base + r.data_offset + r.written)
         r.crc = zlib.crc32(data, r.crc)
         r.written += n
+        if r.written == r.size:  # its data descriptor now, so the file is final up to the next tensor
+            self._out.pwrite(r.descriptor(), self._base + r.data_offset + r.size)
 
     def close(self) -> None:
         """Checks every tensor got exactly its bytes, writes the CRC-32s and fsyncs. Removes the file if not."""
-        if self._fd is None:
+        if self._out is None:
             return
         short = [f"{k!r} ({r.written} of {r.size} bytes)" for k, r in self._tensors.items() if r.written != r.size]
         if short:
@@ -414,27 +416,22 @@ class TorchFileWriter:
         self._id.crc = zlib.crc32(self._id.payload)
         base = self._base
         try:
-            _pwrite(self._fd, self._id.payload, base + self._id.data_offset)
-            for r in [*self._tensors.values(), self._id]:
-                if r.size:  # the data descriptor, then the central directory entry
-                    _pwrite(self._fd, struct.pack("<I", r.crc), base + r.data_offset + r.size + 4)
-                _pwrite(self._fd, struct.pack("<I", r.crc), base + r.central_offset + 16)
+            self._out.pwrite(self._id.payload + self._id.descriptor(), base + self._id.data_offset)
+            for r in [*self._tensors.values(), self._id]:  # tensors' data descriptors went with their last bytes
+                self._out.pwrite(struct.pack("<I", r.crc), base + r.central_offset + 16)
             if self._owned:
-                os.fsync(self._fd)
+                self._out.close()
         except BaseException:
             self.abort()
             raise
-        if self._owned:
-            os.close(self._fd)
-        self._fd = None
+        self._out = None
 
     def abort(self) -> None:
         """Closes and removes the file (an embedded archive leaves that to the file's owner)."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
+        if self._out is not None:
+            out, self._out = self._out, None
             if self._owned:
-                os.close(fd)
-                self.path.unlink(missing_ok=True)
+                out.abort()
 
     def __enter__(self) -> TorchFileWriter:
         return self

@@ -35,8 +35,24 @@ def fill_all(fill, infos, window: int) -> dict:
     return out
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["gathered", "direct"])
 @pytest.mark.parametrize("window", [1, 7, 64, 1 << 20])
-def test_windows_of_any_size_reproduce_the_in_memory_plan(tmp_path, window):
+def test_windows_of_any_size_reproduce_the_in_memory_plan(tmp_path, window, direct, monkeypatch):
+    """Runs gathered into a buffer and scattered, or (``direct``, with the run threshold lowered to one
+    element) read straight into the destination window where both sides are contiguous."""
+    import reshard.executor
+
+    if direct:
+        monkeypatch.setattr(reshard.executor, "_DIRECT_RUN", 4)
+    reads_direct = []
+    real = reshard.executor.PlanFill._read_direct
+
+    def counting(self, *args):
+        done = real(self, *args)
+        reads_direct.append(done)
+        return done
+
+    monkeypatch.setattr(reshard.executor.PlanFill, "_read_direct", counting)
     spec = load_spec("megatron-llama-distopt")
     sizes = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 4, "vocab_div": 8, "bucket_size": 0}
     src = resolve(spec, parse_topology("tp=2,pp=2,dp=2"), sizes)
@@ -50,6 +66,7 @@ def test_windows_of_any_size_reproduce_the_in_memory_plan(tmp_path, window):
         got = fill_all(PlanFill(p, where, reader), dst.items, window)
     for item, arr in want.items():
         assert got[item] == arr.tobytes(), item
+    assert any(reads_direct) == direct
 
 
 def test_sparse_strided_regions_read_run_by_run(tmp_path):

@@ -704,3 +704,11 @@ def test_without_vocab_pad_a_specs_own_pad_policy_stands(tmp_path):
                         offset=ref.data_offset).reshape(ref.shape)
     real = vocab - ref.shape[0]  # the last tp rank's real rows
     assert real < ref.shape[0] and (shard[real:] == shard[real - 1]).all() and shard[real - 1].any()
+
+
+@pytest.mark.parametrize("seed", [0, 1234, 1334, 2**31 + 5, 2**40 + 7])
+def test_cpu_rng_state_is_torchs_without_torch(seed):
+    torch = _torch()
+    from reshard.formats.megatron import torch_cpu_rng_state
+
+    assert torch_cpu_rng_state(seed) == torch.Generator().manual_seed(seed).get_state().numpy().tobytes()

@@ -14,6 +14,7 @@ is bit-level, so the executor only needs each dtype's item size.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -107,20 +108,50 @@ def stream_item(fill: Fill, item: Item, numel: int, dtype: str, write: Callable[
                 progress: Callable[[int], None] | None, window: int) -> None:
     """Copy an item's ``numel`` elements from ``fill`` to ``write``, at most ``window`` bytes at a time.
 
+    A window is written (checksummed, CRC'd, handed to the kernel) on a helper
+    thread while the next one is filled: both sides spend their time in code that
+    releases the GIL, so reading and writing overlap. At most two windows are in
+    flight.
+
     Raises CheckpointFormatError when ``fill`` returns the wrong number of bytes.
     """
     size = itemsize(dtype)
     step = max(1, window // size)
-    for lo in range(0, numel, step):
-        hi = min(numel, lo + step)
-        data = fill(item, lo, hi)
-        got = memoryview(data).nbytes
-        if got != (hi - lo) * size:
-            raise CheckpointFormatError(
-                f"fill returned {got} bytes for elements [{lo}, {hi}) of {item}, expected {(hi - lo) * size} ({dtype})")
+    if numel <= step:  # one window: nothing to overlap
+        data = fill(item, 0, numel)
+        got = _check_window(data, item, 0, numel, size, dtype)
         write(data)
         if progress:
             progress(got)
+        return
+    pending: Future | None = None
+    try:
+        for lo in range(0, numel, step):
+            hi = min(numel, lo + step)
+            data = fill(item, lo, hi)
+            got = _check_window(data, item, lo, hi, size, dtype)
+            if pending is not None:
+                pending.result()
+            pending = _WRITER.submit(write, data)
+            if progress:
+                progress(got)
+        if pending is not None:
+            pending.result()
+            pending = None
+    finally:
+        if pending is not None:  # an error while filling: let the write in flight end before unwinding
+            pending.exception()
+
+
+def _check_window(data, item: Item, lo: int, hi: int, size: int, dtype: str) -> int:
+    got = memoryview(data).nbytes
+    if got != (hi - lo) * size:
+        raise CheckpointFormatError(
+            f"fill returned {got} bytes for elements [{lo}, {hi}) of {item}, expected {(hi - lo) * size} ({dtype})")
+    return got
+
+
+_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-write")
 
 
 _SCALAR_KINDS = {"float32": "<f4", "float64": "<f8", "int64": "<i8", "int32": "<i4"}

@@ -71,7 +71,8 @@ from reshard.topology import Topology
 from reshard.safetensors_io import read_header
 from reshard.torch_read import read_torch_file
 from reshard.torch_types import TensorRef, TensorSpec
-from reshard.torch_write import TorchFileWriter, _pwrite
+from reshard.storage import OutputFile
+from reshard.torch_write import TorchFileWriter
 
 __all__ = ["FORMAT", "DcpFormat"]
 
@@ -252,23 +253,24 @@ class DcpFormat:
         for rel, entries in files.items():
             if only is not None and Path(rel) not in set(only):
                 continue
-            fd = os.open(out / rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            f = OutputFile(out / rel)
             try:
                 for e in entries:
                     if e.item is None:
-                        _pwrite(fd, e.data, e.base)
+                        f.pwrite(e.data, e.base)
                         continue
                     dtype = target.dtypes[e.item]
                     w = TorchFileWriter(out / rel, TensorSpec(dtype, e.chunk.sizes, key=0), archive_name="archive",
-                                        fd=fd, base=e.base)
+                                        file=f, base=e.base)
                     if w.size != e.length:
                         raise AssertionError(f"{e.key}: archive is {w.size} bytes, planned {e.length}")
                     stream_item(fill, e.item, math.prod(e.chunk.sizes), dtype, lambda data, w=w: w.write(0, data),
                                 progress, window)
                     w.close()
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                f.close()
+            except BaseException:
+                f.abort()
+                raise
             written.append(Path(rel))
         if only:
             return written

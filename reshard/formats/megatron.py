@@ -1541,8 +1541,6 @@ def _fresh_rng(args: Mapping[str, Any], tp_rank: int, pp_rank: int, like: Any, e
 
     ``like`` (a source rank's rng_state) decides which entries and tracker names appear.
     """
-    import torch  # only to produce the CPU generator's state bytes exactly as torch does
-
     seed0 = int(args.get("seed") or DEFAULT_SEED)
     per_dp = bool(args.get("data_parallel_random_init"))
     sample = like[0] if isinstance(like, list) and like and isinstance(like[0], Mapping) else None
@@ -1552,7 +1550,7 @@ def _fresh_rng(args: Mapping[str, Any], tp_rank: int, pp_rank: int, like: Any, e
     out = []
     for dp_rank in range(int(args.get("data_parallel_size") or 1) if per_dp else 1):
         seed = seed0 + 100 * pp_rank + (10 * dp_rank if per_dp else 0)
-        cpu = torch.Generator().manual_seed(seed).get_state().numpy().tobytes()
+        cpu = torch_cpu_rng_state(seed)
         tracker_seeds = {"data-parallel-rng": seed, "model-parallel-rng": seed + 2718 + tp_rank,
                          "expert-parallel-rng": seed + 1024 + 100 * ep_rank + tp_rank}
         state = {
@@ -1564,6 +1562,19 @@ def _fresh_rng(args: Mapping[str, Any], tp_rank: int, pp_rank: int, like: Any, e
         }
         out.append({k: state[k] for k in keys if k in state})
     return out
+
+
+def torch_cpu_rng_state(seed: int) -> bytes:
+    """``torch.Generator().manual_seed(seed).get_state()`` as bytes, without importing torch.
+
+    ATen's ``CPUGeneratorImplState``: the seed, mt19937's ``left`` (1), ``seeded`` (1) and
+    ``next`` (0), its 624 state words (init_genrand of the seed's low 32 bits, the key numpy's
+    legacy seeding makes too) widened to 64 bits, the cached normal samples (none), padded
+    as the C struct is: 5056 bytes.
+    """
+    key = np.random.RandomState(seed & 0xFFFFFFFF).get_state()[1].astype("<u8")
+    return (struct.pack("<qiiQ", seed, 1, 1, 0) + key.tobytes()
+            + struct.pack("<dddi4xf?3x", 0.0, 0.0, 0.0, 0, 0.0, False))
 
 
 def _cuda_state(seed: int) -> SmallTensor:

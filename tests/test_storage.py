@@ -1,0 +1,98 @@
+"""Output files: the checksum taken while writing is that of the bytes on disk, whatever the write order,
+and write failures are named errors that leave no file."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from reshard.errors import CheckpointFormatError
+from reshard.formats.base import stream_item
+from reshard.storage import OutputFile, file_digest, take_digest
+from reshard.torch_types import TensorSpec
+from reshard.torch_write import TorchFileWriter
+
+
+def test_sequential_writes_are_checksummed_without_reading_back(tmp_path):
+    f = OutputFile(tmp_path / "a", size=3000)
+    f.pwrite(b"h" * 100, 0)  # a header, then data streamed after it
+    for lo in range(100, 3000, 700):
+        f.pwrite(os.urandom(min(700, 3000 - lo)), lo)
+    assert f.close() == file_digest(tmp_path / "a") and f.read_back == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_any_write_order_overwrites_and_holes_still_give_the_files_checksum(tmp_path, seed):
+    rng = random.Random(seed)
+    size = 5000
+    f = OutputFile(tmp_path / "a", size=size if seed % 2 else None)
+    for _ in range(12):
+        lo = rng.randrange(0, size - 1)
+        f.pwrite(os.urandom(rng.randrange(1, min(900, size - lo) + 1)), lo)
+    if seed % 2 == 0:  # without a size the file ends where the last byte was written
+        f.pwrite(b"end", size - 3)
+    digest = f.close()
+    assert digest == file_digest(tmp_path / "a") == take_digest(tmp_path / "a")
+    assert take_digest(tmp_path / "a") is None  # taken once
+
+
+def test_a_torch_file_is_checksummed_as_it_streams(tmp_path):
+    """Headers and descriptors are read back (a few hundred bytes); tensor bytes are never read back."""
+    tree = {"a": TensorSpec("float32", (1000,), key="a"), "b": TensorSpec("bfloat16", (3, 500), key="b"),
+            "empty": TensorSpec("float32", (0,), key="e"), "step": 7}
+    data = {"a": os.urandom(4000), "b": os.urandom(3000), "e": b""}
+    with TorchFileWriter(tmp_path / "t.pt", tree) as w:
+        out = w._out
+        for key in w.entries:
+            for lo in range(0, len(data[key]), 512):
+                w.write(key, data[key][lo:lo + 512])
+    assert take_digest(tmp_path / "t.pt") == file_digest(tmp_path / "t.pt")
+    assert out.read_back < 2000 < len(data["a"]) and not out._rehash
+    torch = pytest.importorskip("torch")
+    loaded = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert loaded["a"].numpy().tobytes() == data["a"] and loaded["step"] == 7
+    import zipfile
+
+    assert zipfile.ZipFile(tmp_path / "t.pt").testzip() is None  # CRCs and data descriptors are right
+
+
+def test_write_errors_name_the_file_and_leave_nothing(tmp_path):
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(CheckpointFormatError, match=r"plain/x: cannot create \(Not a directory\)"):
+        OutputFile(tmp_path / "plain" / "x")
+    f = OutputFile(tmp_path / "y")
+    os.close(f._fd)  # the descriptor goes bad under it, as a failing disk would
+    f._fd = os.open(os.devnull, os.O_RDONLY)
+    with pytest.raises(CheckpointFormatError, match=r"y: cannot write 3 bytes at byte 0 \(Bad file descriptor\)"):
+        f.pwrite(b"abc", 0)
+    f.abort()
+    assert not (tmp_path / "y").exists()
+
+
+def test_stream_item_overlaps_filling_and_writing_and_keeps_the_order():
+    """Windows are written in order, each while the next is filled, and a failing write surfaces."""
+    payload = np.arange(10_000, dtype=np.uint32)
+    threads = set()
+
+    def fill(item, lo, hi):
+        return memoryview(payload[lo:hi].copy()).cast("B")
+
+    got = []
+
+    def write(data):
+        threads.add(threading.current_thread().name)
+        got.append(bytes(data))
+
+    stream_item(fill, "item", 10_000, "float32", write, None, window=4 * 999)
+    assert b"".join(got) == payload.tobytes() and len(got) == 11
+    assert any(t.startswith("reshard-write") for t in threads)
+
+    def broken(data):
+        raise CheckpointFormatError("disk full")
+
+    with pytest.raises(CheckpointFormatError, match="disk full"):
+        stream_item(fill, "item", 10_000, "float32", broken, None, window=4 * 999)
