@@ -1,11 +1,26 @@
-"""Convert a generated multi-GiB checkpoint and print wall time, peak RSS and bytes read.
+"""Convert a generated multi-GiB checkpoint: wall time against cp -r, peak RSS, bytes read and written.
 
-Generates a Llama-shaped Megatron checkpoint (bf16 weights, fp32 master copy,
-Adam exp_avg / exp_avg_sq; about 2.8 GiB at the default size) at tp=2,pp=2,
-then converts it to tp=1,pp=4 with ``reshard convert`` in a child process
-and reports that process's figures next to ``cp -r`` of the same source.
+Generates a Llama-shaped checkpoint (bf16 weights, fp32 master copy and Adam
+exp_avg / exp_avg_sq; about 2.6 GiB at the default scale), ``--source megatron``:
+Megatron at tp=2,pp=2 with the distributed optimizer (``distrib_optim.pt``), or
+``--source deepspeed``: DeepSpeed ZeRO-2 at dp=2, as its ranks would save it. Then
+measures, each in a fresh interpreter:
 
-    python bench/convert_memory.py [--scale 1.0] [--keep DIR]
+- ``cp -r`` of the source on the same disk (the same bytes read and written);
+- ``reshard convert`` to tp=1,pp=4 (DeepSpeed: dp=4) with ``--workers 1`` and ``--workers 2``;
+- ``reshard.load`` of rank 3 of 8 at tp=2,pp=2,dp=2 (DeepSpeed: dp=8), what a rank of a
+  resized job reads;
+- with ``--rss-scale S``, one more conversion of a checkpoint S times as large, for peak
+  memory at a second size.
+
+Figures: wall time (medians of ``--repeat`` rounds, each round running every
+measurement back to back: a shared machine's disk speed drifts), its ratio to
+``cp -r``, peak RSS, bytes read over the bytes needed (the source for a
+conversion, the rank's share for a load), and bytes written (``/proc/self/io``)
+over the output's size.
+
+    python bench/convert_memory.py [--source megatron|deepspeed] [--scale 1.0] [--repeat 3] [--rss-scale 2]
+                                   [--keep DIR] [--tiny]
 """
 
 from __future__ import annotations
@@ -23,13 +38,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
+# Per source format: the topology it is saved at, the conversion's target, and (topology, rank) to load.
+CASES = {
+    "megatron": ("tp=2,pp=2,dp=1,zero=1", "tp=1,pp=4", ("tp=2,pp=2,dp=2", 3)),
+    "deepspeed": ("dp=2,zero=2", "dp=4", ("dp=8", 3)),
+}
+NAMES = {"megatron": "Megatron (distributed optimizer)", "deepspeed": "DeepSpeed ZeRO-2"}
 
 
 def child(code: str) -> tuple[float, float, dict]:
-    """Run ``code`` in a fresh interpreter; return (seconds, its peak RSS in GiB, its JSON output)."""
-    code += ("\nimport resource as _r; print(json.dumps({**_out, 'rss': _r.getrusage(_r.RUSAGE_SELF).ru_maxrss, "
-             "'rss_children': _r.getrusage(_r.RUSAGE_CHILDREN).ru_maxrss}))")
+    """Run ``code`` in a fresh interpreter; return (seconds, its peak RSS in GiB, its JSON output ``_out``
+    with ``rss``, ``rss_children`` (KiB) and ``written``, the bytes it sent to storage)."""
+    code += ("\nimport resource as _r\n"
+             "_w = int(next(l.split()[1] for l in open('/proc/self/io') if l.startswith('write_bytes:')))\n"
+             "print(json.dumps({**_out, 'rss': _r.getrusage(_r.RUSAGE_SELF).ru_maxrss, "
+             "'rss_children': _r.getrusage(_r.RUSAGE_CHILDREN).ru_maxrss, 'written': _w}))")
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
     seconds = time.perf_counter() - t0
@@ -37,66 +60,106 @@ def child(code: str) -> tuple[float, float, dict]:
     return seconds, figures["rss"] / 2**20, figures
 
 
+def generate(src: Path, sizes: dict, fmt: str) -> None:
+    if src.exists():
+        return
+    # In a child: a process forked from a large parent reports the parent's peak RSS as its own.
+    t0 = time.perf_counter()
+    child(f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); import fixtures\n"
+          f"fixtures.MODELS['bench-llama'] = fixtures.Model('hf-llama', {sizes!r})\n"
+          f"fixtures.make_fixture({str(src)!r}, format={fmt!r}, to={CASES[fmt][0]!r}, model='bench-llama')\n"
+          "_out = {}")
+    print(f"generated {src} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+
+def convert(src: Path, dst: Path, workers: int, target: str) -> tuple[float, float, dict]:
+    shutil.rmtree(dst, ignore_errors=True)
+    os.sync()
+    seconds, rss, figures = child(
+        "import json, reshard\n"
+        f"r = reshard.convert({str(src)!r}, {str(dst)!r}, to={target!r}, workers={workers})\n"
+        "_out = {'read': r.bytes_read, 'output': r.bytes_written}")
+    if workers > 1:  # the main process plus each worker at the largest worker's peak: an upper bound
+        rss += workers * figures["rss_children"] / 2**20
+        figures["written"] = None  # the workers' writes are not the main process's
+    return seconds, rss, figures
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def sizes_for(scale: float, tiny: bool) -> dict:
+    if tiny:  # a smoke test's checkpoint: a few MiB
+        return {"h": 128, "heads": 4, "g": 2, "hd": 32, "f": 352, "vocab": 1000, "layers": 4, "vocab_div": 128}
+    layers = max(4, round(12 * scale / 4) * 4)
+    return {"h": 1024, "heads": 16, "g": 4, "hd": 64, "f": 2816, "vocab": 32000, "layers": layers, "vocab_div": 128}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scale", type=float, default=1.0, help="multiply the layer count (1.0: about 2.8 GiB)")
-    ap.add_argument("--keep", type=Path, help="write under this directory and keep the files")
+    ap.add_argument("--source", choices=sorted(CASES), default="megatron", help="the generated checkpoint's format")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply the layer count (1.0: about 2.6 GiB)")
     ap.add_argument("--repeat", type=int, default=3, help="rounds of every run; the table shows medians")
+    ap.add_argument("--rss-scale", type=float, help="also convert a checkpoint this many times as large")
+    ap.add_argument("--keep", type=Path, help="write under this directory and keep the files")
+    ap.add_argument("--tiny", action="store_true", help="a checkpoint of a few MiB (a smoke test)")
     args = ap.parse_args()
-    layers = max(4, round(12 * args.scale / 4) * 4)
-    sizes = {"h": 1024, "heads": 16, "g": 4, "hd": 64, "f": 2816, "vocab": 32000, "layers": layers, "vocab_div": 128}
+    source_topo, target, (load_topo, load_rank) = CASES[args.source]
     base = args.keep or Path(tempfile.mkdtemp(prefix="reshard-bench-", dir=os.environ.get("TMPDIR")))
     src, dst, copy = base / "src", base / "dst", base / "copy"
     for p in (dst, copy):
         shutil.rmtree(p, ignore_errors=True)
     try:
-        if not src.exists():
-            # In a child: a process forked from a large parent reports the parent's peak RSS as its own.
-            t0 = time.perf_counter()
-            gen = (f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); import fixtures\n"
-                   f"fixtures.MODELS['bench-llama'] = fixtures.Model('hf-llama', {sizes!r})\n"
-                   f"fixtures.make_fixture({str(src)!r}, format='megatron', to='tp=2,pp=2', model='bench-llama')\n"
-                   "_out = {}")
-            child(gen)
-            print(f"generated {src} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
-        # The disk's speed drifts from minute to minute on a shared machine: every round runs
-        # cp -r and both conversions back to back, and the table shows each run's median.
-        cp_times: list[float] = []
+        generate(src, sizes_for(args.scale, args.tiny), args.source)
+        size = dir_size(src)
+        cp_runs: list[tuple[float, int]] = []
         conv: dict[int, list[tuple[float, float, dict]]] = {1: [], 2: []}
+        loads: list[tuple[float, float, dict]] = []
         for _ in range(args.repeat):
             shutil.rmtree(copy, ignore_errors=True)
             os.sync()
             t0 = time.perf_counter()
             subprocess.run(["cp", "-r", str(src), str(copy)], check=True)
             os.sync()
-            cp_times.append(time.perf_counter() - t0)
+            cp_runs.append((time.perf_counter() - t0, dir_size(copy)))
             for workers in (1, 2):
-                shutil.rmtree(dst, ignore_errors=True)
-                os.sync()
-                code = (
-                    "import json, reshard\n"
-                    f"r = reshard.convert({str(src)!r}, {str(dst)!r}, to='tp=1,pp=4', workers={workers})\n"
-                    "_out = {'read': r.bytes_read, 'written': r.bytes_written}"
-                )
-                seconds, rss, figures = child(code)
-                if workers > 1:  # the main process plus each worker at the largest worker's peak: an upper bound
-                    rss += workers * figures["rss_children"] / 2**20
-                conv[workers].append((seconds, rss, figures))
-        cp_seconds = statistics.median(cp_times)
-        runs = [(w, statistics.median(r[0] for r in rs), max(r[1] for r in rs), rs[0][2]) for w, rs in conv.items()]
-        out_size = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())
+                conv[workers].append(convert(src, dst, workers, target))
+            loads.append(child(
+                "import json, reshard\n"
+                f"m = reshard.load({str(src)!r}, to={load_topo!r}, rank={load_rank})\n"
+                "_out = {'read': m.bytes_read, 'share': sum(t.numel() * t.element_size() for t in m.tensors.values())}"))
+        cp_seconds = statistics.median(t for t, _ in cp_runs)
+        out_size = dir_size(dst)
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
-        print(f"checkpoint: Megatron tp=2,pp=2 -> tp=1,pp=4, {size / 2**30:.2f} GiB (bf16 weights, fp32 master, Adam)\n")
-        print("| run | wall s | vs cp -r | peak RSS GiB | read GiB | read / source | written GiB |")
+        print(f"checkpoint: {NAMES[args.source]} {source_topo} -> {target}, {size / 2**30:.2f} GiB "
+              "(bf16 weights, fp32 master copy, Adam)\n")
+        print("| run | wall s | vs cp -r | peak RSS GiB | read GiB | read / needed | written / output |")
         print("|---|---:|---:|---:|---:|---:|---:|")
-        print(f"| cp -r | {cp_seconds:.1f} | 1.00 | | {size / 2**30:.2f} | 1.00 | {size / 2**30:.2f} |")
-        for workers, seconds, rss, figures in runs:
+        print(f"| cp -r | {cp_seconds:.1f} | 1.00 | | {size / 2**30:.2f} | 1.00 | 1.00 |")
+        for workers, rs in conv.items():
+            seconds = statistics.median(r[0] for r in rs)
+            rss = max(r[1] for r in rs)
+            f = rs[-1][2]
+            written = f"{f['written'] / out_size:.2f}" if f["written"] is not None else "(workers)"
             print(f"| reshard convert --workers {workers} | {seconds:.1f} | {seconds / cp_seconds:.2f} | {rss:.2f} "
-                  f"| {figures['read'] / 2**30:.2f} | {figures['read'] / size:.2f} | {out_size / 2**30:.2f} |")
-        print(f"\nmedians of {args.repeat} rounds (cp -r: {', '.join(f'{t:.1f}' for t in cp_times)} s; --workers 1: "
-              f"{', '.join(f'{r[0]:.1f}' for r in conv[1])} s); peak RSS is the largest seen, with --workers 2 the "
-              "main process plus 2 x the largest worker's peak (an upper bound)")
+                  f"| {f['read'] / 2**30:.2f} | {f['read'] / size:.2f} | {written} |")
+        seconds = statistics.median(r[0] for r in loads)
+        f = loads[-1][2]
+        print(f"| reshard.load rank {load_rank} of 8 ({load_topo}) | {seconds:.1f} | {seconds / cp_seconds:.2f} | "
+              f"{max(r[1] for r in loads):.2f} | {f['read'] / 2**30:.2f} | {f['read'] / f['share']:.2f} | |")
+        print(f"\nmedians of {args.repeat} rounds (cp -r: {', '.join(f'{t:.1f}' for t, _ in cp_runs)} s; "
+              f"--workers 1: {', '.join(f'{r[0]:.1f}' for r in conv[1])} s); peak RSS is the largest seen, with "
+              "--workers 2 the main process plus 2 x the largest worker's peak (an upper bound); "
+              f"the load's needed bytes are its share, {f['share'] / 2**30:.2f} GiB")
+        if args.rss_scale:
+            big = base / f"src-x{args.rss_scale:g}"
+            generate(big, sizes_for(args.scale * args.rss_scale, args.tiny), args.source)
+            seconds, rss, _ = convert(big, dst, 1, target)
+            print(f"\npeak RSS at a second size: {dir_size(big) / 2**30:.2f} GiB converted in {seconds:.1f} s at "
+                  f"{rss:.2f} GiB peak (--workers 1), against {max(r[1] for r in conv[1]):.2f} GiB at "
+                  f"{size / 2**30:.2f} GiB")
+            shutil.rmtree(big, ignore_errors=True)
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)

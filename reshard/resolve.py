@@ -299,11 +299,16 @@ class _Resolver:
 
     def by_index(self, rules: list[S.Statement], coords: dict[str, int], chunk: int, layer: tuple[int, int] | None):
         """Rules with their capture values; a run of rules sharing a ``{x/axis}`` capture (axis not pp) goes index by index."""
+        caps = [_split_capture(r) for r in rules]
+        if not any(caps):
+            for r in rules:
+                yield from ((r, v) for v in self.rule_values(r, coords, chunk, layer))
+            return
         i = 0
         while i < len(rules):
-            cap = _split_capture(rules[i])
+            cap = caps[i]
             j = i + 1
-            while cap is not None and j < len(rules) and _split_capture(rules[j]) == cap:
+            while cap is not None and j < len(rules) and caps[j] == cap:
                 j += 1
             run = [(r, list(self.rule_values(r, coords, chunk, layer))) for r in rules[i:j]]
             if j - i == 1:

@@ -1,0 +1,59 @@
+"""Every benchmark in one run, each printing its markdown table.
+
+- ``convert_memory.py``, twice: a Megatron checkpoint with the distributed optimizer, tp=2,pp=2 ->
+  tp=1,pp=4, and a DeepSpeed ZeRO-2 one, dp=2 -> dp=4, against ``cp -r``, with ``--workers 1``
+  and ``2``, and ``reshard.load`` of one rank of eight; peak RSS at two sizes (Megatron);
+- ``deepspeed_universal.py``: DeepSpeed ZeRO-2 dp=2 -> dp=4 against ``ds_to_universal``
+  (where deepspeed is installed);
+- ``dcp_load.py``: one rank's share of a PyTorch DCP checkpoint, ``reshard.load`` against
+  ``dcp.load`` (where torch is installed);
+- ``plan_405b.py``: planning a Llama-405B-shaped checkpoint from metadata alone.
+
+    python bench/run.py            # the README's tables (several minutes, about 12 GB of disk)
+    python bench/run.py --tiny     # a smoke test of the same scripts on checkpoints of a few MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def importable(module: str) -> bool:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    return subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, env=env).returncode == 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="small checkpoints, one round: a smoke test")
+    args = ap.parse_args()
+    small = ["--tiny", "--repeat", "1"] if args.tiny else []
+    steps: list[tuple[str, list[str]]] = [
+        ("Megatron conversion", ["convert_memory.py", *small, *([] if args.tiny else ["--rss-scale", "2"])]),
+        ("DeepSpeed conversion", ["convert_memory.py", "--source", "deepspeed", *small]),
+        ("Planning a 405B-shaped checkpoint", ["plan_405b.py", "--validate"]),
+    ]
+    if not args.tiny and importable("deepspeed"):
+        steps.append(("DeepSpeed ZeRO-2 against ds_to_universal", ["deepspeed_universal.py"]))
+    if not args.tiny and importable("torch"):
+        steps.append(("One rank of a DCP checkpoint against dcp.load", ["dcp_load.py"]))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
+    failed = []
+    for title, cmd in steps:
+        print(f"## {title}\n", flush=True)
+        code = subprocess.run([sys.executable, str(HERE / cmd[0]), *cmd[1:]], env=env).returncode
+        if code:
+            failed.append(f"{cmd[0]} (exit {code})")
+        print(flush=True)
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

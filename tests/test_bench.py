@@ -1,0 +1,30 @@
+"""The benchmark runs end to end (bench/run.py --tiny), and its figures hold the bounds the README states."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_and_reads_each_needed_byte_once():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--tiny"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sections = {part.split("\n", 1)[0]: part for part in out.stdout.split("## ")[1:]}
+    for title, load_row in (("Megatron conversion", "reshard.load rank 3 of 8 (tp=2,pp=2,dp=2)"),
+                            ("DeepSpeed conversion", "reshard.load rank 3 of 8 (dp=8)")):
+        rows = {m.group(1).strip(): [c.strip() for c in m.group(2).split("|")]
+                for m in re.finditer(r"^\| ([^|]+) \|(.*)\|$", sections[title], re.M)}
+        for run in ("reshard convert --workers 1", "reshard convert --workers 2"):
+            wall, ratio, rss, read, read_ratio, written = rows[run]
+            assert float(read_ratio) <= 1.05 and float(rss) < 1.0, (title, run)  # each byte once, within 1 GiB
+        assert float(rows["reshard convert --workers 1"][5]) <= 1.1, title  # the output written once
+        assert float(rows[load_row][4]) <= 1.1, title  # a rank reads its share
+    assert "**total (resolve + plan)**" in sections["Planning a 405B-shaped checkpoint"]
