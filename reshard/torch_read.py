@@ -349,7 +349,8 @@ class _Archive:
             raise _BadFileError("not a zip archive, so not a torch.save file (those start with PK\\x03\\x04)")
         try:
             self.zf = zipfile.ZipFile(fh)
-        except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
+        except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError, UnicodeDecodeError,
+                struct.error) as e:
             raise _BadFileError(f"not a readable zip archive (truncated?): {e}") from None
         names = self.zf.namelist()
         if not names or "/" not in names[0]:

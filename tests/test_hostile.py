@@ -47,6 +47,19 @@ def test_a_pickle_payload_in_a_rank_file_is_refused_and_never_runs(tmp_path, fmt
     assert not marker.exists()
 
 
+def test_a_pickle_payload_in_dcp_metadata_is_refused_and_never_runs(tmp_path):
+    """DCP's .metadata is a bare pickle, the one torch itself loads with code execution allowed."""
+    import pickle
+
+    src = tmp_path / "src"
+    make_fixture(src, format="dcp", to="dp=2")
+    marker = tmp_path / "pwned"
+    (src / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    stderr = convert_fails(src, tmp_path / "dst", "--format", "hf")
+    assert ".metadata" in stderr and "posix.system" in stderr
+    assert not marker.exists()
+
+
 def test_a_truncated_rank_file_is_named(tmp_path):
     src = tmp_path / "src"
     make_fixture(src, format="megatron", to="tp=2")
