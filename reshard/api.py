@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from reshard import __version__
 from reshard.errors import CheckpointFormatError, ReshardError
@@ -27,7 +28,7 @@ from reshard.formats import detect_format, get_format
 from reshard.formats.base import Source, Target, itemsize
 from reshard.layout import Item, common_views, with_state_alias
 from reshard.planner import Plan, plan as make_plan
-from reshard.storage import HASH, file_digest, take_digest
+from reshard.storage import HASH, file_digest, take_digest, take_item_digests
 from reshard.topology import Topology, parse_topology
 
 __all__ = [
@@ -188,8 +189,9 @@ def convert(
     Streams: each destination file is written window by window from just the
     source bytes it needs. The output is built in a hidden sibling directory
     and renamed to ``dst`` only when complete, with the manifest
-    ``reshard.json`` (sources, topologies, per-file sizes and checksums)
-    written last; a failed run leaves no ``dst``.
+    ``reshard.json`` written last: sources, topologies, and per file its size
+    and the xxh3-128 of its bytes and of each stored tensor, taken while
+    writing. A failed run leaves no ``dst``.
 
     Args:
       src: a checkpoint directory in any supported format.
@@ -236,6 +238,7 @@ def convert(
         if progress:
             progress(done[0], total)
 
+    take_item_digests()  # nothing left over from an earlier conversion in this process
     try:
         shares = _shares(report, workers)
         if len(shares) <= 1:
@@ -244,8 +247,9 @@ def convert(
                                   window_bytes=window)
                 written = {p: take_digest(tmp / p) for p in paths}
                 bytes_read = reader.bytes_read
+            tensors = _tensor_digests(report)
         else:
-            written, bytes_read = _run_workers(shares, src, tmp, to, format, spec, sizes, window,
+            written, bytes_read, tensors = _run_workers(shares, src, tmp, to, format, spec, sizes, window,
                                                {"max_shard_size": max_shard_size, "vocab_pad": vocab_pad})
             with ByteReader() as reader:  # the files that hold no items: trackers, configs, indexes
                 paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), only=())
@@ -253,6 +257,8 @@ def convert(
         files = {}
         for rel in sorted(written, key=str):
             files[str(rel)] = _file_record(tmp / rel, written[rel])
+            if str(rel) in tensors:
+                files[str(rel)]["tensors"] = dict(sorted(tensors[str(rel)].items()))
         manifest = {
             "reshard": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -340,9 +346,9 @@ def _shares(report: PlanReport, workers: int) -> list[list[str]]:
 
 
 def _run_workers(shares: list[list[str]], src, tmp: Path, to, format, spec, sizes, window: int,
-                 options: Mapping[str, Any] | None = None) -> tuple[dict[Path, str | None], int]:
+                 options: Mapping[str, Any] | None = None) -> tuple[dict[Path, str | None], int, dict[str, dict[str, str]]]:
     """Write each share of destination files in its own process; returns the files written (with the
-    checksums their writers took) and bytes read."""
+    checksums their writers took), bytes read and the per-tensor checksums by file."""
     import multiprocessing
 
     # spawn, not fork: a child forked from a large parent starts with the parent's memory.
@@ -352,16 +358,18 @@ def _run_workers(shares: list[list[str]], src, tmp: Path, to, format, spec, size
     with ctx.Pool(len(jobs)) as pool:
         results = pool.map(_worker, jobs)
     written: dict[Path, str | None] = {}
+    tensors: dict[str, dict[str, str]] = {}
     read = 0
-    for files, error, nbytes in results:
+    for files, error, nbytes, digests in results:
         if error:
             raise ReshardError(error)
         written.update({Path(f): d for f, d in files.items()})
+        tensors.update(digests)
         read += nbytes
-    return written, read
+    return written, read, tensors
 
 
-def _worker(job) -> tuple[dict[str, str | None], str | None, int]:
+def _worker(job) -> tuple[dict[str, str | None], str | None, int, dict[str, dict[str, str]]]:
     """One worker: re-plan (deterministic), write its share of files. Errors come back as text."""
     src, tmp, to, format, spec, sizes, files, window, options = job
     try:
@@ -370,9 +378,10 @@ def _worker(job) -> tuple[dict[str, str | None], str | None, int]:
             fill = PlanFill(report.plan, report.source.where, reader)
             written = get_format(report.target.format).write(report.target, Path(tmp), fill,
                                                              only=[Path(f) for f in files], window_bytes=window)
-            return {str(w): take_digest(Path(tmp) / w) for w in written}, None, reader.bytes_read
+            return ({str(w): take_digest(Path(tmp) / w) for w in written}, None, reader.bytes_read,
+                    _tensor_digests(report))
     except ReshardError as e:
-        return {}, f"{e} (while writing {', '.join(files[:3])}{' ...' if len(files) > 3 else ''})", 0
+        return {}, f"{e} (while writing {', '.join(files[:3])}{' ...' if len(files) > 3 else ''})", 0, {}
 
 
 def _check_destination(src: Path, dst: Path) -> None:
@@ -381,6 +390,15 @@ def _check_destination(src: Path, dst: Path) -> None:
     s, d = src.resolve(), dst.resolve()
     if d == s or s in d.parents:
         raise CheckpointFormatError(f"{dst}: destination is inside the source {src}")
+
+
+def _tensor_digests(report: PlanReport) -> dict[str, dict[str, str]]:
+    """The per-tensor checksums the writers took in this process, by destination file."""
+    out: dict[str, dict[str, str]] = defaultdict(dict)
+    for item, digest in take_item_digests().items():
+        if item in report.dst_files:
+            out[report.dst_file(item)][str(item)] = digest
+    return dict(out)
 
 
 def _file_record(path: Path, digest: str | None = None) -> dict[str, Any]:
@@ -454,7 +472,9 @@ def verify(a: str | Path, b: str | Path | None = None, *, states: tuple[str, ...
 
     With one checkpoint, check it against the manifest (``reshard.json``) its
     conversion wrote: every listed file present with its size and checksum,
-    and no other checkpoint file beside them (``compared`` counts files).
+    and no other checkpoint file beside them (``compared`` counts files). A
+    file whose checksum differs is opened again to name the stored tensors
+    that differ from their own checksums.
 
     Every logical tensor and state the two hold in common is rebuilt from
     each side (one tensor in memory at a time) and compared; replicas inside
@@ -524,10 +544,37 @@ def _verify_manifest(path: Path) -> VerifyResult:
         got = file_digest(file)
         if got != want[HASH]:
             diffs.append(f"{rel}: {HASH} {got} differs from the manifest's {want[HASH]}")
+            diffs += _tensor_differences(path, rel, want.get("tensors") or {})
     listed = set(files) | {MANIFEST}
     extra = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and str(p.relative_to(path)) not in listed)
     diffs += [f"{rel}: not in the manifest" for rel in extra]
     return VerifyResult(identical=not diffs, compared=len(files), differences=tuple(diffs))
+
+
+def _tensor_differences(path: Path, rel: str, want: Mapping[str, str]) -> list[str]:
+    """Which stored tensors of a file that fails its checksum differ from the manifest's, when the
+    checkpoint still opens; else nothing more than the file-level difference."""
+    if not want:
+        return []
+    try:
+        src = open_checkpoint(path)
+    except ReshardError:
+        return ["  (the checkpoint does not open, so its tensors cannot be checked one by one)"]
+    out = []
+    with ByteReader() as reader:
+        for item, loc in src.where.items():
+            label = str(item)
+            if label not in want or Path(loc.path).resolve() != (path / rel).resolve():
+                continue
+            h = xxhash.xxh3_128()
+            nbytes = src.layout.items[item].numel * itemsize(loc.dtype)
+            for lo in range(0, nbytes, 8 << 20):
+                buf = bytearray(min(8 << 20, nbytes - lo))
+                reader.read_into(Path(loc.path), loc.offset + lo, memoryview(buf))
+                h.update(buf)
+            if h.hexdigest() != want[label]:
+                out.append(f"  tensor {label}: {HASH} {h.hexdigest()} differs from the manifest's {want[label]}")
+    return out
 
 
 def _logical_keys(src: Source, states: tuple[str, ...] | None) -> dict[tuple[str, str], list]:

@@ -23,13 +23,14 @@ import xxhash
 
 from reshard.errors import CheckpointFormatError
 
-__all__ = ["HASH", "OutputFile", "file_digest", "take_digest"]
+__all__ = ["HASH", "ItemHasher", "OutputFile", "file_digest", "take_digest", "take_item_digests"]
 
 HASH = "xxh3_128"
 """The manifest's checksum: xxh3-128 of a file's bytes, as hex."""
 
 _CHUNK = 8 << 20
 _digests: dict[str, str] = {}
+_item_digests: dict[object, str] = {}
 
 
 def file_digest(path: str | Path) -> str:
@@ -46,6 +47,29 @@ def file_digest(path: str | Path) -> str:
 def take_digest(path: str | Path) -> str | None:
     """The checksum ``OutputFile.close`` took of ``path`` in this process, if it wrote it (and forget it)."""
     return _digests.pop(str(Path(path).absolute()), None)
+
+
+def take_item_digests() -> dict[object, str]:
+    """The checksums ``ItemHasher`` took of each stored tensor written in this process (and forget them)."""
+    out = dict(_item_digests)
+    _item_digests.clear()
+    return out
+
+
+class ItemHasher:
+    """xxh3-128 of one stored tensor's bytes, fed window by window as a writer streams them."""
+
+    def __init__(self, item: object) -> None:
+        self.item = item
+        self._hash = xxhash.xxh3_128()
+
+    def update(self, data) -> None:
+        self._hash.update(data)
+
+    def done(self) -> str:
+        digest = self._hash.hexdigest()
+        _item_digests[self.item] = digest
+        return digest
 
 
 class OutputFile:

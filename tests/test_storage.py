@@ -96,3 +96,29 @@ def test_stream_item_overlaps_filling_and_writing_and_keeps_the_order():
 
     with pytest.raises(CheckpointFormatError, match="disk full"):
         stream_item(fill, "item", 10_000, "float32", broken, None, window=4 * 999)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_manifest_checksums_every_tensor_and_verify_names_the_one_that_changed(tmp_path, workers):
+    import json
+
+    import reshard
+    from fixtures import make_fixture
+
+    make_fixture(tmp_path / "src", to="tp=2,pp=2")
+    reshard.convert(tmp_path / "src", tmp_path / "dst", to="tp=1,pp=2", workers=workers)
+    files = json.loads((tmp_path / "dst" / "reshard.json").read_text())["files"]
+    dst = reshard.open_checkpoint(tmp_path / "dst")
+    rel = "iter_0000000/mp_rank_00_001/model_optim_rng.pt"
+    mine = {str(it): loc for it, loc in dst.where.items() if str(loc.path).endswith(rel)}
+    assert set(files[rel]["tensors"]) == set(mine)  # every stored tensor of the file, weights and Adam state
+    label, loc = max(mine.items(), key=lambda kv: dst.layout.items[next(i for i in dst.where if str(i) == kv[0])].numel)
+    path = tmp_path / "dst" / rel
+    data = bytearray(path.read_bytes())
+    data[loc.offset + 5] ^= 1  # one bit inside that tensor
+    path.write_bytes(bytes(data))
+    result = reshard.verify(tmp_path / "dst")
+    assert not result.identical
+    assert result.differences[0].startswith(f"{rel}: xxh3_128 ")
+    assert [d for d in result.differences[1:] if "tensor" in d] == [
+        d for d in result.differences[1:] if d.startswith(f"  tensor {label}: xxh3_128 ")] and len(result.differences) == 2

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from reshard.errors import CheckpointFormatError
 from reshard.layout import Item, Layout
+from reshard.storage import ItemHasher
 from reshard.spec import Spec
 from reshard.topology import Topology
 
@@ -117,10 +118,13 @@ def stream_item(fill: Fill, item: Item, numel: int, dtype: str, write: Callable[
     """
     size = itemsize(dtype)
     step = max(1, window // size)
+    digest = ItemHasher(item)  # the manifest's per-tensor checksum
     if numel <= step:  # one window: nothing to overlap
         data = fill(item, 0, numel)
         got = _check_window(data, item, 0, numel, size, dtype)
+        digest.update(data)
         write(data)
+        digest.done()
         if progress:
             progress(got)
         return
@@ -130,6 +134,7 @@ def stream_item(fill: Fill, item: Item, numel: int, dtype: str, write: Callable[
             hi = min(numel, lo + step)
             data = fill(item, lo, hi)
             got = _check_window(data, item, lo, hi, size, dtype)
+            digest.update(data)
             if pending is not None:
                 pending.result()
             pending = _WRITER.submit(write, data)
@@ -138,6 +143,7 @@ def stream_item(fill: Fill, item: Item, numel: int, dtype: str, write: Callable[
         if pending is not None:
             pending.result()
             pending = None
+        digest.done()
     finally:
         if pending is not None:  # an error while filling: let the write in flight end before unwinding
             pending.exception()
