@@ -122,3 +122,29 @@ def test_the_manifest_checksums_every_tensor_and_verify_names_the_one_that_chang
     assert result.differences[0].startswith(f"{rel}: xxh3_128 ")
     assert [d for d in result.differences[1:] if "tensor" in d] == [
         d for d in result.differences[1:] if d.startswith(f"  tensor {label}: xxh3_128 ")] and len(result.differences) == 2
+
+
+@pytest.mark.parametrize("after", [0, 3, 40])
+def test_a_full_disk_mid_conversion_is_named_and_leaves_no_output(tmp_path, monkeypatch, after):
+    """ENOSPC injected into the storage layer after some writes: a clear error naming the file, and
+    neither the destination nor the temporary directory it was built in remains."""
+    import errno
+
+    import reshard
+    import reshard.storage
+    from fixtures import make_fixture
+
+    make_fixture(tmp_path / "src", to="tp=2,pp=2")
+    calls = [0]
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        calls[0] += 1
+        if calls[0] > after:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(reshard.storage.os, "pwrite", full)
+    with pytest.raises(reshard.ReshardError, match=r"model_optim_rng\.pt: cannot write .*No space left on device"):
+        reshard.convert(tmp_path / "src", tmp_path / "dst", to="tp=1,pp=2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
