@@ -70,3 +70,15 @@ def items_by_key(layout: Layout, items: dict, **unit) -> dict[str, np.ndarray]:
         for it in items
         if tuple(sorted((a, c) for a, c in it.unit if a in unit)) == want
     }
+
+
+def save_tiny_mixtral(path, layers: int) -> None:
+    """A small MixtralForCausalLM (GQA, 4 experts, top-2) saved by transformers as sharded bf16 safetensors."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                        num_key_value_heads=2, num_hidden_layers=layers, vocab_size=100,
+                                        num_local_experts=4, num_experts_per_tok=2)
+    transformers.MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(path, max_shard_size="50KB")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import save_tiny_mixtral
 
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, TopologyError
@@ -406,15 +407,11 @@ def test_llama_config_picks_the_most_common_dtype() -> None:
 
 def test_a_mixtral_resharded_as_fsdp2_and_back_gives_identical_logits(tmp_path: Path) -> None:
     """MixtralForCausalLM (experts saved per expert, as transformers saves them) through DCP at dp=3."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     import reshard
 
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                                        num_key_value_heads=2, num_hidden_layers=2, vocab_size=100,
-                                        num_local_experts=4, num_experts_per_tok=2)
-    transformers.MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "hf", max_shard_size="50KB")
+    save_tiny_mixtral(tmp_path / "hf", layers=2)
     src = reshard.open_checkpoint(tmp_path / "hf")
     assert src.spec_name == "hf-mixtral" and src.sizes["experts"] == 4
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in src.layout.tensors

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import save_tiny_mixtral
 
 import reshard
 
@@ -80,15 +81,11 @@ def test_hf_to_megatrons_legacy_model_and_back_gives_identical_logits(tmp_path):
 def test_a_mixtral_to_megatron_moe_and_back_gives_identical_logits(tmp_path):
     """MixtralForCausalLM -> Megatron-core MoE (SequentialMLP experts) at tp=2,pp=2,ep=2 -> tp=1,pp=4,vpp=2,ep=4
     -> HF."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from reshard.torchfile import read_torch_file
 
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                                        num_key_value_heads=2, num_hidden_layers=8, vocab_size=100,
-                                        num_local_experts=4, num_experts_per_tok=2)
-    transformers.MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "hf", max_shard_size="50KB")
+    save_tiny_mixtral(tmp_path / "hf", layers=8)
     reshard.convert(tmp_path / "hf", tmp_path / "m1", format="megatron", to="tp=2,pp=2,dp=2,ep=2")
     rank = read_torch_file(tmp_path / "m1" / "iter_0000000" / "mp_rank_01_001_001" / "model_optim_rng.pt")
     args = rank["args"] if isinstance(rank["args"], dict) else vars(rank["args"])

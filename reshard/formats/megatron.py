@@ -157,7 +157,6 @@ def moe_spec(local: bool, distopt: bool, ep: int) -> str:
     return base if not distopt else f"{base}-distopt-torch" if ep == 1 else f"{base}-ep-distopt-torch"
 
 
-_MOE_SPECS = {moe_spec(lo, d, ep) for lo in (False, True) for d in (False, True) for ep in (1, 2)}
 _MOE_LOCAL_SPECS = {moe_spec(True, d, ep) for d in (False, True) for ep in (1, 2)}
 # The distrib_optim.pt buffers each flat section holds: the dense optimizer's, or the expert optimizer's.
 _FLAT_NAMES = {"optim": "distrib_optim", "expert_optim": "expert_distrib_optim"}
@@ -1607,7 +1606,8 @@ def _target_extra(source: Source, topology: Topology, layout: Layout, args: dict
         expert_groups = [dict(g) for g in (opt.get("expert_param_groups") or [])]
         if not expert_groups:  # the dense groups as the expert optimizer has them: only those with members
             classes = {_no_wd(k, shape) for k, shape in expert_keys}
-            expert_groups = [{**g, "is_expert_parallel": True} for g in groups if _group_is_no_wd(g, "", 0) in classes]
+            expert_groups = [{**g, "is_expert_parallel": True} for k, g in enumerate(groups)
+                             if _group_is_no_wd(g, f"{source.path}: optimizer", k) in classes]
     elif opt.get("expert_param_groups"):  # back to one optimizer: every param in the dense groups
         groups = [{**g, "is_expert_parallel": False} for g in groups]
     every_group = groups + (expert_groups or [])
