@@ -81,8 +81,14 @@ def convert(
     max_shard_size: ShardOpt = None,
     vocab_pad: VocabPadOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; read and write nothing")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="continue an interrupted conversion to DST, keeping the files it "
+                                         "finished whose checksums verify")] = False,
 ) -> None:
-    """Rewrite SRC for another topology (and format) at DST, streaming."""
+    """Rewrite SRC for another topology (and format) at DST, streaming.
+
+    The output appears at DST only when complete. A conversion that is killed or
+    interrupted leaves a hidden .DST.reshard-partial beside it; the same command
+    with --resume continues it."""
     if dry_run:
         _print_plan(reshard.plan(src, to=to, format=format, spec=spec, sizes=_sizes(sizes),
                                  max_shard_size=max_shard_size, vocab_pad=vocab_pad).to_json())
@@ -90,13 +96,21 @@ def convert(
     columns = (TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("convert", total=None)
-        result = reshard.convert(src, dst, to=to, format=format, spec=spec, sizes=_sizes(sizes), workers=workers,
-                                 memory_budget=memory_budget, max_shard_size=max_shard_size, vocab_pad=vocab_pad,
-                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
+        try:
+            result = reshard.convert(src, dst, to=to, format=format, spec=spec, sizes=_sizes(sizes), workers=workers,
+                                     memory_budget=memory_budget, max_shard_size=max_shard_size, vocab_pad=vocab_pad,
+                                     progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                     resume=resume)
+        except KeyboardInterrupt:
+            err.print(f"interrupted: {dst} was not written; the same command with --resume continues where this "
+                      "one stopped", highlight=False)
+            raise typer.Exit(code=130) from None
     r = result.report
     out.print(f"wrote {result.path} ({r.target.format}, {r.target.topology}) from {r.source.path} "
               f"({r.source.format}, {r.source.topology}): {len(result.files)} files, {_bytes(result.bytes_written)} "
-              f"in {result.seconds:.1f} s, {_bytes(result.bytes_read)} read", highlight=False)
+              f"in {result.seconds:.1f} s, {_bytes(result.bytes_read)} read"
+              + (f"; {result.reused} files kept from the interrupted conversion" if result.reused else ""),
+              highlight=False)
     if r.dropped_states:
         out.print(f"not carried ({r.target.format} does not hold them): {', '.join(r.dropped_states)}", highlight=False)
 
@@ -169,6 +183,8 @@ def verify(
     """Compare two checkpoints' logical tensors bit for bit, or one against its manifest; exit 0 only if identical."""
     result = reshard.verify(a, b, states=tuple(states.split(",")) if states else None, sizes=_sizes(sizes))
     what = "logical tensors compared" if b is not None else "files checked against reshard.json"
+    if result.by_checksum:
+        what += f", {result.by_checksum} of them by the logical checksums in both manifests"
     if result:
         out.print(f"identical: {result.compared} {what}" if b is not None else f"intact: {result.compared} {what}",
                   highlight=False)

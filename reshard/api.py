@@ -10,10 +10,10 @@ import dataclasses
 import json
 import math
 import os
-import shutil
+import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,8 @@ from reshard.formats import detect_format, get_format
 from reshard.formats.base import Source, Target, itemsize
 from reshard.layout import Item, common_views, with_state_alias
 from reshard.planner import Plan, plan as make_plan
-from reshard.storage import HASH, file_digest, take_digest, take_item_digests
+from reshard.partial import Partial, partial_path
+from reshard.storage import HASH, file_digest, journal_into, take_digest, take_item_digests
 from reshard.topology import Topology, parse_topology
 
 __all__ = [
@@ -104,9 +105,11 @@ class PlanReport:
     def dst_file(self, item: Item) -> str:
         return str(self.dst_files[item])
 
-    def needed_bytes(self) -> int:
-        """Bytes the copies move (what a conversion reads at least)."""
-        return sum(c.numel * itemsize(self.source.where[c.src].dtype) for c in self.plan.copies)
+    def needed_bytes(self, files: Collection[str] | None = None) -> int:
+        """Bytes the copies move (what a conversion reads at least), into just ``files`` if given."""
+        keep = None if files is None else set(files)
+        return sum(c.numel * itemsize(self.source.where[c.src].dtype) for c in self.plan.copies
+                   if keep is None or self.dst_file(c.dst) in keep)
 
     def files(self) -> list[dict[str, Any]]:
         per: dict[str, dict[str, Any]] = defaultdict(lambda: {"bytes": 0, "copies": 0, "sources": set()})
@@ -168,6 +171,8 @@ class ConvertResult:
     bytes_read: int
     bytes_written: int
     seconds: float
+    reused: int = 0
+    """Files an interrupted conversion had written that ``resume`` kept (verified by checksum)."""
 
 
 def convert(
@@ -183,15 +188,17 @@ def convert(
     max_shard_size: int | str | None = None,
     vocab_pad: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    resume: bool = False,
 ) -> ConvertResult:
     """Rewrite the checkpoint ``src`` for topology ``to`` (and ``format``) at ``dst``.
 
     Streams: each destination file is written window by window from just the
     source bytes it needs. The output is built in a hidden sibling directory
-    and renamed to ``dst`` only when complete, with the manifest
-    ``reshard.json`` written last: sources, topologies, and per file its size
-    and the xxh3-128 of its bytes and of each stored tensor, taken while
-    writing. A failed run leaves no ``dst``.
+    (``reshard.partial``) and renamed to ``dst`` only when complete, with the
+    manifest ``reshard.json`` written last: sources, topologies, and per file
+    its size and the xxh3-128 of its bytes and of each stored tensor, taken
+    while writing. A failed run leaves no ``dst``; one that was killed or
+    interrupted leaves the hidden directory, which ``resume`` continues.
 
     Args:
       src: a checkpoint directory in any supported format.
@@ -212,6 +219,9 @@ def convert(
         vocabulary for the target tp (``last``: copies of the last real row, as Megatron's
         own converter pads); default: the spec's own policy (zeros in the shipped specs).
       progress: ``progress(done_bytes, total_bytes)`` while writing (one worker).
+      resume: continue an interrupted conversion with the same source and options,
+        keeping the files it finished whose checksums still verify; if it had
+        finished, check ``dst`` against its manifest instead.
 
     Raises:
       ReshardError: anything about the inputs, named with file, tensor and reason.
@@ -222,38 +232,59 @@ def convert(
         raise ReshardError(f"workers must be at least 1, got {workers}")
     report = plan(src, to=to, format=format, spec=spec, sizes=sizes, max_shard_size=max_shard_size,
                   vocab_pad=vocab_pad)
+    if resume and dst.exists() and not partial_path(dst).exists() and (dst / MANIFEST).exists():
+        files = _finished(dst, report)  # done before: killed after its rename, or run twice
+        return ConvertResult(path=dst, report=report, files=files, bytes_read=0, bytes_written=0, reused=len(files),
+                             seconds=time.perf_counter() - started)
     _check_destination(Path(src), dst)
     window = _window_bytes(report, parse_size(memory_budget), workers)
     target = report.target
     fmt = get_format(target.format)
-    tmp = dst.parent / f".{dst.name}.reshard-tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    total = report.needed_bytes()
-    done = [0]
-
-    def tick(n: int) -> None:
-        done[0] += n
-        if progress:
-            progress(done[0], total)
-
-    take_item_digests()  # nothing left over from an earlier conversion in this process
+    options = {"max_shard_size": max_shard_size, "vocab_pad": vocab_pad}
+    partial = Partial(dst, _resume_header(report, options), resume=resume, manifest=MANIFEST)
+    tmp = partial.path
     try:
-        shares = _shares(report, workers)
+        if partial.complete:  # killed after its manifest, before its rename
+            files = _finished(tmp, report)
+            partial.commit(None)
+            return ConvertResult(path=dst, report=report, files=files, bytes_read=0, bytes_written=0,
+                                 reused=len(files), seconds=time.perf_counter() - started)
+        kept = partial.kept
+        todo = sorted({str(f) for f in report.dst_files.values()} - kept.keys())
+        total = report.needed_bytes(todo) if kept else report.needed_bytes()
+        done = [0]
+
+        def tick(n: int) -> None:
+            done[0] += n
+            if progress:
+                progress(done[0], total)
+
+        journal_into(tmp)
+        take_item_digests()  # nothing left over from an earlier conversion in this process
+        written: dict[Path, str | None] = {Path(rel): e[HASH] for rel, e in kept.items()}
+        shares = _shares(report, workers, todo)
         if len(shares) <= 1:
             with ByteReader() as reader:
-                paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), progress=tick,
-                                  window_bytes=window)
-                written = {p: take_digest(tmp / p) for p in paths}
+                fill = PlanFill(report.plan, report.source.where, reader)
+                if not kept:
+                    paths = fmt.write(target, tmp, fill, progress=tick, window_bytes=window)
+                else:
+                    paths = fmt.write(target, tmp, fill, progress=tick, only=[Path(f) for f in todo],
+                                      window_bytes=window) if todo else []
+                    paths += fmt.write(target, tmp, fill, only=())
+                written.update({p: take_digest(tmp / p) for p in paths})
                 bytes_read = reader.bytes_read
             tensors = _tensor_digests(report)
         else:
-            written, bytes_read, tensors = _run_workers(shares, src, tmp, to, format, spec, sizes, window,
-                                               {"max_shard_size": max_shard_size, "vocab_pad": vocab_pad})
+            new, bytes_read, tensors = _run_workers(shares, src, tmp, to, format, spec, sizes, window, options)
+            written.update(new)
             with ByteReader() as reader:  # the files that hold no items: trackers, configs, indexes
                 paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), only=())
                 written.update({p: take_digest(tmp / p) for p in paths})
+        labels = {str(item): report.dst_file(item) for item in report.dst_files}
+        for label, digest in partial.tensors.items():
+            if labels.get(label) in kept:
+                tensors.setdefault(labels[label], {})[label] = digest
         files = {}
         for rel in sorted(written, key=str):
             files[str(rel)] = _file_record(tmp / rel, written[rel])
@@ -264,18 +295,21 @@ def convert(
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **report.to_json(),
             "files": files,
+            "logical": _logical_digests(report, tensors),
         }
         manifest.pop("work_units", None)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if dst.exists():
-            dst.rmdir()  # empty, checked above
-        os.replace(tmp, dst)
+        partial.commit(json.dumps(manifest, indent=1) + "\n")
+    except (KeyboardInterrupt, SystemExit):
+        raise  # interrupted: the partial directory stays for --resume
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        partial.abandon()
         raise
-    size = sum(f["bytes"] for f in files.values())
+    finally:
+        journal_into(None)
+        partial.release()
+    size = sum(f["bytes"] for rel, f in files.items() if rel not in kept)
     return ConvertResult(path=dst, report=report, files=files, bytes_read=bytes_read, bytes_written=size,
-                         seconds=time.perf_counter() - started)
+                         reused=len(kept), seconds=time.perf_counter() - started)
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
@@ -330,14 +364,16 @@ def _window_bytes(report: PlanReport, budget: int, workers: int) -> int:
     return window
 
 
-def _shares(report: PlanReport, workers: int) -> list[list[str]]:
-    """Destination files per worker: whole work units, largest first, each to the least loaded worker."""
-    if workers == 1:
-        return [sorted({str(f) for f in report.dst_files.values()})]
+def _shares(report: PlanReport, workers: int, files: Collection[str]) -> list[list[str]]:
+    """Destination ``files`` per worker: whole work units, largest first, each to the least loaded worker."""
+    if workers == 1 or len(files) <= 1:
+        return [sorted(files)] if files else []
     weight: dict[str, int] = defaultdict(int)
     for c in report.plan.copies:
         weight[report.dst_file(c.dst)] += c.numel
-    units = sorted(report.work_units(), key=lambda u: -sum(weight[f] for f in u[1]))
+    todo = set(files)
+    units = [(s, [f for f in d if f in todo]) for s, d in report.work_units()]
+    units = sorted([u for u in units if u[1]], key=lambda u: -sum(weight[f] for f in u[1]))
     bins: list[tuple[int, list[str]]] = [(0, []) for _ in range(min(workers, len(units)))]
     for _, dsts in units:
         k = min(range(len(bins)), key=lambda b: bins[b][0])
@@ -355,7 +391,7 @@ def _run_workers(shares: list[list[str]], src, tmp: Path, to, format, spec, size
     ctx = multiprocessing.get_context("spawn")
     jobs = [(str(src), str(tmp), to, format, spec, dict(sizes or {}), files, window, dict(options or {}))
             for files in shares]
-    with ctx.Pool(len(jobs)) as pool:
+    with ctx.Pool(len(jobs), initializer=_init_worker, initargs=(os.getpid(),)) as pool:
         results = pool.map(_worker, jobs)
     written: dict[Path, str | None] = {}
     tensors: dict[str, dict[str, str]] = {}
@@ -369,9 +405,22 @@ def _run_workers(shares: list[list[str]], src, tmp: Path, to, format, spec, size
     return written, read, tensors
 
 
+def _init_worker(parent: int) -> None:
+    """A worker dies with the conversion: a killed parent must not leave it writing into the
+    directory a resumed conversion takes over."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+
 def _worker(job) -> tuple[dict[str, str | None], str | None, int, dict[str, dict[str, str]]]:
     """One worker: re-plan (deterministic), write its share of files. Errors come back as text."""
     src, tmp, to, format, spec, sizes, files, window, options = job
+    journal_into(tmp)
     try:
         report = plan(src, to=to, format=format, spec=spec, sizes=sizes or None, **options)
         with ByteReader() as reader:
@@ -382,6 +431,44 @@ def _worker(job) -> tuple[dict[str, str | None], str | None, int, dict[str, dict
                     _tensor_digests(report))
     except ReshardError as e:
         return {}, f"{e} (while writing {', '.join(files[:3])}{' ...' if len(files) > 3 else ''})", 0, {}
+
+
+def _resume_header(report: PlanReport, options: Mapping[str, Any]) -> dict[str, Any]:
+    """What identifies a conversion for ``resume``: source, destination, options, the plan, and the
+    size and mtime of each source file it reads."""
+    plan_json = json.dumps({"files": report.files(), "summary": report.plan.summary()}, sort_keys=True, default=str)
+    src_files = {}
+    for path in sorted({loc.path for loc in report.source.where.values()}):
+        st = path.stat()
+        src_files[str(path)] = [st.st_size, st.st_mtime_ns]
+    return {
+        "reshard": __version__,
+        "source": str(report.source.path.resolve()),
+        "destination": {"format": report.target.format, "topology": str(report.target.topology),
+                        "spec": report.target.spec_name},
+        "options": {k: v for k, v in options.items() if v is not None},
+        "plan": xxhash.xxh3_128(plan_json.encode()).hexdigest(),
+        "source_files": src_files,
+    }
+
+
+def _finished(path: Path, report: PlanReport) -> dict[str, dict[str, Any]]:
+    """The files of a finished conversion at ``path`` that ``resume`` is asked to redo: its manifest must
+    describe this conversion and verify."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    want = report.to_json()
+    for key in ("source", "destination"):
+        if manifest.get(key) != want[key]:
+            raise CheckpointFormatError(f"{path}: holds a finished conversion of another {key} "
+                                        f"({json.dumps(manifest.get(key))}, not {json.dumps(want[key])})")
+    missing = sorted({row["destination"] for row in want["files"]} - set(manifest.get("files", {})))
+    if missing:
+        raise CheckpointFormatError(f"{path}: its manifest lacks {', '.join(missing[:3])} of this conversion")
+    result = _verify_manifest(path)
+    if not result:
+        raise CheckpointFormatError(f"{path}: holds a finished conversion that fails its manifest: "
+                                    f"{'; '.join(result.differences[:5])}; remove it to convert again")
+    return manifest["files"]
 
 
 def _check_destination(src: Path, dst: Path) -> None:
@@ -399,6 +486,42 @@ def _tensor_digests(report: PlanReport) -> dict[str, dict[str, str]]:
         if item in report.dst_files:
             out[report.dst_file(item)][str(item)] = digest
     return dict(out)
+
+
+def _logical_digests(report: PlanReport, tensors: Mapping[str, Mapping[str, str]]) -> dict[str, dict[str, Any]]:
+    """Checksums of logical tensors, by state and tensor: the xxh3-128 of the tensor's bytes in row-major
+    order (what hashing ``tensor.contiguous()`` gives), with its dtype.
+
+    Free where the destination stores a tensor whole, row-major, in one item (every copy of it, when
+    replicated): that item's checksum is the tensor's. Tensors stored in pieces are left out; ``verify``
+    compares those by value.
+    """
+    digests = {label: d for per_file in tensors.values() for label, d in per_file.items()}
+    layout, dtypes = report.target.layout, report.target.dtypes
+    frags: dict[tuple[str, str], list] = defaultdict(list)
+    for f in layout.fragments:
+        frags[(f.tensor, f.state)].append(f)
+    out: dict[str, dict[str, Any]] = defaultdict(dict)
+    for (name, state), fs in sorted(frags.items()):
+        t = layout.tensors[name]
+        if t.blob or any(f.fill or not _whole_row_major(f, t.view, layout.items[f.item].numel) for f in fs):
+            continue
+        found = {(dtypes[f.item], digests.get(str(f.item))) for f in fs}
+        if len(found) == 1 and None not in next(iter(found)):
+            dtype, digest = found.pop()
+            out[state][name] = {"dtype": dtype, HASH: digest}
+    return dict(out)
+
+
+def _whole_row_major(f, view: tuple[int, ...], numel: int) -> bool:
+    if f.offset or any(f.box.offsets) or f.box.lengths != view or numel != math.prod(view):
+        return False
+    step = 1
+    for n, stride in zip(reversed(f.box.lengths), reversed(f.strides)):
+        if n > 1 and stride != step:
+            return False
+        step *= n
+    return True
 
 
 def _file_record(path: Path, digest: str | None = None) -> dict[str, Any]:
@@ -461,6 +584,8 @@ class VerifyResult:
     compared: int
     """Logical tensors (per state) compared."""
     differences: tuple[str, ...] = field(default=())
+    by_checksum: int = 0
+    """Of those, the ones compared by the logical checksums both manifests carry, without reading them."""
 
     def __bool__(self) -> bool:
         return self.identical
@@ -476,10 +601,13 @@ def verify(a: str | Path, b: str | Path | None = None, *, states: tuple[str, ...
     file whose checksum differs is opened again to name the stored tensors
     that differ from their own checksums.
 
-    Every logical tensor and state the two hold in common is rebuilt from
-    each side (one tensor in memory at a time) and compared; replicas inside
-    one checkpoint must agree too. A tensor or state only one side holds is a
-    difference, unless ``states`` restricts the comparison.
+    Every logical tensor and state the two hold in common is compared. When
+    both checkpoints carry a manifest that they still match (each file's
+    checksum is checked) and both manifests record the tensor's logical
+    checksum, those are compared. Otherwise the tensor is rebuilt from each
+    side (one tensor in memory at a time) and compared by value; replicas
+    inside one checkpoint must agree too. A tensor or state only one side
+    holds is a difference, unless ``states`` restricts the comparison.
 
     Returns a ``VerifyResult``; ``differences`` name the first differing
     tensors and the first differing position in each.
@@ -495,12 +623,18 @@ def verify(a: str | Path, b: str | Path | None = None, *, states: tuple[str, ...
     for (side, state), names in sorted(only.items()):
         what = names[0] if len(names) == 1 else f"{len(names)} logical tensors, e.g. {names[0]}"
         diffs.append(f"{what} [{state}]: only in the {side} checkpoint")
-    compared = 0
+    compared = by_checksum = 0
+    common = keys_a.keys() & keys_b.keys()
+    sums_a, sums_b = (_manifest_logical(Path(a)), _manifest_logical(Path(b))) if common else ({}, {})
     with ByteReader() as reader:
-        for key in sorted(keys_a.keys() & keys_b.keys()):
+        for key in sorted(common):
             ta, tb = sa.layout.tensors[key[0]], sb.layout.tensors[key[0]]
             if ta.shape != tb.shape:
                 diffs.append(f"{key[0]} [{key[1]}]: shape {ta.shape} != {tb.shape}")
+                continue
+            if key in sums_a and sums_a.get(key) == sums_b.get(key):
+                compared += 1
+                by_checksum += 1
                 continue
             va = _logical(sa, keys_a[key], reader, diffs)
             vb = _logical(sb, keys_b[key], reader, diffs)
@@ -516,7 +650,22 @@ def verify(a: str | Path, b: str | Path | None = None, *, states: tuple[str, ...
                 diffs.append(f"{key[0]} [{key[1]}]: first difference at {pos} ({int(np.sum(va != vb))} elements differ)")
             if len(diffs) >= limit + len(only):
                 break
-    return VerifyResult(identical=not diffs, compared=compared, differences=tuple(diffs[: limit + len(only)]))
+    return VerifyResult(identical=not diffs, compared=compared, differences=tuple(diffs[: limit + len(only)]),
+                        by_checksum=by_checksum)
+
+
+def _manifest_logical(path: Path) -> dict[tuple[str, str], tuple[str, str]]:
+    """The logical checksums (dtype, digest) by (tensor, state) of the manifest at ``path``, if there is one
+    and the checkpoint still matches it file by file; else none."""
+    try:
+        logical = json.loads((path / MANIFEST).read_text()).get("logical")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(logical, dict) or not logical or not _verify_manifest(path):
+        return {}
+    return {(name, state): (str(v.get("dtype")), str(v.get(HASH)))
+            for state, per in logical.items() if isinstance(per, dict)
+            for name, v in per.items() if isinstance(v, dict) and v.get(HASH)}
 
 
 def _verify_manifest(path: Path) -> VerifyResult:

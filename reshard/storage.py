@@ -11,11 +11,18 @@ reaches them. Only a file written out of that order is read back whole at
 
 ``close`` fsyncs; a failed write raises ``CheckpointFormatError`` naming the
 file and the reason (disk full, permission), and ``abort`` removes the file.
+
+While a conversion runs, ``journal_into`` names its (temporary) output
+directory: each ``close`` then appends the file's size and checksum, with the
+checksums of the stored tensors written since the previous entry, to the
+journal there, once the file's bytes are on disk. A conversion that was killed
+resumes from the files its journal lists and that still verify.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import os
 from pathlib import Path
 
@@ -23,7 +30,8 @@ import xxhash
 
 from reshard.errors import CheckpointFormatError
 
-__all__ = ["HASH", "ItemHasher", "OutputFile", "file_digest", "take_digest", "take_item_digests"]
+__all__ = ["HASH", "JOURNAL", "ItemHasher", "OutputFile", "file_digest", "journal_into", "read_journal", "take_digest",
+           "take_item_digests"]
 
 HASH = "xxh3_128"
 """The manifest's checksum: xxh3-128 of a file's bytes, as hex."""
@@ -31,6 +39,53 @@ HASH = "xxh3_128"
 _CHUNK = 8 << 20
 _digests: dict[str, str] = {}
 _item_digests: dict[object, str] = {}
+
+JOURNAL = ".reshard-journal"
+"""The journal's file name inside the directory being written."""
+_journal_dir: Path | None = None
+_journal_items: dict[str, str] = {}
+
+
+def journal_into(directory: str | Path | None) -> None:
+    """Journal every file this process closes under ``directory`` (None: stop journaling)."""
+    global _journal_dir
+    _journal_dir = Path(directory).absolute() if directory is not None else None
+    _journal_items.clear()
+
+
+def _journal(path: Path, size: int, digest: str) -> None:
+    if _journal_dir is None or not path.absolute().is_relative_to(_journal_dir):
+        return
+    entry = {"file": str(path.absolute().relative_to(_journal_dir)), "bytes": size, HASH: digest,
+             "tensors": dict(_journal_items)}
+    _journal_items.clear()
+    line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
+    fd = os.open(_journal_dir / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)  # one append per entry: concurrent writers never interleave within a line
+        os.fsync(fd)
+    except OSError as e:
+        raise CheckpointFormatError(f"{_journal_dir / JOURNAL}: cannot record {path.name} ({e.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def read_journal(directory: str | Path) -> list[dict]:
+    """The entries of the journal in ``directory``, oldest first; a line cut short by a crash is skipped."""
+    try:
+        text = (Path(directory) / JOURNAL).read_text()
+    except FileNotFoundError:
+        return []
+    entries = []
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if (isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("bytes"), int)
+                and isinstance(entry.get(HASH), str) and isinstance(entry.get("tensors"), dict)):
+            entries.append(entry)
+    return entries
 
 
 def file_digest(path: str | Path) -> str:
@@ -69,6 +124,8 @@ class ItemHasher:
     def done(self) -> str:
         digest = self._hash.hexdigest()
         _item_digests[self.item] = digest
+        if _journal_dir is not None:
+            _journal_items[str(self.item)] = digest
         return digest
 
 
@@ -172,6 +229,7 @@ class OutputFile:
                     self._read_into_hash(self._done, self.size)
             if sync:
                 os.fsync(self._fd)
+            size = os.fstat(self._fd).st_size
         except OSError as e:
             self.abort()
             raise CheckpointFormatError(f"{self.path}: cannot finish ({e.strerror})") from None
@@ -182,6 +240,7 @@ class OutputFile:
         os.close(fd)
         self.digest = self._hash.hexdigest()
         _digests[str(self.path.absolute())] = self.digest
+        _journal(self.path, size, self.digest)
         return self.digest
 
     def abort(self) -> None:

@@ -148,3 +148,56 @@ def test_a_full_disk_mid_conversion_is_named_and_leaves_no_output(tmp_path, monk
     with pytest.raises(reshard.ReshardError, match=r"model_optim_rng\.pt: cannot write .*No space left on device"):
         reshard.convert(tmp_path / "src", tmp_path / "dst", to="tp=1,pp=2")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_manifests_carry_logical_checksums_that_verify_compares_without_reading_tensors(tmp_path):
+    """A tensor stored whole gets the xxh3-128 of its row-major bytes (what hashing the torch tensor
+    gives) in the manifest; two checkpoints of other layouts whose manifests both carry it are compared
+    by it, and everything else by value."""
+    import json
+
+    import torch
+    import xxhash
+    from safetensors.torch import load_file
+
+    import reshard
+    from fixtures import make_fixture
+
+    make_fixture(tmp_path / "src", to="tp=2,pp=2")
+    reshard.convert(tmp_path / "src", tmp_path / "a", to="tp=1,pp=1")
+    reshard.convert(tmp_path / "src", tmp_path / "b", to="tp=2,pp=1")
+    reshard.convert(tmp_path / "b", tmp_path / "c", to="tp=1,pp=1")
+    reshard.convert(tmp_path / "b", tmp_path / "hf", format="hf")
+    logical = json.loads((tmp_path / "hf" / "reshard.json").read_text())["logical"]["param"]
+    assert set(logical) == set(reshard.inspect(tmp_path / "hf")["tensors"])  # hf stores every tensor whole
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    hf = reshard.open_checkpoint(tmp_path / "hf")
+    stored = {f.tensor: f.item.key for f in hf.layout.fragments if f.item in hf.where}
+    for name, entry in logical.items():
+        t = weights[stored[name]]
+        assert entry["dtype"] == str(t.dtype).removeprefix("torch.")
+        assert xxhash.xxh3_128(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() == entry["xxh3_128"]
+
+    both = reshard.verify(tmp_path / "a", tmp_path / "c")
+    whole = sum(len(v) for v in json.loads((tmp_path / "a" / "reshard.json").read_text())["logical"].values())
+    assert both and both.by_checksum == whole > 0 and both.compared > whole  # the rest by value
+    assert reshard.verify(tmp_path / "src", tmp_path / "c").by_checksum == 0  # the fixture has no manifest
+
+    # A manifest whose logical checksum was edited is not believed over the bytes: values decide.
+    manifest = json.loads((tmp_path / "c" / "reshard.json").read_text())
+    name = next(iter(manifest["logical"]["param"]))
+    manifest["logical"]["param"][name]["xxh3_128"] = "0" * 32
+    (tmp_path / "c" / "reshard.json").write_text(json.dumps(manifest))
+    edited = reshard.verify(tmp_path / "a", tmp_path / "c")
+    assert edited and edited.by_checksum == whole - 1
+
+    # A flipped bit in c: c no longer matches its manifest, so nothing of it is taken on checksum,
+    # and the value comparison names the tensor.
+    c = reshard.open_checkpoint(tmp_path / "c")
+    loc = next(c.where[f.item] for f in c.layout.fragments if f.tensor == name and f.state == "param")
+    data = bytearray(loc.path.read_bytes())
+    data[loc.offset] ^= 0x40
+    loc.path.write_bytes(bytes(data))
+    broken = reshard.verify(tmp_path / "a", tmp_path / "c")
+    assert not broken and broken.by_checksum == 0
+    assert broken.differences[0].startswith(f"{name} [param]: first difference at ")

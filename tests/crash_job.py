@@ -1,0 +1,108 @@
+"""A conversion that SIGKILLs itself at one chosen point, for the crash-safety tests.
+
+    python tests/crash_job.py SRC DST TO WORKERS POINT N
+
+POINT is where the process dies, at its N-th occurrence:
+  header        the partial directory and its header exist, nothing else
+  write         inside a file: right after the N-th positioned write
+  journal       a file is complete and fsynced, its journal entry not yet written
+  close         right after the N-th file is closed and journaled
+  manifest      halfway through writing the manifest
+  rename        the journal is gone, the manifest written, the rename not yet done
+  renamed       right after the rename
+  worker-close  a worker, after its N-th file, kills the conversion's main process and
+                waits to be killed with it (writes its pid to DST.worker-pid; if it
+                outlives the parent by 5 s it writes DST.worker-survived)
+
+The patches sit at module level so that spawned workers, which import this
+script again, run them too.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import reshard
+import reshard.partial
+import reshard.storage
+
+SRC, DST, TO, WORKERS, POINT, N = sys.argv[1:7]
+N = int(N)
+_count = [0]
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hit() -> bool:
+    _count[0] += 1
+    return _count[0] == N
+
+
+_in_worker = multiprocessing.current_process().name != "MainProcess"
+_pwrite, _close, _journal = reshard.storage.OutputFile.pwrite, reshard.storage.OutputFile.close, reshard.storage._journal
+_start, _write_synced, _replace = reshard.partial.Partial._start, reshard.partial._write_synced, os.replace
+
+
+def pwrite(self, data, offset):
+    _pwrite(self, data, offset)
+    if POINT == "write" and _hit():
+        _kill()
+
+
+def close(self, **kw):
+    digest = _close(self, **kw)
+    if POINT == "close" and _hit():
+        _kill()
+    if POINT == "worker-close" and _in_worker and _hit():
+        Path(DST + ".worker-pid").write_text(str(os.getpid()))
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(5)
+        Path(DST + ".worker-survived").write_text(str(os.getpid()))
+    return digest
+
+
+def journal(path, size, digest):
+    if POINT == "journal" and _hit():
+        _kill()
+    _journal(path, size, digest)
+
+
+def start(self, header):
+    _start(self, header)
+    if POINT == "header":
+        _kill()
+
+
+def write_synced(path, text):
+    if POINT == "manifest" and path.name == "reshard.json":
+        with open(path, "w") as f:
+            f.write(text[: len(text) // 2])
+        _kill()
+    _write_synced(path, text)
+
+
+def replace(a, b):
+    if POINT == "rename" and str(b) == DST:
+        _kill()
+    _replace(a, b)
+    if POINT == "renamed" and str(b) == DST:
+        _kill()
+
+
+reshard.storage.OutputFile.pwrite = pwrite
+reshard.storage.OutputFile.close = close
+reshard.storage._journal = journal
+reshard.partial.Partial._start = start
+reshard.partial._write_synced = write_synced
+reshard.partial.os.replace = replace
+
+if __name__ == "__main__":
+    reshard.convert(SRC, DST, to=TO, workers=int(WORKERS))
+    sys.exit(3)  # the point was never reached
