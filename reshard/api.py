@@ -474,7 +474,10 @@ def _finished(path: Path, report: PlanReport) -> dict[str, dict[str, Any]]:
 def _check_destination(src: Path, dst: Path) -> None:
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointFormatError(f"{dst}: destination exists and is not empty")
-    s, d = src.resolve(), dst.resolve()
+    try:
+        s, d = src.resolve(), dst.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop, before Python 3.13
+        raise CheckpointFormatError(f"{dst}: cannot be resolved ({e})") from None
     if d == s or s in d.parents:
         raise CheckpointFormatError(f"{dst}: destination is inside the source {src}")
 

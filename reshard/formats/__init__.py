@@ -6,7 +6,9 @@ never breaks the others.
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 from pathlib import Path
 
 from reshard.errors import CheckpointFormatError
@@ -39,11 +41,34 @@ def get_format(name: str) -> Format:
 def detect_format(path: Path) -> Format:
     """The format of the checkpoint directory ``path``."""
     if not path.exists():
+        if path.is_symlink():
+            what = _link_error(path)
+            raise CheckpointFormatError(f"{path}: {what + ', which cannot be read' if what.endswith('loop') else 'a symbolic link to nothing'}")
         raise CheckpointFormatError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise CheckpointFormatError(f"{path}: not a directory (a checkpoint is a directory)")
+    _check_links(path)
     for name in FORMATS:
         fmt = get_format(name)
         if fmt.detect(path):
             return fmt
     raise CheckpointFormatError(f"{path}: not a checkpoint reshard recognizes (looked for: {', '.join(FORMATS)})")
+
+
+def _link_error(path: Path) -> str:
+    try:
+        os.stat(path)
+    except OSError as e:
+        return "a symbolic link loop" if e.errno == errno.ELOOP else e.strerror or str(e)
+    return "resolves"
+
+
+def _check_links(root: Path) -> None:
+    """Refuse a checkpoint directory holding a symbolic link loop: whatever file it stands for cannot be
+    read, and saying so beats reporting that file missing. Links are not followed into directories, so a
+    link back up the tree is harmless; a link to nothing is left to the format (it may not matter)."""
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(top) / name
+            if p.is_symlink() and not p.exists() and _link_error(p) == "a symbolic link loop":
+                raise CheckpointFormatError(f"{p}: a symbolic link loop, which cannot be read")
