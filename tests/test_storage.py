@@ -201,3 +201,58 @@ def test_manifests_carry_logical_checksums_that_verify_compares_without_reading_
     broken = reshard.verify(tmp_path / "a", tmp_path / "c")
     assert not broken and broken.by_checksum == 0
     assert broken.differences[0].startswith(f"{name} [param]: first difference at ")
+
+
+def test_permission_denied_on_a_later_file_is_named_and_leaves_no_output(tmp_path, monkeypatch):
+    """EACCES injected when the second rank file is created (root ignores chmod, so the storage layer
+    is where the fault goes in)."""
+    import errno
+
+    import reshard
+    import reshard.storage
+    from fixtures import make_fixture
+
+    make_fixture(tmp_path / "src", to="tp=2,pp=2")
+    created = []
+    real = os.open
+
+    def denied(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT and str(path).endswith(".pt"):
+            created.append(path)
+            if len(created) == 2:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(reshard.storage.os, "open", denied)
+    with pytest.raises(reshard.ReshardError, match=r"mp_rank_00_001/model_optim_rng\.pt: cannot create \(Permission denied\)"):
+        reshard.convert(tmp_path / "src", tmp_path / "dst", to="tp=1,pp=4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_small_filesystem_filling_up_mid_conversion_leaves_nothing(tmp_path):
+    """A real 2 MiB tmpfs (in a private mount namespace) under a 4.5 MiB conversion, where the machine
+    allows mounting one."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fixtures import make_fixture
+
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare(1) to mount a small filesystem with")
+    make_fixture(tmp_path / "src", to="tp=2,pp=2")
+    small = tmp_path / "small"
+    small.mkdir()
+    root = Path(__file__).resolve().parent.parent
+    script = (f"mount -t tmpfs -o size=2m tmpfs {small} || exit 77; "
+              f"{sys.executable} -m cli.main convert {tmp_path / 'src'} {small / 'dst'} --to tp=1,pp=4; "
+              f"echo \"exit=$?\"; ls -A {small}; echo end")
+    proc = subprocess.run([unshare, "-m", "sh", "-c", script], capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {proc.stderr.strip()[:200]}")
+    lines = proc.stdout.split()
+    assert lines == ["exit=2", "end"], proc.stdout  # exit 2 and the filesystem left empty
+    assert "model_optim_rng.pt: cannot write" in proc.stderr and "No space left on device" in proc.stderr
