@@ -29,7 +29,8 @@ from reshard.formats.base import Source, Target, itemsize
 from reshard.layout import Item, common_views, with_state_alias
 from reshard.planner import Plan, plan as make_plan
 from reshard.partial import Partial, partial_path
-from reshard.storage import HASH, file_digest, journal_into, take_digest, take_item_digests
+from reshard.storage import (HASH, file_digest, hash_segments, journal_into, take_digest, take_item_digests,
+                             take_segment_digests)
 from reshard.topology import Topology, parse_topology
 
 __all__ = [
@@ -261,6 +262,9 @@ def convert(
 
         journal_into(tmp)
         take_item_digests()  # nothing left over from an earlier conversion in this process
+        take_segment_digests()
+        sources = _logical_sources(report)
+        hash_segments(_segments(sources))
         written: dict[Path, str | None] = {Path(rel): e[HASH] for rel, e in kept.items()}
         shares = _shares(report, workers, todo)
         if len(shares) <= 1:
@@ -274,9 +278,10 @@ def convert(
                     paths += fmt.write(target, tmp, fill, only=())
                 written.update({p: take_digest(tmp / p) for p in paths})
                 bytes_read = reader.bytes_read
-            tensors = _tensor_digests(report)
+            tensors, segments = _tensor_digests(report)
         else:
-            new, bytes_read, tensors = _run_workers(shares, src, tmp, to, format, spec, sizes, window, options)
+            new, bytes_read, tensors, segments = _run_workers(shares, src, tmp, to, format, spec, sizes, window,
+                                                              options)
             written.update(new)
             with ByteReader() as reader:  # the files that hold no items: trackers, configs, indexes
                 paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), only=())
@@ -285,6 +290,9 @@ def convert(
         for label, digest in partial.tensors.items():
             if labels.get(label) in kept:
                 tensors.setdefault(labels[label], {})[label] = digest
+        for (label, lo, hi), digest in partial.segments.items():
+            if labels.get(label) in kept:
+                segments[(label, lo, hi)] = digest
         files = {}
         for rel in sorted(written, key=str):
             files[str(rel)] = _file_record(tmp / rel, written[rel])
@@ -295,7 +303,7 @@ def convert(
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **report.to_json(),
             "files": files,
-            "logical": _logical_digests(report, tensors),
+            "logical": _logical_digests(report, sources, tensors, segments),
         }
         manifest.pop("work_units", None)
         partial.commit(json.dumps(manifest, indent=1) + "\n")
@@ -306,6 +314,8 @@ def convert(
         raise
     finally:
         journal_into(None)
+        hash_segments(None)
+        take_segment_digests()
         partial.release()
     size = sum(f["bytes"] for rel, f in files.items() if rel not in kept)
     return ConvertResult(path=dst, report=report, files=files, bytes_read=bytes_read, bytes_written=size,
@@ -382,9 +392,11 @@ def _shares(report: PlanReport, workers: int, files: Collection[str]) -> list[li
 
 
 def _run_workers(shares: list[list[str]], src, tmp: Path, to, format, spec, sizes, window: int,
-                 options: Mapping[str, Any] | None = None) -> tuple[dict[Path, str | None], int, dict[str, dict[str, str]]]:
+                 options: Mapping[str, Any] | None = None) -> tuple[dict[Path, str | None], int, dict[str, dict[str, str]],
+                                                                     dict[tuple[str, int, int], str]]:
     """Write each share of destination files in its own process; returns the files written (with the
-    checksums their writers took), bytes read and the per-tensor checksums by file."""
+    checksums their writers took), bytes read, the per-tensor checksums by file and those of the
+    tensors held inside items."""
     import multiprocessing
 
     # spawn, not fork: a child forked from a large parent starts with the parent's memory.
@@ -395,14 +407,16 @@ def _run_workers(shares: list[list[str]], src, tmp: Path, to, format, spec, size
         results = pool.map(_worker, jobs)
     written: dict[Path, str | None] = {}
     tensors: dict[str, dict[str, str]] = {}
+    segments: dict[tuple[str, int, int], str] = {}
     read = 0
-    for files, error, nbytes, digests in results:
+    for files, error, nbytes, (digests, parts) in results:
         if error:
             raise ReshardError(error)
         written.update({Path(f): d for f, d in files.items()})
         tensors.update(digests)
+        segments.update(parts)
         read += nbytes
-    return written, read, tensors
+    return written, read, tensors, segments
 
 
 def _init_worker(parent: int) -> None:
@@ -417,12 +431,13 @@ def _init_worker(parent: int) -> None:
             os._exit(1)
 
 
-def _worker(job) -> tuple[dict[str, str | None], str | None, int, dict[str, dict[str, str]]]:
+def _worker(job) -> tuple[dict[str, str | None], str | None, int, tuple[dict, dict]]:
     """One worker: re-plan (deterministic), write its share of files. Errors come back as text."""
     src, tmp, to, format, spec, sizes, files, window, options = job
     journal_into(tmp)
     try:
         report = plan(src, to=to, format=format, spec=spec, sizes=sizes or None, **options)
+        hash_segments(_segments(_logical_sources(report)))
         with ByteReader() as reader:
             fill = PlanFill(report.plan, report.source.where, reader)
             written = get_format(report.target.format).write(report.target, Path(tmp), fill,
@@ -430,7 +445,7 @@ def _worker(job) -> tuple[dict[str, str | None], str | None, int, dict[str, dict
             return ({str(w): take_digest(Path(tmp) / w) for w in written}, None, reader.bytes_read,
                     _tensor_digests(report))
     except ReshardError as e:
-        return {}, f"{e} (while writing {', '.join(files[:3])}{' ...' if len(files) > 3 else ''})", 0, {}
+        return {}, f"{e} (while writing {', '.join(files[:3])}{' ...' if len(files) > 3 else ''})", 0, ({}, {})
 
 
 def _resume_header(report: PlanReport, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -482,42 +497,42 @@ def _check_destination(src: Path, dst: Path) -> None:
         raise CheckpointFormatError(f"{dst}: destination is inside the source {src}")
 
 
-def _tensor_digests(report: PlanReport) -> dict[str, dict[str, str]]:
-    """The per-tensor checksums the writers took in this process, by destination file."""
+def _tensor_digests(report: PlanReport) -> tuple[dict[str, dict[str, str]], dict[tuple[str, int, int], str]]:
+    """The per-tensor checksums the writers took in this process, by destination file, and those of
+    the tensors held inside items (``hash_segments``)."""
     out: dict[str, dict[str, str]] = defaultdict(dict)
     for item, digest in take_item_digests().items():
         if item in report.dst_files:
             out[report.dst_file(item)][str(item)] = digest
-    return dict(out)
+    return dict(out), take_segment_digests()
 
 
-def _logical_digests(report: PlanReport, tensors: Mapping[str, Mapping[str, str]]) -> dict[str, dict[str, Any]]:
-    """Checksums of logical tensors, by state and tensor: the xxh3-128 of the tensor's bytes in row-major
-    order (what hashing ``tensor.contiguous()`` gives), with its dtype.
-
-    Free where the destination stores a tensor whole, row-major, in one item (every copy of it, when
-    replicated): that item's checksum is the tensor's. Tensors stored in pieces are left out; ``verify``
-    compares those by value.
-    """
-    digests = {label: d for per_file in tensors.values() for label, d in per_file.items()}
+def _logical_sources(report: PlanReport) -> dict[tuple[str, str], list[tuple[Item, int, int | None]]]:
+    """Where the destination holds each logical tensor row-major in one piece, by (tensor, state): per
+    copy, the item and the byte range of it (``None`` for the end: the whole item is the tensor). Tensors
+    stored in pieces (split over ranks, or interleaved like a fused qkv) are left out."""
     layout, dtypes = report.target.layout, report.target.dtypes
     frags: dict[tuple[str, str], list] = defaultdict(list)
     for f in layout.fragments:
         frags[(f.tensor, f.state)].append(f)
-    out: dict[str, dict[str, Any]] = defaultdict(dict)
-    for (name, state), fs in sorted(frags.items()):
-        t = layout.tensors[name]
-        if t.blob or any(f.fill or not _whole_row_major(f, t.view, layout.items[f.item].numel) for f in fs):
+    out = {}
+    for key, fs in frags.items():
+        t = layout.tensors[key[0]]
+        if t.blob or any(f.fill or not _row_major_whole(f, t.view) for f in fs):
             continue
-        found = {(dtypes[f.item], digests.get(str(f.item))) for f in fs}
-        if len(found) == 1 and None not in next(iter(found)):
-            dtype, digest = found.pop()
-            out[state][name] = {"dtype": dtype, HASH: digest}
-    return dict(out)
+        numel = math.prod(t.view)
+        places = []
+        for f in fs:
+            size = itemsize(dtypes[f.item])
+            whole = f.offset == 0 and layout.items[f.item].numel == numel
+            places.append((f.item, f.offset * size, None if whole else (f.offset + numel) * size))
+        out[key] = places
+    return out
 
 
-def _whole_row_major(f, view: tuple[int, ...], numel: int) -> bool:
-    if f.offset or any(f.box.offsets) or f.box.lengths != view or numel != math.prod(view):
+def _row_major_whole(f, view: tuple[int, ...]) -> bool:
+    """The fragment is the whole tensor, laid out row-major from ``f.offset`` on."""
+    if any(f.box.offsets) or f.box.lengths != view:
         return False
     step = 1
     for n, stride in zip(reversed(f.box.lengths), reversed(f.strides)):
@@ -525,6 +540,37 @@ def _whole_row_major(f, view: tuple[int, ...], numel: int) -> bool:
             return False
         step *= n
     return True
+
+
+def _segments(sources: Mapping[tuple[str, str], list[tuple[Item, int, int | None]]]) -> dict[Item, list[tuple[int, int]]]:
+    """The byte ranges inside items the writers checksum on their own: tensors held in part of an item."""
+    out: dict[Item, list[tuple[int, int]]] = defaultdict(list)
+    for places in sources.values():
+        for item, lo, hi in places:
+            if hi is not None:
+                out[item].append((lo, hi))
+    return dict(out)
+
+
+def _logical_digests(report: PlanReport, sources, tensors: Mapping[str, Mapping[str, str]],
+                     segments: Mapping[tuple[str, int, int], str]) -> dict[str, dict[str, Any]]:
+    """Checksums of logical tensors, by state and tensor: the xxh3-128 of the tensor's bytes in row-major
+    order (what hashing ``tensor.contiguous()`` gives), with its dtype.
+
+    For a tensor the destination holds row-major in one piece (every copy of it, when replicated): the
+    checksum of its item, or of its byte range inside the item, both taken while writing. Tensors stored
+    in pieces are left out; ``verify`` compares those by value.
+    """
+    digests = {label: d for per_file in tensors.values() for label, d in per_file.items()}
+    out: dict[str, dict[str, Any]] = defaultdict(dict)
+    for (name, state), places in sorted(sources.items()):
+        found = {(report.target.dtypes[item],
+                  digests.get(str(item)) if hi is None else segments.get((str(item), lo, hi)))
+                 for item, lo, hi in places}
+        if len(found) == 1 and None not in next(iter(found)):
+            dtype, digest = found.pop()
+            out[state][name] = {"dtype": dtype, HASH: digest}
+    return dict(out)
 
 
 def _file_record(path: Path, digest: str | None = None) -> dict[str, Any]:

@@ -64,6 +64,8 @@ class Partial:
         """Journaled files that verified, by path relative to the directory: the journal entries."""
         self.tensors: dict[str, str] = {}
         """Checksums of stored tensors the journal recorded, by item label."""
+        self.segments: dict[tuple[str, int, int], str] = {}
+        """Checksums of tensors held inside items the journal recorded, by (item label, first byte, end byte)."""
         self.complete = False
         """The directory already holds a finished conversion (killed before its rename)."""
         existed = self.path.exists()
@@ -118,6 +120,9 @@ class Partial:
         entries = read_journal(self.path)
         for e in entries:
             self.tensors.update({str(k): str(v) for k, v in e["tensors"].items()})
+            for seg in e.get("segments") or ():
+                if isinstance(seg, list) and len(seg) == 4 and all(isinstance(x, int) for x in seg[1:3]):
+                    self.segments[(str(seg[0]), seg[1], seg[2])] = str(seg[3])
         latest = {e["file"]: e for e in entries}
         for rel, e in latest.items():
             f = self.path / rel
@@ -131,7 +136,13 @@ class Partial:
                     p.rmdir()
             elif rel not in keep:
                 p.unlink()
-        lines = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in self.kept.values())
+        # the journal from now on: the kept files, the first carrying every tensor checksum recorded so far
+        # (a file's tensors may have been journaled with another file's entry), so another kill loses none
+        kept = [dict(e) for e in self.kept.values()]
+        if kept:
+            kept[0]["tensors"] = dict(self.tensors)
+            kept[0]["segments"] = [[label, lo, hi, d] for (label, lo, hi), d in self.segments.items()]
+        lines = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in kept)
         _write_synced(self.path / (JOURNAL + ".new"), lines)
         os.replace(self.path / (JOURNAL + ".new"), self.path / JOURNAL)
         _fsync_dir(self.path)
@@ -139,6 +150,7 @@ class Partial:
     def commit(self, manifest_text: str | None) -> None:
         """Write the manifest (None: it is already there), drop the journal and header, and rename onto
         ``dst`` (an empty directory there is replaced)."""
+        _sync_tree(self.path)  # the small files writers wrote plainly too: configs, trackers, indexes
         if manifest_text is not None:
             _write_synced(self.path / self.manifest, manifest_text)
         for name in (JOURNAL, HEADER):
@@ -157,6 +169,19 @@ class Partial:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _sync_tree(root: Path) -> None:
+    """Fsync every file and directory under ``root`` (cheap for those already synced), so that what the
+    rename publishes is on disk before it, not only in the page cache."""
+    for top, dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(Path(top) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(top))
 
 
 def _write_synced(path: Path, text: str) -> None:

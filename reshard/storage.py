@@ -24,14 +24,15 @@ from __future__ import annotations
 import bisect
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import xxhash
 
 from reshard.errors import CheckpointFormatError
 
-__all__ = ["HASH", "JOURNAL", "ItemHasher", "OutputFile", "file_digest", "journal_into", "read_journal", "take_digest",
-           "take_item_digests"]
+__all__ = ["HASH", "JOURNAL", "ItemHasher", "OutputFile", "file_digest", "hash_segments", "journal_into", "read_journal",
+           "take_digest", "take_item_digests", "take_segment_digests"]
 
 HASH = "xxh3_128"
 """The manifest's checksum: xxh3-128 of a file's bytes, as hex."""
@@ -44,6 +45,9 @@ JOURNAL = ".reshard-journal"
 """The journal's file name inside the directory being written."""
 _journal_dir: Path | None = None
 _journal_items: dict[str, str] = {}
+_journal_segments: list[list] = []
+_segments: dict[object, list[tuple[int, int]]] = {}
+_segment_digests: dict[tuple[str, int, int], str] = {}
 
 
 def journal_into(directory: str | Path | None) -> None:
@@ -51,14 +55,16 @@ def journal_into(directory: str | Path | None) -> None:
     global _journal_dir
     _journal_dir = Path(directory).absolute() if directory is not None else None
     _journal_items.clear()
+    _journal_segments.clear()
 
 
 def _journal(path: Path, size: int, digest: str) -> None:
     if _journal_dir is None or not path.absolute().is_relative_to(_journal_dir):
         return
     entry = {"file": str(path.absolute().relative_to(_journal_dir)), "bytes": size, HASH: digest,
-             "tensors": dict(_journal_items)}
+             "tensors": dict(_journal_items), "segments": list(_journal_segments)}
     _journal_items.clear()
+    _journal_segments.clear()
     line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
     fd = os.open(_journal_dir / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -111,21 +117,60 @@ def take_item_digests() -> dict[object, str]:
     return out
 
 
+def hash_segments(segments: Mapping[object, Sequence[tuple[int, int]]] | None) -> None:
+    """Byte ranges of stored tensors to checksum on their own as well, by item (None: none). Each is
+    a logical tensor held row-major inside a larger item (a vocabulary padded for tp, one half of a
+    fused weight, one param of a flat buffer); its checksum is the logical tensor's."""
+    _segments.clear()
+    _segments.update({k: sorted(v) for k, v in (segments or {}).items() if v})
+
+
+def take_segment_digests() -> dict[tuple[str, int, int], str]:
+    """The checksums of the ranges ``hash_segments`` named, by (item label, first byte, end byte), taken
+    in this process (and forget them)."""
+    out = dict(_segment_digests)
+    _segment_digests.clear()
+    return out
+
+
 class ItemHasher:
-    """xxh3-128 of one stored tensor's bytes, fed window by window as a writer streams them."""
+    """xxh3-128 of one stored tensor's bytes, fed window by window as a writer streams them, and of
+    the byte ranges inside it that ``hash_segments`` named."""
 
     def __init__(self, item: object) -> None:
         self.item = item
         self._hash = xxhash.xxh3_128()
+        self._ranges = _segments.get(item, ())
+        self._range_hashes = [xxhash.xxh3_128() for _ in self._ranges]
+        self._first = 0  # ranges before this one are complete
+        self._pos = 0
 
     def update(self, data) -> None:
         self._hash.update(data)
+        if not self._ranges:
+            return
+        view = memoryview(data).cast("B")
+        pos, end = self._pos, self._pos + len(view)
+        for k in range(self._first, len(self._ranges)):
+            lo, hi = self._ranges[k]
+            if lo >= end:
+                break
+            if hi <= pos:
+                self._first = k + 1
+                continue
+            self._range_hashes[k].update(view[max(lo, pos) - pos:min(hi, end) - pos])
+        self._pos = end
 
     def done(self) -> str:
         digest = self._hash.hexdigest()
         _item_digests[self.item] = digest
+        label = str(self.item)
         if _journal_dir is not None:
-            _journal_items[str(self.item)] = digest
+            _journal_items[label] = digest
+        for (lo, hi), h in zip(self._ranges, self._range_hashes):
+            _segment_digests[(label, lo, hi)] = h.hexdigest()
+            if _journal_dir is not None:
+                _journal_segments.append([label, lo, hi, h.hexdigest()])
         return digest
 
 

@@ -1,6 +1,6 @@
 """A conversion that SIGKILLs itself at one chosen point, for the crash-safety tests.
 
-    python tests/crash_job.py SRC DST TO WORKERS POINT N
+    python tests/crash_job.py SRC DST TO WORKERS POINT N [resume]
 
 POINT is where the process dies, at its N-th occurrence:
   header        the partial directory and its header exist, nothing else
@@ -32,6 +32,7 @@ import reshard.partial
 import reshard.storage
 
 SRC, DST, TO, WORKERS, POINT, N = sys.argv[1:7]
+RESUME = sys.argv[7:] == ["resume"]
 N = int(N)
 _count = [0]
 
@@ -104,5 +105,5 @@ reshard.partial._write_synced = write_synced
 reshard.partial.os.replace = replace
 
 if __name__ == "__main__":
-    reshard.convert(SRC, DST, to=TO, workers=int(WORKERS))
+    reshard.convert(SRC, DST, to=TO, workers=int(WORKERS), resume=RESUME)
     sys.exit(3)  # the point was never reached

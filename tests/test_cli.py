@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -51,7 +52,13 @@ def test_convert_then_verify_and_dry_run_writes_nothing(ckpt, tmp_path):
     assert result.exit_code == 0, result.output
     assert "wrote" in result.stdout and (tmp_path / "dst" / "reshard.json").exists()
     check = runner.invoke(app, ["verify", str(ckpt), str(tmp_path / "dst")])
-    assert check.exit_code == 0 and "identical" in check.stdout
+    assert check.exit_code == 0 and "identical" in check.stdout and "by the logical checksums" not in check.stdout
+    again = runner.invoke(app, ["convert", str(ckpt), str(tmp_path / "dst2"), "--to", "tp=1,pp=4"])
+    assert again.exit_code == 0, again.output
+    both = runner.invoke(app, ["verify", str(tmp_path / "dst"), str(tmp_path / "dst2")])
+    found = re.search(r"identical: (\d+) logical tensors compared, (\d+) of them by the logical checksums in both "
+                      r"manifests", both.stdout)
+    assert both.exit_code == 0 and found and 0 < int(found[2]) < int(found[1]), both.stdout  # qkv by value
 
 
 def test_verify_exits_1_and_names_the_difference(ckpt, tmp_path):

@@ -29,9 +29,18 @@ def source(tmp_path_factory) -> Path:
     return src
 
 
-def _kill_at(src: Path, dst: Path, point: str, n: int, workers: int = 1) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(source) -> dict:
+    """The manifest of the same conversion run without a fault: a resumed one must produce these very bytes."""
+    dst = source.parent / "uninterrupted"
+    reshard.convert(source, dst, to=TO)
+    return json.loads((dst / "reshard.json").read_text())
+
+
+def _kill_at(src: Path, dst: Path, point: str, n: int, workers: int = 1, resume: bool = False) -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(JOB), str(src), str(dst), TO, str(workers), point, str(n)],
+    proc = subprocess.run([sys.executable, str(JOB), str(src), str(dst), TO, str(workers), point, str(n),
+                           *(["resume"] if resume else [])],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, f"{point} {n}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
 
@@ -47,15 +56,16 @@ def _assert_nothing_or_complete(src: Path, dst: Path) -> bool:
     return True
 
 
-def _resume_and_check(src: Path, dst: Path) -> reshard.ConvertResult:
+def _resume_and_check(src: Path, dst: Path, uninterrupted: dict) -> reshard.ConvertResult:
     result = reshard.convert(src, dst, to=TO, resume=True)
     assert not partial_path(dst).exists()
     check = reshard.verify(dst)
     assert check and check.compared == 5, check.differences
     same = reshard.verify(src, dst)
     assert same and same.compared > 0, same.differences
-    assert json.loads((dst / "reshard.json").read_text())["destination"]["topology"] == reshard.plan(
-        src, to=TO).to_json()["destination"]["topology"]
+    manifest = json.loads((dst / "reshard.json").read_text())
+    for key in ("files", "logical", "destination"):  # byte for byte what an uninterrupted run writes
+        assert manifest[key] == uninterrupted[key], key
     return result
 
 
@@ -79,8 +89,8 @@ POINTS = [
 
 
 @pytest.mark.parametrize(("point", "n", "kept"), POINTS, ids=[f"{p}-{n}" for p, n, _ in POINTS])
-def test_a_kill_anywhere_leaves_nothing_or_a_complete_checkpoint_and_resume_finishes(source, tmp_path, point, n,
-                                                                                     kept):
+def test_a_kill_anywhere_leaves_nothing_or_a_complete_checkpoint_and_resume_finishes(source, uninterrupted, tmp_path,
+                                                                                     point, n, kept):
     dst = tmp_path / "dst"
     _kill_at(source, dst, point, n)
     complete = _assert_nothing_or_complete(source, dst)
@@ -88,7 +98,7 @@ def test_a_kill_anywhere_leaves_nothing_or_a_complete_checkpoint_and_resume_fini
     if not complete:
         journaled = len({e["file"] for e in read_journal(partial_path(dst))})
         assert kept is None or journaled == kept
-    result = _resume_and_check(source, dst)
+    result = _resume_and_check(source, dst, uninterrupted)
     if kept is not None:
         assert result.reused == kept
         assert result.bytes_read > 0 if kept < 4 else result.bytes_read == 0
@@ -96,7 +106,7 @@ def test_a_kill_anywhere_leaves_nothing_or_a_complete_checkpoint_and_resume_fini
         assert result.reused == 5 and result.bytes_read == 0
 
 
-def test_a_killed_conversion_kills_its_workers_and_resumes(source, tmp_path):
+def test_a_killed_conversion_kills_its_workers_and_resumes(source, uninterrupted, tmp_path):
     dst = tmp_path / "dst"
     _kill_at(source, dst, "worker-close", 1, workers=2)
     pid = int(Path(str(dst) + ".worker-pid").read_text())
@@ -107,7 +117,7 @@ def test_a_killed_conversion_kills_its_workers_and_resumes(source, tmp_path):
     assert not Path(str(dst) + ".worker-survived").exists()
     Path(str(dst) + ".worker-pid").unlink()
     assert not _assert_nothing_or_complete(source, dst)
-    result = _resume_and_check(source, dst)
+    result = _resume_and_check(source, dst, uninterrupted)
     assert 1 <= result.reused < 4
 
 
@@ -124,6 +134,14 @@ def _interrupted(source: Path, dst: Path, closes: int) -> Path:
     return partial_path(dst)
 
 
+def test_a_resumed_conversion_killed_again_resumes_and_loses_no_checksum(source, uninterrupted, tmp_path):
+    dst = tmp_path / "dst"
+    _kill_at(source, dst, "close", 2)
+    _kill_at(source, dst, "close", 1, resume=True)  # keeps two, writes a third, dies
+    assert len(read_journal(partial_path(dst))) == 3
+    assert _resume_and_check(source, dst, uninterrupted).reused == 3
+
+
 def test_without_resume_a_left_partial_conversion_is_an_error_that_says_what_to_do(source, tmp_path):
     dst = tmp_path / "dst"
     partial = _interrupted(source, dst, 2)
@@ -133,17 +151,17 @@ def test_without_resume_a_left_partial_conversion_is_an_error_that_says_what_to_
     assert len(read_journal(partial)) == 2
 
 
-def test_resume_redoes_a_kept_file_that_no_longer_verifies(source, tmp_path):
+def test_resume_redoes_a_kept_file_that_no_longer_verifies(source, uninterrupted, tmp_path):
     dst = tmp_path / "dst"
     partial = _interrupted(source, dst, 3)
     first = partial / read_journal(partial)[0]["file"]
     data = bytearray(first.read_bytes())
     data[len(data) // 2] ^= 0x10
     first.write_bytes(bytes(data))
-    assert _resume_and_check(source, dst).reused == 2
+    assert _resume_and_check(source, dst, uninterrupted).reused == 2
 
 
-def test_resume_refuses_another_conversion_or_a_changed_source(source, tmp_path):
+def test_resume_refuses_another_conversion_or_a_changed_source(source, uninterrupted, tmp_path):
     dst = tmp_path / "dst"
     partial = _interrupted(source, dst, 2)
     with pytest.raises(reshard.ReshardError, match=r"cannot resume .*destination differs"):
@@ -162,7 +180,7 @@ def test_resume_refuses_another_conversion_or_a_changed_source(source, tmp_path)
         size, mtime = header["source_files"][changed]
         os.utime(changed, ns=(mtime, mtime))
     assert (partial / JOURNAL).exists() and len(read_journal(partial)) == 2  # refusals keep the work
-    assert _resume_and_check(source, dst).reused == 2
+    assert _resume_and_check(source, dst, uninterrupted).reused == 2
 
 
 def test_resume_of_a_finished_conversion_checks_it_and_rewrites_nothing(source, tmp_path):
@@ -182,7 +200,7 @@ def test_resume_of_a_finished_conversion_checks_it_and_rewrites_nothing(source, 
         reshard.convert(source, dst, to=TO)
 
 
-def test_a_second_conversion_to_the_same_destination_is_refused_while_one_runs(source, tmp_path):
+def test_a_second_conversion_to_the_same_destination_is_refused_while_one_runs(source, uninterrupted, tmp_path):
     import fcntl
 
     dst = tmp_path / "dst"
@@ -194,7 +212,7 @@ def test_a_second_conversion_to_the_same_destination_is_refused_while_one_runs(s
             reshard.convert(source, dst, to=TO, resume=True)
     finally:
         os.close(fd)
-    assert _resume_and_check(source, dst).reused == 1
+    assert _resume_and_check(source, dst, uninterrupted).reused == 1
 
 
 def test_the_cli_resumes_and_says_how_many_files_it_kept(source, tmp_path):

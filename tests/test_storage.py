@@ -178,6 +178,14 @@ def test_manifests_carry_logical_checksums_that_verify_compares_without_reading_
         assert entry["dtype"] == str(t.dtype).removeprefix("torch.")
         assert xxhash.xxh3_128(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() == entry["xxh3_128"]
 
+    # Megatron holds the embedding inside a vocabulary padded for tp, gate and up as halves of one fused
+    # weight: their ranges are checksummed on their own, and agree with the hf manifest's. Only the
+    # interleaved q, k, v are left to values.
+    in_a = json.loads((tmp_path / "a" / "reshard.json").read_text())["logical"]["param"]
+    assert {n: e["xxh3_128"] for n, e in in_a.items()} == {n: logical[n]["xxh3_128"] for n in in_a}
+    assert sorted(set(logical) - set(in_a)) == sorted(
+        n for n in logical if n.split(".")[-2] in ("q_proj", "k_proj", "v_proj"))
+
     both = reshard.verify(tmp_path / "a", tmp_path / "c")
     whole = sum(len(v) for v in json.loads((tmp_path / "a" / "reshard.json").read_text())["logical"].values())
     assert both and both.by_checksum == whole > 0 and both.compared > whole  # the rest by value
@@ -256,3 +264,22 @@ def test_a_small_filesystem_filling_up_mid_conversion_leaves_nothing(tmp_path):
     lines = proc.stdout.split()
     assert lines == ["exit=2", "end"], proc.stdout  # exit 2 and the filesystem left empty
     assert "model_optim_rng.pt: cannot write" in proc.stderr and "No space left on device" in proc.stderr
+
+
+def test_ranges_inside_a_streamed_item_are_checksummed_across_windows():
+    import xxhash
+
+    from reshard.storage import hash_segments, take_item_digests, take_segment_digests
+
+    data = os.urandom(40_000)
+    ranges = [(0, 4), (4, 9_999), (10_000, 10_004), (12_001, 39_996), (39_996, 40_000)]
+    take_segment_digests()  # none left from an earlier test in this process
+    hash_segments({"item": ranges})
+    try:
+        out = bytearray()
+        stream_item(lambda item, lo, hi: data[lo * 4:hi * 4], "item", 10_000, "float32", out.extend, None,
+                    window=4 * 333)
+    finally:
+        hash_segments(None)
+    assert bytes(out) == data and take_item_digests()["item"] == xxhash.xxh3_128(data).hexdigest()
+    assert take_segment_digests() == {("item", lo, hi): xxhash.xxh3_128(data[lo:hi]).hexdigest() for lo, hi in ranges}

@@ -79,7 +79,7 @@ def test_a_worker_error_comes_back_with_the_files_it_was_writing(tmp_path):
 
     files, error, read, tensors = _worker((str(tmp_path / "missing"), str(tmp_path), "tp=1", None, None, {},
                                   ["iter_0000000/mp_rank_00/model_optim_rng.pt"], 1 << 20, {}))
-    assert (files, read, tensors) == ({}, 0, {})
+    assert (files, read, tensors) == ({}, 0, ({}, {}))
     assert error == (f"{tmp_path / 'missing'}: no such file or directory "
                      "(while writing iter_0000000/mp_rank_00/model_optim_rng.pt)")
 
