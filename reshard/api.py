@@ -195,7 +195,7 @@ def convert(
 
     Streams: each destination file is written window by window from just the
     source bytes it needs. The output is built in a hidden sibling directory
-    (``reshard.partial``) and renamed to ``dst`` only when complete, with the
+    (``.{name}.reshard-partial``) and renamed to ``dst`` only when complete, with the
     manifest ``reshard.json`` written last: sources, topologies, and per file
     its size and the xxh3-128 of its bytes and of each stored tensor, taken
     while writing. A failed run leaves no ``dst``; one that was killed or

@@ -244,21 +244,20 @@ class OutputFile:
             if stop < b:
                 bisect.insort(self._ahead, (stop, b))
 
-    def _read_into_hash(self, a: int, b: int, h: xxhash.xxh3_128 | None = None) -> None:
-        h = h or self._hash
+    def _read_into_hash(self, a: int, b: int) -> None:
         rfd = os.open(self.path, os.O_RDONLY)
         try:
             while a < b:
                 chunk = os.pread(rfd, min(_CHUNK, b - a), a)
                 if not chunk:  # past the end: the file is shorter than its writes said
                     raise CheckpointFormatError(f"{self.path}: ends at byte {a}, expected {b}")
-                h.update(chunk)
+                self._hash.update(chunk)
                 a += len(chunk)
                 self.read_back += len(chunk)
         finally:
             os.close(rfd)
 
-    def close(self, *, sync: bool = True) -> str:
+    def close(self) -> str:
         """Fsync, close and return the checksum of the file's bytes."""
         if self._fd is None:
             if self.digest is None:
@@ -272,8 +271,7 @@ class OutputFile:
                 self._catch_up(self.size)
                 if self._done < self.size:  # holes (zeros) and anything left ahead
                     self._read_into_hash(self._done, self.size)
-            if sync:
-                os.fsync(self._fd)
+            os.fsync(self._fd)
             size = os.fstat(self._fd).st_size
         except OSError as e:
             self.abort()

@@ -42,8 +42,8 @@ def detect_format(path: Path) -> Format:
     """The format of the checkpoint directory ``path``."""
     if not path.exists():
         if path.is_symlink():
-            what = _link_error(path)
-            raise CheckpointFormatError(f"{path}: {what + ', which cannot be read' if what.endswith('loop') else 'a symbolic link to nothing'}")
+            what = "a symbolic link loop, which cannot be read" if _is_loop(path) else "a symbolic link to nothing"
+            raise CheckpointFormatError(f"{path}: {what}")
         raise CheckpointFormatError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise CheckpointFormatError(f"{path}: not a directory (a checkpoint is a directory)")
@@ -55,12 +55,12 @@ def detect_format(path: Path) -> Format:
     raise CheckpointFormatError(f"{path}: not a checkpoint reshard recognizes (looked for: {', '.join(FORMATS)})")
 
 
-def _link_error(path: Path) -> str:
+def _is_loop(path: Path) -> bool:
     try:
         os.stat(path)
     except OSError as e:
-        return "a symbolic link loop" if e.errno == errno.ELOOP else e.strerror or str(e)
-    return "resolves"
+        return e.errno == errno.ELOOP
+    return False
 
 
 def _check_links(root: Path) -> None:
@@ -70,5 +70,5 @@ def _check_links(root: Path) -> None:
     for top, dirs, files in os.walk(root):
         for name in dirs + files:
             p = Path(top) / name
-            if p.is_symlink() and not p.exists() and _link_error(p) == "a symbolic link loop":
+            if p.is_symlink() and _is_loop(p):
                 raise CheckpointFormatError(f"{p}: a symbolic link loop, which cannot be read")
