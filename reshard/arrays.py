@@ -10,13 +10,14 @@ fixtures and small models.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from reshard.errors import PlanError
-from reshard.layout import Item, Layout
+from reshard.layout import Fragment, Item, Layout
 from reshard.planner import Plan
 
 __all__ = ["apply", "gather", "scatter", "view"]
@@ -35,10 +36,13 @@ def scatter(layout: Layout, tensors: Mapping[tuple[str, str], np.ndarray], dtype
     Each item takes the dtype of its tensors (``dtype`` per state overrides).
     """
     out: dict[Item, np.ndarray] = {}
+    firsts: dict[Item, Fragment] = {}  # one pass: looking each item up in all fragments was quadratic
+    for f in layout.fragments:
+        firsts.setdefault(f.item, f)
     for item, info in layout.items.items():
         dt = (dtype or {}).get(item.state)
         if dt is None:
-            first = next((f for f in layout.fragments if f.item == item), None)
+            first = firsts.get(item)
             dt = tensors[(first.tensor, first.state)].dtype if first else np.uint8
         out[item] = np.zeros(info.numel, dtype=dt)
     for f in layout.fragments:
@@ -69,7 +73,8 @@ def gather(layout: Layout, items: Mapping[Item, np.ndarray]) -> dict[tuple[str, 
     for key, mask in seen.items():
         if not mask.all():
             raise PlanError(f"{key[0]} [{key[1]}]: {int((~mask).sum())} elements are stored nowhere")
-    absent = sorted({n for n, t in layout.tensors.items() if not t.blob} - {name for name, _ in seen})
+    # A tensor of zero elements has no fragment: nothing of it is missing.
+    absent = sorted({n for n, t in layout.tensors.items() if not t.blob and math.prod(t.view)} - {name for name, _ in seen})
     if absent:
         raise PlanError(f"{', '.join(absent[:5])}{' ...' if len(absent) > 5 else ''}: stored nowhere")
     return {key: a.reshape(layout.tensors[key[0]].shape) for key, a in out.items()}

@@ -73,6 +73,8 @@ class _Resolver:
         self.item_frags: dict[Item, list[Fragment]] = {}
         # per source unit and chunk: its params (one per key) and their element counts
         self.flat_params: dict[str, tuple[list[Item], list[int]]] = {}
+        # items holding a blob's bytes: flat buffers hold tensors, not bytes
+        self.blob_items: set[Item] = set()
 
     def err(self, message: str, pos: S.Pos | None) -> SpecError:
         return self.spec.error(message, pos)
@@ -103,6 +105,8 @@ class _Resolver:
                 if st.name in self.indexes:
                     raise self.err(f"index '{st.name}' is declared twice", st.pos)
                 self.indexes[st.name] = self.eval(st.size)
+                if self.indexes[st.name] < 0:
+                    raise self.err(f"index '{st.name}' ranges over {self.indexes[st.name]} values; a range must be >= 0", st.pos)
             elif isinstance(st, S.Logical):
                 self.declare(st)
             elif isinstance(st, S.Section):
@@ -221,12 +225,16 @@ class _Resolver:
             if not st.regenerate and name not in self.blob_sizes:
                 raise self.err(f"the byte size of blob '{name}' is unknown (give it in blob_sizes)", st.pos)
             n = self.blob_sizes.get(name, 0)
+            if n < 0:
+                raise self.err(f"blob '{name}' has byte size {n}; a size must be >= 0", st.pos)
             self.tensors[name] = LogicalTensor(name=name, shape=(n,), axes=(BYTES_AXIS,), view=(n,), blob=True, dim_axes=(1,))
 
     def axis_size(self, name: str, pos: S.Pos) -> int:
         if name not in self.env:
             known = ", ".join(sorted(k for k in self.env if k not in TOPOLOGY_VARS)) or "none"
             raise self.err(f"unknown axis '{name}' (sizes known: {known})", pos)
+        if self.env[name] < 0:
+            raise self.err(f"axis '{name}' has size {self.env[name]}; a size must be >= 0", pos)
         return self.env[name]
 
     def capture_values(self, pattern: S.Pattern) -> Iterable[dict[str, int]]:
@@ -413,7 +421,8 @@ class _Resolver:
                     raise self.err("a stored tensor may have one concatenation", term.pos)
                 for part in term.parts:
                     if part.ref is None:
-                        self.eval(part.size)
+                        if (n := self.eval(part.size)) < 0:
+                            raise self.err(f"a pad part must be >= 0 elements, got {n}", part.pos)
                         continue
                     if part.ref not in self.by_ref:
                         raise self.err(f"unknown logical tensor '{part.ref}' (aliases: {', '.join(sorted(a for a in self.by_ref if '.' not in a)) or 'none'})", part.pos)
@@ -451,6 +460,16 @@ class _Resolver:
             for ax, p in all_splits:
                 if [x for x, _ in all_splits].count(ax) > 1:
                     raise self.err(f"{decl.pattern.text} is sharded twice over '{ax}'", p)
+                # A name capture over an axis, or a placement on one stage, already picks the part a unit
+                # holds; splitting the dims over that axis as well would leave the other parts stored nowhere.
+                cap = next((c for c in rule.pattern.captures if c.axis == ax), None)
+                if cap is not None:
+                    sep = "@" if cap.numbered == "global" else "/"
+                    raise self.err(f"{decl.pattern.text} is sharded twice over '{ax}': by '{{{cap.name}{sep}{ax}}}' "
+                                   f"in the name and by this split", p)
+                if ax == "pp" and rule.place is not None:
+                    raise self.err(f"{decl.pattern.text} is split over 'pp' but '@{rule.place}' stores it on one stage; "
+                                   f"drop the placement or the split", p)
             idx = outer[2] + indexes
             need = {c.name for c in decl.pattern.captures}
             for name, p in idx:
@@ -478,6 +497,7 @@ class _Resolver:
             out = []
             for state in states:
                 item = Item(sec.name, unit, chunk, state, key)
+                self.blob_items.add(item)
                 self.add_item(item, ItemInfo(shape=(n,), mapped=0 if rule.regenerate else n, fill="regenerate" if rule.regenerate else "zero", rule=rule.pattern.text), rule.pos)
                 if not rule.regenerate and n:
                     self.add_frag(Fragment(tensor=name, state=state, box=Box((0,), (n,)), item=item, offset=0, strides=(1,)), sec)
@@ -554,12 +574,12 @@ class _Resolver:
         for ax in split_axes:
             if ax not in MESH_AXES:
                 raise self.err(f"unknown mesh axis '{ax}' (expected one of: {', '.join(MESH_AXES)})", fl.pos)
-        extra = set(sec.axes) - set(src.axes) - set(split_axes)
-        missing = set(src.axes) - set(sec.axes)
-        if missing or extra:
+        split_axes = split_axes[-1:]  # a repeated valued op keeps its last value
+        if set(sec.axes) != set(src.axes) | set(split_axes):
             raise self.err(
-                f"flat buffers of '{sec.name}' (per {', '.join(sec.axes)}) must be stored per the axes of "
-                f"'{src.name}' ({', '.join(src.axes)}) plus their split axes ({', '.join(split_axes) or 'none'})", sec.pos)
+                f"flat buffers of '{sec.name}' (per {', '.join(sec.axes) or 'nothing'}) must be stored per the axes of "
+                f"'{src.name}' ({', '.join(src.axes) or 'none'}) plus its split axis ({', '.join(split_axes) or 'none'})",
+                sec.pos)
         src_unit = tuple((a, coords[a]) for a in src.axes)
         order_key = _order_key(src.name, src_unit, chunk)
         if order_key not in self.flat_params:  # shared by every rank of the split axis
@@ -574,6 +594,10 @@ class _Resolver:
         chosen = [k for k, p in enumerate(params) if _selected(p.key, fl.ops)]
         if len(chosen) < len(params):
             params, numels = [params[k] for k in chosen], [numels[k] for k in chosen]
+        blob = next((p for p in params if p in self.blob_items), None)
+        if blob is not None:
+            raise self.err(f"flat buffer {fl.pattern.text} would take blob '{blob.key}' of section '{fl.source}' as a param; "
+                           "flat buffers hold tensors only (give blobs a section of their own, or 'except' them)", fl.pos)
         buckets = flat_layout(fl, numels, coords, self)
         caps = {c.name for c in fl.pattern.captures}
         unknown = caps - {"state", "bucket"}

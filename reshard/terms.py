@@ -175,6 +175,8 @@ def flat_layout(fl: S.Flat, numels: list[int], coords: dict[str, int], r: _Resol
             coalesce = True
     if min(align, pad) <= 0:
         raise r.err("align and pad take positive numbers", fl.pos)
+    if bucket_size < 0:
+        raise r.err(f"buckets takes a number >= 0 (0: one bucket), got {bucket_size}", fl.pos)
     if perparam and (align > 1 or bucket_size or coalesce):
         raise r.err("'perparam' pads and splits each param on its own; it cannot be combined with align, buckets or coalesce", fl.pos)
     d = r.topo.degree(split) if split else 1
