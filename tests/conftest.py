@@ -1,12 +1,44 @@
 from __future__ import annotations
 
+import importlib
+import os
+
 import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
 
 from reshard.arrays import apply, gather, scatter
 from reshard.layout import Layout, resolve
 from reshard.planner import plan
 from reshard.spec import parse_spec
 from reshard.topology import parse_topology
+
+# Hypothesis profiles. ``ci``, the default, is deterministic: derandomized and with no example
+# database, so the same commit gives the same result on every run and machine. ``fuzz`` is for
+# long random runs outside the test command (``pytest tests/test_fuzz.py tests/test_spec_fuzz.py
+# --hypothesis-profile=fuzz``; ``python bench/fuzz.py`` runs the file readers for minutes each).
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True,
+                          suppress_health_check=_QUIET)
+settings.register_profile("fuzz", derandomize=False, database=None, deadline=None, max_examples=20_000,
+                          print_blob=True, suppress_health_check=_QUIET)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# The real frameworks the ``interop`` tests run. They are part of the test command's install
+# (``.[test,interop]``), so a missing one fails its tests instead of skipping them.
+INTEROP = {"deepspeed": "deepspeed", "transformers": "transformers", "megatron.core": "megatron-core"}
+
+
+def require(module: str):
+    """Import a real framework for an interop test; a missing package fails the test, never skips it."""
+    if module == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any import failure is the same finding
+        package = INTEROP.get(module, module)
+        pytest.fail(f"{module} is not importable ({type(e).__name__}: {e}); the interop tests need {package}: "
+                    "pip install -c constraints.txt -e '.[test,interop]'", pytrace=False)
 
 
 def logical_values(layout: Layout, states: tuple[str, ...] = ("param",), dtype=np.float32) -> dict:

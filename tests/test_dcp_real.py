@@ -11,21 +11,22 @@ from __future__ import annotations
 import json
 import math
 
+import dcp_jobs
 import pytest
+import torch
+from conftest import require
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import reshard
+from reshard.dcp_metadata import read_metadata
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-import dcp_jobs  # noqa: E402
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
-
-from reshard.dcp_metadata import read_metadata  # noqa: E402
+pytestmark = pytest.mark.interop
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Checkpoints of the same model written by real jobs: FSDP2 at 3 ranks, TP at 2, FSDP2 x TP at 2 x 2."""
+    require("transformers")
     root = tmp_path_factory.mktemp("dcp-real")
     out = {}
     for name, mode, world, dp in (("fsdp3", "fsdp", 3, None), ("tp2", "tp", 2, None), ("2d4", "2d", 4, 2)):

@@ -25,8 +25,8 @@ from reshard.formats.dcp import _torch_chunks
 from reshard.layout import resolve
 from reshard.topology import Topology
 
-torch = pytest.importorskip("torch")
-dcp = pytest.importorskip("torch.distributed.checkpoint")
+import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 
 runner = CliRunner()

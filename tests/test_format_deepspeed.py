@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from conftest import assert_round_trip, logical_values
+from conftest import assert_round_trip, logical_values, require
 
 from reshard.arrays import gather, scatter
 from reshard.catalog import SPECS_DIR, load_spec
@@ -525,7 +525,7 @@ def deepspeed_classes(monkeypatch) -> tuple[type, type]:
 
 
 def test_torch_load_reads_the_files_with_deepspeeds_classes(tmp_path, monkeypatch):
-    torch = pytest.importorskip("torch")
+    import torch
     _, values, _, _ = write_checkpoint(tmp_path, "dp=2", dtype="bfloat16")
     fragment_address, ZeroStageEnum = deepspeed_classes(monkeypatch)  # noqa: N806 - DeepSpeed's names
     model = torch.load(tmp_path / "global_step1/mp_rank_00_model_states.pt", weights_only=False)
@@ -798,14 +798,11 @@ def run_deepspeed(tmp_path, nproc: int, *args: str, stage: int = 2, bf16: bool =
     assert code == 0, output[-6000:]
 
 
+@pytest.mark.interop
 @pytest.mark.slow
 def test_deepspeed_loads_a_dp2_checkpoint_resharded_to_dp3_bit_exactly(tmp_path, monkeypatch):
-    pytest.importorskip("torch")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed  # noqa: F401
-    except Exception:
-        pytest.skip("deepspeed is not importable")
+    require("deepspeed")
     run_deepspeed(tmp_path, 2, "save", str(tmp_path / "dp2"), "-")
     src = FORMAT.open(tmp_path / "dp2", sizes={"heads": 4})  # also proves DeepSpeed's own files match the spec
     reshard(src, FORMAT.target(src, parse_topology("dp=3")), tmp_path / "dp3")
@@ -821,21 +818,13 @@ def test_deepspeed_loads_a_dp2_checkpoint_resharded_to_dp3_bit_exactly(tmp_path,
         np.testing.assert_array_equal(dump[key], logical[(name, state)], err_msg=key)
 
 
-def _deepspeed_or_skip():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed  # noqa: F401
-    except Exception as e:
-        pytest.skip(f"deepspeed is not importable: {e}")
-
-
 @pytest.fixture(scope="module")
 def ds_saved(tmp_path_factory):
     """Real DeepSpeed checkpoints of the tiny Llama after two steps at dp=2, one per (stage, bf16), made once."""
     cache = {}
 
     def get(stage: int, bf16: bool):
-        _deepspeed_or_skip()
+        require("deepspeed")
         if (stage, bf16) not in cache:
             root = tmp_path_factory.mktemp(f"ds-z{stage}-{'bf16' if bf16 else 'fp32'}")
             run_deepspeed(root, 2, "save", str(root / "ckpt"), "-", stage=stage, bf16=bf16)
@@ -857,10 +846,11 @@ def logical_of(path) -> dict:
 STAGES = [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
 
 
+@pytest.mark.interop
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,bf16", STAGES, ids=[f"z{s}-{'bf16' if b else 'fp32'}" for s, b in STAGES])
 def test_real_checkpoints_master_weights_equal_zero_to_fp32(ds_saved, tmp_path, stage, bf16):
-    torch = pytest.importorskip("torch")
+    import torch
     ckpt = ds_saved(stage, bf16)  # skips, saying why, without deepspeed
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -887,6 +877,7 @@ RESUMES = [
 ]
 
 
+@pytest.mark.interop
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,bf16,to", RESUMES, ids=[f"z{s}-{'bf16' if b else 'fp32'}-{t}" for s, b, t in RESUMES])
 def test_resharded_checkpoints_resume_in_deepspeed_bit_exactly(ds_saved, tmp_path, stage, bf16, to):
@@ -910,6 +901,7 @@ def test_resharded_checkpoints_resume_in_deepspeed_bit_exactly(ds_saved, tmp_pat
     assert compared >= 3 * 21  # master, exp_avg, exp_avg_sq of every param (and bf16 weights where stored)
 
 
+@pytest.mark.interop
 @pytest.mark.slow
 def test_a_universal_checkpoint_from_ds_to_universal_converts_and_resumes_bit_exactly(ds_saved, tmp_path):
     """DeepSpeed's own universal folder as a source: resharded to ZeRO-2 at dp=3, DeepSpeed resumes from it."""
@@ -942,13 +934,14 @@ def ds_to_universal(src, out) -> None:
 UNIVERSAL = [(2, False, 3), (1, True, 4), (3, False, 3)]  # (source stage, bf16, dp that loads the universal folder)
 
 
+@pytest.mark.interop
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,bf16,dp", UNIVERSAL, ids=[f"z{s}-{'bf16' if b else 'fp32'}-dp{d}" for s, b, d in UNIVERSAL])
 def test_universal_folders_written_by_reshard_equal_ds_to_universals_and_load_alike(ds_saved, tmp_path, stage, bf16,
                                                                                      dp):
     """reshard's universal export against DeepSpeed's: the same files and values, and DeepSpeed's
     load_universal at a new dp sees the same parameters and optimizer states from both."""
-    torch = pytest.importorskip("torch")
+    import torch
     import reshard
 
     src = ds_saved(stage, bf16)
@@ -1039,7 +1032,7 @@ def pipe_saved(tmp_path_factory):
     cache = {}
 
     def get(bf16: bool):
-        _deepspeed_or_skip()
+        require("deepspeed")
         if bf16 not in cache:
             root = tmp_path_factory.mktemp(f"ds-pipe-{'bf16' if bf16 else 'fp32'}")
             run_deepspeed(root, 2, "save", str(root / "ckpt"), "-", bf16=bf16, script=PIPELINE_RUN,
@@ -1050,9 +1043,10 @@ def pipe_saved(tmp_path_factory):
     return get
 
 
+@pytest.mark.interop
 @pytest.mark.slow
 def test_real_pipeline_checkpoints_read_with_their_layer_files(pipe_saved):
-    torch = pytest.importorskip("torch")
+    import torch
     import reshard
 
     ckpt = pipe_saved(False)
@@ -1076,6 +1070,7 @@ PIPE_RESUMES = [
 ]
 
 
+@pytest.mark.interop
 @pytest.mark.slow
 @pytest.mark.parametrize("bf16,to,spec,ranks,engine", PIPE_RESUMES,
                          ids=[f"{'bf16' if b else 'fp32'}-{t}-{e}" for b, t, _, _, e in PIPE_RESUMES])
@@ -1098,6 +1093,7 @@ def test_resharded_pipeline_checkpoints_resume_in_deepspeed_bit_exactly(pipe_sav
     assert_logical_equal(got, logical_of(src), (4 if bf16 else 3) * (9 * 4 + 3))
 
 
+@pytest.mark.interop
 @pytest.mark.slow
 def test_a_checkpoint_of_the_plain_engine_resumes_in_the_pipeline_engine(ds_saved, tmp_path):
     import reshard
@@ -1110,12 +1106,13 @@ def test_a_checkpoint_of_the_plain_engine_resumes_in_the_pipeline_engine(ds_save
     assert_logical_equal(pipeline_logical(np.load(tmp_path / "dump.npz"), 2), logical_of(src), 3 * 21)
 
 
+@pytest.mark.interop
 @pytest.mark.slow
 def test_tensor_parallel_pipeline_checkpoints_change_tp_bit_exactly(pipe_saved, tmp_path):
     """tp over PipeModelDataParallelTopology's model axis, q/k/v/gate/up split by rows, o/down by columns."""
     import reshard
 
-    _deepspeed_or_skip()
+    require("deepspeed")
     tp2 = {"RESHARD_PP": "1", "RESHARD_DP": "1", "RESHARD_TP": "2"}
     run_deepspeed(tmp_path, 2, "save", str(tmp_path / "tp2"), str(tmp_path / "saved.npz"), bf16=False,
                   script=PIPELINE_RUN, env={**tp2, "RESHARD_DS_LAYERS": "2"})

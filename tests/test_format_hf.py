@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import save_tiny_mixtral
+from conftest import require, save_tiny_mixtral
 
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, TopologyError
@@ -310,8 +310,8 @@ def test_a_short_fill_is_an_error_and_leaves_no_partial_shard(tmp_path: Path, ti
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory):
     """A tiny LlamaForCausalLM saved sharded by transformers: (model, directory)."""
-    transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
-    torch = pytest.importorskip("torch")
+    transformers = require("transformers")
+    import torch
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                       num_key_value_heads=2, num_hidden_layers=2, vocab_size=100,
@@ -332,6 +332,7 @@ def _logits(path: Path):
         return model.eval()(torch.arange(24).reshape(2, 12) % 100).logits
 
 
+@pytest.mark.interop
 def test_real_sharded_checkpoint_spans_hold_the_tensor_bytes(llama) -> None:
     import torch
 
@@ -346,6 +347,7 @@ def test_real_sharded_checkpoint_spans_hold_the_tensor_bytes(llama) -> None:
         assert got[name] == t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), name
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("max_shard_size", ["30KB", None], ids=["sharded", "one-file"])
 def test_round_trip_through_the_adapter_gives_bit_identical_logits(llama, tmp_path: Path, max_shard_size) -> None:
     import torch
@@ -361,8 +363,9 @@ def test_round_trip_through_the_adapter_gives_bit_identical_logits(llama, tmp_pa
     assert torch.equal(_logits(tmp_path), _logits(path))
 
 
+@pytest.mark.interop
 def test_written_shards_are_exactly_what_save_file_writes(llama, tmp_path: Path) -> None:
-    save_file = pytest.importorskip("safetensors.torch").save_file
+    from safetensors.torch import save_file
     model, path = llama
     source = FORMAT.open(path)
     target = FORMAT.target(source, Topology())
@@ -379,6 +382,7 @@ def test_written_shards_are_exactly_what_save_file_writes(llama, tmp_path: Path)
         assert (tmp_path / "out" / f).read_bytes() == ref.read_bytes(), f
 
 
+@pytest.mark.interop
 def test_synthesized_config_loads_in_transformers(llama, tmp_path: Path) -> None:
     import torch
     import transformers
@@ -405,10 +409,10 @@ def test_llama_config_picks_the_most_common_dtype() -> None:
     assert str(e.value) == "cannot build a Llama config.json: model sizes f, heads, g, hd, layers, vocab are unknown"
 
 
+@pytest.mark.interop
 def test_a_mixtral_resharded_as_fsdp2_and_back_gives_identical_logits(tmp_path: Path) -> None:
     """MixtralForCausalLM (experts saved per expert, as transformers saves them) through DCP at dp=3."""
-    pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     import reshard
 
     save_tiny_mixtral(tmp_path / "hf", layers=2)

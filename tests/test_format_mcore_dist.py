@@ -9,24 +9,21 @@ installed; a one-process ``dcp.save`` of the same layout runs everywhere.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 
+import mcore_jobs
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import require
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import reshard
 from reshard.errors import CheckpointFormatError
 
-torch = pytest.importorskip("torch")
-dcp = pytest.importorskip("torch.distributed.checkpoint")
-from safetensors.torch import load_file  # noqa: E402
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
-
-import mcore_jobs  # noqa: E402
-
 S = mcore_jobs.SIZES
-HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 
 def expected_hf(ref: dict) -> dict:
@@ -196,9 +193,10 @@ def dcp_jobs_flat(path, tmp_path) -> dict:
     return out
 
 
-@pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (CI installs it)")
+@pytest.mark.interop
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_a_real_megatron_core_torch_dist_checkpoint_converts_to_hf(tmp_path, tp, pp):
+    require("megatron.core")
     src = tmp_path / "src"
     mcore_jobs.save(src, tp, pp)
     assert json.loads((src / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
@@ -212,8 +210,9 @@ def test_a_real_megatron_core_torch_dist_checkpoint_converts_to_hf(tmp_path, tp,
     check_hf(tmp_path / "hf2", ref)
 
 
-@pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (CI installs it)")
+@pytest.mark.interop
 def test_reshard_written_torch_dist_loads_in_megatron_core_at_a_new_layout(tmp_path):
+    require("megatron.core")
     import glob
 
     from reshard.dcp_metadata import read_metadata

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import require
 
 import reshard
 from fixtures import MODELS, make_fixture, model_values
@@ -41,9 +42,10 @@ def test_megatron_qkv_interleaves_each_heads_q_k_v_from_hf_c_attn_thirds(tmp_pat
     np.testing.assert_array_equal(item_bytes(meg, "decoder.layers.2.self_attention.linear_qkv.bias", tp=1), bias[96:])
 
 
+@pytest.mark.interop
 def test_transformers_loads_the_converted_gpt2_with_the_fixture_values_and_same_logits(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
+    transformers = require("transformers")
+    import torch
     src, hf, back, hf2 = (tmp_path / n for n in ("src", "hf", "back", "hf2"))
     make_fixture(src, format="megatron", to="tp=2,pp=2", model="tiny-gpt2")
     reshard.convert(src, hf, format="hf")
@@ -91,9 +93,10 @@ def test_distributed_optimizer_gpt2_changes_tp_pp_and_dp(tmp_path):
     assert stored_bytes(dst) == stored_bytes(direct)
 
 
+@pytest.mark.interop
 def test_a_gpt2_saved_by_transformers_survives_megatron_and_back(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
+    transformers = require("transformers")
+    import torch
     config = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=3, n_positions=32, vocab_size=300, n_inner=192)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()

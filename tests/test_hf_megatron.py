@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import save_tiny_mixtral
+from conftest import require, save_tiny_mixtral
 
 import reshard
 
@@ -28,10 +28,11 @@ def assert_same_logits(model_class, before, after, vocab: int) -> None:
     assert torch.equal(got, want)
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_hf_to_megatron_and_a_virtual_pipeline_and_back_gives_identical_logits(tmp_path, tied):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    transformers = require("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                       intermediate_size=96, vocab_size=1000, num_hidden_layers=8,
@@ -62,10 +63,11 @@ def test_hf_to_megatron_and_a_virtual_pipeline_and_back_gives_identical_logits(t
         assert torch.equal(after.eval()(ids).logits, before)
 
 
+@pytest.mark.interop
 def test_hf_to_megatrons_legacy_model_and_back_gives_identical_logits(tmp_path):
     """The legacy GPTModel's nested names (``--use-legacy-models``), at tp=2,pp=2, restaged to tp=1,pp=2."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    transformers = require("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                       intermediate_size=96, vocab_size=1000, num_hidden_layers=4,
@@ -78,11 +80,11 @@ def test_hf_to_megatrons_legacy_model_and_back_gives_identical_logits(tmp_path):
     assert_same_logits(transformers.LlamaForCausalLM, tmp_path / "hf", tmp_path / "back", 1000)
 
 
+@pytest.mark.interop
 def test_a_mixtral_to_megatron_moe_and_back_gives_identical_logits(tmp_path):
     """MixtralForCausalLM -> Megatron-core MoE (SequentialMLP experts) at tp=2,pp=2,ep=2 -> tp=1,pp=4,vpp=2,ep=4
     -> HF."""
-    pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     from reshard.torchfile import read_torch_file
 
     save_tiny_mixtral(tmp_path / "hf", layers=8)

@@ -3,19 +3,17 @@ and the layout real megatron-core writes and loads."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 import struct
 from pathlib import Path
 
 import pytest
+from conftest import require
 
 import reshard
 from reshard.errors import CheckpointFormatError
 from reshard.torchfile import read_torch_file
-
-HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 
 def rank_file(ckpt: Path, name: str) -> dict:
@@ -191,13 +189,14 @@ def collect(dump_dir: Path, pp: int, ep: int, S: dict) -> dict[tuple[str, str], 
     return out
 
 
-@pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (CI installs it)")
+@pytest.mark.interop
 @pytest.mark.parametrize("distopt", [False, True], ids=["plain-optimizer", "distributed-optimizer"])
 def test_real_megatron_core_moe_checkpoint_changes_ep_and_pp_and_loads_back_into_megatron_core(tmp_path, distopt):
     """megatron-core at tp=1, pp=2, ep=2 (its ChainedOptimizer of a dense and an expert optimizer after one
     Adam step; with the distributed optimizer, distrib_optim.pt from its own save_parameter_state) -> ep=4,
     pp=1 and -> ep=1 (one optimizer), each loaded strictly by megatron-core built at that layout: every weight
     and optimizer state equal to the source's under global layer and expert numbers; a step then runs."""
+    require("megatron.core")
     import torch
 
     import mcore_moe_jobs as jobs

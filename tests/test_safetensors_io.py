@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import require
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -154,7 +155,7 @@ def _write(path: Path, tensors: dict, metadata: dict | None = None, window: int 
 
 
 def _mixed_tensors() -> dict:
-    torch = pytest.importorskip("torch")
+    import torch
     return {
         "model.b.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3),
         "a": torch.arange(3, dtype=torch.bfloat16),
@@ -171,7 +172,7 @@ def _mixed_tensors() -> dict:
 
 
 def test_writer_output_is_byte_identical_to_safetensors_save_file(tmp_path: Path) -> None:
-    save_file = pytest.importorskip("safetensors.torch", reason="safetensors with torch is the oracle").save_file
+    from safetensors.torch import save_file
     tensors = _mixed_tensors()
     save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
     _write(tmp_path / "ours.safetensors", tensors, {"format": "pt"}, window=3)
@@ -182,7 +183,7 @@ def test_writer_output_is_byte_identical_to_safetensors_save_file(tmp_path: Path
 
 
 def test_writer_output_loads_with_safe_open(tmp_path: Path) -> None:
-    safetensors = pytest.importorskip("safetensors", reason="safe_open is the oracle")
+    import safetensors
     tensors = _mixed_tensors()
     path = tmp_path / "ours.safetensors"
     _write(path, tensors, {"format": "pt"})
@@ -275,8 +276,8 @@ _DTYPE_NAMES = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "
     max_size=6,
 ))
 def test_writer_matches_save_file_for_arbitrary_tensors(tmp_path_factory: pytest.TempPathFactory, spec: dict) -> None:
-    torch = pytest.importorskip("torch")
-    save_file = pytest.importorskip("safetensors.torch").save_file
+    import torch
+    from safetensors.torch import save_file
     tmp = tmp_path_factory.mktemp("prop")
     tensors = {}
     for k, name in enumerate(sorted(spec)):
@@ -314,10 +315,11 @@ def test_shards_split_in_order_and_big_tensors_stand_alone() -> None:
     assert p.index_json().startswith('{\n  "metadata": {\n    "total_size": 28\n  },\n  "weight_map": {\n    "a": ')
 
 
+@pytest.mark.interop
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.integers(0, 40), max_size=12), st.integers(1, 50))
 def test_shard_plan_matches_huggingface_hub(sizes: list[int], limit: int) -> None:
-    hub = pytest.importorskip("huggingface_hub", reason="huggingface_hub's splitter is the oracle")
+    hub = require("huggingface_hub")
     state = {f"t{k}": n for k, n in enumerate(sizes)}
     if not state:
         return  # huggingface_hub returns no file at all; we write one empty model.safetensors
