@@ -15,19 +15,28 @@ its path in the nested state dict (``("optim", "param_groups", 0, "lr")``).
 Reading allows only the classes above, ``StorageMeta``, ``torch.Size``,
 torch dtypes/layouts/memory formats and ``pathlib`` paths; every class becomes
 plain data here and nothing is imported from the file. Anything else in the
-pickle is an error naming the global.
+pickle is an error naming the global. Every integer is checked before it is
+kept: sizes, chunk offsets and chunk sizes are non-negative and within torch's
+int64, each chunk lies inside its tensor, and each storage entry names a file
+of the checkpoint directory itself (no ``/``, ``..`` or absolute path) and,
+when ``read_metadata`` finds that file, bytes inside it.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reshard.bounds import FieldError, brief, check_count, check_range, check_shape
 from reshard.errors import CheckpointFormatError
-from reshard.torch_types import _DTYPE_ALIASES, _DTYPE_NAMES
+from reshard.pickle_scan import check_pickle
+from reshard.torch_types import _DTYPE_ALIASES, _DTYPE_NAMES, _ITEMSIZE
 
 __all__ = ["METADATA_NAME", "DcpChunk", "DcpMetadata", "DcpStorage", "DcpTensor", "read_metadata", "write_metadata"]
 
@@ -83,7 +92,7 @@ class _Obj:
 
     def fields(self) -> dict[str, Any]:
         state = self.state
-        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+        if (isinstance(state, tuple) and len(state) == 2 and all(s is None or isinstance(s, dict) for s in state)):
             merged = dict(state[0] or {})  # (dict state, slots state)
             merged.update(state[1] or {})
             return merged
@@ -94,8 +103,23 @@ class _Obj:
         raise _Bad(f"{self.name} has state {type(state).__name__}, expected a dict of fields")
 
 
-class _Bad(Exception):
+class _Bad(FieldError):
     pass
+
+
+class _Fn:
+    """A function the pickle may call. Refuses BUILD, so a pickle cannot set its defaults for later files."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __setstate__(self, state):
+        raise _Bad(f"the pickle sets state on {self.fn.__name__}")
 
 
 def _newobj_class(name: str) -> type:
@@ -118,10 +142,15 @@ class _Layout(str):
 
 
 def _torch_size(dims=()) -> tuple[int, ...]:
-    dims = tuple(dims)
-    if not all(type(d) is int for d in dims):
-        raise _Bad(f"torch.Size of non-integers {dims!r:.60}")
-    return dims
+    if not isinstance(dims, (tuple, list)) or not all(type(d) is int for d in dims):
+        raise _Bad(f"torch.Size of {brief(dims, 60)}, not a sequence of integers")
+    return tuple(dims)
+
+
+def _mem_format(value):
+    if type(value) is not int:
+        raise _Bad(f"_MEM_FORMAT_ENCODING of {brief(value, 40)}, not an integer")
+    return value
 
 
 def _get_layout(name):
@@ -136,6 +165,12 @@ def _path(*parts):
     return "/".join(parts)
 
 
+_FUNCTIONS = {key: _Fn(fn) for key, fn in {
+    (_MD, "_MEM_FORMAT_ENCODING"): _mem_format, ("torch", "Size"): _torch_size,
+    ("torch.serialization", "_get_layout"): _get_layout, ("pathlib", "Path"): _path,
+    ("collections", "OrderedDict"): dict, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset}.items()}
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
@@ -147,29 +182,25 @@ class _Unpickler(pickle.Unpickler):
             if key not in self._classes:
                 self._classes[key] = _newobj_class(name)
             return self._classes[key]
-        if key == (_MD, "_MEM_FORMAT_ENCODING"):
-            return lambda value: int(value)
-        if key == ("torch", "Size"):
-            return _torch_size
-        if key == ("torch.serialization", "_get_layout"):
-            return _get_layout
+        if key in _FUNCTIONS:
+            return _FUNCTIONS[key]
         if module == "torch" and _DTYPE_ALIASES.get(name, name) in _DTYPE_NAMES:
             return _Dtype(_DTYPE_ALIASES.get(name, name))
         if module == "torch" and name in ("strided", "sparse_coo", "contiguous_format", "preserve_format",
                                           "channels_last"):
             return _Layout(name)
         if module == "pathlib" and name in ("PosixPath", "WindowsPath", "Path", "PurePosixPath", "PureWindowsPath"):
-            return _path
-        if key in (("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")):
-            return {"OrderedDict": dict, "set": set, "frozenset": frozenset}[name]
+            return _FUNCTIONS[("pathlib", "Path")]
         raise _Bad(f"the pickle references {module}.{name}, which a DCP .metadata never holds and reshard "
                    "will not load (allowed: DCP's metadata dataclasses, torch.Size, torch dtypes, pathlib paths)")
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple) or not all(type(v) is int and v >= 0 for v in value):
-        raise _Bad(f"{what} is {value!r:.60}, expected a torch.Size of non-negative integers")
-    return value
+        raise _Bad(f"{what} is {brief(value, 60)}, expected a torch.Size of non-negative integers")
+    for k, v in enumerate(value):
+        check_count(f"{what} [{k}]", v)
+    return tuple(value)
 
 
 def _expect(obj: Any, name: str, what: str) -> dict[str, Any]:
@@ -181,21 +212,23 @@ def _expect(obj: Any, name: str, what: str) -> dict[str, Any]:
 
 def _tensor(key: str, f: dict[str, Any]) -> DcpTensor:
     props = _expect(f.get("properties"), "TensorProperties", f"'{key}' properties")
-    if not props and isinstance(f["properties"].state, tuple):  # TensorProperties pickles a tuple
-        state = f["properties"].state
-        props = {"dtype": state[0] if state else None}
     dtype = props.get("dtype")
     if not isinstance(dtype, _Dtype):
-        raise _Bad(f"'{key}' has dtype {dtype!r:.40}, expected a torch dtype")
+        raise _Bad(f"'{key}' has dtype {brief(dtype, 40)}, expected a torch dtype")
     size = _ints(f.get("size"), f"'{key}' size")
-    chunks = []
-    for c in f.get("chunks") or ():
+    check_shape(f"'{key}' size", size, _ITEMSIZE.get(dtype, 1))
+    chunks = f.get("chunks")
+    if not isinstance(chunks, list | tuple | None):
+        raise _Bad(f"'{key}' has chunks {brief(chunks, 40)}, expected a list")
+    out = []
+    for c in chunks or ():
         cf = _expect(c, "ChunkStorageMetadata", f"a chunk of '{key}'")
         offs, sizes = _ints(cf.get("offsets"), f"'{key}' chunk offsets"), _ints(cf.get("sizes"), f"'{key}' chunk sizes")
         if len(offs) != len(size) or len(sizes) != len(size) or any(o + n > d for o, n, d in zip(offs, sizes, size)):
-            raise _Bad(f"'{key}' has a chunk at {list(offs)} of size {list(sizes)} outside its size {list(size)}")
-        chunks.append(DcpChunk(offs, sizes))
-    return DcpTensor(str(dtype), size, tuple(chunks))
+            raise _Bad(f"'{key}' has a chunk at {brief(list(offs))} of size {brief(list(sizes))} outside its size "
+                       f"{brief(list(size))}")
+        out.append(DcpChunk(offs, sizes))
+    return DcpTensor(str(dtype), size, tuple(out))
 
 
 def _properties_state(obj: Any) -> None:
@@ -209,6 +242,7 @@ def parse_metadata(data: bytes, where: str = METADATA_NAME) -> DcpMetadata:
     """The metadata a ``.metadata`` pickle describes. Raises CheckpointFormatError naming ``where``."""
     try:
         try:
+            check_pickle(data)
             root = _Unpickler(data).load()
         except _Bad:
             raise
@@ -221,7 +255,7 @@ def parse_metadata(data: bytes, where: str = METADATA_NAME) -> DcpMetadata:
             raise _Bad("Metadata.state_dict_metadata is not a dict")
         for key, md in sdm.items():
             if not isinstance(key, str):
-                raise _Bad(f"state dict key {key!r:.60} is not a string")
+                raise _Bad(f"state dict key {brief(key, 60)} is not a string")
             if isinstance(md, _Obj) and md.name == "BytesStorageMetadata":
                 out.byte_entries.append(key)
                 continue
@@ -235,33 +269,68 @@ def parse_metadata(data: bytes, where: str = METADATA_NAME) -> DcpMetadata:
             fi = _expect(index, "MetadataIndex", "a storage_data key")
             fqn, offset = fi.get("fqn"), fi.get("offset")
             if not isinstance(fqn, str):
-                raise _Bad(f"a storage_data key has fqn {fqn!r:.60}")
+                raise _Bad(f"a storage_data key has fqn {brief(fqn, 60)}")
             offset = None if offset is None else _ints(offset, f"'{fqn}' storage offset")
             si = _expect(info, "_StorageInfo", f"the storage of '{fqn}'")
             path, off, length = si.get("relative_path"), si.get("offset"), si.get("length")
-            if not isinstance(path, str) or type(off) is not int or type(length) is not int or off < 0 or length < 0:
-                raise _Bad(f"the storage of '{fqn}' is {path!r:.60} at {off!r:.20} ({length!r:.20} bytes)")
-            if "/" in path or "\\" in path or path in ("", ".", ".."):
-                raise _Bad(f"the storage of '{fqn}' names {path!r:.80}, which is not a file in the checkpoint directory")
-            transforms = tuple(si.get("transform_descriptors") or ())
-            out.storage[(fqn, offset)] = DcpStorage(path, off, length, transforms)
+            _check_file_name(fqn, path)
+            check_count(f"the storage offset of '{fqn}'", off)
+            check_count(f"the storage length of '{fqn}'", length)
+            transforms = si.get("transform_descriptors") or ()
+            if not isinstance(transforms, list | tuple) or not all(isinstance(t, str) for t in transforms):
+                raise _Bad(f"the storage of '{fqn}' has transform_descriptors {brief(transforms, 60)}, expected a "
+                           "list of strings")
+            out.storage[(fqn, offset)] = DcpStorage(path, off, length, tuple(transforms))
         planner = top.get("planner_data")
         if isinstance(planner, dict):
             out.planner_data = {k: tuple(v) for k, v in planner.items() if isinstance(k, str) and isinstance(v, tuple | list)}
         return out
-    except _Bad as e:
+    except FieldError as e:
         raise CheckpointFormatError(f"{where}: {e}") from None
     except RecursionError:
         raise CheckpointFormatError(f"{where}: the pickle nests too deeply") from None
 
 
+def _check_file_name(fqn: str, name: object) -> None:
+    """A storage entry's ``relative_path`` must name a file directly inside the checkpoint directory."""
+    if not isinstance(name, str):
+        raise _Bad(f"the storage of '{fqn}' names {brief(name, 60)}, not a file name")
+    if "/" in name or "\\" in name or "\0" in name or name in ("", ".", ".."):
+        raise _Bad(f"the storage of '{fqn}' names {brief(name, 80)}, which is not a file in the checkpoint directory")
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:
+        raise _Bad(f"the storage of '{fqn}' names {brief(name, 80)}, which is not a valid file name") from None
+
+
 def read_metadata(directory: Path) -> DcpMetadata:
+    """The ``.metadata`` of the checkpoint ``directory``, its storage entries checked against their files.
+
+    An entry whose file exists must lie inside it; a missing file is left to the reader of the
+    data to name. Raises CheckpointFormatError naming the ``.metadata`` file.
+    """
     path = Path(directory) / METADATA_NAME
     try:
         data = path.read_bytes()
     except OSError as e:
         raise CheckpointFormatError(f"{path}: cannot read: {e.strerror or e}") from e
-    return parse_metadata(data, str(path))
+    md = parse_metadata(data, str(path))
+    sizes: dict[str, int | None] = {}
+    for (fqn, _), s in md.storage.items():
+        if s.relative_path not in sizes:
+            try:
+                st = os.stat(Path(directory) / s.relative_path)
+                sizes[s.relative_path] = st.st_size if stat.S_ISREG(st.st_mode) else None
+            except OSError:
+                sizes[s.relative_path] = None
+        size = sizes[s.relative_path]
+        if size is not None:
+            try:
+                check_range(f"the storage offset of '{fqn}' in {s.relative_path}", s.offset, s.length, size,
+                            end=s.relative_path)
+            except FieldError as e:
+                raise CheckpointFormatError(f"{path}: {e}") from None
+    return md
 
 
 def write_metadata(directory: Path, md: DcpMetadata) -> Path:

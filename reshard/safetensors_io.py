@@ -30,6 +30,7 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
 
+from reshard.bounds import FieldError, check_count, check_offset, check_shape
 from reshard.errors import CheckpointFormatError
 from reshard.storage import OutputFile
 
@@ -124,14 +125,17 @@ def read_header(path: str | Path, *, offset: int = 0) -> SafetensorsHeader:
     the file (DCP's safetensors serialization appends one to each rank file);
     offsets in the result stay absolute in ``path``.
 
-    Checks, in order: the 8-byte length fits the file and the 100 MB limit;
-    the header begins with ``{``, is UTF-8 JSON without duplicate keys;
+    Checks, in order: ``offset`` lies in the file; the 8-byte length fits
+    the file and the 100 MB limit; the header begins with ``{``, is UTF-8
+    JSON without duplicate keys or integers longer than a u64;
     ``__metadata__`` maps strings to strings; every tensor has exactly
-    ``dtype`` (a known, whole-byte code), ``shape`` (non-negative integers)
-    and ``data_offsets`` (two non-negative integers, ``BEGIN <= END``), holds
+    ``dtype`` (a known, whole-byte code), ``shape`` (non-negative integers
+    whose row-major strides, in bytes, fit int64 even when a dim is 0) and
+    ``data_offsets`` (two non-negative integers, ``BEGIN <= END``), holds
     exactly ``prod(shape) * itemsize`` bytes and ends inside the byte buffer;
-    the tensors neither overlap nor leave a hole, and they end exactly at the
-    end of the file.
+    names and metadata are Unicode (no lone surrogate escapes); the tensors
+    neither overlap nor leave a hole, and they end exactly at the end of the
+    file.
 
     Raises:
       CheckpointFormatError: ``"<path>: tensor '<name>': <reason>"``, or
@@ -143,6 +147,11 @@ def read_header(path: str | Path, *, offset: int = 0) -> SafetensorsHeader:
     path = Path(path)
     try:
         with path.open("rb") as f:
+            try:
+                check_offset("safetensors offset", check_count("safetensors offset", offset),
+                             os.fstat(f.fileno()).st_size)
+            except FieldError as e:
+                raise _error(path, str(e)) from None
             size = os.fstat(f.fileno()).st_size - offset
             f.seek(offset)
             if size < _N_LEN:
@@ -163,9 +172,11 @@ def read_header(path: str | Path, *, offset: int = 0) -> SafetensorsHeader:
     except UnicodeDecodeError as e:
         raise _error(path, f"header is not valid UTF-8 ({e.reason} at byte {_N_LEN + e.start})") from None
     try:
-        obj = json.loads(text, object_pairs_hook=_unique_keys)
+        obj = json.loads(text, object_pairs_hook=_unique_keys, parse_int=_parse_int)
     except _DuplicateKeyError as e:
         raise _error(path, f"header has key '{e.args[0]}' twice") from None
+    except _LongIntegerError as e:
+        raise _error(path, f"header holds an integer of {e.args[0]} digits, longer than a u64 (20 digits)") from None
     except json.JSONDecodeError as e:
         raise _error(path, f"header is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
@@ -189,6 +200,18 @@ class _DuplicateKeyError(Exception):
     pass
 
 
+class _LongIntegerError(Exception):
+    pass
+
+
+def _parse_int(text: str) -> int:
+    # Every integer in a header is a u64 (shape dims, offsets); longer ones are refused before Python
+    # converts them (which it refuses past 4300 digits, with a ValueError).
+    if len(text.lstrip("-")) > 20:
+        raise _LongIntegerError(len(text.lstrip("-")))
+    return int(text)
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
@@ -209,6 +232,8 @@ def _metadata(path: Path, value: Any) -> Mapping[str, str]:
     for k, v in value.items():
         if not isinstance(v, str):
             raise _error(path, f"__metadata__ value of '{k}' must be a string, got {_json_type(v)}")
+        _check_unicode(path, "__metadata__ key", k)
+        _check_unicode(path, f"__metadata__ value of {k!r:.60}", v)
     return MappingProxyType(dict(value))
 
 
@@ -223,23 +248,35 @@ def _tensor(path: Path, name: str, entry: Any, data_start: int, data_len: int) -
         raise _error(path, f"unexpected key '{extra[0]}' (expected dtype, shape, data_offsets)", name)
     code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(code, str) or code not in _DTYPES:
-        raise _error(path, f"unsupported dtype {json.dumps(code)} (supported: {', '.join(_DTYPES)})", name)
+        raise _error(path, f"unsupported dtype {_brief_json(code)} (supported: {', '.join(_DTYPES)})", name)
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise _error(path, f"shape must be a list of non-negative integers, got {json.dumps(shape)}", name)
+        raise _error(path, f"shape must be a list of non-negative integers, got {_brief_json(shape)}", name)
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
-        raise _error(path, f"data_offsets must be two non-negative integers, got {json.dumps(offsets)}", name)
+        raise _error(path, f"data_offsets must be two non-negative integers, got {_brief_json(offsets)}", name)
+    _check_unicode(path, "tensor name", name)
     begin, end = offsets
     dtype, size = _DTYPES[code]
     if end < begin:
         raise _error(path, f"data_offsets [{begin}, {end}] end before they begin", name)
-    need = math.prod(shape) * size
+    try:
+        need = check_shape("shape", shape, size) * size
+    except FieldError as e:
+        raise _error(path, str(e), name) from None
     if end - begin != need:
-        reason = f"data_offsets [{begin}, {end}] hold {end - begin} bytes but {code} {shape} needs {need}"
+        reason = f"data_offsets [{begin}, {end}] hold {end - begin} bytes but {code} {_brief_json(shape)} needs {need}"
         raise _error(path, reason, name)
     if end > data_len:
         raise _error(path, f"data_offsets [{begin}, {end}] end past the byte buffer ({data_len} bytes)", name)
     info = TensorInfo(dtype=dtype, shape=tuple(shape), data_offset=data_start + begin, nbytes=need)
     return begin, end, info
+
+
+def _check_unicode(path: Path, what: str, text: str) -> None:
+    """A JSON string may escape a lone surrogate (``"\\ud800"``), which no UTF-8 file name or header can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _error(path, f"{what} {text!r:.60} holds a lone surrogate escape, not Unicode text") from None
 
 
 def _check_cover(path: Path, spans: list[tuple[int, int, str]], data_len: int) -> None:
@@ -255,6 +292,11 @@ def _check_cover(path: Path, spans: list[tuple[int, int, str]], data_len: int) -
     if at != data_len:
         where = f"after '{last[2]}'" if last else "the header names no tensors"
         raise _error(path, f"byte buffer bytes [{at}, {data_len}) belong to no tensor ({where})")
+
+
+def _brief_json(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:76] + " ..."
 
 
 def _is_count(x: Any) -> bool:

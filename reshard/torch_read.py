@@ -5,20 +5,18 @@ from __future__ import annotations
 import argparse
 import collections
 import io
-import math
 import os
 import pickle
 import re
-import struct
-import zipfile
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from reshard.bounds import FieldError, brief, check_count, check_offset, check_range, check_shape
 from reshard.errors import CheckpointFormatError
+from reshard.pickle_scan import check_pickle
 from reshard.torch_types import (
     _ALLOWED,
     _DTYPE_ALIASES,
@@ -31,9 +29,10 @@ from reshard.torch_types import (
     TorchSize,
     _allowlisted,
 )
+from reshard.zipdir import STORED, ZipEntry, ZipReader
 
 
-class _BadFileError(Exception):
+class _BadFileError(FieldError):
     """A reason the file cannot be read; read_torch_file prefixes the path."""
 
 
@@ -120,6 +119,9 @@ class _Namespace(argparse.Namespace):
     def __setstate__(self, state) -> None:
         if not isinstance(state, dict):
             raise _BadFileError("argparse.Namespace state is not a dict")
+        bad = next((k for k in state if type(k) is not str), None)
+        if bad is not None:
+            raise _BadFileError(f"argparse.Namespace attribute name {brief(bad)} is not a string")
         self.__dict__.update(state)
 
 
@@ -127,13 +129,16 @@ class _DtypeBuilder:
     """``numpy.dtype(spec, align, copy)`` then BUILD ``(version, byteorder, subarray, names, fields, ...)``."""
 
     def __init__(self, spec, align=False, copy=True) -> None:
-        if not isinstance(spec, str) or not re.fullmatch(r"[biufc]\d+|[SUV]\d+", spec):
-            raise _BadFileError(f"numpy dtype {spec!r} is not supported")
-        self.dtype = np.dtype(spec)
+        if not isinstance(spec, str) or not re.fullmatch(r"[biufc]\d{1,2}|[SUV][1-9]\d{0,8}", spec):
+            raise _BadFileError(f"numpy dtype {brief(spec)} is not supported")
+        try:
+            self.dtype = np.dtype(spec)
+        except TypeError:  # a size numpy has no such type for: i3, f1, ...
+            raise _BadFileError(f"numpy dtype {spec!r} is not supported") from None
 
     def __setstate__(self, state) -> None:
         if not isinstance(state, tuple) or len(state) < 5 or any(x is not None for x in state[2:5]):
-            raise _BadFileError(f"numpy dtype state {state!r:.80} is not supported (structured or subarray dtype?)")
+            raise _BadFileError(f"numpy dtype state {brief(state)} is not supported (structured or subarray dtype?)")
         if state[1] in ("<", ">"):
             self.dtype = self.dtype.newbyteorder(state[1])
 
@@ -162,8 +167,12 @@ class _ArrayBuilder:
             raise _BadFileError("malformed numpy array state")
         shape, dtype, fortran, raw = state[-4:]
         dtype, raw, shape = _np_dtype(dtype), _np_bytes(raw), _ints(shape, "numpy shape")
-        if len(raw) != math.prod(shape) * dtype.itemsize:
-            raise _BadFileError(f"numpy array of shape {shape} and dtype {dtype} has {len(raw)} bytes")
+        if len(shape) > 64:
+            raise _BadFileError(f"numpy array has {len(shape)} dims, more than numpy's 64")
+        numel = check_shape("numpy array shape", shape, dtype.itemsize)
+        if len(raw) != numel * dtype.itemsize:
+            raise _BadFileError(f"numpy array of shape {brief(shape)} and dtype {dtype} has {len(raw)} bytes, "
+                                f"not {numel * dtype.itemsize}")
         self.value = np.frombuffer(raw, dtype).reshape(shape, order="F" if fortran else "C").copy(order="K")
 
 
@@ -182,7 +191,7 @@ def _np_scalar(dtype, raw=None):
 
 def _ints(value, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple) or not all(type(n) is int and n >= 0 for n in value):
-        raise _BadFileError(f"tensor {what} {value!r:.80} is not a tuple of non-negative ints")
+        raise _BadFileError(f"tensor {what} {brief(value)} is not a tuple of non-negative ints")
     return tuple(value)
 
 
@@ -202,7 +211,7 @@ def _rebuild_parameter(data, requires_grad, hooks, state=None):
     if not isinstance(data, _Pending):
         raise _BadFileError("torch._utils._rebuild_parameter of something that is not a tensor")
     if state:
-        raise _BadFileError(f"a Parameter with Python attributes {sorted(state)!r:.80} is not supported")
+        raise _BadFileError(f"a Parameter with Python attributes {brief(state)} is not supported")
     return data._replace(requires_grad=requires_grad, parameter=True)
 
 
@@ -216,7 +225,7 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         # Plain attributes set on a tensor (DeepSpeed ZeRO-3 tags its flat groups with ds_id): kept as data.
         if new_type is not _TENSOR or not isinstance(state, dict) or not all(
                 type(k) is str and type(v) in (str, int, float, bool, type(None)) for k, v in state.items()):
-            raise _BadFileError(f"a tensor with Python attributes {state!r:.80} is not supported "
+            raise _BadFileError(f"a tensor with Python attributes {brief(state)} is not supported "
                                 "(only plain str/int/float/bool values on a torch.Tensor are)")
         attrs = tuple(sorted(state.items()))
     return func(*args)._replace(parameter=new_type is _PARAMETER, attrs=attrs)
@@ -224,7 +233,7 @@ def _rebuild_from_type_v2(func, new_type, args, state):
 
 def _encode(text, encoding="utf-8", errors="strict"):  # _codecs.encode: how protocol 2 spells bytes
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8", "ascii"):
-        raise _BadFileError(f"_codecs.encode with encoding {encoding!r:.40} is not supported")
+        raise _BadFileError(f"_codecs.encode with encoding {brief(encoding, 40)} is not supported")
     return text.encode(encoding)
 
 
@@ -294,36 +303,6 @@ def _static_globals() -> dict[tuple[str, str], object]:
 _GLOBALS = _static_globals()
 
 
-class _Slice(io.RawIOBase):
-    """Bytes ``[base, base + size)`` of an open file, as a file of their own (a zip embedded in a larger file)."""
-
-    def __init__(self, fh, base: int, size: int) -> None:
-        super().__init__()
-        self._fh, self._base, self._size, self._pos = fh, base, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        origin = {0: 0, 1: self._pos, 2: self._size}[whence]
-        self._pos = max(0, origin + offset)
-        return self._pos
-
-    def readinto(self, buf) -> int:
-        n = max(0, min(len(buf), self._size - self._pos))
-        if not n:
-            return 0
-        got = os.preadv(self._fh.fileno(), [memoryview(buf)[:n]], self._base + self._pos)
-        self._pos += got
-        return got
-
-
 class _Archive:
     """The zip side of a torch file: its records and where their data starts.
 
@@ -335,70 +314,40 @@ class _Archive:
     def __init__(self, path: Path, fh, base: int = 0, size: int | None = None) -> None:
         self.path, self.base = path, base
         total = os.fstat(fh.fileno()).st_size
+        check_count("archive offset", base)
         if size is None:
+            check_offset("archive offset", base, total)
             size = total - base
-        if base < 0 or size < 0 or base + size > total:
-            raise _BadFileError(f"bytes [{base}, {base + size}) run past the end of the file ({total} bytes; truncated?)")
+        check_range("archive offset", base, check_count("archive length", size), total)
         self.size = size
-        self.fh = fh = _Slice(fh, base, size) if (base, size) != (0, total) else fh
-        magic = fh.read(4)
+        magic = os.pread(fh.fileno(), min(4, size), base)
         if magic != b"PK\x03\x04":
             if magic[:1] == b"\x80":
                 raise _BadFileError("written in the legacy torch.save format (_use_new_zipfile_serialization=False), "
                            "which reshard does not read; re-save it with a current torch.save")
             raise _BadFileError("not a zip archive, so not a torch.save file (those start with PK\\x03\\x04)")
-        try:
-            self.zf = zipfile.ZipFile(fh)
-        except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError, UnicodeDecodeError,
-                struct.error) as e:
-            raise _BadFileError(f"not a readable zip archive (truncated?): {e}") from None
-        names = self.zf.namelist()
+        self.zip = ZipReader(fh.fileno(), base, size, end="the file" if (base, size) == (0, total) else "the archive")
+        names = list(self.zip.entries)
         if not names or "/" not in names[0]:
             raise _BadFileError("zip archive is not a torch.save file: its records are not under one directory")
         self.prefix = names[0].split("/", 1)[0]
         self.storages: dict[str, _Storage] = {}
 
-    def info(self, name: str) -> zipfile.ZipInfo | None:
-        try:
-            return self.zf.getinfo(f"{self.prefix}/{name}")
-        except KeyError:
-            return None
-
-    def data_start(self, info: zipfile.ZipInfo) -> int:
-        if info.flag_bits & 1:
-            raise _BadFileError(f"record {info.filename} is encrypted")
-        self.fh.seek(info.header_offset)
-        head = self.fh.read(30)
-        if len(head) < 30 or head[:4] != b"PK\x03\x04":
-            raise _BadFileError(f"record {info.filename}: no local header at byte {info.header_offset}")
-        name_len, extra_len = struct.unpack_from("<HH", head, 26)
-        start = info.header_offset + 30 + name_len + extra_len
-        if start + info.compress_size > self.size:
-            raise _BadFileError(f"record {info.filename} runs past the end of the file (truncated?)")
-        return start
-
-    def record_bytes(self, info: zipfile.ZipInfo) -> bytes:
-        if info.compress_type != zipfile.ZIP_STORED:
-            try:
-                return self.zf.read(info)
-            except (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError) as e:
-                raise _BadFileError(f"record {info.filename}: {e}") from None
-        self.fh.seek(self.data_start(info))
-        data = self.fh.read(info.file_size)
-        # torch.save with set_crc32_options(False) writes CRC 0, and torch never checks: skip those.
-        if info.CRC and zlib.crc32(data) != info.CRC:
-            raise _BadFileError(f"record {info.filename} fails its CRC-32 check")
-        return data
+    def info(self, name: str) -> ZipEntry | None:
+        return self.zip.entries.get(f"{self.prefix}/{name}")
 
     def storage(self, pid) -> _Storage:
         """``persistent_load``: ``('storage', storage_type, key, location, numel)`` -> the record's bytes."""
         if not (type(pid) is tuple and len(pid) == 5 and pid[0] in ("storage", b"storage")):
-            raise _BadFileError(f"unsupported persistent id {pid!r:.80}")
+            raise _BadFileError(f"unsupported persistent id {brief(pid)}")
         _, stype, key, _location, numel = pid
-        key = key.decode("ascii") if isinstance(key, bytes) else key
-        if type(stype) is not _StorageType or type(key) is not str or type(numel) is not int or numel < 0:
-            raise _BadFileError(f"malformed storage reference {pid!r:.80}")
-        nbytes = numel * _ITEMSIZE[stype.dtype]
+        if isinstance(key, bytes):
+            if not key.isascii():
+                raise _BadFileError(f"storage key {key[:40]!r} is not ASCII")
+            key = key.decode("ascii")
+        if type(stype) is not _StorageType or type(key) is not str:
+            raise _BadFileError(f"malformed storage reference {brief(pid)}")
+        nbytes = check_count(f"storage {key[:40]!r} numel", numel) * _ITEMSIZE[stype.dtype]
         known = self.storages.get(key)
         if known is not None:
             if (known.dtype, known.nbytes) != (stype.dtype, nbytes):
@@ -408,12 +357,12 @@ class _Archive:
         info = self.info(f"data/{key}")
         if info is None:
             raise _BadFileError(f"missing storage record {name}")
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise _BadFileError(f"storage record {name} is compressed (zip method {info.compress_type}); "
+        if info.method != STORED:
+            raise _BadFileError(f"storage record {name} is compressed (zip method {info.method}); "
                        "reshard reads tensors in place and needs stored records")
-        if info.file_size != nbytes:
-            raise _BadFileError(f"storage record {name} holds {info.file_size} bytes but the pickle declares {nbytes}")
-        self.storages[key] = _Storage(self.path, key, stype.dtype, nbytes, self.base + self.data_start(info))
+        if info.size != nbytes:
+            raise _BadFileError(f"storage record {name} holds {info.size} bytes but the pickle declares {nbytes}")
+        self.storages[key] = _Storage(self.path, key, stype.dtype, nbytes, self.base + self.zip.data_start(info))
         return self.storages[key]
 
 
@@ -441,68 +390,87 @@ class _SafeUnpickler(pickle.Unpickler):
 
 
 def _tensor_ref(p: _Pending) -> TensorRef:
+    """The tensor, once its dtype, offset, size and stride are checked to keep every element in its storage."""
     st = p.storage
     if type(st) is not _Storage:
         raise _BadFileError("a tensor's storage is not a storage record")
     dtype = p.dtype.name if type(p.dtype) is TorchDtype else p.dtype
-    if dtype not in _ITEMSIZE:
-        raise _BadFileError(f"tensor dtype {dtype!r:.40} is not supported")
-    if p.metadata:
-        raise _BadFileError(f"tensor metadata {p.metadata!r:.60} (conjugate/negative bits) is not supported")
+    if type(dtype) is not str or dtype not in _ITEMSIZE:
+        raise _BadFileError(f"tensor dtype {brief(dtype, 40)} is not supported")
+    if p.metadata is not None and (not isinstance(p.metadata, dict) or p.metadata):
+        raise _BadFileError(f"tensor metadata {brief(p.metadata, 60)} (conjugate/negative bits) is not supported")
     shape, stride = _ints(p.size, "size"), _ints(p.stride, "stride")
-    if len(shape) != len(stride) or type(p.offset) is not int or p.offset < 0 or type(p.requires_grad) is not bool:
-        raise _BadFileError(f"malformed tensor: offset {p.offset!r:.20}, size {shape}, stride {stride}")
+    if len(shape) != len(stride) or type(p.requires_grad) is not bool:
+        raise _BadFileError(f"malformed tensor: size {brief(shape)}, stride {brief(stride)}, "
+                            f"requires_grad {brief(p.requires_grad, 20)}")
+    what = f"a {dtype} tensor of storage {st.key[:40]}"
+    offset = check_count(f"{what}: storage offset", p.offset)
     itemsize = _ITEMSIZE[dtype]
-    extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
-    if extent and (p.offset + extent) * itemsize > st.nbytes:
-        raise _BadFileError(f"a {dtype} tensor of shape {list(shape)}, stride {list(stride)} at storage offset "
-                            f"{p.offset} needs {(p.offset + extent) * itemsize} bytes of storage {st.key}, "
-                            f"which holds {st.nbytes}")
-    return TensorRef(dtype=dtype, shape=shape, stride=stride, storage=st.key, storage_offset=p.offset,
-                     path=st.path, data_offset=st.data_start + p.offset * itemsize, storage_nbytes=st.nbytes,
+    check_shape(f"{what}: size", shape, itemsize)
+    for k, s in enumerate(stride):
+        check_count(f"{what}: stride {k}", s)
+    if 0 in shape:  # no elements, but its data offset must still be a byte of the storage
+        if offset * itemsize > st.nbytes:
+            raise _BadFileError(f"{what}: storage offset is {offset}, past the end of the storage ({st.nbytes} "
+                                f"bytes) even though the tensor is empty")
+    else:
+        extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+        if (offset + extent) * itemsize > st.nbytes:
+            raise _BadFileError(f"a {dtype} tensor of shape {brief(list(shape))}, stride {brief(list(stride))} at "
+                                f"storage offset {offset} needs {(offset + extent) * itemsize} bytes of storage "
+                                f"{st.key[:40]}, which holds {st.nbytes}")
+    return TensorRef(dtype=dtype, shape=shape, stride=stride, storage=st.key, storage_offset=offset,
+                     path=st.path, data_offset=st.data_start + offset * itemsize, storage_nbytes=st.nbytes,
                      requires_grad=p.requires_grad, parameter=p.parameter, attrs=p.attrs)
 
 
+# Deeper than any checkpoint (a state dict is about 6 deep), and shallow enough that code walking the
+# result recursively (map_tensors, the writer) stays far from Python's recursion limit.
+_MAX_DEPTH = 100
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, bytearray, slice, TorchSize, np.ndarray, np.generic)
 
 
-def _finish(obj: object, memo: dict[int, tuple[object, object]]) -> object:
+def _finish(obj: object, memo: dict[int, tuple[object, object]], depth: int = 0) -> object:
     """Turns what the unpickler built into the values read_torch_file returns, checking every tensor.
 
     ``memo`` maps ``id(original)`` to ``(original, result)``, keeping originals alive so ids stay unique.
+    ``depth`` counts the containers above ``obj``: past ``_MAX_DEPTH``, the file is refused.
     """
     if isinstance(obj, _ATOMS) or _is_builtin_type(obj):
         return obj
     if id(obj) in memo:
         return memo[id(obj)][1]
+    if depth >= _MAX_DEPTH:
+        raise _BadFileError(f"data.pkl nests containers more than {_MAX_DEPTH} deep")
     t = type(obj)
     if isinstance(obj, dict):  # dict, OrderedDict, defaultdict: rebuilt in place, so shared references stay shared
         memo[id(obj)] = (obj, obj)
-        items = [(_finish(k, memo), _finish(v, memo)) for k, v in obj.items()]
+        items = [(_finish(k, memo, depth + 1), _finish(v, memo, depth + 1)) for k, v in obj.items()]
         obj.clear()
         obj.update(items)
         if t is collections.OrderedDict:  # state-dict _metadata arrives as BUILD state
-            obj.__dict__.update({k: _finish(v, memo) for k, v in vars(obj).items()})
+            obj.__dict__.update({k: _finish(v, memo, depth + 1) for k, v in vars(obj).items()})
         return obj
     if t is list:
         memo[id(obj)] = (obj, obj)
-        obj[:] = [_finish(v, memo) for v in obj]
+        obj[:] = [_finish(v, memo, depth + 1) for v in obj]
         return obj
     if t is _Namespace:
         out = argparse.Namespace()
         memo[id(obj)] = (obj, out)
-        out.__dict__.update({k: _finish(v, memo) for k, v in vars(obj).items()})
+        out.__dict__.update({k: _finish(v, memo, depth + 1) for k, v in vars(obj).items()})
         return out
     if t is tuple or t is set or t is frozenset:
-        out = t(_finish(v, memo) for v in obj)
+        out = t(_finish(v, memo, depth + 1) for v in obj)
     elif t is _Pending:
         out = _tensor_ref(obj)
     elif t is TorchDtype:
         out = TorchDtype(obj.name)
     elif isinstance(obj, _OpaqueInstance):
         module, name = t._global
-        out = Opaque(module, name, _finish(obj.args, memo), _finish(obj.state, memo), obj.newobj,
-                     _finish(tuple(obj.listitems), memo), _finish(tuple(obj.dictitems), memo))
+        inner = depth + 1
+        out = Opaque(module, name, _finish(obj.args, memo, inner), _finish(obj.state, memo, inner), obj.newobj,
+                     _finish(tuple(obj.listitems), memo, inner), _finish(tuple(obj.dictitems), memo, inner))
     elif isinstance(obj, type) and issubclass(obj, _OpaqueInstance):
         out = Opaque(*obj._global, None)
     elif t is _ArrayBuilder and obj.value is not None:
@@ -528,9 +496,16 @@ def read_torch_file(path: str | Path, *, offset: int = 0, length: int | None = N
     ``argparse.Namespace``, builtin containers, and classes under ``ALLOWED_PREFIXES``, which become
     ``Opaque`` records. Dtypes come back as ``TorchDtype``, ``torch.Size`` as ``TorchSize`` (a tuple).
 
+    Every integer is checked before use: the zip's offsets and sizes against the archive's real size
+    (``reshard.zipdir``), the pickle's memo indices and byte counts before the unpickler sees them
+    (``reshard.pickle_scan``), and each tensor's storage offset, size and stride so that every element,
+    in int64 arithmetic, lies inside its storage record, which lies inside the file. Containers nest
+    at most ``_MAX_DEPTH`` (100) deep.
+
     Raises:
         CheckpointFormatError: naming the file and the reason: not a zip (legacy torch.save format),
-            truncated, no ``data.pkl``, a forbidden global, a missing, compressed or too short storage record.
+            truncated, no ``data.pkl``, a forbidden global, a missing, compressed or too short storage
+            record, or a field out of range (its name, value and the limit it broke).
 
     Example:
         >>> sd = read_torch_file("iter_0000100/mp_rank_00/model_optim_rng.pt")
@@ -545,18 +520,19 @@ def read_torch_file(path: str | Path, *, offset: int = 0, length: int | None = N
             if info is None:
                 raise _BadFileError(f"no {archive.prefix}/data.pkl record, so not a torch.save file")
             order = archive.info("byteorder")
-            if order is not None and archive.record_bytes(order) != b"little":
+            if order is not None and (order.size > 8 or archive.zip.record(order) != b"little"):
                 raise _BadFileError("written on a big-endian machine; reshard copies bytes verbatim and reads "
                                     "only little-endian files")
-            data = archive.record_bytes(info)
+            data = archive.zip.record(info)
             try:
+                check_pickle(data)
                 tree = _SafeUnpickler(data, archive).load()
                 return _finish(tree, {})
-            except (_BadFileError, OSError):
+            except (FieldError, OSError):
                 raise
             except Exception as e:  # a malformed pickle: wrong opcodes, wrong argument counts, deep nesting, ...
                 raise _BadFileError(f"data.pkl is not a pickle reshard can read ({type(e).__name__}: {e})") from e
-    except _BadFileError as e:
+    except FieldError as e:
         where = f" (archive at bytes {offset}..{offset + length})" if length is not None else ""
         raise CheckpointFormatError(f"{path}{where}: {e}") from e.__cause__
     except OSError as e:

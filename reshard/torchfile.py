@@ -31,6 +31,12 @@ Reading maps the pickle onto plain values: containers stay containers, ``torch.S
 ``TorchSize`` (a tuple), a dtype a ``TorchDtype``, numpy arrays/dtypes/scalars are rebuilt from their
 bytes, tensors become ``TensorRef`` and instances of allowlisted framework classes become ``Opaque``.
 Any other global is refused before anything is called.
+
+The file is untrusted: every integer read from it (zip end records, central directory entries, zip64
+extra fields, local headers, pickle memo indices and byte counts, storage numels, tensor offsets,
+sizes and strides) is checked against the file's real size and torch's int64 before it is used, and a
+bad one is a ``CheckpointFormatError`` naming the file, the field, the value and the limit
+(``reshard.bounds``, ``reshard.zipdir``, ``reshard.pickle_scan``).
 """
 
 from __future__ import annotations
