@@ -22,10 +22,11 @@ import numpy as np
 import xxhash
 
 from reshard import __version__
+from reshard.bounds import brief
 from reshard.errors import CheckpointFormatError, ReshardError
 from reshard.executor import ByteReader, PlanFill, destination_dtypes, uint_dtype
 from reshard.formats import detect_format, get_format
-from reshard.formats.base import Source, Target, itemsize
+from reshard.formats.base import Source, Target, expect_int, itemsize, read_json
 from reshard.layout import Item, common_views, with_state_alias
 from reshard.planner import Plan, plan as make_plan
 from reshard.partial import Partial, partial_path
@@ -229,8 +230,8 @@ def convert(
     """
     started = time.perf_counter()
     dst = Path(dst)
-    if workers < 1:
-        raise ReshardError(f"workers must be at least 1, got {workers}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ReshardError(f"workers must be an integer of at least 1, got {workers!r}")
     report = plan(src, to=to, format=format, spec=spec, sizes=sizes, max_shard_size=max_shard_size,
                   vocab_pad=vocab_pad)
     if resume and dst.exists() and not partial_path(dst).exists() and (dst / MANIFEST).exists():
@@ -328,16 +329,16 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 <
 
 def parse_size(size: int | str) -> int:
     """Bytes from ``1073741824``, ``"512MiB"``, ``"1GiB"``, ``"2G"`` (binary) or ``"500MB"`` (decimal)."""
-    if isinstance(size, int):
+    if isinstance(size, int) and not isinstance(size, bool):
         value = size
     else:
-        text = size.strip().lower().replace(" ", "")
+        text = size.strip().lower().replace(" ", "") if isinstance(size, str) else ""
         digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
         unit = text[len(digits):]
         try:
             value = int(float(digits) * _SIZE_UNITS[unit])
-        except (ValueError, KeyError):
-            raise ReshardError(f"cannot read size '{size}' (write e.g. 1073741824, 512MiB, 1GiB)") from None
+        except (ValueError, KeyError, OverflowError):  # OverflowError: "inf"
+            raise ReshardError(f"cannot read size {size!r} (write e.g. 1073741824, 512MiB, 1GiB)") from None
     if value <= 0:
         raise ReshardError(f"a memory budget must be positive, got {size}")
     return value
@@ -470,7 +471,7 @@ def _resume_header(report: PlanReport, options: Mapping[str, Any]) -> dict[str, 
 def _finished(path: Path, report: PlanReport) -> dict[str, dict[str, Any]]:
     """The files of a finished conversion at ``path`` that ``resume`` is asked to redo: its manifest must
     describe this conversion and verify."""
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = _read_manifest(path)
     want = report.to_json()
     for key in ("source", "destination"):
         if manifest.get(key) != want[key]:
@@ -609,7 +610,7 @@ def load(src: str | Path, *, to: str | Topology, rank: int, format: str | None =
 
     report = plan(src, to=to, format=format, spec=spec, sizes=sizes)
     topo = report.target.topology
-    if not 0 <= rank < topo.world_size:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < topo.world_size:
         raise ReshardError(f"rank {rank} is outside world_size {topo.world_size} of {topo}")
     coords = topo.coords(rank)
     mine = [it for it in report.target.layout.items if all(coords.get(a) == c for a, c in it.unit)]
@@ -707,25 +708,53 @@ def _manifest_logical(path: Path) -> dict[tuple[str, str], tuple[str, str]]:
     """The logical checksums (dtype, digest) by (tensor, state) of the manifest at ``path``, if there is one
     and the checkpoint still matches it file by file; else none."""
     try:
-        logical = json.loads((path / MANIFEST).read_text()).get("logical")
-    except (OSError, ValueError, AttributeError):
+        logical = _read_manifest(path).get("logical") if (path / MANIFEST).is_file() else None
+        if not logical or not _verify_manifest(path):
+            return {}
+    except CheckpointFormatError:  # a broken manifest: compare by value
         return {}
-    if not isinstance(logical, dict) or not logical or not _verify_manifest(path):
-        return {}
-    return {(name, state): (str(v.get("dtype")), str(v.get(HASH)))
-            for state, per in logical.items() if isinstance(per, dict)
-            for name, v in per.items() if isinstance(v, dict) and v.get(HASH)}
+    return {(name, state): (v["dtype"], v[HASH]) for state, per in logical.items() for name, v in per.items()}
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path``, every field of the types a conversion writes: ``files``
+    (relative path -> ``bytes``, checksum, optional per-tensor checksums) and optional ``logical`` (state ->
+    tensor -> dtype and checksum). CheckpointFormatError naming the field otherwise."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        raise CheckpointFormatError(f"{manifest_path}: no manifest; give a second checkpoint to compare with")
+    manifest = read_json(manifest_path)
+
+    def bad(field: str, value: Any, expected: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{manifest_path}: not a reshard manifest: {field} is {brief(value, 60)}, "
+                                     f"expected {expected}")
+
+    def strings(value: Any, field: str) -> dict[str, str]:
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise bad(field, value, "an object of strings")
+        return value
+
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise bad("'files'", manifest.get("files") if isinstance(manifest, dict) else manifest, "an object")
+    for rel, want in manifest["files"].items():
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts or "\0" in rel:
+            raise bad("a file name", rel, "a path inside the checkpoint")
+        if not isinstance(want, dict) or not isinstance(want.get(HASH, ""), str):
+            raise bad(f"files['{rel}']", want, f"an object with 'bytes' and a '{HASH}' string")
+        expect_int(want.get("bytes"), f"files['{rel}'].bytes", manifest_path)
+        strings(want.get("tensors") or {}, f"files['{rel}'].tensors")
+    logical = manifest.get("logical")
+    if logical is not None and not (isinstance(logical, dict) and all(
+            isinstance(per, dict) and all(isinstance(v, dict) and isinstance(v.get("dtype"), str)
+                                          and isinstance(v.get(HASH), str) for v in per.values())
+            for per in logical.values())):
+        raise bad("'logical'", logical, f"state -> tensor -> {{'dtype', '{HASH}'}} strings")
+    return manifest
 
 
 def _verify_manifest(path: Path) -> VerifyResult:
-    manifest_path = path / MANIFEST
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except FileNotFoundError:
-        raise CheckpointFormatError(f"{manifest_path}: no manifest; give a second checkpoint to compare with") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointFormatError(f"{manifest_path}: not a reshard manifest ({e})") from None
+    files = _read_manifest(path)["files"]
     diffs = []
     for rel, want in sorted(files.items()):
         file = path / rel
@@ -733,8 +762,8 @@ def _verify_manifest(path: Path) -> VerifyResult:
             diffs.append(f"{rel}: missing")
             continue
         size = file.stat().st_size
-        if size != want.get("bytes"):
-            diffs.append(f"{rel}: {size} bytes, the manifest says {want.get('bytes')}")
+        if size != want["bytes"]:
+            diffs.append(f"{rel}: {size} bytes, the manifest says {want['bytes']}")
             continue
         if HASH not in want:
             diffs.append(f"{rel}: the manifest has no {HASH} checksum")
@@ -790,6 +819,9 @@ def _dtype(src: Source, frags: list) -> str:
 def _logical(src: Source, frags: list, reader: ByteReader, diffs: list[str]) -> np.ndarray | None:
     t = src.layout.tensors[frags[0].tensor]
     dtype = uint_dtype(_dtype(src, frags))
+    if sum(math.prod(f.box.lengths) for f in frags) < math.prod(t.view):  # before allocating the tensor
+        diffs.append(f"{t.name} [{frags[0].state}]: part of it is stored nowhere in {src.path}")
+        return None
     out = np.zeros(t.view, dtype=dtype)
     seen = np.zeros(t.view, dtype=bool)
     fill = PlanFill.__new__(PlanFill)
@@ -819,7 +851,8 @@ def inspect(src: str | Path, *, sizes: Mapping[str, int] | None = None) -> dict[
         row = tensors.setdefault(f.tensor, {"shape": list(t.shape), "states": {}})
         dtype = s.where[f.item].dtype
         row["states"][f.state] = {"dtype": dtype, "bytes": math.prod(t.shape) * itemsize(dtype)}
-    files = sorted({str(loc.path.relative_to(s.path)) for loc in s.where.values()})
+    files = sorted({str(loc.path.relative_to(s.path)) if loc.path.is_relative_to(s.path) else str(loc.path)
+                    for loc in s.where.values()})
     return {
         "path": str(s.path),
         "format": s.format,

@@ -69,9 +69,15 @@ class ByteReader:
             except OSError as e:
                 raise CheckpointFormatError(f"{path}: cannot open ({e.strerror})") from None
             self._fds[path] = fd
+        if offset < 0:
+            raise CheckpointFormatError(f"{path}: a read at byte {offset}, before the file's start")
         done = 0
         while done < len(out):
-            n = os.preadv(fd, [out[done:]], offset + done)
+            try:
+                n = os.preadv(fd, [out[done:]], offset + done)
+            except (OSError, OverflowError) as e:  # an offset past what the OS can address
+                raise CheckpointFormatError(f"{path}: cannot read {len(out) - done} bytes at byte {offset + done} "
+                                            f"({getattr(e, 'strerror', None) or e})") from None
             if n == 0:
                 raise CheckpointFormatError(f"{path}: file ends at byte {offset + done}, expected {len(out) - done} more bytes")
             done += n

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointFormatError
+from reshard.formats.base import read_json
 from reshard.storage import HASH, JOURNAL, file_digest, read_journal
 
 __all__ = ["HEADER", "Partial", "partial_path"]
@@ -97,12 +98,9 @@ class Partial:
             raise CheckpointFormatError(
                 f"{self.dst}: an interrupted conversion left {self.path}; rerun with --resume (resume=True) to "
                 f"continue it, or remove it")
-        try:
-            old = json.loads((self.path / HEADER).read_text())
-        except FileNotFoundError:
-            old = None
-        except ValueError as e:
-            raise CheckpointFormatError(f"{self.path / HEADER}: unreadable ({e}); remove {self.path} to start over") from None
+        old = read_json(self.path / HEADER) if (self.path / HEADER).exists() else None
+        if old is not None and not isinstance(old, dict):
+            raise CheckpointFormatError(f"{self.path / HEADER}: not a resume header; remove {self.path} to start over")
         if old is None:
             if (self.path / self.manifest).exists():
                 # killed between removing the journal and the rename: the manifest decides
@@ -123,7 +121,9 @@ class Partial:
             for seg in e.get("segments") or ():
                 if isinstance(seg, list) and len(seg) == 4 and all(isinstance(x, int) for x in seg[1:3]):
                     self.segments[(str(seg[0]), seg[1], seg[2])] = str(seg[3])
-        latest = {e["file"]: e for e in entries}
+        # only files inside the directory: an entry naming another path is not one this conversion wrote
+        latest = {e["file"]: e for e in entries if e["file"] and not Path(e["file"]).is_absolute()
+                  and ".." not in Path(e["file"]).parts and "\0" not in e["file"]}
         for rel, e in latest.items():
             f = self.path / rel
             if f.is_file() and not f.is_symlink() and f.stat().st_size == e["bytes"] and file_digest(f) == e[HASH]:

@@ -13,20 +13,26 @@ is bit-level, so the executor only needs each dtype's item size.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
+from reshard.bounds import brief, show
 from reshard.errors import CheckpointFormatError
 from reshard.layout import Item, Layout
 from reshard.storage import ItemHasher
 from reshard.spec import Spec
 from reshard.topology import Topology
 
-__all__ = ["DTYPE_SIZES", "LLAMA_SIZES", "Fill", "Format", "Located", "Source", "Target", "itemsize", "require_sizes",
-           "scalar_value", "stream_item"]
+__all__ = ["DTYPE_SIZES", "LLAMA_SIZES", "MAX_COUNT", "MAX_SIZE", "Fill", "Format", "Located", "Source", "Target",
+           "check_sizes", "expect_int", "expect_shape", "expect_step", "given_sizes", "itemsize", "name_of",
+           "read_json", "read_tag", "require_sizes", "scalar_value", "stream_item"]
 
 # torch dtype names (without "torch.") and their sizes in bytes.
 DTYPE_SIZES = {
@@ -44,6 +50,131 @@ def itemsize(dtype: str) -> int:
 
 LLAMA_SIZES = ("h", "heads", "g", "hd", "f", "vocab", "layers")
 """The sizes a Llama-style model's specs need."""
+
+
+# --- what a checkpoint may declare ------------------------------------------------------------------
+#
+# Every integer a format reads from a checkpoint (a size, a count, a dimension, an offset) goes through
+# ``expect_int`` before it drives slicing or a loop: checkpoints are untrusted files, and a wrong number
+# must become a message naming the file, the field, the value and the limit, never a traceback, a hang
+# or a silently wrong layout.
+
+MAX_SIZE = 1 << 48
+"""Largest model size, tensor dimension or element count a checkpoint may declare (a 1 PiB fp32 tensor)."""
+MAX_COUNT = 1 << 16
+"""Most layers, experts or ranks along one parallel axis a checkpoint may declare, unless the files tell
+a tighter bound (each layer and expert stores at least one tensor)."""
+COUNT_SIZES = ("layers", "experts")
+"""Model sizes that count things the spec enumerates one by one (so a huge one is a hang, not a shape)."""
+_TEXT_LIMIT = 4096
+_JSON_LIMIT = 256 << 20
+
+
+def _show(value: Any) -> str:
+    return f"the string {brief(value, 60)}" if isinstance(value, str) else f"{type(value).__name__} {brief(value, 60)}"
+
+
+def name_of(key: Any) -> str:
+    """A key read from a checkpoint as text: itself when a string, else a short repr (never ``str`` of a
+    pickled int of thousands of digits, which Python refuses to print)."""
+    return key if isinstance(key, str) else brief(key, 60)
+
+
+def expect_int(value: Any, field: str, where: str | Path, *, lo: int = 0, hi: int = MAX_SIZE) -> int:
+    """``value`` as an int in ``[lo, hi]``, else CheckpointFormatError naming the file, field, value and bounds.
+
+    Only integers count (numpy's too): a bool, a float or a string is refused even when it would
+    convert, since a checkpoint that says ``True`` or ``"4"`` for a size is not one reshard can trust.
+
+    >>> expect_int(4, "dp_world_size", "mp_rank_00_model_states.pt", lo=1)
+    4
+    """
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise CheckpointFormatError(f"{where}: {field} is {_show(value)}, expected an integer in [{lo}, {hi}]")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise CheckpointFormatError(f"{where}: {field} is {show(value)}, outside [{lo}, {hi}]")
+    return value
+
+
+def expect_shape(value: Any, field: str, where: str | Path) -> tuple[int, ...]:
+    """A tensor shape (a tuple or list of dims; ``torch.Size`` reads as a tuple): each dim and the element
+    count in ``[0, MAX_SIZE]``; else CheckpointFormatError naming the entry."""
+    if not isinstance(value, tuple | list) or len(value) > 64:
+        raise CheckpointFormatError(f"{where}: {field} is {_show(value)}, not a tensor shape")
+    shape = tuple(expect_int(n, f"{field} dim {k}", where) for k, n in enumerate(value))
+    if math.prod(shape) > MAX_SIZE:
+        raise CheckpointFormatError(f"{where}: {field} is {list(shape)}: {math.prod(shape)} elements, "
+                                    f"more than {MAX_SIZE}")
+    return shape
+
+
+def expect_step(value: Any, field: str, where: str | Path) -> int:
+    """An optimizer step or iteration count, which frameworks store as an int or a float (Adam's ``step``
+    tensor): a whole number in ``[0, 2**53]``; else CheckpointFormatError (NaN, 2.5, -1, 1e300 are not steps)."""
+    if isinstance(value, float | np.floating) and math.isfinite(value) and float(value).is_integer():
+        value = int(value)
+    return expect_int(value, field, where, hi=1 << 53)
+
+
+def check_sizes(sizes: Mapping[str, Any], where: str | Path, *,
+                counts: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Model sizes read from a checkpoint (or given by a caller), before they resolve a spec: each an
+    integer in ``[1, MAX_SIZE]``, and each of ``COUNT_SIZES`` at most ``counts[name]`` (what the files
+    can hold; ``MAX_COUNT`` when not given). Returns them as plain ints."""
+    out = {}
+    for name, value in sizes.items():
+        hi = (counts or {}).get(name, MAX_COUNT) if name in COUNT_SIZES else MAX_SIZE
+        out[str(name)] = expect_int(value, f"model size '{name}'", where, lo=1, hi=hi)
+    return out
+
+
+def given_sizes(sizes: Mapping[str, Any] | None) -> dict[str, int]:
+    """The ``sizes`` a caller passed to ``open``, checked as a checkpoint's are."""
+    if sizes is not None and not isinstance(sizes, Mapping):
+        raise CheckpointFormatError(f"sizes must be a mapping of size names to integers, got {_show(sizes)}")
+    return check_sizes(sizes or {}, "sizes given")
+
+
+def _read_small(path: Path, limit: int, what: str) -> bytes:
+    """The bytes of a small regular file (never a FIFO or a device, whose read could block or never end)."""
+    if not path.is_file():
+        raise CheckpointFormatError(f"{path}: {'not a regular file' if path.exists() else 'no such file'}")
+    try:
+        with path.open("rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(raw) > limit:
+        raise CheckpointFormatError(f"{path}: more than {limit} bytes, too large for {what}")
+    return raw
+
+
+def read_tag(path: Path, what: str = "checkpoint tag") -> str:
+    """The content of a tracker file (``latest``, ``latest_universal``, ...), stripped: a few KiB at most of
+    UTF-8 text naming one directory beside it (no '/', no NUL, not '.' or '..'); else CheckpointFormatError."""
+    raw = _read_small(path, _TEXT_LIMIT, f"a {what}")
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise CheckpointFormatError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}), not a {what}") from None
+    if not tag or any(c in tag for c in "/\\\0") or tag in (".", ".."):
+        raise CheckpointFormatError(f"{path}: not a {what}: {tag[:40]!r}")
+    return tag
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's value; CheckpointFormatError when it cannot be read, is not UTF-8 JSON, is nested too
+    deeply or is larger than any metadata file should be."""
+    raw = _read_small(path, _JSON_LIMIT, "a JSON metadata file")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointFormatError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except (ValueError, RecursionError) as e:  # an integer of too many digits; nesting deeper than Python's stack
+        raise CheckpointFormatError(f"{path}: not readable JSON ({type(e).__name__}: {str(e)[:80]})") from None
 
 
 def require_sizes(source: Source, keys: tuple[str, ...], target: str) -> None:
@@ -165,8 +296,6 @@ _SCALAR_KINDS = {"float32": "<f4", "float64": "<f8", "int64": "<i8", "int32": "<
 
 def scalar_value(raw: bytes, dtype: str) -> float | None:
     """The value of a 0-d tensor from its little-endian bytes; None for a dtype that is not a plain number."""
-    import numpy as np
-
     kind = _SCALAR_KINDS.get(dtype)
     return float(np.frombuffer(raw, dtype=kind, count=1)[0]) if kind and len(raw) >= np.dtype(kind).itemsize else None
 

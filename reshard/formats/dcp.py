@@ -58,6 +58,8 @@ from reshard.formats.base import (
     Located,
     Source,
     Target,
+    expect_step,
+    given_sizes,
     require_sizes,
     scalar_value,
     stream_item,
@@ -80,7 +82,7 @@ SECTION = "dcp"
 SPEC = "dcp-llama"
 CONFIG_NAME = "config.json"
 WINDOW_BYTES = 8 << 20
-_DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+_DATA_FILE = re.compile(r"__([0-9]{1,9})_([0-9]{1,9})\.distcp")
 _OPTIM_PREFIXES = ("optim.", "optimizer.")
 _ADAM_GROUP = {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-08, "weight_decay": 0, "amsgrad": False,
                "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
@@ -147,7 +149,8 @@ class DcpFormat:
                 data, ref = _entry_bytes(path, md, key, ())
                 verbatim.append(_Verbatim(key, t, data))
                 if step is None and key.endswith(".step"):
-                    step = _step_value(data, ref, md.storage[(key, ())].offset)
+                    value = _step_value(data, ref, md.storage[(key, ())].offset)
+                    step = None if value is None else expect_step(value, f"'{key}'", path / METADATA_NAME)
                 continue
             fqn, state = role
             if t.dtype not in DTYPE_SIZES:
@@ -156,6 +159,9 @@ class DcpFormat:
             known = tensors.setdefault(fqn, _plain(fqn, t.size))
             if known.shape != t.size:
                 problems.append(f"'{key}' has size {list(t.size)} but parameter '{fqn}' has {list(known.shape)}")
+                continue
+            if problem := _chunk_cover(key, t):
+                problems.append(problem)
                 continue
             for c in t.chunks:
                 if 0 in c.sizes:
@@ -179,8 +185,8 @@ class DcpFormat:
                         fragments=tuple(fragments))
         from reshard.formats.hf import llama_config_near
 
-        model_sizes, config = llama_config_near(path, path.parent)
-        model_sizes.update({k: int(v) for k, v in (sizes or {}).items()})
+        model_sizes, config = llama_config_near(path, path.parent, tensors=len(md.tensors))
+        model_sizes.update(given_sizes(sizes))
         extra: dict[str, Any] = {"dcp": {"naming": naming, "verbatim": verbatim, "planner_data": md.planner_data}}
         if config is not None:
             extra["config"] = config
@@ -334,7 +340,8 @@ class _Naming:
                     fqn, _, state = rest.rpartition(".")
                     return (self.optim[:-1], "state", fqn, state)
                 group, _, name = rest.partition(".")
-                return (self.optim[:-1], "param_groups", int(group), name)
+                return (self.optim[:-1], "param_groups", int(group) if re.fullmatch(r"[0-9]{1,9}", group) else group,
+                        name)
         if self.model and key.startswith(self.model):
             return (self.model[:-1], key[len(self.model):])
         return (key,)
@@ -367,6 +374,8 @@ def _storage(path: Path, md: DcpMetadata, key: str, offsets: tuple[int, ...] | N
 def _entry_bytes(path: Path, md: DcpMetadata, key: str, offsets: tuple[int, ...] | None) -> tuple[bytes, TensorRef | None]:
     s = _storage(path, md, key, offsets)
     file = path / s.relative_path
+    if not file.is_file():  # never open a FIFO or a device: reading it could block or never end
+        raise CheckpointFormatError(f"{file}: missing or not a regular file (the metadata puts '{key}' there)")
     try:
         with open(file, "rb") as f:
             data = os.pread(f.fileno(), s.length, s.offset)
@@ -424,6 +433,17 @@ def _safetensors_ref(file: Path, s: DcpStorage, key: str, cache: dict) -> Tensor
                                     "tensor of a safetensors blob there")
     return TensorRef(dtype=info.dtype, shape=info.shape, stride=row_major_strides(info.shape), storage=key,
                      storage_offset=0, path=file, data_offset=info.data_offset, storage_nbytes=info.nbytes)
+
+
+def _chunk_cover(key: str, t: DcpTensor) -> str | None:
+    """What is wrong with a tensor's chunks, if anything: DCP saves each element once (replicas deduplicated),
+    so the chunks' element counts add up to the tensor's exactly; more means two chunks overlap (whose bytes
+    could disagree), fewer that part of the tensor is stored nowhere."""
+    stored, numel = sum(math.prod(c.sizes) for c in t.chunks), math.prod(t.size)
+    if stored == numel:
+        return None
+    return (f"'{key}' of size {list(t.size)} ({numel} elements) has chunks holding {stored} elements "
+            f"({'overlapping chunks' if stored > numel else 'part of it is stored nowhere'})")
 
 
 def _what(obj: object) -> str:

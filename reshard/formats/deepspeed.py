@@ -68,9 +68,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reshard.bounds import brief
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, SpecError, TopologyError
-from reshard.formats.base import LLAMA_SIZES, Fill, Located, Source, Target, itemsize, require_sizes, stream_item
+from reshard.formats.base import (LLAMA_SIZES, MAX_COUNT, Fill, Located, Source, Target, check_sizes, expect_int,
+                                  expect_shape, given_sizes, itemsize, name_of, read_json, read_tag, require_sizes,
+                                  stream_item)
 from reshard.formats.deepspeed_zero3 import files_of_zero3, is_zero3, open_zero3, target_zero3, write_zero3
 from reshard.formats.hf import llama_config
 from reshard.layout import Item, Layout, resolve
@@ -182,9 +185,7 @@ def _locate(path: Path) -> tuple[Path, str, Path]:
     """(save dir, tag, tag dir) of a save dir with ``latest``, or of a tag dir itself."""
     latest = path / "latest"
     if latest.is_file():
-        tag = latest.read_text(encoding="utf-8").strip()
-        if not tag or "/" in tag or tag in (".", ".."):
-            raise CheckpointFormatError(f"{latest}: not a checkpoint tag: {tag!r}")
+        tag = read_tag(latest)
         if not (path / tag).is_dir():
             raise CheckpointFormatError(f"{latest}: names tag '{tag}' but {path / tag} is not a directory")
         return path, tag, path / tag
@@ -201,8 +202,8 @@ def _find_files(path: Path) -> _Files:
             raise CheckpointFormatError(f"{tag_dir}: {reason}")
     tps = sorted(int(m.group(1)) for n in names if (m := _MODEL_FILE.fullmatch(n)))
     if tps != list(range(len(tps))):
-        missing = sorted(set(range(max(tps) + 1)) - set(tps))
-        raise CheckpointFormatError(f"{tag_dir}: missing {', '.join(model_file(t) for t in missing)}")
+        missing = next(t for t in range(len(tps) + 1) if t not in set(tps))
+        raise CheckpointFormatError(f"{tag_dir}: missing {model_file(missing)} (there is a {model_file(tps[-1])})")
     optim: dict[int, dict[int, str]] = {t: {} for t in tps}
     prefixes = set()
     for n in names:
@@ -375,10 +376,13 @@ class DeepSpeedFormat:
     def detect(self, path: Path) -> bool:
         try:
             _, _, tag_dir = _locate(Path(path))
-            names = [p.name for p in tag_dir.iterdir()]
-        except (CheckpointFormatError, OSError):
+            dirs = [tag_dir]
+        except CheckpointFormatError:  # a broken 'latest' beside DeepSpeed tag dirs: open names what is wrong
+            dirs = [d for d in Path(path).iterdir() if d.is_dir()] if (Path(path) / "latest").is_file() else []
+        try:
+            return any(_OPTIM_FILE.fullmatch(p.name) or is_zero3([p.name]) for d in dirs for p in d.iterdir())
+        except OSError:
             return False
-        return any(_OPTIM_FILE.fullmatch(n) or is_zero3([n]) for n in names)
 
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
         """Read a ZeRO-1/2 checkpoint's metadata, resolve its layout and prove the layout against every file.
@@ -398,7 +402,8 @@ class DeepSpeedFormat:
         files = _find_files(Path(path))
         models = [_read(p) for p in files.model]
         first = models[0]
-        dp, mp = _get(first, "dp_world_size", files.model[0]), _get(first, "mp_world_size", files.model[0])
+        dp, mp = (expect_int(_get(first, k, files.model[0]), k, files.model[0], lo=1, hi=MAX_COUNT)
+                  for k in ("dp_world_size", "mp_world_size"))
         if mp != len(files.model):
             raise CheckpointFormatError(f"{files.model[0]}: mp_world_size is {mp} but {files.tag_dir} "
                                         f"has {len(files.model)} model files")
@@ -412,7 +417,7 @@ class DeepSpeedFormat:
                 if (want := files.tag_dir / optim_file(t, d, files.bf16_names)) not in row:
                     raise CheckpointFormatError(f"{want}: missing (dp_world_size={dp})")
         optims = [[_read(p) for p in row] for row in files.optim]
-        osd0 = _get(optims[0][0], "optimizer_state_dict", files.optim[0][0])
+        osd0 = _get(optims[0][0], "optimizer_state_dict", files.optim[0][0], Mapping)
         optimizer = "zero" if "zero_stage" in osd0 else "bf16"
         stage = _stage(osd0["zero_stage"], files.optim[0][0]) if optimizer == "zero" else 1
         _refuse_options(first, files.model[0])
@@ -423,9 +428,10 @@ class DeepSpeedFormat:
                                         "has that many; give a spec")
         parsed = load_spec(spec_name)
         info = _spec_info(parsed, spec_name)
-        if len(info.groups) != len(shapes[0]):
-            raise CheckpointFormatError(f"{files.model[0]}: {len(shapes[0])} param groups in param_shapes, "
-                                        f"but spec '{spec_name}' has {len(info.groups)} flat buffers")
+        for path, groups in zip(files.model, shapes, strict=True):
+            if len(info.groups) != len(groups):
+                raise CheckpointFormatError(f"{path}: {len(groups)} param groups in param_shapes, "
+                                            f"but spec '{spec_name}' has {len(info.groups)} flat buffers")
         if tp > 1 and not _splits_over(parsed, "tp"):
             raise CheckpointFormatError(f"{files.model[0]}: mp_world_size={tp} but spec '{spec_name}' splits "
                                         "nothing over tp; give a spec that says how tp splits the model")
@@ -433,9 +439,12 @@ class DeepSpeedFormat:
             raise CheckpointFormatError(f"{files.tag_dir}: {'a' if pipeline else 'not a'} pipeline-engine checkpoint, "
                                         f"but spec '{spec_name}' describes {'no' if pipeline else 'a'} pipeline")
         named = _pipeline_names([g for tree in shapes for g in tree]) if pipeline else shapes[0]
-        all_sizes = _llama_sizes(files, named if tp == 1 else [], sizes)
+        all_sizes = _llama_sizes(files, named if tp == 1 else [], sizes, sum(len(g) for tree in shapes for g in tree))
         stages = _pipeline_stages(shapes, all_sizes.get("layers"), pp) if pipeline else None
-        topology = Topology(tp=tp, pp=pp, dp=dp, zero=stage, stages=stages)
+        try:
+            topology = Topology(tp=tp, pp=pp, dp=dp, zero=stage, stages=stages)
+        except TopologyError as e:
+            raise CheckpointFormatError(f"{files.model[0]}: {e}") from None
         flat_states = _flat_states(optims, files)
         try:
             layout = resolve(parsed, topology, all_sizes, states={info.optim_section: (MASTER, *flat_states)})
@@ -458,7 +467,7 @@ class DeepSpeedFormat:
         extra = DeepSpeedExtra(tag=files.tag, zero_stage=stage, optimizer=optimizer, bf16_names=files.bf16_names,
                                elastic=elastic, model_states=_template(first, files.model[0], drop=("module",)),
                                optim_states=_optim_template(optims[0][0], files.optim[0][0]),
-                               module_order=tuple(str(k) for k in first["module"] or ()),
+                               module_order=tuple(name_of(k) for k in first["module"] or ()),
                                layer_model_axis=not any(t is None for _, t in files.layers))
         config = _hf_config(files)
         return Source(format=self.name, path=files.root, spec_name=spec_name, spec=parsed, topology=topology,
@@ -638,12 +647,18 @@ def _read(path: Path) -> dict[str, Any]:
     tree = read_torch_file(path)
     if not isinstance(tree, dict):
         raise CheckpointFormatError(f"{path}: holds a {type(tree).__name__}, not a DeepSpeed checkpoint dict")
+    if (key := next((k for k in tree if not isinstance(k, str)), None)) is not None:
+        raise CheckpointFormatError(f"{path}: top-level key {brief(key, 60)} is not a string")
     return tree
 
 
-def _get(tree: Any, key: str, where: Path) -> Any:
+def _get(tree: Any, key: str, where: Path, kind: type | tuple[type, ...] | None = None) -> Any:
+    """``tree[key]``, which must exist (and be a ``kind``, when given)."""
     if not isinstance(tree, Mapping) or key not in tree:
         raise CheckpointFormatError(f"{where}: no '{key}' (not a DeepSpeed ZeRO checkpoint file?)")
+    if kind is not None and not isinstance(tree[key], kind):
+        raise CheckpointFormatError(f"{where}: '{key}' is a {type(tree[key]).__name__} "
+                                    f"({brief(tree[key], 60)}), not what a DeepSpeed checkpoint holds there")
     return tree[key]
 
 
@@ -653,38 +668,55 @@ def _stage(value: Any, where: Path) -> int:
         return value.args[0]
     if enum and value.args == (3,):
         raise CheckpointFormatError(f"{where}: ZeRO stage 3 checkpoints are not supported yet; only stages 1 and 2")
-    raise CheckpointFormatError(f"{where}: zero_stage is {value!r:.80}, expected ZeroStageEnum(1) or (2)")
+    raise CheckpointFormatError(f"{where}: zero_stage is {brief(value, 80)}, expected ZeroStageEnum(1) or (2)")
 
 
 def _refuse_options(model_states: Mapping, where: Path) -> None:
     for key in ("frozen_param_shapes", "buffer_names"):
-        if model_states.get(key):
-            raise CheckpointFormatError(f"{where}: {key} is not empty ({', '.join(map(str, model_states[key]))}); "
+        value = model_states.get(key)
+        if value is not None and not isinstance(value, Mapping | list | tuple):
+            raise CheckpointFormatError(f"{where}: {key} is {brief(value, 80)}, expected a mapping or a list "
+                                        "of names")
+        if value:
+            raise CheckpointFormatError(f"{where}: {key} is not empty ({_few([name_of(k) for k in value])}); "
                                         "frozen parameters and persistent buffers are not supported")
-    config = model_states.get("ds_config")
-    zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
+    zero = _zero_config(model_states, where)
     for key in ("round_robin_gradients", "parameter_alignment"):
-        if isinstance(zero, Mapping) and zero.get(key):
+        if zero.get(key):
             raise CheckpointFormatError(f"{where}: zero_optimization.{key} is on; "
                                         "that flat-buffer layout is not supported")
+
+
+def _zero_config(model_states: Mapping, where: Path) -> Mapping:
+    """``ds_config.zero_optimization`` (empty when absent), which a target rewrites: each a mapping if there."""
+    config = model_states.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
+    if not isinstance(config, Mapping | None) or not isinstance(zero, Mapping | None):
+        raise CheckpointFormatError(f"{where}: ds_config is {brief(config, 80)}; expected a mapping whose "
+                                    "zero_optimization, if any, is a mapping")
+    return zero or {}
 
 
 def _param_shapes(tree: Any, path: Path) -> list[list[tuple[str, tuple[int, ...]]]]:
     """``param_shapes``: per param group, (name, shape) in flat-buffer order."""
     groups = _get(tree, "param_shapes", path)
     if not isinstance(groups, list) or not groups or not all(isinstance(g, Mapping) for g in groups):
-        raise CheckpointFormatError(f"{path}: param_shapes is {groups!r:.80}; was the checkpoint saved with ZeRO?")
-    for g, group in enumerate(groups):
-        for k, v in group.items():
-            if not isinstance(v, tuple) or not all(isinstance(n, int) for n in v):  # torch.Size reads as a TorchSize
-                raise CheckpointFormatError(f"{path}: param_shapes[{g}]['{k}'] is not a shape: {v!r:.80}")
-    return [[(str(k), tuple(v)) for k, v in group.items()] for group in groups]
+        raise CheckpointFormatError(f"{path}: param_shapes is {brief(groups, 80)}; was the checkpoint saved with "
+                                    "ZeRO?")
+    return [[(name_of(k), expect_shape(v, f"param_shapes[{g}]['{name_of(k)}']", path)) for k, v in group.items()]
+            for g, group in enumerate(groups)]
 
 
 def _base_groups(base: Any, path: Path) -> list[Mapping[str, Any]]:
     """Per-group optimizer state: ``state[g]`` of a torch optimizer state_dict, or an elastic checkpoint's list."""
     if isinstance(base, Mapping) and isinstance(base.get("state"), Mapping):
-        return [base["state"][k] for k in sorted(base["state"])]
+        state = base["state"]
+        if not all(type(k) is int for k in state) or not all(isinstance(g, Mapping) for g in state.values()):
+            raise CheckpointFormatError(f"{path}: base_optimizer_state.state is keyed {brief(list(state), 60)}; "
+                                        "expected param group numbers, each with a mapping of states")
+        if not isinstance(base.get("param_groups", []), list):
+            raise CheckpointFormatError(f"{path}: base_optimizer_state.param_groups is not a list")
+        return [state[k] for k in sorted(state)]
     if isinstance(base, list) and all(isinstance(g, Mapping) for g in base):
         return list(base)
     raise CheckpointFormatError(f"{path}: base_optimizer_state is neither a torch optimizer state_dict "
@@ -702,9 +734,11 @@ def _flat_states(optims: list[list[Any]], files: _Files) -> tuple[str, ...]:
         for d, tree in enumerate(row):
             path = files.optim[t][d]
             per = _base_groups(_get(_get(tree, "optimizer_state_dict", path), "base_optimizer_state", path), path)
-            names = {tuple(k for k, v in grp.items() if _is_flat(v)) for grp in per}
+            names = {tuple(name_of(k) for k, v in grp.items() if _is_flat(v)) for grp in per}
             if len(names) > 1:
                 raise CheckpointFormatError(f"{path}: param groups hold different optimizer states: {sorted(names)}")
+            if bad := [k for grp in per for k, v in grp.items() if _is_flat(v) and not isinstance(k, str)]:
+                raise CheckpointFormatError(f"{path}: an optimizer state is named {brief(bad[0], 40)}, not a string")
             mine = names.pop() if names else ()
             if clash := [s for s in mine if s in (MASTER, PARAM)]:
                 raise CheckpointFormatError(f"{path}: an optimizer state named '{clash[0]}' clashes with "
@@ -719,7 +753,7 @@ def _flat_states(optims: list[list[Any]], files: _Files) -> tuple[str, ...]:
 def _check_model(layout: Layout, info: _SpecInfo, tree: Any, path: Path, pt: Rank, groups: list[_Group],
                  shapes: list[list[tuple[str, tuple[int, ...]]]], spec_name: str, where: dict[Item, Located]) -> None:
     """A model file against the layout: its param_shapes, and its module unless a pipeline keeps that in layer files."""
-    module = _get(tree, "module", path)
+    module = _get(tree, "module", path, (Mapping, type(None)))
     items = {it.key: it for it in layout.items if it.section in info.model_sections and it.unit == _unit(pt)}
     _check_param_shapes(layout, items, tree, path, groups, shapes, spec_name)
     if module is None:  # a pipeline's: the weights are in its layer files
@@ -730,7 +764,7 @@ def _check_model(layout: Layout, info: _SpecInfo, tree: Any, path: Path, pt: Ran
 def _state_dict_tensors(layout: Layout, state_dict: Mapping, items: Mapping[str, Item], path: Path, what: str,
                         spec_name: str, where: dict[Item, Located]) -> None:
     """A state dict (``module``, or a pipeline layer's) holds exactly ``items``, in their shapes: locate each."""
-    if extra := [str(k) for k in state_dict if k not in items]:
+    if extra := [name_of(k) for k in state_dict if k not in items]:
         raise CheckpointFormatError(f"{path}: {what} tensors not described by spec '{spec_name}': {_few(extra)}")
     if missing := [k for k in items if k not in state_dict]:
         raise CheckpointFormatError(f"{path}: {what} lacks {_few(missing)}, which spec '{spec_name}' stores")
@@ -749,18 +783,27 @@ def _check_param_shapes(layout: Layout, items: Mapping[str, Item], tree: Any, pa
         for pos in range(max(len(have), len(want))):
             h, w = (have[pos] if pos < len(have) else None), (want[pos] if pos < len(want) else None)
             if h != w:
-                hint = (f"; tied weights (shared_params {dict(tree['shared_params'])}) are not supported"
+                hint = (f"; tied weights (shared_params {brief(tree['shared_params'], 80)}) are not "
+                        "supported"
                         if tree.get("shared_params") else "")
                 raise CheckpointFormatError(f"{path}: param_shapes[{g}] position {pos} is {_show(h)} "
                                             f"but spec '{spec_name}' has {_show(w)}{hint}")
 
 
+_LAYER_INDEX = re.compile(r"([0-9]{1,9})\.(.+)", re.DOTALL)
+
+
+def _layer_index(key: str) -> tuple[int, str] | None:
+    """``'3.mlp.up_proj.weight'`` -> (3, 'mlp.up_proj.weight'); None for a name without a layer index."""
+    m = _LAYER_INDEX.fullmatch(key)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
 def _layer_key(key: str, where: str) -> tuple[int, str]:
     """A pipeline param's layer index and its name inside the layer: ``'3.mlp.up_proj.weight'`` -> (3, ...)."""
-    index, _, local = key.partition(".")
-    if not index.isdigit() or not local:
+    if (found := _layer_index(key)) is None:
         raise CheckpointFormatError(f"{where}: '{key}' is not a pipeline parameter name ('<layer index>.<name>')")
-    return int(index), local
+    return found
 
 
 def _check_layers(layout: Layout, info: _SpecInfo, files: _Files, spec_name: str, where: dict[Item, Located]) -> None:
@@ -792,8 +835,9 @@ def _is_pipeline(spec: Spec) -> bool:
 def _pipeline_degrees(model_states: Mapping, files: _Files, mp: int) -> tuple[int, int]:
     """(pp, tp) of a pipeline checkpoint: ``checkpoint_parallel_dimensions``, else the layer files' tp ranks."""
     dims = model_states.get("checkpoint_parallel_dimensions")
-    if isinstance(dims, Mapping) and isinstance(dims.get("pp_degree"), int) and isinstance(dims.get("tp_degree"), int):
-        pp, tp = dims["pp_degree"], dims["tp_degree"]
+    if isinstance(dims, Mapping) and "pp_degree" in dims and "tp_degree" in dims:
+        pp, tp = (expect_int(dims[k], f"checkpoint_parallel_dimensions['{k}']", files.model[0], lo=1, hi=mp)
+                  for k in ("pp_degree", "tp_degree"))
     else:
         tp = max(1, len({t for _, t in files.layers if t is not None}))
         pp = mp // tp
@@ -805,14 +849,10 @@ def _pipeline_degrees(model_states: Mapping, files: _Files, mp: int) -> tuple[in
 def _pipeline_names(shapes: list[list[tuple[str, tuple[int, ...]]]]) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Hugging Face Llama names for the shipped pipeline spec's layer list (embedding, decoder layers, norm,
     head), to tell the sizes from the shapes."""
-    flat = [(k, v) for group in shapes for k, v in group]
-    last = max((int(k.partition(".")[0]) for k, _ in flat if k.partition(".")[0].isdigit()), default=0)
+    flat = [(found, v) for group in shapes for k, v in group if (found := _layer_index(k))]
+    last = max((n for (n, _), _ in flat), default=0)
     out = []
-    for key, shape in flat:
-        index, _, local = key.partition(".")
-        if not index.isdigit():
-            continue
-        n = int(index)
+    for (n, local), shape in flat:
         name = ("model.embed_tokens.weight" if n == 0 else "lm_head.weight" if n == last else
                 "model.norm.weight" if n == last - 1 else f"model.layers.{n - 1}.{local}")
         out.append((name, shape))
@@ -827,7 +867,7 @@ def _pipeline_stages(shapes: list[list[list[tuple[str, tuple[int, ...]]]]], laye
     tps = len(shapes) // pp
     counts = []
     for p in range(pp):
-        indexes = {int(k.partition(".")[0]) for g in shapes[p * tps] for k, _ in g if k.partition(".")[0].isdigit()}
+        indexes = {found[0] for g in shapes[p * tps] for k, _ in g if (found := _layer_index(k))}
         counts.append(len({n for n in indexes if 1 <= n <= layers}))
     return None if sum(counts) != layers or len(set(counts)) == 1 else tuple(counts)
 
@@ -842,12 +882,24 @@ def _show(entry: tuple[str, tuple[int, ...]] | None) -> str:
 
 def _check_optim(layout: Layout, info: _SpecInfo, tree: Any, path: Path, pt: Rank, dp: int, groups: list[_Group],
                  optimizer: str, flat_states: tuple[str, ...], spec_name: str, where: dict[Item, Located]) -> None:
-    osd = _get(tree, "optimizer_state_dict", path)
+    osd = _get(tree, "optimizer_state_dict", path, Mapping)
     for key in ("single_partition_of_fp32_groups", "group_paddings", "partition_count", "param_slice_mappings"):
         if not isinstance(value := _get(osd, key, path), list) or len(value) != len(groups):
-            raise CheckpointFormatError(f"{path}: {key} should list {len(groups)} param groups, got {value!r:.80}")
+            raise CheckpointFormatError(f"{path}: {key} should list {len(groups)} param groups, "
+                                        f"got {brief(value, 80)}")
+    aligned = osd.get("param_alignment_paddings")
+    if aligned is not None and (not isinstance(aligned, list) or len(aligned) != len(groups)
+                                or not all(isinstance(a, list) for a in aligned)):
+        raise CheckpointFormatError(f"{path}: param_alignment_paddings should list {len(groups)} param groups' "
+                                    f"paddings, got {brief(aligned, 80)}")
     for g, group in enumerate(groups):
         pad = group.padding(dp, optimizer)
+        expect_int(osd["partition_count"][g], f"partition_count[{g}]", path, lo=1, hi=MAX_COUNT)
+        expect_int(osd["group_paddings"][g], f"group_paddings[{g}]", path, hi=max(group.share, 1) * group.dp)
+        if not isinstance(osd["param_slice_mappings"][g], Mapping):
+            raise CheckpointFormatError(f"{path}: param_slice_mappings[{g}] is "
+                                        f"{brief(osd['param_slice_mappings'][g], 60)}, expected a mapping of names "
+                                        "to fragment addresses")
         if osd["partition_count"][g] != group.dp:
             raise CheckpointFormatError(f"{path}: partition_count[{g}] is {osd['partition_count'][g]}, "
                                         f"but dp_world_size is {group.dp}")
@@ -855,13 +907,12 @@ def _check_optim(layout: Layout, info: _SpecInfo, tree: Any, path: Path, pt: Ran
             raise CheckpointFormatError(f"{path}: group_paddings[{g}] is {osd['group_paddings'][g]} but spec "
                                         f"'{spec_name}' gives {pad} (partitions of {group.share} elements, "
                                         f"params end at {group.end})")
-        have = [(str(k), *_fragment(v, f"{path}: param_slice_mappings[{g}]['{k}']"))
+        have = [(name_of(k), *_fragment(v, f"{path}: param_slice_mappings[{g}]['{name_of(k)}']"))
                 for k, v in osd["param_slice_mappings"][g].items()]
         if have != (want := group.mappings(dp)):
             raise CheckpointFormatError(f"{path}: {_mapping_diff(have, want, g, spec_name)}")
-        aligned = osd.get("param_alignment_paddings")
         if aligned is not None and list(aligned[g]) != group.alignment_paddings():
-            raise CheckpointFormatError(f"{path}: param_alignment_paddings[{g}] is {list(aligned[g])} "
+            raise CheckpointFormatError(f"{path}: param_alignment_paddings[{g}] is {brief(aligned[g])} "
                                         f"but spec '{spec_name}' gives {group.alignment_paddings()}")
         for state, ref, numel in _flat_tensors(osd, g, optimizer, flat_states, group.share, group.share - pad, path):
             if not isinstance(ref, TensorRef) or ref.shape != (numel,):
@@ -884,6 +935,9 @@ def _flat_tensors(osd: Mapping, g: int, optimizer: str, flat_states: tuple[str, 
     yield MASTER, osd["single_partition_of_fp32_groups"][g], share if optimizer == "bf16" else lean
     base = osd["base_optimizer_state"]
     rigid = isinstance(base, Mapping)  # the torch optimizer's state_dict: its state is keyed by param id = group
+    if not rigid and g >= len(base):
+        raise CheckpointFormatError(f"{path}: base_optimizer_state lists {len(base)} param groups, expected "
+                                    f"at least {g + 1}")
     group = base.get("state", {}).get(g, {}) if rigid else base[g]
     for state in flat_states:
         if state not in group:
@@ -896,8 +950,8 @@ def _fragment(value: Any, where: str) -> tuple[int, int]:
     if isinstance(value, Opaque) and (value.module, value.name) == _FRAGMENT and isinstance(value.state, Mapping):
         numel, start = value.state.get("numel"), value.state.get("start")
         if isinstance(numel, int) and isinstance(start, int):
-            return numel, start
-    raise CheckpointFormatError(f"{where}: not a fragment_address: {value!r:.80}")
+            return expect_int(numel, "numel", where), expect_int(start, "start", where)
+    raise CheckpointFormatError(f"{where}: not a fragment_address: {brief(value, 80)}")
 
 
 def _mapping_diff(have: list[tuple[str, int, int]], want: list[tuple[str, int, int]], g: int, spec_name: str) -> str:
@@ -1134,21 +1188,24 @@ def _write_file(path: Path, tree: Any, sources: _Sources, fill: Fill, target: Ta
 
 
 def _llama_sizes(files: _Files, shapes: list[list[tuple[str, tuple[int, ...]]]],
-                 override: Mapping[str, int] | None) -> dict[str, int]:
-    """Model sizes: ``override``, else a Hugging Face config.json, else what Llama tensor shapes tell."""
+                 override: Mapping[str, int] | None, params: int) -> dict[str, int]:
+    """Model sizes: ``override``, else a Hugging Face config.json, else what Llama tensor shapes tell; each
+    checked, and the layer count at most ``params`` (the params in the model files' param_shapes)."""
     by_name = {k: s for group in shapes for k, s in group}
     sizes: dict[str, int] = {}
     if len(embed := by_name.get("model.embed_tokens.weight", ())) == 2:
         sizes["vocab"], sizes["h"] = embed
-    if layers := {int(m.group(1)) for k in by_name if (m := re.match(r"model\.layers\.(\d+)\.", k))}:
+    if layers := {int(m.group(1)) for k in by_name if (m := re.match(r"model\.layers\.([0-9]{1,9})\.", k))}:
         sizes["layers"] = max(layers) + 1
     if gate := by_name.get("model.layers.0.mlp.gate_proj.weight"):
         sizes["f"] = gate[0]
+    counts = {"layers": params}  # each layer holds a param at least
     config = _hf_config(files)
-    sizes.update({name: config[key] for key, name in _HF_CONFIG.items() if isinstance(config.get(key), int)})
-    sizes.update({k: int(v) for k, v in (override or {}).items()})
+    found = {name: config[key] for key, name in _HF_CONFIG.items() if config.get(key) is not None}
+    sizes.update(check_sizes(found, _config_file(files), counts=counts) if found else {})
+    sizes.update(given_sizes(override))
     q, k = by_name.get("model.layers.0.self_attn.q_proj.weight"), by_name.get("model.layers.0.self_attn.k_proj.weight")
-    if q and k:
+    if q and k and len(q) == 2 and len(k) == 2:
         if "hd" not in sizes and "heads" not in sizes:
             places = ", ".join(str(p) for p in (files.tag_dir, files.root, files.root.parent))
             raise CheckpointFormatError(
@@ -1157,22 +1214,22 @@ def _llama_sizes(files: _Files, shapes: list[list[tuple[str, tuple[int, ...]]]],
                 f"or put the model's config.json in one of: {places}")
         if "hd" not in sizes:
             sizes["hd"] = q[0] // sizes["heads"]
+        if sizes["hd"] < 1:
+            raise CheckpointFormatError(f"{files.model[0]}: q_proj has {q[0]} rows for {sizes['heads']} heads")
         sizes.setdefault("heads", q[0] // sizes["hd"])
         sizes.setdefault("g", k[0] // sizes["hd"])
     elif "hd" not in sizes and "h" in sizes and "heads" in sizes:
         sizes["hd"] = sizes["h"] // sizes["heads"]  # Hugging Face's default head_dim
-    return sizes
+    return check_sizes(sizes, f"{files.model[0]}: param_shapes", counts=counts)
+
+
+def _config_file(files: _Files) -> Path | None:
+    return next((p for d in (files.tag_dir, files.root, files.root.parent) if (p := d / "config.json").is_file()), None)
 
 
 def _hf_config(files: _Files) -> dict[str, Any]:
-    for d in (files.tag_dir, files.root, files.root.parent):
-        if (p := d / "config.json").is_file():
-            try:
-                config = json.loads(p.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise CheckpointFormatError(f"{p}: not readable JSON ({e})") from None
-            return config if isinstance(config, dict) else {}
-    return {}
+    config = read_json(path) if (path := _config_file(files)) else {}
+    return config if isinstance(config, dict) else {}
 
 
 def synthesize_extra(*, groups: int = 1, dtype: str = "bfloat16", zero_stage: int = 2,

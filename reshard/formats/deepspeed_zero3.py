@@ -34,9 +34,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from reshard.bounds import brief
 from reshard.catalog import load_spec
 from reshard.errors import CheckpointFormatError, SpecError
-from reshard.formats.base import LLAMA_SIZES, Fill, Located, Source, Target, require_sizes
+from reshard.formats.base import (LLAMA_SIZES, MAX_COUNT, Fill, Located, Source, Target, expect_int, expect_step,
+                                  require_sizes)
 from reshard.layout import Item, Layout, resolve
 from reshard.topology import Topology
 from reshard.torchfile import TensorRef, TensorSpec, TorchSize
@@ -53,7 +55,7 @@ def is_zero3(names: list[str]) -> bool:
 
 def open_zero3(fmt_name: str, root: Path, tag: str, tag_dir: Path, *, spec: str | None,
                sizes: Mapping[str, int] | None) -> Source:
-    from reshard.formats.deepspeed import _Files, _get, _hf_config, _llama_sizes, _param_shapes, _read
+    from reshard.formats.deepspeed import _Files, _get, _hf_config, _llama_sizes, _param_shapes, _read, _zero_config
 
     names = sorted(p.name for p in tag_dir.iterdir())
     models = {(int(m.group(2)), int(m.group(1))): n for n in names if (m := MODEL_FILE.fullmatch(n))}
@@ -63,7 +65,7 @@ def open_zero3(fmt_name: str, root: Path, tag: str, tag_dir: Path, *, spec: str 
         raise CheckpointFormatError(f"{tag_dir}: ZeRO-3 with mp ranks {sorted(tps)}; only tp=1 is supported")
     first_path = tag_dir / models[min(models)]
     first = _read(first_path)
-    dp = _get(first, "dp_world_size", first_path)
+    dp = expect_int(_get(first, "dp_world_size", first_path), "dp_world_size", first_path, lo=1, hi=MAX_COUNT)
     for d in range(dp):
         for kind, table in (("model", models), ("optimizer", optims)):
             if (0, d) not in table:
@@ -74,16 +76,17 @@ def open_zero3(fmt_name: str, root: Path, tag: str, tag_dir: Path, *, spec: str 
         raise CheckpointFormatError(f"{tag_dir}: files for dp rank {extra_ranks[0]}, but dp_world_size is {dp}")
     if first.get("frozen_param_shapes"):
         raise CheckpointFormatError(f"{first_path}: frozen parameters are not supported")
+    _zero_config(first, first_path)
     shapes = _param_shapes(first, first_path)
     if len(shapes) != 1:
         raise CheckpointFormatError(f"{first_path}: {len(shapes)} param groups; the ZeRO-3 reader supports one")
     files = _Files(root=root, tag=tag, tag_dir=tag_dir, model=(first_path,), optim=(), bf16_names=False)
-    all_sizes = _llama_sizes(files, shapes, sizes)
+    all_sizes = _llama_sizes(files, shapes, sizes, len(shapes[0]))
     spec_name = spec or SPEC
     parsed = load_spec(spec_name)
     topology = Topology(dp=dp, zero=3)
     optim_trees = [_read(tag_dir / optims[(0, d)]) for d in range(dp)]
-    osd = [_get(tree, "optimizer_state_dict", tag_dir / optims[(0, d)]) for d, tree in enumerate(optim_trees)]
+    osd = [_get(tree, "optimizer_state_dict", tag_dir / optims[(0, d)], Mapping) for d, tree in enumerate(optim_trees)]
     states = _states(osd[0], tag_dir / optims[(0, 0)])
     try:
         full = resolve(parsed, topology, all_sizes, states={"optim": (MASTER, *states)})
@@ -98,13 +101,14 @@ def open_zero3(fmt_name: str, root: Path, tag: str, tag_dir: Path, *, spec: str 
         path = tag_dir / optims[(0, d)]
         tree = osd[d]
         if _get(tree, "partition_count", path) != dp:
-            raise CheckpointFormatError(f"{path}: partition_count is {tree['partition_count']}, dp_world_size {dp}")
+            raise CheckpointFormatError(f"{path}: partition_count is {brief(tree['partition_count'])}, "
+                                        f"dp_world_size {dp}")
         groups = _get(tree, "fp32_flat_groups", path)
         if not isinstance(groups, list) or len(groups) != 1:
             raise CheckpointFormatError(f"{path}: fp32_flat_groups holds {len(groups) if isinstance(groups, list) else '?'}"
                                         " sub-groups; only one is supported (raise sub_group_size)")
-        state = _get(_get(tree, "optimizer_state_dict", path), "state", path)
-        per_state = {MASTER: groups[0], **{s: (state.get(0) or {}).get(s) for s in states}}
+        mine = _states_of(tree, path)
+        per_state = {MASTER: groups[0], **{s: mine.get(s) for s in states}}
         for it in items:
             if dict(it.unit).get("dp") != d:
                 continue
@@ -118,7 +122,8 @@ def open_zero3(fmt_name: str, root: Path, tag: str, tag_dir: Path, *, spec: str 
     layout = Layout(topology=topology, tensors=full.tensors, items=MappingProxyType(items),
                     fragments=tuple(f for f in full.fragments if f.item.section == "optim"))
     config = _hf_config(files)
-    extra: dict[str, Any] = {"step": first.get("global_steps")} if isinstance(first.get("global_steps"), int) else {}
+    steps = first.get("global_steps")
+    extra: dict[str, Any] = {"step": expect_step(steps, "global_steps", first_path)} if steps is not None else {}
     bf16 = optims[(0, 0)].startswith("bf16_")
     extra["zero3"] = extra_from_files(first, optim_trees[0], first_path, tag_dir / optims[(0, 0)], tag, bf16)
     if config:
@@ -127,13 +132,18 @@ def open_zero3(fmt_name: str, root: Path, tag: str, tag_dir: Path, *, spec: str 
                   layout=layout, where=where, extra=extra)
 
 
+def _states_of(tree: Mapping, path: Path) -> dict[str, Any]:
+    """``optimizer_state_dict.optimizer_state_dict.state[0]`` of an optimizer file: the one sub-group's states."""
+    inner = tree.get("optimizer_state_dict")
+    state = inner.get("state", {}) if isinstance(inner, Mapping) else None
+    if not isinstance(state, Mapping) or set(state) - {0} or not isinstance(state.get(0, {}), Mapping):
+        raise CheckpointFormatError(f"{path}: optimizer state is {brief(state, 60)}; expected one sub-group's states "
+                                    "(only one is supported)")
+    return dict(state.get(0, {}))
+
+
 def _states(tree: Mapping, path: Path) -> tuple[str, ...]:
-    state = tree.get("optimizer_state_dict", {}).get("state", {}) if isinstance(tree, Mapping) else {}
-    if not isinstance(state, Mapping) or set(state) - {0}:
-        raise CheckpointFormatError(f"{path}: optimizer state for {sorted(state) if isinstance(state, Mapping) else '?'}"
-                                    " sub-groups; only one is supported")
-    per = state.get(0, {})
-    return tuple(k for k, v in per.items() if isinstance(v, TensorRef) and v.shape != ())
+    return tuple(k for k, v in _states_of(tree, path).items() if isinstance(v, TensorRef) and v.shape != ())
 
 
 def _check_order(layout: Layout, shapes: list[tuple[str, tuple[int, ...]]], path: Path, spec_name: str) -> None:
@@ -264,7 +274,7 @@ def _ds_config3(config: Any, dp: int) -> Any:
 
     config = _ds_config(config, dp, 3)
     if isinstance(config, dict):
-        config.setdefault("zero_optimization", {})["stage"] = 3
+        config["zero_optimization"] = {**(config.get("zero_optimization") or {}), "stage": 3}
     return config
 
 

@@ -33,7 +33,8 @@ from typing import Any
 
 from reshard.catalog import available_specs, load_spec
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.formats.base import DTYPE_SIZES, Fill, Located, Source, Target, itemsize, stream_item
+from reshard.formats.base import (DTYPE_SIZES, Fill, Located, Source, Target, check_sizes, given_sizes, itemsize,
+                                  read_json, stream_item)
 from reshard.layout import Item, Layout, resolve
 from reshard.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter, TensorInfo, plan_shards, read_header
 from reshard.topology import Topology
@@ -78,16 +79,17 @@ class HFFormat:
         """
         path = Path(path)
         config_path = path / CONFIG_NAME
-        config = _read_json(config_path)
+        config = read_json(config_path)
         if not isinstance(config, dict):
             raise CheckpointFormatError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
         spec_name = spec or _spec_for_config(config, config_path)
-        model_sizes = (gpt2_sizes_from_config if spec_name == GPT2_SPEC else sizes_from_config)(config, config_path)
-        model_sizes.update({k: int(v) for k, v in (sizes or {}).items()})
+        stored = _stored_tensors(path)
+        model_sizes = (gpt2_sizes_from_config if spec_name == GPT2_SPEC else sizes_from_config)(config, config_path,
+                                                                                               len(stored))
+        model_sizes.update(given_sizes(sizes))
         spec_obj = load_spec(spec_name)
         layout = resolve(spec_obj, Topology(), model_sizes)
         _check_param_only(layout, spec_name)
-        stored = _stored_tensors(path)
         where: dict[Item, Located] = {}
         problems: list[str] = []
         matched: set[str] = set()
@@ -117,7 +119,7 @@ class HFFormat:
         extra: dict[str, Any] = {"config": config}
         generation = path / GENERATION_CONFIG_NAME
         if generation.is_file():
-            extra["generation_config"] = _read_json(generation)
+            extra["generation_config"] = read_json(generation)
         return Source(format=self.name, path=path, spec_name=spec_name, spec=spec_obj, topology=Topology(),
                       sizes=model_sizes, layout=layout, where=where, extra=extra)
 
@@ -207,12 +209,14 @@ class HFFormat:
 FORMAT = HFFormat()
 
 
-def sizes_from_config(config: Mapping[str, Any], where: Path | str = CONFIG_NAME) -> dict[str, int]:
+def sizes_from_config(config: Mapping[str, Any], where: Path | str = CONFIG_NAME,
+                      tensors: int | None = None) -> dict[str, int]:
     """The llama spec's sizes from a Hugging Face config: h, heads, g, hd, f, vocab, layers.
 
     ``g`` defaults to ``heads`` (no GQA) and ``hd`` to ``h // heads``, as
     ``LlamaConfig`` does. Raises CheckpointFormatError listing every missing
-    or non-positive key.
+    or non-positive key, or a size out of bounds (with ``tensors``, the number of
+    tensors stored: each layer and expert holds one at least).
     """
     keys = {"h": "hidden_size", "heads": "num_attention_heads", "f": "intermediate_size",
             "vocab": "vocab_size", "layers": "num_hidden_layers"}
@@ -221,17 +225,18 @@ def sizes_from_config(config: Mapping[str, Any], where: Path | str = CONFIG_NAME
     sizes["hd"] = int(config.get("head_dim") or sizes["h"] // sizes["heads"])
     if config.get("model_type") == "mixtral":
         sizes.update(_config_ints(config, {"experts": "num_local_experts"}, (), where))
-    return sizes
+    return check_sizes(sizes, where, counts=None if tensors is None else dict.fromkeys(("layers", "experts"), tensors))
 
 
-def llama_config_near(*dirs: Path) -> tuple[dict[str, int], dict[str, Any] | None]:
-    """Sizes and config from the first Llama ``config.json`` in ``dirs`` (for formats that store none of their own)."""
+def llama_config_near(*dirs: Path, tensors: int | None = None) -> tuple[dict[str, int], dict[str, Any] | None]:
+    """Sizes and config from the first Llama ``config.json`` in ``dirs`` (for formats that store none of their own);
+    ``tensors`` bounds the layer and expert counts as ``sizes_from_config`` says."""
     for d in dirs:
         candidate = Path(d) / CONFIG_NAME
         if candidate.is_file():
-            config = _read_json(candidate)
+            config = read_json(candidate)
             if isinstance(config, dict) and config.get("model_type") in LLAMA_FAMILY:
-                return sizes_from_config(config, candidate), config
+                return sizes_from_config(config, candidate, tensors), config
     return {}, None
 
 
@@ -301,13 +306,14 @@ def _config_ints(config: Mapping[str, Any], keys: Mapping[str, str], optional: t
     return {var: int(config[k]) for var, k in keys.items()}
 
 
-def gpt2_sizes_from_config(config: Mapping[str, Any], where: Path | str = CONFIG_NAME) -> dict[str, int]:
+def gpt2_sizes_from_config(config: Mapping[str, Any], where: Path | str = CONFIG_NAME,
+                           tensors: int | None = None) -> dict[str, int]:
     """The gpt2 spec's sizes from a ``GPT2Config``: h, heads, hd, f, vocab, positions, layers."""
     keys = {"h": "n_embd", "heads": "n_head", "vocab": "vocab_size", "layers": "n_layer", "positions": "n_positions"}
     sizes = _config_ints(config, keys, ("n_inner",), where)
     sizes["hd"] = sizes["h"] // sizes["heads"]
     sizes["f"] = int(config.get("n_inner") or 4 * sizes["h"])  # GPT2Config: n_inner None means 4 * n_embd
-    return sizes
+    return check_sizes(sizes, where, counts=None if tensors is None else {"layers": tensors})
 
 
 def gpt2_config(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, Any]:
@@ -363,19 +369,6 @@ def _check_param_only(layout: Layout, spec_name: str) -> None:
             "hf checkpoints hold model weights (param) only")
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointFormatError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointFormatError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointFormatError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-
-
 def _stored_tensors(path: Path) -> dict[str, tuple[Path, TensorInfo]]:
     """Every tensor of the checkpoint: name -> (file, header entry), cross-checked with the index."""
     single, index = path / WEIGHTS_NAME, path / INDEX_NAME
@@ -412,7 +405,7 @@ def _stored_tensors(path: Path) -> dict[str, tuple[Path, TensorInfo]]:
 
 
 def _weight_map(index: Path) -> dict[str, str]:
-    data = _read_json(index)
+    data = read_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointFormatError(f"{index}: expected an object with a 'weight_map' object")

@@ -37,12 +37,14 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from reshard.bounds import brief
 from reshard.catalog import load_spec
 from reshard.dcp_metadata import read_metadata
 from reshard.errors import CheckpointFormatError
-from reshard.formats.base import DTYPE_SIZES, LLAMA_SIZES, Fill, Located, Source, Target, require_sizes
+from reshard.formats.base import (DTYPE_SIZES, LLAMA_SIZES, MAX_COUNT, Fill, Located, Source, Target, check_sizes,
+                                  expect_int, expect_step, given_sizes, read_json, require_sizes)
 from reshard.formats.dcp import FORMAT as DCP
-from reshard.formats.dcp import _Chunk, _chunk_ref, _entry_bytes, _Naming, _Verbatim
+from reshard.formats.dcp import _Chunk, _chunk_cover, _chunk_ref, _entry_bytes, _Naming, _Verbatim
 from reshard.dcp_metadata import DcpChunk
 from reshard.geometry import row_major_strides
 from reshard.torch_write import write_torch_file
@@ -70,9 +72,10 @@ class McoreDistFormat:
         if not meta.is_file():
             return False
         try:
-            return json.loads(meta.read_text()).get("sharded_backend") == "torch_dist"
-        except (OSError, ValueError, AttributeError):
+            data = read_json(meta)
+        except CheckpointFormatError:
             return False
+        return isinstance(data, dict) and data.get("sharded_backend") == "torch_dist"
 
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
         """Read ``metadata.json``, ``common.pt`` and DCP's ``.metadata``; match every stored key to the spec.
@@ -86,7 +89,7 @@ class McoreDistFormat:
         path = Path(path)
         backend = _read_json(path / METADATA_JSON).get("sharded_backend")
         if backend != "torch_dist":
-            raise CheckpointFormatError(f"{path / METADATA_JSON}: sharded_backend is {backend!r}; reshard reads "
+            raise CheckpointFormatError(f"{path / METADATA_JSON}: sharded_backend is {brief(backend)}; reshard reads "
                                         "'torch_dist' (zarr and others are not supported)")
         common = _common(path)
         md = read_metadata(path)
@@ -127,6 +130,9 @@ class McoreDistFormat:
             if t.dtype not in DTYPE_SIZES:
                 problems.append(f"'{key}' has dtype {t.dtype}, which reshard cannot copy")
                 continue
+            if problem := _chunk_cover(key, t):
+                problems.append(problem)
+                continue
             for c in t.chunks:
                 if 0 in c.sizes:
                     continue
@@ -150,8 +156,9 @@ class McoreDistFormat:
         used = {f.tensor for f in fragments}
         layout = Layout(topology=topology, tensors=MappingProxyType({n: t for n, t in whole.tensors.items() if n in used}),
                         items=MappingProxyType(items), fragments=tuple(fragments))
-        extra: dict[str, Any] = {"iteration": common.get("iteration")} if isinstance(common.get("iteration"), int) else {}
-        step = _group_step(common)
+        it = common.get("iteration")
+        extra: dict[str, Any] = {"iteration": expect_step(it, "iteration", path / COMMON)} if it is not None else {}
+        step = _group_step(common, path / COMMON)
         if step is not None:
             extra["step"] = step
         if isinstance(common.get("args"), argparse.Namespace | Mapping):
@@ -344,22 +351,17 @@ def _optimizer_state(key: str) -> tuple[str | None, str]:
     return ("master" if state == "param" else state), model_key
 
 
-def _group_step(common: Mapping[str, Any]) -> int | None:
+def _group_step(common: Mapping[str, Any], where: Path) -> int | None:
     """Adam's step count, which torch_dist keeps per param group in common.pt (fully_reshardable)."""
     optimizer = common.get("optimizer")
     inner = optimizer.get("optimizer") if isinstance(optimizer, Mapping) else None
     groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
     step = groups[0].get("step") if isinstance(groups, list) and groups and isinstance(groups[0], Mapping) else None
-    return int(step) if isinstance(step, int | float) else None
+    return None if step is None else expect_step(step, "optimizer param_groups[0]['step']", where)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise CheckpointFormatError(f"{path}: cannot read: {e.strerror or e}") from e
-    except ValueError as e:
-        raise CheckpointFormatError(f"{path}: not valid JSON: {e}") from e
+    data = read_json(path)
     if not isinstance(data, dict):
         raise CheckpointFormatError(f"{path}: expected a JSON object")
     return data
@@ -377,34 +379,40 @@ def _sizes(path: Path, common: Mapping[str, Any], md, given: Mapping[str, int]) 
     from reshard.formats.megatron import _sizes_from_args
 
     embedding = md.tensors.get(_EMBEDDING)
-    if embedding is None:
-        raise CheckpointFormatError(f"{path}: no '{_EMBEDDING}' in .metadata, so not a GPT checkpoint reshard reads")
+    if embedding is None or len(embedding.size) != 2:
+        raise CheckpointFormatError(f"{path}: no 2-D '{_EMBEDDING}' in .metadata, so not a GPT checkpoint reshard "
+                                    "reads")
     tp = len({c.offsets[0] for c in embedding.chunks}) or 1
+    qkv = md.tensors.get("decoder.layers.self_attention.linear_qkv.weight")
+    fc1 = md.tensors.get("decoder.layers.mlp.linear_fc1.weight")
+    stacked = {"layers": qkv.size[0] if qkv is not None and len(qkv.size) == 3 else len(md.tensors)}
     args = common.get("args")
     if isinstance(args, argparse.Namespace):
         args = vars(args)
+    where = f"{path / COMMON}: args"
     if isinstance(args, Mapping):
-        tp = int(args.get("tensor_model_parallel_size") or tp)
-        pp = int(args.get("pipeline_model_parallel_size") or 1)
+        tp = expect_int(args.get("tensor_model_parallel_size") or tp, "args.tensor_model_parallel_size", where,
+                        lo=1, hi=MAX_COUNT)
+        pp = expect_int(args.get("pipeline_model_parallel_size") or 1, "args.pipeline_model_parallel_size", where,
+                        lo=1, hi=stacked["layers"])  # each stage holds a layer at least
         topology = Topology(tp=tp, pp=pp)
-        sizes = _sizes_from_args(args, {k: int(v) for k, v in given.items()}, topology, f"{path / COMMON} args")
+        sizes = _sizes_from_args(args, given, topology, where)
         sizes.pop("vocab_div", None)
     else:
+        where = f"{path}: .metadata"
         topology = Topology(tp=tp)
-        sizes = {k: int(v) for k, v in given.items()}
-        qkv = md.tensors.get("decoder.layers.self_attention.linear_qkv.weight")
-        fc1 = md.tensors.get("decoder.layers.mlp.linear_fc1.weight")
+        sizes = given_sizes(given)
         sizes.setdefault("h", embedding.size[1])
-        if qkv is not None:
+        if qkv is not None and len(qkv.size) == 3:
             sizes.setdefault("layers", qkv.size[0])
-        if fc1 is not None:
+        if fc1 is not None and len(fc1.size) == 3:
             sizes.setdefault("f", fc1.size[1] // 2)
         missing = [k for k in LLAMA_SIZES if k not in sizes]
         if missing:
             raise CheckpointFormatError(f"{path}: {COMMON} holds no args, so the model sizes {', '.join(missing)} "
                                         "are unknown; give them as sizes")
     sizes["vpad"] = embedding.size[0]
-    return sizes, topology
+    return check_sizes(sizes, where, counts=stacked), topology
 
 
 FORMAT = McoreDistFormat()

@@ -113,9 +113,12 @@ from typing import Any
 
 import numpy as np
 
+from reshard.bounds import brief
 from reshard.catalog import load_spec
-from reshard.errors import CheckpointFormatError, ReshardError
-from reshard.formats.base import LLAMA_SIZES, Fill, Located, Source, Target, itemsize, require_sizes, stream_item
+from reshard.errors import CheckpointFormatError, ReshardError, TopologyError
+from reshard.formats.base import (DTYPE_SIZES, LLAMA_SIZES, MAX_COUNT, MAX_SIZE, Fill, Located, Source, Target,
+                                  check_sizes, expect_int, given_sizes, itemsize, read_tag, require_sizes, scalar_value,
+                                  stream_item)
 from reshard.layout import Item, Layout, resolve
 from reshard.spec import Flat, Section, Spec
 from reshard.topology import Topology, parse_topology
@@ -184,7 +187,10 @@ class SmallTensor:
         return SmallTensor(dtype, (), np.array(value, dtype=dtype).tobytes())
 
     def value(self) -> float:
-        return float(np.frombuffer(self.data, dtype=self.dtype)[0])
+        value = scalar_value(self.data, self.dtype) if self.shape in ((), (1,)) else None
+        if value is None:
+            raise CheckpointFormatError(f"a {self.dtype} {list(self.shape)} tensor where a number (step) was expected")
+        return value
 
 
 # --- reading ---------------------------------------------------------------------------
@@ -196,7 +202,7 @@ def _is_tensor(obj: Any) -> bool:
 
 def _dtype_name(dtype: Any) -> str:
     """'bfloat16' from a TensorRef's dtype or a pickled ``torch.bfloat16`` (a TorchDtype)."""
-    return dtype.name if isinstance(dtype, TorchDtype) else str(dtype)
+    return dtype.name if isinstance(dtype, TorchDtype) else dtype if isinstance(dtype, str) else brief(dtype, 40)
 
 
 def _namespace(obj: Any, where: str) -> dict[str, Any]:
@@ -226,8 +232,9 @@ class MegatronFormat:
         path = Path(path)
         try:
             it_dir = _iteration_dir(path)[0]
-        except CheckpointFormatError:
-            return False
+        except CheckpointFormatError:  # a broken tracker beside iteration directories: open names what is wrong
+            return (path / TRACKER).is_file() and any(re.fullmatch(r"iter_[0-9]{7,}|release", p.name)
+                                                       for p in path.iterdir())
         return any(p.name.startswith("mp_rank_") and (p / MODEL_FILE).is_file() for p in it_dir.iterdir())
 
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
@@ -271,7 +278,7 @@ class MegatronFormat:
         if "args" not in first:
             raise CheckpointFormatError(f"{first_path}: no 'args', so the topology and model sizes are unknown")
         args = _namespace(first["args"], str(first_path))
-        topo = _topology_from_args(args, str(first_path))
+        topo = _topology_from_args(args, str(first_path), sum(p.name.startswith("mp_rank_") for p in it_dir.iterdir()))
         ranks = self._read_ranks(it_dir, topo, first_path, first, iteration)
         distopt = bool(args.get("use_distributed_optimizer"))
         if distopt:
@@ -308,6 +315,8 @@ class MegatronFormat:
             raise CheckpointFormatError(
                 f"{first_path}: expert_model_parallel_size={topo.ep}, but spec {spec_name} has no section per ep")
         reader = _Reader(ranks, topo, spec_name, per_ep, model_sizes.get("experts", 0))
+        stored = sum(len(ps) for ps in reader.params.values())  # each layer and expert holds a tensor at least
+        model_sizes = check_sizes(model_sizes, f"{first_path}: args", counts={"layers": stored, "experts": stored})
         model_sizes["bucket_size"] = _bucket_size(args, topo) if distopt else 0
         # Weights first, so an unknown tensor is named before the optimizer's structure is judged.
         layout = _resolve(spec_ast, topo, model_sizes, {"model": ("param",), "optim": (), "expert_optim": ()})
@@ -347,13 +356,15 @@ class MegatronFormat:
         first_it = first.get("iteration")
         if iteration is not None and first_it is not None and first_it != iteration:
             raise CheckpointFormatError(
-                f"{first_path}: iteration {first_it}, but {TRACKER} says {iteration}; the checkpoint mixes iterations")
+                f"{first_path}: iteration {brief(first_it)}, but {TRACKER} says {iteration}; the checkpoint mixes "
+                "iterations")
         for name, (t, p, e) in sorted(expected.items(), key=lambda kv: (kv[1][1], kv[1][2], kv[1][0])):
             fpath = it_dir / name / MODEL_FILE
             obj = first if fpath == first_path else _read(fpath)
             if obj.get("iteration") != first_it:
                 raise CheckpointFormatError(
-                    f"{fpath}: iteration {obj.get('iteration')}, but {first_path} has iteration {first_it}; "
+                    f"{fpath}: iteration {brief(obj.get('iteration'))}, but {first_path} has iteration "
+                    f"{brief(first_it)}; "
                     "the checkpoint mixes iterations")
             if "args" in obj and fpath != first_path:
                 a = _namespace(obj["args"], str(fpath))
@@ -361,7 +372,7 @@ class MegatronFormat:
                        a.get("expert_model_parallel_size") or 1)
                 if got != (topo.tp, topo.pp, topo.ep):
                     raise CheckpointFormatError(
-                        f"{fpath}: args say tp={got[0]}, pp={got[1]}, ep={got[2]}, but {first_path} says "
+                        f"{fpath}: args say (tp, pp, ep) = {brief(got)}, but {first_path} says "
                         f"tp={topo.tp}, pp={topo.pp}, ep={topo.ep}")
             rank = _Rank(t, p, e, fpath, obj)
             dpath = it_dir / name / DISTOPT_FILE
@@ -529,6 +540,8 @@ def _read(path: Path, *, model: bool = True) -> Any:
         raise CheckpointFormatError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     if model and not isinstance(obj, dict):
         raise CheckpointFormatError(f"{path}: holds a {type(obj).__name__}, expected a dict")
+    if model and (key := next((k for k in obj if not isinstance(k, str)), None)) is not None:
+        raise CheckpointFormatError(f"{path}: top-level key {brief(key, 60)} is not a string")
     return obj
 
 
@@ -536,10 +549,10 @@ def _iteration_dir(path: Path) -> tuple[Path, int | None, bool]:
     """The iteration directory to read, its iteration (None for release) and whether it is a release."""
     tracker = path / TRACKER
     if tracker.is_file():
-        text = tracker.read_text(encoding="utf-8", errors="replace").strip()
+        text = read_tag(tracker, "iteration number or 'release'")
         if text == "release":
             it_dir, iteration, release = path / "release", None, True
-        elif re.fullmatch(r"[0-9]+", text):
+        elif re.fullmatch(r"[0-9]{1,15}", text):
             iteration, release = int(text), False
             it_dir = path / f"iter_{iteration:07d}"
         else:
@@ -576,15 +589,30 @@ def _arg(args: Mapping[str, Any], name: str, where: str) -> Any:
     return value
 
 
-def _topology_from_args(args: Mapping[str, Any], where: str) -> Topology:
-    tp = int(_arg(args, "tensor_model_parallel_size", where))
-    pp = int(_arg(args, "pipeline_model_parallel_size", where))
-    cp = int(args.get("context_parallel_size") or 1)
-    ep = int(args.get("expert_model_parallel_size") or 1)
+def _int_arg(args: Mapping[str, Any], name: str, where: str, default: int | None = None, *, lo: int = 1,
+             hi: int = MAX_COUNT) -> int:
+    """``args.<name>``, an integer in ``[lo, hi]`` (``default`` when missing or None; required without one)."""
+    value = args.get(name)
+    if value is None and default is not None:
+        return default
+    return expect_int(_arg(args, name, where), f"args.{name}", where, lo=lo, hi=hi)
+
+
+def _topology_from_args(args: Mapping[str, Any], where: str, ranks: int) -> Topology:
+    """The parallel layout ``args`` record, whose model-parallel ranks (tp * pp * ep) must fit in the ``ranks``
+    rank directories found."""
+    tp = _int_arg(args, "tensor_model_parallel_size", where, hi=max(1, ranks))
+    pp = _int_arg(args, "pipeline_model_parallel_size", where, hi=max(1, ranks))
+    cp = _int_arg(args, "context_parallel_size", where, 1)
+    ep = _int_arg(args, "expert_model_parallel_size", where, 1, hi=max(1, ranks))
+    if tp * pp * ep > max(1, ranks):
+        raise CheckpointFormatError(f"{where}: args say tp({tp}) * pp({pp}) * ep({ep}) = {tp * pp * ep} rank "
+                                    f"directories, the checkpoint has {ranks}")
     if ep > 1 and not args.get("num_experts"):
         raise CheckpointFormatError(f"{where}: expert_model_parallel_size={ep} without num_experts")
-    etp = args.get("expert_tensor_parallel_size")
-    if args.get("num_experts") and etp is not None and int(etp) != tp:
+    etp = None if args.get("expert_tensor_parallel_size") is None else \
+        _int_arg(args, "expert_tensor_parallel_size", where)
+    if args.get("num_experts") and etp is not None and etp != tp:
         raise CheckpointFormatError(
             f"{where}: expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}; "
             "experts split over their own tp are not supported yet")
@@ -593,15 +621,18 @@ def _topology_from_args(args: Mapping[str, Any], where: str) -> Topology:
                                     "supported yet; the SequentialMLP experts (local_experts.N) are")
     if cp > 1:
         raise CheckpointFormatError(f"{where}: context_parallel_size={cp} is not supported yet")
-    world = args.get("world_size")
-    dp = args.get("data_parallel_size") or (world // (tp * pp * cp) if world else 1)
+    world = _int_arg(args, "world_size", where, 0, lo=0, hi=MAX_COUNT * ranks)
+    dp = _int_arg(args, "data_parallel_size", where, world // (tp * pp * cp) or 1)
     if world and world != tp * pp * cp * dp:
         raise CheckpointFormatError(f"{where}: tp({tp}) * pp({pp}) * dp({dp}) = {tp * pp * dp} != world_size({world})")
-    layers = int(_arg(args, "num_layers", where))
-    vpp, stages = _pipeline_from_args(args, pp, layers, where)
-    if (int(dp) * cp) % ep:
+    layers = _int_arg(args, "num_layers", where)
+    if (dp * cp) % ep:
         raise CheckpointFormatError(f"{where}: expert_model_parallel_size={ep} does not divide data_parallel_size={dp}")
-    return Topology(tp=tp, pp=pp, dp=int(dp), cp=cp, ep=ep, vpp=vpp, stages=stages)
+    try:
+        vpp, stages = _pipeline_from_args(args, pp, layers, where)
+        return Topology(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, stages=stages)
+    except TopologyError as e:
+        raise CheckpointFormatError(f"{where}: args give no valid pipeline: {e}") from None
 
 
 def _pipeline_from_args(args: Mapping[str, Any], pp: int, layers: int,
@@ -609,7 +640,7 @@ def _pipeline_from_args(args: Mapping[str, Any], pp: int, layers: int,
     """vpp and layers per virtual stage (None: even), as Megatron's get_num_layers_to_build places them."""
     if args.get("account_for_embedding_in_pipeline_split") or args.get("account_for_loss_in_pipeline_split"):
         raise CheckpointFormatError(f"{where}: --account-for-embedding/loss-in-pipeline-split is not supported yet")
-    vpp = int(args.get("virtual_pipeline_model_parallel_size") or 1)
+    vpp = _int_arg(args, "virtual_pipeline_model_parallel_size", where, 1, hi=layers)
     layout = args.get("pipeline_model_parallel_layout")
     if layout is not None:
         if not isinstance(layout, str):
@@ -617,7 +648,8 @@ def _pipeline_from_args(args: Mapping[str, Any], pp: int, layers: int,
                 f"{where}: args.pipeline_model_parallel_layout is a {type(layout).__name__}, expected a string")
         topo = parse_topology(f"pp={pp},layout={layout}")
         return topo.vpp, topo.stages
-    first, last = args.get("decoder_first_pipeline_num_layers"), args.get("decoder_last_pipeline_num_layers")
+    first, last = (None if args.get(k) is None else _int_arg(args, k, where, lo=0, hi=layers)
+                   for k in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"))
     if first is None and last is None:
         return vpp, None
     rest, left = layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
@@ -634,33 +666,34 @@ def _pipeline_from_args(args: Mapping[str, Any], pp: int, layers: int,
 
 
 def _sizes_from_args(args: Mapping[str, Any], given: Mapping[str, int], topo: Topology, where: str) -> dict[str, int]:
-    h = int(_arg(args, "hidden_size", where))
-    heads = int(_arg(args, "num_attention_heads", where))
-    g = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
+    def arg(name: str, default: int | None = None) -> int:
+        return _int_arg(args, name, where, default, hi=MAX_SIZE)
+
+    h, heads = arg("hidden_size"), arg("num_attention_heads")
+    g = arg("num_query_groups", heads) if args.get("group_query_attention") else heads
     sizes = {
-        "h": h, "heads": heads, "g": g,
-        "hd": int(args.get("kv_channels") or h // heads),
-        "f": int(args.get("moe_ffn_hidden_size") or _arg(args, "ffn_hidden_size", where)),
-        "layers": int(_arg(args, "num_layers", where)),
-        "vocab_div": int(args.get("make_vocab_size_divisible_by") or 128),
+        "h": h, "heads": heads, "g": g, "hd": arg("kv_channels", h // heads),
+        "f": arg("moe_ffn_hidden_size") if args.get("moe_ffn_hidden_size") else arg("ffn_hidden_size"),
+        "layers": _int_arg(args, "num_layers", where), "vocab_div": arg("make_vocab_size_divisible_by", 128),
     }
     if args.get("num_experts"):
-        sizes["experts"] = int(args["num_experts"])
+        sizes["experts"] = _int_arg(args, "num_experts", where)
     if _is_gpt2(args):
         if sizes["g"] != heads:
             raise CheckpointFormatError(f"{where}: num_query_groups={sizes['g']} with num_attention_heads={heads}; "
                                         "GPT-2-style specs have one key/value head per query head")
-        sizes["positions"] = int(_arg(args, "max_position_embeddings", where))
+        sizes["positions"] = arg("max_position_embeddings")
         del sizes["g"]
-    padded = args.get("padded_vocab_size")
-    vocab = given.get("vocab", args.get("vocab_size"))
+    padded = None if args.get("padded_vocab_size") is None else arg("padded_vocab_size")
+    given = given_sizes(given)
+    vocab = given.get("vocab", None if args.get("vocab_size") is None else arg("vocab_size"))
     if vocab is None:
         hint = f" (a number in [{padded - sizes['vocab_div'] * topo.tp + 1}, {padded}])" if padded else ""
         raise CheckpointFormatError(
             f"{where}: args has padded_vocab_size={padded} but not the tokenizer's vocab size; "
             f"give it as sizes={{'vocab': N}}{hint}")
-    sizes["vocab"] = int(vocab)
-    sizes.update({k: int(v) for k, v in given.items()})
+    sizes["vocab"] = vocab
+    sizes.update(given)
     if padded is not None:
         want = _padded_vocab(sizes["vocab"], sizes["vocab_div"], topo.tp)
         if want != padded:
@@ -682,8 +715,9 @@ def _bucket_size(args: Mapping[str, Any], topo: Topology) -> int:
     if args.get("ddp_num_buckets"):
         raise CheckpointFormatError(
             "--ddp-num-buckets is not supported yet (its bucket size depends on the model's parameter count)")
-    size = args.get("ddp_bucket_size")
-    return int(size) if size else max(40_000_000, 1_000_000 * topo.dp * topo.cp)
+    if args.get("ddp_bucket_size"):
+        return _int_arg(args, "ddp_bucket_size", "args", hi=MAX_SIZE)
+    return max(40_000_000, 1_000_000 * topo.dp * topo.cp)
 
 
 def _per_ep(spec: Spec) -> bool:
@@ -754,7 +788,7 @@ _SUB = {
 _LAYER_KEY = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
 
 
-_LOCAL_EXPERT = re.compile(r"experts\.local_experts\.([0-9]+)\.linear_fc([12])\.")
+_LOCAL_EXPERT = re.compile(r"experts\.local_experts\.([0-9]{1,9})\.linear_fc([12])\.")
 
 
 def _mcore_rank(key: str) -> tuple[int, ...] | None:
@@ -871,11 +905,13 @@ def _chunks(obj: dict, vpp: int, where: str) -> dict[int, Mapping[str, Any]]:
     return out
 
 
-def _flat_items(sd: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+def _flat_items(sd: Mapping[str, Any], where: Path, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """A state dict's entries, nested dicts (the legacy model's ``language_model`` tree) joined with '/'."""
     for key, value in sd.items():
+        if not isinstance(key, str):
+            raise CheckpointFormatError(f"{where}: state dict key {brief(key, 60)} (in '{prefix}') is not a string")
         if isinstance(value, Mapping):
-            yield from _flat_items(value, f"{prefix}{key}/")
+            yield from _flat_items(value, where, f"{prefix}{key}/")
         else:
             yield f"{prefix}{key}", value
 
@@ -916,7 +952,7 @@ class _Reader:
             for c, sd in _chunks(r.obj, topo.vpp, str(r.path)).items():
                 if not isinstance(sd, Mapping):
                     raise CheckpointFormatError(f"{r.path}: model chunk {c} is a {type(sd).__name__}, not a state dict")
-                for key, value in _flat_items(sd):
+                for key, value in _flat_items(sd, r.path):
                     if key.endswith("._extra_state") or key == "_extra_state":
                         xs.append((c, key, value))
                     elif _is_tensor(value):
@@ -955,8 +991,8 @@ class _Reader:
                 states, self.kind = found, kind
             elif (found, kind) != (states, self.kind):
                 raise CheckpointFormatError(
-                    f"{r.path}: optimizer {kind} with states {list(found)}, "
-                    f"but other ranks have {self.kind} with {list(states)}")
+                    f"{r.path}: optimizer {kind} with states {brief(list(found))}, "
+                    f"but other ranks have {self.kind} with {brief(list(states))}")
         return states or ()
 
     def _one(self, r: _Rank, opt: Any, which: Callable[[str], bool] | None, shown: str) -> tuple[str, tuple[str, ...]]:
@@ -965,11 +1001,11 @@ class _Reader:
             raise CheckpointFormatError(f"{r.path}: {shown} is a {type(opt).__name__}, expected a Megatron optimizer "
                                         "state dict")
         if "fp32_from_fp16_params" in opt:
-            return "fp16", self._per_param(r, opt["optimizer"], opt["fp32_from_fp16_params"], which)
+            return "fp16", self._per_param(r, opt.get("optimizer"), opt["fp32_from_fp16_params"], which)
         if "state" in opt and "param_groups" in opt:
             return "fp32", self._per_param(r, opt, None, which)
         raise CheckpointFormatError(
-            f"{r.path}: {shown} has keys {sorted(map(str, opt))}; expected a Megatron optimizer state dict")
+            f"{r.path}: {shown} has keys {brief(list(opt))}; expected a Megatron optimizer state dict")
 
     def _chained(self, r: _Rank, opts: list) -> tuple[str, tuple[str, ...]]:
         """``ChainedOptimizer.state_dict()``: the dense optimizer's, then the expert optimizer's (MoE at ep > 1)."""
@@ -1003,12 +1039,17 @@ class _Reader:
         params = [x for x in self.params[(r.tp, r.pp, r.ep)] if which is None or which(x[1])]
         assign = _assign_groups(groups, [(key, tuple(ref.shape)) for _, key, ref in params], str(r.path))
         state = inner.get("state", {})
+        if not isinstance(state, Mapping) or not all(isinstance(v, Mapping) for v in state.values()):
+            raise CheckpointFormatError(f"{r.path}: optimizer 'state' is not a mapping of parameter index to states")
         if masters is not None and (not isinstance(masters, list) or len(masters) != len(groups)):
             raise CheckpointFormatError(f"{r.path}: fp32_from_fp16_params does not have one list per param group")
         out: dict[tuple[int, str], dict[str, Any]] = {}
         names: tuple[str, ...] | None = None
         for g, members in enumerate(assign):
-            indices = groups[g].get("params", [])
+            indices = groups[g].get("params")
+            if not isinstance(indices, list) or not all(type(i) is int for i in indices):
+                raise CheckpointFormatError(f"{r.path}: param group {g}'s 'params' is {brief(indices, 60)}, not a "
+                                            "list of parameter indices")
             low = [k for k in members if params[k][2].dtype in ("bfloat16", "float16")]
             if masters is not None and (not isinstance(masters[g], list) or len(masters[g]) != len(low)):
                 raise CheckpointFormatError(
@@ -1028,11 +1069,13 @@ class _Reader:
                     found["master"] = m
                 per = state.get(indices[i], {})
                 for name, value in per.items():
+                    if not isinstance(name, str):
+                        raise CheckpointFormatError(f"{where}: state name {brief(name, 40)} is not a string")
                     if name == "step" and _is_tensor(value) and tuple(value.shape) == ():
                         step = _small(value, where + ".step")
                         if self.step is not None and step != self.step:
-                            raise CheckpointFormatError(
-                                f"{where}: step {step.value()} differs from another parameter's {self.step.value()}")
+                            raise CheckpointFormatError(f"{where}: step {step.data.hex()} ({step.dtype}) differs from "
+                                                        f"another parameter's {self.step.data.hex()}")
                         self.step = step
                     elif _is_tensor(value) and tuple(value.shape) == tuple(ref.shape) and name not in _MAIN:
                         found[name] = value
@@ -1046,12 +1089,13 @@ class _Reader:
                 if names is None:
                     names = got
                 elif got != names:
-                    raise CheckpointFormatError(f"{where}: states {list(got)}, other parameters have {list(names)}")
+                    raise CheckpointFormatError(f"{where}: states {list(got)}, other parameters have "
+                                                f"{list(names)}")
                 out[(chunk, key)] = found
         extra = set(state) - {groups[g]["params"][i] for g, m in enumerate(assign) for i in range(len(m))}
         if extra:
             raise CheckpointFormatError(
-                f"{r.path}: optimizer state for index {sorted(extra, key=str)[0]} belongs to no parameter")
+                f"{r.path}: optimizer state for index {brief(next(iter(extra)), 40)} belongs to no parameter")
         self.per_param.setdefault((r.tp, r.pp, r.ep), {}).update(out)
         return names or ()
 
@@ -1084,19 +1128,20 @@ class _Reader:
                 "older per-bucket files are not supported yet")
         chunks = sorted(self._chunk_keys(r))
         bufs = {k: v for k, v in d.items() if k != "buckets_coalesced"}
-        if sorted(bufs, key=str) != list(range(len(chunks))):
+        if set(bufs) != set(range(len(chunks))) or not all(type(k) is int for k in bufs):
             raise CheckpointFormatError(
-                f"{path}: buffers {sorted(bufs, key=str)}, expected one per model chunk {list(range(len(chunks)))}")
+                f"{path}: buffers {brief(list(bufs))}, expected one per model chunk {list(range(len(chunks)))}")
         out: dict[tuple[int, str], dict[str, Any]] = {}
         names: tuple[str, ...] | None = None
         for gbuf, dtypes in bufs.items():
             if not isinstance(dtypes, Mapping) or len(dtypes) != 1:
                 raise CheckpointFormatError(f"{path}: buffer {gbuf} is not one (param_dtype, grad_dtype) group")
             (key, tensors), = dtypes.items()
-            if not isinstance(key, tuple) or len(key) != 2:
+            pair = (_dtype_name(key[0]), _dtype_name(key[1])) if isinstance(key, tuple) and len(key) == 2 else None
+            if pair is None or not set(pair) <= set(DTYPE_SIZES) or not isinstance(tensors, Mapping):
                 raise CheckpointFormatError(
-                    f"{path}: buffer {gbuf} is keyed {key!r}, expected (param_dtype, grad_dtype)")
-            pair = (_dtype_name(key[0]), _dtype_name(key[1]))
+                    f"{path}: buffer {gbuf} is {{{brief(key, 60)}: {type(tensors).__name__}}}, expected "
+                    "{(param_dtype, grad_dtype): {state: tensor}}")
             if self.buffer_dtypes not in (None, pair):
                 raise CheckpointFormatError(
                     f"{path}: buffer {gbuf} has dtypes {pair}, another has {self.buffer_dtypes}")
@@ -1105,12 +1150,14 @@ class _Reader:
             for name, value in tensors.items():
                 if name == "numel_unpadded":
                     continue
-                if not _is_tensor(value) or len(value.shape) != 1:
-                    raise CheckpointFormatError(f"{path}: buffer {gbuf} entry '{name}' is not a 1-D tensor")
+                if not isinstance(name, str) or not _is_tensor(value) or len(value.shape) != 1:
+                    raise CheckpointFormatError(f"{path}: buffer {gbuf} entry {brief(name, 40)} is not a 1-D tensor "
+                                                "under a state name")
                 found[_MAIN[1] if name == _MAIN[0] else name] = value
             n = tensors.get("numel_unpadded")
+            n = None if n is None else expect_int(n, f"buffer {gbuf} numel_unpadded", path)
             for name, value in found.items():
-                if n is not None and int(value.shape[0]) != int(n):
+                if n is not None and int(value.shape[0]) != n:
                     raise CheckpointFormatError(
                         f"{path}: buffer {gbuf} '{name}' has {value.shape[0]} elements, numel_unpadded is {n}")
             got = tuple(found)
@@ -1225,11 +1272,16 @@ class _Reader:
             for chunk, key, value in xs:
                 m = _LAYER_KEY.fullmatch(key)
                 name = key
+                where = f"{self.ranks[(t, p, e)].path}: {key}"
                 if m is not None:
-                    name = f"decoder.layers.{local_to_global[(p, chunk, int(m.group(1)))]}.{m.group(2)}"
+                    layer = local_to_global.get((p, chunk, int(m.group(1)))) if len(m.group(1)) < 10 else None
+                    expert = _EXPERT_NUM.search(key)
+                    if layer is None or (local_experts and expert and not (len(expert.group(2)) < 10 and
+                                                                            int(expert.group(2)) < local_experts)):
+                        raise CheckpointFormatError(f"{where}: names a layer or expert this rank does not hold")
+                    name = f"decoder.layers.{layer}.{m.group(2)}"
                     if local_experts:  # local expert numbers are global ones on ep rank e
                         name = _renumber_expert(name, lambda j: e * local_experts + j)
-                where = f"{self.ranks[(t, p, e)].path}: {key}"
                 per_tp = extra_state.setdefault(name, {})
                 value = _capture(value, where)
                 if t in per_tp and per_tp[t] != value:  # a replica over ep (dense) that is not one
@@ -1268,8 +1320,11 @@ def _no_wd(key: str, shape: tuple[int, ...]) -> bool:
 
 
 def _group_is_no_wd(group: Mapping[str, Any], where: str, g: int) -> bool:
-    if "wd_mult" in group:
+    if isinstance(group.get("wd_mult"), int | float) and not isinstance(group["wd_mult"], bool):
         return float(group["wd_mult"]) == 0.0
+    if "wd_mult" in group:
+        raise CheckpointFormatError(f"{where}: param group {g} has wd_mult {brief(group['wd_mult'], 40)}, "
+                                    "not a number")
     raise CheckpointFormatError(f"{where}: param group {g} has no 'wd_mult'; cannot tell which parameters it holds")
 
 
@@ -1289,6 +1344,8 @@ def _assign_groups(groups: Sequence[Mapping[str, Any]], params: list[tuple[str, 
         out[kinds.index(nowd)].append(k)
     for g, members in enumerate(out):
         listed = groups[g].get("params")
+        if listed is not None and not isinstance(listed, list):
+            raise CheckpointFormatError(f"{where}: param group {g}'s 'params' is {brief(listed, 60)}, not a list")
         if listed is not None and len(listed) != len(members):
             raise CheckpointFormatError(
                 f"{where}: param group {g} lists {len(listed)} parameters, the model has {len(members)} "
@@ -1540,7 +1597,7 @@ def _fresh_rng(args: Mapping[str, Any], tp_rank: int, pp_rank: int, like: Any, e
 
     ``like`` (a source rank's rng_state) decides which entries and tracker names appear.
     """
-    seed0 = int(args.get("seed") or DEFAULT_SEED)
+    seed0 = expect_int(args.get("seed") or DEFAULT_SEED, "args.seed", "the source's args", hi=(1 << 32) - 1)
     per_dp = bool(args.get("data_parallel_random_init"))
     sample = like[0] if isinstance(like, list) and like and isinstance(like[0], Mapping) else None
     trackers = sample.get("rng_tracker_states") if sample else None
@@ -1549,6 +1606,8 @@ def _fresh_rng(args: Mapping[str, Any], tp_rank: int, pp_rank: int, like: Any, e
     out = []
     for dp_rank in range(int(args.get("data_parallel_size") or 1) if per_dp else 1):
         seed = seed0 + 100 * pp_rank + (10 * dp_rank if per_dp else 0)
+        if seed >= 1 << 32:  # numpy's legacy seeding takes 32 bits: Megatron itself could not have run with it
+            raise CheckpointFormatError(f"args.seed {seed0} + 100 * pp rank {pp_rank} is {seed}, above 2**32 - 1")
         cpu = torch_cpu_rng_state(seed)
         tracker_seeds = {"data-parallel-rng": seed, "model-parallel-rng": seed + 2718 + tp_rank,
                          "expert-parallel-rng": seed + 1024 + 100 * ep_rank + tp_rank}

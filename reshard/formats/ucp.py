@@ -55,7 +55,8 @@ from typing import Any
 
 
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.formats.base import Fill, Located, Source, Target, scalar_value, stream_item
+from reshard.formats.base import (Fill, Located, Source, Target, check_sizes, expect_shape, expect_step, given_sizes,
+                                  name_of, read_tag, scalar_value, stream_item)
 from reshard.geometry import row_major_strides
 from reshard.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
 from reshard.spec import parse_spec
@@ -102,8 +103,8 @@ class UcpFormat:
     def detect(self, path: Path) -> bool:
         try:
             return _folder(Path(path)) is not None
-        except CheckpointFormatError:
-            return False
+        except CheckpointFormatError:  # a broken latest_universal: open names what is wrong
+            return True
 
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
         path = Path(path)
@@ -120,6 +121,9 @@ class UcpFormat:
         for pdir in sorted(p for p in (folder / ZERO).iterdir() if p.is_dir()):
             name = pdir.name
             for file in sorted(pdir.glob("*.pt")):
+                if not file.is_file():
+                    problems.append(f"{file}: not a regular file")
+                    continue
                 obj = read_torch_file(file)
                 if file.stem == "step":
                     if isinstance(obj, TensorRef) and obj.shape == () and step is None:
@@ -137,7 +141,11 @@ class UcpFormat:
                 else:
                     ref = obj["param"]
                     shape = ref.shape
-                extra_keys = sorted(set(obj) - _KNOWN_KEYS) if isinstance(obj, dict) else []
+                    if name in shapes and shapes[name] != shape:
+                        problems.append(f"{file}: '{name}' is {list(shape)}, but the model file's param_shapes "
+                                        f"says {list(shapes[name])}")
+                        continue
+                extra_keys = [name_of(k) for k in obj if k not in _KNOWN_KEYS] if isinstance(obj, dict) else []
                 if extra_keys:
                     problems.append(f"{file}: entries {extra_keys} (sub-parameters or vocab padding) are not supported")
                     continue
@@ -168,13 +176,14 @@ class UcpFormat:
                         fragments=tuple(fragments))
         from reshard.formats.hf import llama_config_near
 
-        model_sizes, config = llama_config_near(folder, folder.parent, folder.parent.parent)
-        model_sizes.update({k: int(v) for k, v in (sizes or {}).items()})
-        _shape_sizes(model_sizes, {n: t.shape for n, t in tensors.items()})
+        model_sizes, config = llama_config_near(folder, folder.parent, folder.parent.parent, tensors=len(tensors))
+        model_sizes.update(given_sizes(sizes))
+        _shape_sizes(model_sizes, {n: t.shape for n, t in tensors.items()}, folder / ZERO)
+        model_sizes = check_sizes(model_sizes, folder / ZERO, counts=dict.fromkeys(("layers", "experts"), len(tensors)))
         extra: dict[str, Any] = {}
         step = step if step is not None else _stage3_step(folder)
         if step is not None:
-            extra["step"] = int(step)
+            extra["step"] = expect_step(step, "the optimizer step (step.pt)", folder / ZERO)
         lr = _lr(folder)
         if lr is not None:
             extra["lr"] = lr
@@ -339,7 +348,8 @@ def _extra(source: Source, names: tuple[str, ...], model_dtype: str, opt_states:
         if opt_states and step is None:
             raise CheckpointFormatError(f"{source.path}: the source records no optimizer step, which a universal "
                                         f"folder keeps beside {', '.join(opt_states)} (step.pt)")
-        value = int(scalar_value(step.data, step.dtype) or 0) if step is not None else 0
+        value = expect_step(scalar_value(step.data, step.dtype) or 0, "the optimizer step", source.path) \
+            if step is not None else 0
         ds = synthesize_extra(dtype=model_dtype if model_dtype in ("bfloat16", "float32") else "float32",
                               states=opt_states, global_steps=value, dp=1, lr=float(source.extra.get("lr", 1e-3)))
         ds.model_states["param_shapes"] = [OrderedDict((n, TorchSize(source.layout.tensors[n].shape)) for n in names)]
@@ -383,10 +393,7 @@ def _source_step(source: Source):
 def _folder(path: Path) -> Path | None:
     marker = path / "latest_universal"
     if marker.is_file():
-        tag = marker.read_text(encoding="utf-8").strip()
-        if not tag or "/" in tag or tag in (".", ".."):
-            raise CheckpointFormatError(f"{marker}: not a checkpoint tag: {tag!r}")
-        path = path / tag
+        path = path / read_tag(marker)
     zero = path / ZERO
     if zero.is_dir() and any((p / "fp32.pt").is_file() for p in zero.iterdir() if p.is_dir()):
         return path
@@ -400,8 +407,8 @@ def _param_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
             tree = read_torch_file(folder / name)
             groups = tree.get("param_shapes") if isinstance(tree, dict) else None
             if isinstance(groups, list):
-                return {str(k): tuple(v) for g in groups if isinstance(g, Mapping) for k, v in g.items()
-                        if isinstance(v, tuple)}
+                return {name_of(k): expect_shape(v, f"param_shapes[{i}]['{name_of(k)}']", folder / name)
+                        for i, g in enumerate(groups) if isinstance(g, Mapping) for k, v in g.items()}
     return {}
 
 
@@ -418,7 +425,7 @@ def _lr(folder: Path) -> float | None:
     state = read_torch_file(file)
     groups = state.get("param_groups") if isinstance(state, dict) else None
     lr = groups[0].get("lr") if isinstance(groups, list) and groups and isinstance(groups[0], dict) else None
-    return float(lr) if isinstance(lr, int | float) else None
+    return float(lr) if isinstance(lr, float) and math.isfinite(lr) or type(lr) is int and abs(lr) < 1 << 60 else None
 
 
 def _stage3_step(folder: Path) -> float | None:
@@ -431,12 +438,12 @@ def _stage3_step(folder: Path) -> float | None:
     return _scalar(file, ref) if isinstance(ref, TensorRef) and ref.shape == () else None
 
 
-def _shape_sizes(sizes: dict[str, int], shapes: Mapping[str, tuple[int, ...]]) -> None:
+def _shape_sizes(sizes: dict[str, int], shapes: Mapping[str, tuple[int, ...]], where: Path) -> None:
     """Fill in the Llama sizes the tensor shapes tell (given ``heads`` or ``hd``, for the attention layout)."""
     if len(embed := shapes.get("model.embed_tokens.weight", ())) == 2:
         sizes.setdefault("vocab", embed[0])
         sizes.setdefault("h", embed[1])
-    layers = {int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    layers = {int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.") and n.split(".")[2].isdecimal()}
     if layers:
         sizes.setdefault("layers", max(layers) + 1)
     if gate := shapes.get("model.layers.0.mlp.gate_proj.weight"):
@@ -444,6 +451,8 @@ def _shape_sizes(sizes: dict[str, int], shapes: Mapping[str, tuple[int, ...]]) -
     q, k = shapes.get("model.layers.0.self_attn.q_proj.weight"), shapes.get("model.layers.0.self_attn.k_proj.weight")
     if q and k and ("heads" in sizes or "hd" in sizes):
         sizes.setdefault("hd", q[0] // sizes["heads"] if "heads" in sizes else sizes["hd"])
+        if sizes["hd"] < 1:
+            raise CheckpointFormatError(f"{where}: q_proj.weight has {q[0]} rows for {sizes['heads']} heads")
         sizes.setdefault("heads", q[0] // sizes["hd"])
         sizes.setdefault("g", k[0] // sizes["hd"])
 
