@@ -1,21 +1,27 @@
-"""Fuzzing the parsers of untrusted input: the spec and topology languages and the header readers of
-safetensors, DCP ``.metadata`` and torch zip files. Whatever the bytes, the only exception allowed is
-reshard's own error type (a clear message), never a crash of another kind."""
+"""Fuzzing the parsers of untrusted input: the spec and topology languages, and every reader of
+checkpoint files (torch zip and pickle, safetensors, DCP ``.metadata``, and whole checkpoints of every
+format through the public API). Whatever the bytes, the only exception allowed is reshard's own error
+type (a clear message), never a crash of another kind."""
 
 from __future__ import annotations
 
+import json
 import pickle
-import tempfile
-from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from fuzzing import REGRESSIONS, Seed, all_targets, regressions
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import ReshardError
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                           HealthCheck.function_scoped_fixture])
+
+def _scaled(n: int) -> int:
+    """``n`` under the ``ci`` profile's 100 examples, proportionally more under a longer profile."""
+    return max(1, n * settings.default.max_examples // 100)
+
+
+FUZZ = settings(max_examples=_scaled(300))
 
 SPEC_WORDS = ["let", "index", "logical", "section", "per", "states", "flat", "blob", "include", "as", "=", "->", "@",
               "first", "last", "(", ")", "[", "]", "|", ":", "/", "~", "{i}", "{i/pp}", "{e/ep}", "{i@pp+1}", "{=n+1}",
@@ -50,102 +56,66 @@ def test_the_topology_parser_only_raises_topology_errors(text):
         pass
 
 
-def _mutations(data: bytes):
-    """Byte flips, truncations and splices of a valid file."""
-    return st.one_of(
-        st.integers(0, len(data)).map(lambda n: data[:n]),
-        st.lists(st.tuples(st.integers(0, len(data) - 1), st.integers(0, 255)), min_size=1, max_size=8).map(
-            lambda flips: bytes(_flip(data, flips))),
-        st.tuples(st.integers(0, len(data)), st.binary(max_size=64)).map(lambda t: data[:t[0]] + t[1] + data[t[0]:]),
-    )
+# --- every reader of untrusted files, fed mutations of real files -------------------------------
+# The targets, the mutations and the seeds live in tests/fuzzing.py, shared with the long runs of
+# bench/fuzz.py. Under the default ``ci`` profile hypothesis is derandomized, so every run of the test
+# command tries the same mutations; ``--hypothesis-profile=fuzz`` multiplies the counts by 200.
+
+TARGETS = all_targets()
+# Examples per target under the ``ci`` profile: the single-file readers take about a millisecond
+# each, a whole-checkpoint conversion tens of milliseconds.
+EXAMPLES = {"torch-zip": 300, "torch-pickle": 300, "safetensors": 300, "dcp-metadata": 300, "dcp-distcp": 300,
+            "manifest": 150}
 
 
-def _flip(data: bytes, flips) -> bytearray:
-    out = bytearray(data)
-    for at, value in flips:
-        out[at] = value
-    return out
+
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory):
+    """Each target's real seed, built once per module on first use."""
+    built: dict[str, Seed] = {}
+
+    def get(name: str) -> Seed:
+        if name not in built:
+            built[name] = Seed(TARGETS[name], tmp_path_factory.mktemp(f"fuzz-{name}"))
+        return built[name]
+
+    return get
 
 
-def _safetensors_bytes() -> bytes:
-    from reshard.safetensors_io import SafetensorsWriter
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_every_reader_only_raises_reshard_errors_on_mutated_real_files(seeds, name):
+    seed = seeds(name)
 
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "a.safetensors"
-        with SafetensorsWriter(path, {"w": ("float32", (2, 3)), "b": ("bfloat16", (4,))}, {"format": "pt"}) as w:
-            w.write("w", bytes(24))
-            w.write("b", bytes(8))
-        return path.read_bytes()
+    @settings(max_examples=_scaled(EXAMPLES.get(name, 40)))
+    @given(rng=st.randoms(use_true_random=False))
+    def mutated(rng):
+        rel, data = seed.draw(rng)
+        crash = seed.run(rel, data)
+        assert crash is None, f"{name}: {rel} mutated -> {crash.error} at {crash.where}"
 
-
-SAFETENSORS = _safetensors_bytes()
-
-
-def _read(tmp_path_factory, data: bytes, name: str, reader) -> None:
-    """``reader`` of a file holding ``data``: it may refuse with reshard's error, nothing else."""
-    path = tmp_path_factory.mktemp("fuzz") / name
-    path.write_bytes(data)
-    try:
-        reader(path)
-    except ReshardError:
-        pass
+    mutated()
 
 
-@FUZZ
-@given(_mutations(SAFETENSORS))
-def test_the_safetensors_header_reader_only_raises_format_errors(tmp_path_factory, data):
-    from reshard.safetensors_io import read_header
-
-    _read(tmp_path_factory, data, "x.safetensors", read_header)
-
-
-def _torch_bytes() -> bytes:
-    from reshard.torch_types import TensorSpec
-    from reshard.torch_write import write_torch_file
-
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "a.pt"
-        write_torch_file(path, {"w": TensorSpec("float32", (3,), key="w"), "step": 3, "names": ["a", "b"]},
-                         {"w": bytes(12)})
-        return path.read_bytes()
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_every_crash_fuzzing_found_stays_fixed(seeds, name):
+    """The files bench/fuzz.py saved under tests/fuzz_regressions/<target>/, replayed."""
+    seed = seeds(name)
+    found = list(regressions(name))
+    for rid, rel, data in found:
+        crash = seed.run(rel, data)
+        assert crash is None, f"{name}/{rid}: {rel} -> {crash.error} at {crash.where}"
+    assert all(rel in seed.files for _, rel, _ in found)
 
 
-TORCH = _torch_bytes()
+def test_every_spec_fuzzing_found_stays_fixed():
+    """Specs bench/fuzz.py's ``spec`` target saved under tests/fuzz_regressions/spec/: each is refused
+    with a clear error or plans and round-trips bit-exactly now."""
+    from spec_gen import SpecCase, check_case
 
-
-@FUZZ
-@given(_mutations(TORCH))
-def test_the_torch_zip_reader_only_raises_format_errors(tmp_path_factory, data):
-    from reshard.torchfile import read_torch_file
-
-    _read(tmp_path_factory, data, "x.pt", read_torch_file)
-
-
-def _dcp_metadata_bytes() -> bytes:
-    torch = pytest.importorskip("torch")
-    import torch.distributed.checkpoint as dcp
-
-    with tempfile.TemporaryDirectory() as d:
-        dcp.save({"w": torch.zeros(4, 2), "step": 3}, checkpoint_id=d)
-        with open(f"{d}/.metadata", "rb") as f:
-            return f.read()
-
-
-@FUZZ
-@given(data=st.data())
-def test_the_dcp_metadata_reader_only_raises_format_errors(data):
-    from reshard.dcp_metadata import parse_metadata
-
-    raw = _DCP.get("bytes")
-    if raw is None:
-        raw = _DCP["bytes"] = _dcp_metadata_bytes()
-    try:
-        parse_metadata(data.draw(_mutations(raw)))
-    except ReshardError:
-        pass
-
-
-_DCP: dict[str, bytes] = {}
+    for side in sorted((REGRESSIONS / "spec").glob("*.json")):
+        case = json.loads(side.read_text())["case"]
+        pairs = {k: tuple(tuple(p) for p in case[k]) for k in ("sizes", "blob_sizes")}
+        assert check_case(SpecCase(**{**case, **pairs})) in ("planned", "rejected"), side.name
 
 
 def test_a_pickle_that_would_run_code_is_refused_by_every_reader(tmp_path):
