@@ -111,9 +111,9 @@ def main() -> None:
         runs = []
         for name, out, cmd in (
             ("reshard convert --to dp=4", dst,
-             [sys.executable, "-m", "cli.main", "convert", str(src), str(dst), "--to", "dp=4"]),
+             [sys.executable, "-m", "reshard.cli.main", "convert", str(src), str(dst), "--to", "dp=4"]),
             ("reshard convert --format ucp", ours_ucp,
-             [sys.executable, "-m", "cli.main", "convert", str(src), str(ours_ucp), "--format", "ucp"]),
+             [sys.executable, "-m", "reshard.cli.main", "convert", str(src), str(ours_ucp), "--format", "ucp"]),
             ("ds_to_universal --inject_missing_state", ucp,
              [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
               str(src / (src / "latest").read_text().strip()), "--output_folder", str(ucp), "--inject_missing_state"]),

@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from reshard.catalog import load_spec  # noqa: E402
-from reshard.layout import resolve  # noqa: E402
-from reshard.planner import plan  # noqa: E402
-from reshard.topology import parse_topology  # noqa: E402
+from reshard.core.catalog import load_spec  # noqa: E402
+from reshard.core.resolve import resolve
+from reshard.core.planner import plan  # noqa: E402
+from reshard.core.topology import parse_topology  # noqa: E402
 
 SIZES = {"h": 16384, "heads": 128, "g": 8, "hd": 128, "f": 53248, "vocab": 128256, "layers": 126,
          "vocab_div": 128, "bucket_size": 0}

@@ -205,7 +205,7 @@ def fixture(
     model: Annotated[str, typer.Option("--model", help="tiny-llama, tiny-llama-tied, tiny-gpt2")] = "tiny-llama",
 ) -> None:
     """Write a checkpoint exactly as the simulated ranks of a topology would (deterministic values)."""
-    from fixtures import make_fixture
+    from reshard.fixtures import make_fixture
 
     files = make_fixture(out_dir, format=format, to=to, model=model)
     out.print(f"wrote {out_dir}: {model}, {format}, {to}, {len(files)} files", highlight=False)
@@ -217,7 +217,7 @@ def demo(
     workdir: Annotated[Path | None, typer.Option("--dir", help="where to write (default: a temporary directory)")] = None,
 ) -> None:
     """Make a Megatron fixture at tp=2,pp=2, reshard it, convert it to HF, verify both, print a summary."""
-    from fixtures import make_fixture
+    from reshard.fixtures import make_fixture
 
     with tempfile.TemporaryDirectory(prefix="reshard-demo-") as tmp:
         base = workdir or Path(tmp)

@@ -17,10 +17,14 @@ from reshard.errors import CheckpointFormatError, PlanError, ReshardError, SpecE
 
 __version__ = "0.1.0"
 
-from reshard.api import convert, inspect, load, open_checkpoint, plan, verify  # noqa: E402
-from reshard.catalog import load_spec  # noqa: E402
-from reshard.layout import resolve  # noqa: E402
-from reshard.topology import Topology, parse_topology  # noqa: E402
+# The public names, each from the layer that defines it. They are imported on first use, so that
+# ``import reshard.core.spec`` (the spec language, the planner) loads neither torch nor the formats.
+_LAZY = {
+    "convert": "reshard.api", "inspect": "reshard.api", "load": "reshard.api", "open_checkpoint": "reshard.api",
+    "plan": "reshard.api", "verify": "reshard.api",
+    "load_spec": "reshard.core.catalog", "resolve": "reshard.core.resolve",
+    "Topology": "reshard.core.topology", "parse_topology": "reshard.core.topology",
+}
 
 __all__ = [
     "CheckpointFormatError",
@@ -40,3 +44,16 @@ __all__ = [
     "resolve",
     "verify",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'reshard' has no attribute '{name}'")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -22,17 +22,18 @@ import numpy as np
 import xxhash
 
 from reshard import __version__
-from reshard.bounds import brief
+from reshard.io.bounds import brief
+from reshard.core.units import parse_size
 from reshard.errors import CheckpointFormatError, ReshardError
-from reshard.executor import ByteReader, PlanFill, destination_dtypes, uint_dtype
+from reshard.execution.executor import ByteReader, PlanFill, destination_dtypes, uint_dtype
 from reshard.formats import detect_format, get_format
 from reshard.formats.base import Source, Target, expect_int, itemsize, read_json
-from reshard.layout import Item, common_views, with_state_alias
-from reshard.planner import Plan, plan as make_plan
-from reshard.partial import Partial, partial_path
-from reshard.storage import (HASH, file_digest, hash_segments, journal_into, take_digest, take_item_digests,
+from reshard.core.layout import Item, common_views, with_state_alias
+from reshard.core.planner import Plan, plan as make_plan
+from reshard.execution.partial import Partial, partial_path
+from reshard.io.storage import (HASH, file_digest, hash_segments, journal_into, take_digest, take_item_digests,
                              take_segment_digests)
-from reshard.topology import Topology, parse_topology
+from reshard.core.topology import Topology, parse_topology
 
 __all__ = [
     "ConvertResult",
@@ -77,9 +78,7 @@ def _target(source: Source, to: str | Topology | None, format: str | None, spec:
     if max_shard_size is not None:
         if target.format != "hf":
             raise ReshardError(f"max_shard_size applies to the hf format (safetensors shards), not {target.format}")
-        from reshard.safetensors_io import parse_size as shard_size
-
-        shard_size(max_shard_size)  # a bad size fails before anything is read
+        parse_size(max_shard_size, "max_shard_size")  # a bad size fails before anything is read
         target.extra["max_shard_size"] = max_shard_size
     return target
 
@@ -239,7 +238,7 @@ def convert(
         return ConvertResult(path=dst, report=report, files=files, bytes_read=0, bytes_written=0, reused=len(files),
                              seconds=time.perf_counter() - started)
     _check_destination(Path(src), dst)
-    window = _window_bytes(report, parse_size(memory_budget), workers)
+    window = _window_bytes(report, parse_size(memory_budget, "memory budget"), workers)
     target = report.target
     fmt = get_format(target.format)
     options = {"max_shard_size": max_shard_size, "vocab_pad": vocab_pad}
@@ -323,25 +322,6 @@ def convert(
                          reused=len(kept), seconds=time.perf_counter() - started)
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-               "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from ``1073741824``, ``"512MiB"``, ``"1GiB"``, ``"2G"`` (binary) or ``"500MB"`` (decimal)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        text = size.strip().lower().replace(" ", "") if isinstance(size, str) else ""
-        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(digits):]
-        try:
-            value = int(float(digits) * _SIZE_UNITS[unit])
-        except (ValueError, KeyError, OverflowError):  # OverflowError: "inf"
-            raise ReshardError(f"cannot read size {size!r} (write e.g. 1073741824, 512MiB, 1GiB)") from None
-    if value <= 0:
-        raise ReshardError(f"a memory budget must be positive, got {size}")
-    return value
 
 
 # Resident memory of a process with numpy, networkx, reshard and torch (some formats regenerate

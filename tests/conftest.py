@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from reshard.arrays import apply, gather, scatter
-from reshard.layout import Layout, resolve
-from reshard.planner import plan
-from reshard.spec import parse_spec
-from reshard.topology import parse_topology
+from reshard.execution.arrays import apply, gather, scatter
+from reshard.core.layout import Layout
+from reshard.core.resolve import resolve
+from reshard.core.planner import plan
+from reshard.core.spec import parse_spec
+from reshard.core.topology import parse_topology
 
 # Hypothesis profiles. ``ci``, the default, is deterministic: derandomized and with no example
 # database, so the same commit gives the same result on every run and machine. ``fuzz`` is for

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 import reshard
-import reshard.partial
-import reshard.storage
+import reshard.execution.partial
+import reshard.io.storage
 
 SRC, DST, TO, WORKERS, POINT, N = sys.argv[1:7]
 RESUME = sys.argv[7:] == ["resume"]
@@ -47,8 +47,8 @@ def _hit() -> bool:
 
 
 _in_worker = multiprocessing.current_process().name != "MainProcess"
-_pwrite, _close, _journal = reshard.storage.OutputFile.pwrite, reshard.storage.OutputFile.close, reshard.storage._journal
-_start, _write_synced, _replace = reshard.partial.Partial._start, reshard.partial._write_synced, os.replace
+_pwrite, _close, _journal = reshard.io.storage.OutputFile.pwrite, reshard.io.storage.OutputFile.close, reshard.io.storage._journal
+_start, _write_synced, _replace = reshard.execution.partial.Partial._start, reshard.execution.partial._write_synced, os.replace
 
 
 def pwrite(self, data, offset):
@@ -97,12 +97,12 @@ def replace(a, b):
         _kill()
 
 
-reshard.storage.OutputFile.pwrite = pwrite
-reshard.storage.OutputFile.close = close
-reshard.storage._journal = journal
-reshard.partial.Partial._start = start
-reshard.partial._write_synced = write_synced
-reshard.partial.os.replace = replace
+reshard.io.storage.OutputFile.pwrite = pwrite
+reshard.io.storage.OutputFile.close = close
+reshard.io.storage._journal = journal
+reshard.execution.partial.Partial._start = start
+reshard.execution.partial._write_synced = write_synced
+reshard.execution.partial.os.replace = replace
 
 if __name__ == "__main__":
     reshard.convert(SRC, DST, to=TO, workers=int(WORKERS), resume=RESUME)

@@ -41,7 +41,7 @@ def _unchecked(build: Callable[[Path], None]) -> Callable[[Path], None]:
 
 def _fixture(format: str, to: str, model: str = "tiny-llama"):
     def build(root: Path) -> None:
-        from fixtures import make_fixture
+        from reshard.fixtures import make_fixture
 
         make_fixture(root / "ckpt", format=format, to=to, model=model)
 
@@ -53,7 +53,7 @@ def _converted(format: str, to: str, into: str, into_to: str | None = None, **op
 
     def build(root: Path) -> None:
         import reshard
-        from fixtures import make_fixture
+        from reshard.fixtures import make_fixture
 
         make_fixture(root / "src", format=format, to=to)
         reshard.convert(root / "src", root / "ckpt", to=into_to, format=into, **options)
@@ -98,7 +98,7 @@ def _load(to: str, rank: int, format: str | None = None):
 
 def _build_manifest(root: Path) -> None:
     import reshard
-    from fixtures import make_fixture
+    from reshard.fixtures import make_fixture
 
     make_fixture(root / "src", format="megatron", to="tp=2,pp=1")
     reshard.convert(root / "src", root / "ckpt", to="tp=1,pp=1")

@@ -60,9 +60,9 @@ def _read_tensor(reader, ref, file_size: int) -> None:
 
 
 def _read_torch(path: Path, **where) -> None:
-    from reshard.executor import ByteReader
-    from reshard.torch_types import TensorRef, map_tensors
-    from reshard.torchfile import read_torch_file
+    from reshard.execution.executor import ByteReader
+    from reshard.io.torch_types import TensorRef, map_tensors
+    from reshard.io.torchfile import read_torch_file
 
     refs: list[TensorRef] = []
     map_tensors(read_torch_file(path, **where), refs.append)
@@ -158,9 +158,9 @@ def _build_dcp(root: Path) -> None:
 def _check_distcp(root: Path, scratch: Path) -> None:
     import os
 
-    from reshard.dcp_metadata import read_metadata
-    from reshard.executor import ByteReader
-    from reshard.safetensors_io import read_header
+    from reshard.io.dcp_metadata import read_metadata
+    from reshard.execution.executor import ByteReader
+    from reshard.io.safetensors_io import read_header
 
     md = read_metadata(root)
     for s in md.storage.values():
@@ -197,8 +197,8 @@ def _build_safetensors(root: Path) -> None:
 
 
 def _check_safetensors(root: Path, scratch: Path) -> None:
-    from reshard.executor import ByteReader
-    from reshard.safetensors_io import read_header
+    from reshard.execution.executor import ByteReader
+    from reshard.io.safetensors_io import read_header
 
     for name, offset in (("model.safetensors", 0), ("blob.bin", len(_PREFIX))):
         path = root / name
@@ -214,7 +214,7 @@ def _check_safetensors(root: Path, scratch: Path) -> None:
 
 
 def _check_dcp_metadata(root: Path, scratch: Path) -> None:
-    from reshard.dcp_metadata import read_metadata
+    from reshard.io.dcp_metadata import read_metadata
 
     md = read_metadata(root)
     for key, t in md.tensors.items():  # what read_metadata promises the format adapter

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from conftest import assert_round_trip, logical_values
 
 from reshard.errors import PlanError, SpecError, TopologyError
-from reshard.layout import resolve
-from reshard.planner import plan
-from reshard.spec import parse_spec
-from reshard.topology import parse_topology
+from reshard.core.resolve import resolve
+from reshard.core.planner import plan
+from reshard.core.spec import parse_spec
+from reshard.core.topology import parse_topology
 
 __all__ = ["SOURCE", "SpecCase", "check_case", "random_case"]
 

@@ -10,11 +10,12 @@ from types import MappingProxyType
 import numpy as np
 import pytest
 
-from fixtures import MODELS
-from reshard.arrays import gather, scatter
-from reshard.catalog import load_spec
-from reshard.layout import Item, ItemInfo, Layout, chunk_fragments, resolve
-from reshard.topology import Topology
+from reshard.fixtures import MODELS
+from reshard.execution.arrays import gather, scatter
+from reshard.core.catalog import load_spec
+from reshard.core.layout import Item, ItemInfo, Layout, chunk_fragments
+from reshard.core.resolve import resolve
+from reshard.core.topology import Topology
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 # Megatron-core torch_dist style: layers stacked on a leading dim, QKV group-interleaved,

@@ -8,7 +8,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from reshard.cli.main import app
 
 runner = CliRunner()
 
@@ -79,7 +79,7 @@ def test_verify_exits_1_and_names_the_difference(ckpt, tmp_path):
      "a universal checkpoint holds whole tensors and no topology"),
     (["convert", "{src}", "{tmp}/x", "--sizes", "heads=four"], "--sizes: 'heads=four' is not name=integer"),
     (["convert", "{src}", "{tmp}/x", "--max-shard-size", "1GB"], "max_shard_size applies to the hf format"),
-    (["convert", "{src}", "{tmp}/x", "--format", "hf", "--max-shard-size", "big"], "is not a positive size"),
+    (["convert", "{src}", "{tmp}/x", "--format", "hf", "--max-shard-size", "big"], "max_shard_size: cannot read 'big' as a size"),
     (["inspect", "{tmp}/missing"], "missing: no such file or directory"),
     (["fixture", "{tmp}/f", "--model", "gpt-9"], "unknown fixture model 'gpt-9'"),
 ])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import reshard
-from fixtures import make_fixture
+from reshard.fixtures import make_fixture
 from reshard.errors import CheckpointFormatError, ReshardError, TopologyError
 
 

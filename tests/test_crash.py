@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import reshard
-from fixtures import make_fixture
-from reshard.partial import HEADER, partial_path
-from reshard.storage import JOURNAL, read_journal
+from reshard.fixtures import make_fixture
+from reshard.execution.partial import HEADER, partial_path
+from reshard.io.storage import JOURNAL, read_journal
 
 JOB = Path(__file__).with_name("crash_job.py")
 ROOT = JOB.parent.parent
@@ -219,7 +219,7 @@ def test_the_cli_resumes_and_says_how_many_files_it_kept(source, tmp_path):
     dst = tmp_path / "dst"
     _interrupted(source, dst, 3)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "cli.main", "convert", str(source), str(dst), "--to", TO]
+    cmd = [sys.executable, "-m", "reshard.cli.main", "convert", str(source), str(dst), "--to", TO]
     refused = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     assert refused.returncode == 2 and "--resume" in refused.stderr
     done = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, cwd=ROOT)

@@ -18,7 +18,7 @@ from conftest import require
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import reshard
-from reshard.dcp_metadata import read_metadata
+from reshard.io.dcp_metadata import read_metadata
 
 pytestmark = pytest.mark.interop
 

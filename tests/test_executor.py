@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 from conftest import layouts, logical_values
 
-from reshard.arrays import apply, scatter
-from reshard.catalog import load_spec
+from reshard.execution.arrays import apply, scatter
+from reshard.core.catalog import load_spec
 from reshard.errors import CheckpointFormatError
-from reshard.executor import ByteReader, PlanFill
+from reshard.execution.executor import ByteReader, PlanFill
 from reshard.formats.base import Located
-from reshard.layout import resolve
-from reshard.planner import plan
-from reshard.topology import parse_topology
+from reshard.core.resolve import resolve
+from reshard.core.planner import plan
+from reshard.core.topology import parse_topology
 
 
 def write_items(tmp_path, items: dict, dtype: str) -> dict:
@@ -40,19 +40,19 @@ def fill_all(fill, infos, window: int) -> dict:
 def test_windows_of_any_size_reproduce_the_in_memory_plan(tmp_path, window, direct, monkeypatch):
     """Runs gathered into a buffer and scattered, or (``direct``, with the run threshold lowered to one
     element) read straight into the destination window where both sides are contiguous."""
-    import reshard.executor
+    import reshard.execution.executor
 
     if direct:
-        monkeypatch.setattr(reshard.executor, "_DIRECT_RUN", 4)
+        monkeypatch.setattr(reshard.execution.executor, "_DIRECT_RUN", 4)
     reads_direct = []
-    real = reshard.executor.PlanFill._read_direct
+    real = reshard.execution.executor.PlanFill._read_direct
 
     def counting(self, *args):
         done = real(self, *args)
         reads_direct.append(done)
         return done
 
-    monkeypatch.setattr(reshard.executor.PlanFill, "_read_direct", counting)
+    monkeypatch.setattr(reshard.execution.executor.PlanFill, "_read_direct", counting)
     spec = load_spec("megatron-llama-distopt")
     sizes = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 4, "vocab_div": 8, "bucket_size": 0}
     src = resolve(spec, parse_topology("tp=2,pp=2,dp=2"), sizes)

@@ -16,14 +16,14 @@ import pytest
 from typer.testing import CliRunner
 
 import reshard
-from cli.main import app
-from fixtures import MODELS, make_fixture, model_values
-from reshard.catalog import load_spec
-from reshard.dcp_metadata import parse_metadata, read_metadata
+from reshard.cli.main import app
+from reshard.fixtures import MODELS, make_fixture, model_values
+from reshard.core.catalog import load_spec
+from reshard.io.dcp_metadata import parse_metadata, read_metadata
 from reshard.errors import CheckpointFormatError, TopologyError
 from reshard.formats.dcp import _torch_chunks
-from reshard.layout import resolve
-from reshard.topology import Topology
+from reshard.core.resolve import resolve
+from reshard.core.topology import Topology
 
 import torch
 import torch.distributed.checkpoint as dcp

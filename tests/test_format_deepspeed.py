@@ -25,16 +25,16 @@ import numpy as np
 import pytest
 from conftest import assert_round_trip, logical_values, require
 
-from reshard.arrays import gather, scatter
-from reshard.catalog import SPECS_DIR, load_spec
+from reshard.execution.arrays import gather, scatter
+from reshard.core.catalog import load_spec, shipped_dir
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.executor import ByteReader, PlanFill
+from reshard.execution.executor import ByteReader, PlanFill
 from reshard.formats.base import Source
 from reshard.formats.deepspeed import FORMAT, synthesize_extra
-from reshard.layout import resolve
-from reshard.planner import plan
-from reshard.topology import parse_topology
-from reshard.torchfile import Opaque, TensorRef, TorchSize, read_torch_file
+from reshard.core.resolve import resolve
+from reshard.core.planner import plan
+from reshard.core.topology import parse_topology
+from reshard.io.torchfile import Opaque, TensorRef, TorchSize, read_torch_file
 
 SIZES = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 2}
 STATES = ("param", "master", "exp_avg", "exp_avg_sq")
@@ -305,7 +305,7 @@ def test_param_slice_mappings_disagreeing_with_the_spec_name_the_param(tmp_path)
     write_checkpoint(tmp_path / "ckpt", "dp=2")
     # The same model with every param starting at a multiple of 64: not how DeepSpeed lays it out.
     spec = tmp_path / "aligned.spec"
-    shipped = (SPECS_DIR / "deepspeed-llama.spec").read_text()
+    shipped = (shipped_dir() / "deepspeed-llama.spec").read_text()
     spec.write_text(shipped.replace("| pad 2*dp | split dp", "| align 64 | pad 2*dp | split dp"))
     with pytest.raises(CheckpointFormatError) as e:
         FORMAT.open(tmp_path / "ckpt", spec=str(spec), sizes=SIZES)

@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 from conftest import require, save_tiny_mixtral
 
-from reshard.catalog import load_spec
+from reshard.core.catalog import load_spec
 from reshard.errors import CheckpointFormatError, TopologyError
 from reshard.formats import hf
 from reshard.formats.base import Source, Target, itemsize
 from reshard.formats.hf import FORMAT, llama_config, sizes_from_config
-from reshard.layout import resolve
-from reshard.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter, read_header
-from reshard.topology import Topology
+from reshard.core.resolve import resolve
+from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter, read_header
+from reshard.core.topology import Topology
 
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "num_attention_heads": 2,

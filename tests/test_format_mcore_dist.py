@@ -125,8 +125,8 @@ def test_a_stored_key_the_spec_does_not_know_is_an_error(tmp_path):
 
 @pytest.mark.parametrize("to", ["tp=2", "tp=1,pp=2", "tp=2,pp=2,vpp=2", "tp=2,pp=2,dp=3"])
 def test_written_torch_dist_has_megatron_cores_chunks_and_reads_back(tmp_path, to):
-    from fixtures import make_fixture
-    from reshard.dcp_metadata import read_metadata
+    from reshard.fixtures import make_fixture
+    from reshard.io.dcp_metadata import read_metadata
 
     make_fixture(tmp_path / "src", format="megatron", to="tp=2,pp=2")
     result = reshard.convert(tmp_path / "src", tmp_path / "dist", format="mcore-dist", to=to)
@@ -215,7 +215,7 @@ def test_reshard_written_torch_dist_loads_in_megatron_core_at_a_new_layout(tmp_p
     require("megatron.core")
     import glob
 
-    from reshard.dcp_metadata import read_metadata
+    from reshard.io.dcp_metadata import read_metadata
 
     mcore_jobs.save(tmp_path / "src", 2, 1)
     reshard.convert(tmp_path / "src", tmp_path / "same", format="mcore-dist", to="tp=2,pp=1")

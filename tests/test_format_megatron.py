@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 from conftest import logical_values
 
-from reshard.arrays import gather, scatter
-from reshard.catalog import load_spec
+from reshard.execution.arrays import gather, scatter
+from reshard.core.catalog import load_spec
 from reshard.errors import CheckpointFormatError
-from reshard.executor import ByteReader, PlanFill
+from reshard.execution.executor import ByteReader, PlanFill
 from reshard.formats.base import Source, itemsize
 from reshard.formats.megatron import FORMAT, SmallTensor, megatron_args, write_fixture_extra
-from reshard.layout import resolve
-from reshard.planner import plan
-from reshard.topology import Topology, parse_topology
-from reshard.torchfile import TorchDtype
+from reshard.core.resolve import resolve
+from reshard.core.planner import plan
+from reshard.core.topology import Topology, parse_topology
+from reshard.io.torchfile import TorchDtype
 
 SIZES = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "vocab_div": 8, "layers": 4}
 STATES = ("param", "master", "exp_avg", "exp_avg_sq")
@@ -625,9 +625,9 @@ def test_legacy_models_nest_their_state_dict_and_convert_with_every_state(tmp_pa
     """Megatron-LM's legacy GPTModel: 'language_model' -> 'embedding'/'encoder'/'output_layer', local layer
     numbers; weights and Adam state go there from mcore names and back unchanged."""
     import reshard
-    from fixtures import make_fixture
+    from reshard.fixtures import make_fixture
 
-    from reshard.torchfile import read_torch_file
+    from reshard.io.torchfile import read_torch_file
 
     make_fixture(tmp_path / "mcore", format="megatron", to="tp=2,pp=2")
     reshard.convert(tmp_path / "mcore", tmp_path / "legacy", to="tp=1,pp=2", spec="megatron-legacy-llama")
@@ -658,10 +658,10 @@ def test_legacy_models_nest_their_state_dict_and_convert_with_every_state(tmp_pa
 @pytest.mark.parametrize("workers", [1, 2])
 def test_vocab_padding_rows_are_zeros_or_copies_of_the_last_row(tmp_path, workers):
     import reshard
-    from fixtures import make_fixture
+    from reshard.fixtures import make_fixture
 
     from reshard.errors import ReshardError
-    from reshard.torchfile import read_torch_file
+    from reshard.io.torchfile import read_torch_file
 
     make_fixture(tmp_path / "hf", format="hf")
     vocab, h = (reshard.open_checkpoint(tmp_path / "hf").sizes[k] for k in ("vocab", "h"))
@@ -690,15 +690,15 @@ def test_vocab_padding_rows_are_zeros_or_copies_of_the_last_row(tmp_path, worker
 
 def test_without_vocab_pad_a_specs_own_pad_policy_stands(tmp_path):
     import reshard
-    from fixtures import make_fixture
+    from reshard.fixtures import make_fixture
 
-    from reshard.catalog import SPECS_DIR
-    from reshard.torchfile import read_torch_file
+    from reshard.core.catalog import shipped_dir
+    from reshard.io.torchfile import read_torch_file
 
     make_fixture(tmp_path / "hf", format="hf")
     vocab = reshard.open_checkpoint(tmp_path / "hf").sizes["vocab"]
-    text = (SPECS_DIR / "megatron-llama.spec").read_text().replace("(vocab~(vocab_div*tp))", "(vocab~(vocab_div*tp):last)")
-    (tmp_path / "last.spec").write_text(text.replace("include llama", f"include {SPECS_DIR / 'llama.spec'}"))
+    text = (shipped_dir() / "megatron-llama.spec").read_text().replace("(vocab~(vocab_div*tp))", "(vocab~(vocab_div*tp):last)")
+    (tmp_path / "last.spec").write_text(text.replace("include llama", f"include {shipped_dir() / 'llama.spec'}"))
     reshard.convert(tmp_path / "hf", tmp_path / "out", format="megatron", to="tp=2", spec=str(tmp_path / "last.spec"))
     ref = read_torch_file(tmp_path / "out" / "iter_0000000" / "mp_rank_01" / "model_optim_rng.pt")["model"][
         "embedding.word_embeddings.weight"]

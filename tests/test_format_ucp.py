@@ -16,7 +16,7 @@ from test_format_deepspeed import SIZES, hf_order, logical_of, write_checkpoint
 
 import reshard
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.torchfile import TensorRef, read_torch_file
+from reshard.io.torchfile import TensorRef, read_torch_file
 
 
 @pytest.fixture(params=["float32", "bfloat16"])

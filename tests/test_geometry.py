@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.lib.stride_tricks import as_strided
 
-from reshard.geometry import Box, intersect, restrict, split_range, subtract
-from reshard.layout import LogicalTensor, box_fragments
+from reshard.core.geometry import Box, intersect, restrict, split_range, subtract
+from reshard.core.layout import LogicalTensor, box_fragments
 
 
 @st.composite

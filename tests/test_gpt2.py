@@ -7,10 +7,10 @@ import pytest
 from conftest import require
 
 import reshard
-from fixtures import MODELS, make_fixture, model_values
-from reshard.catalog import load_spec
-from reshard.layout import resolve
-from reshard.topology import Topology
+from reshard.fixtures import MODELS, make_fixture, model_values
+from reshard.core.catalog import load_spec
+from reshard.core.resolve import resolve
+from reshard.core.topology import Topology
 
 
 def item_bytes(source, key, **unit):

@@ -85,7 +85,7 @@ def test_a_mixtral_to_megatron_moe_and_back_gives_identical_logits(tmp_path):
     """MixtralForCausalLM -> Megatron-core MoE (SequentialMLP experts) at tp=2,pp=2,ep=2 -> tp=1,pp=4,vpp=2,ep=4
     -> HF."""
     transformers = require("transformers")
-    from reshard.torchfile import read_torch_file
+    from reshard.io.torchfile import read_torch_file
 
     save_tiny_mixtral(tmp_path / "hf", layers=8)
     reshard.convert(tmp_path / "hf", tmp_path / "m1", format="megatron", to="tp=2,pp=2,dp=2,ep=2")

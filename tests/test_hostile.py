@@ -7,8 +7,8 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
-from fixtures import make_fixture
+from reshard.cli.main import app
+from reshard.fixtures import make_fixture
 
 import torch
 runner = CliRunner()

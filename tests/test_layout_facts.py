@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import assert_round_trip, items_by_key, layouts, logical_values
 
-from reshard.arrays import scatter
+from reshard.execution.arrays import scatter
 
 
 def test_l1_replicated_norm_is_in_every_tp_item():
@@ -243,7 +243,7 @@ output_layer @lastonly -> emb = v h
     out = assert_round_trip(b, a, values)
     for it in a.items:
         np.testing.assert_array_equal(out[it].reshape(6, 2), values[("emb", "param")])
-    from reshard.planner import plan
+    from reshard.core.planner import plan
 
     # Going to one stage reads one of the two copies, not both.
     assert len({c.src for c in plan(a, b).copies}) == 1
@@ -486,9 +486,10 @@ blob rng_state regenerate
 def test_the_fragment_index_round_trips_through_json():
     import json
 
-    from reshard.catalog import load_spec
-    from reshard.layout import Layout, resolve
-    from reshard.topology import parse_topology
+    from reshard.core.catalog import load_spec
+    from reshard.core.layout import Layout
+    from reshard.core.resolve import resolve
+    from reshard.core.topology import parse_topology
 
     sizes = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 4, "vocab_div": 8, "bucket_size": 0}
     layout = resolve(load_spec("megatron-llama-distopt"), parse_topology("tp=2,pp=2,dp=2,vpp=2"), sizes)

@@ -13,7 +13,7 @@ from conftest import require
 
 import reshard
 from reshard.errors import CheckpointFormatError
-from reshard.torchfile import read_torch_file
+from reshard.io.torchfile import read_torch_file
 
 
 def rank_file(ckpt: Path, name: str) -> dict:
@@ -23,7 +23,7 @@ def rank_file(ckpt: Path, name: str) -> dict:
 def test_experts_split_over_ep_into_their_own_rank_files_with_local_numbers(tmp_path):
     """ep=2 at pp=2: mp_rank_TT_PPP_EEE; rank e holds experts 2e, 2e+1 as local_experts.0/1, the dense
     weights on every ep rank; the plain optimizer is [dense, expert] with its own param groups."""
-    from fixtures import make_fixture
+    from reshard.fixtures import make_fixture
 
     files = make_fixture(tmp_path / "a", to="tp=2,pp=2,dp=2,ep=2", model="tiny-mixtral")
     dirs = sorted({f.parent.name for f in files if f.name == "model_optim_rng.pt"})
@@ -81,7 +81,7 @@ def test_distributed_optimizer_keeps_experts_in_a_buffer_of_their_own_at_ep_abov
     """zero=1: at ep=2 distrib_optim.pt is [dense, expert] in the ep rank 0 file and [None, expert] in the
     others, the expert buffer holding only expert params; at ep=1 one buffer holds everything. Through ep=4,
     ep=1 and the plain optimizer and back, every state is kept and the files come back byte for byte."""
-    from fixtures import make_fixture
+    from reshard.fixtures import make_fixture
 
     make_fixture(tmp_path / "a", to="tp=2,pp=2,dp=4,ep=2,zero=1", model="tiny-mixtral")
     a = reshard.open_checkpoint(tmp_path / "a")
@@ -134,7 +134,7 @@ def reshard_tensor(sd: dict, key: str):
 
 
 def test_experts_that_do_not_divide_over_ep_and_dense_models_at_ep_are_refused(tmp_path):
-    from fixtures import make_fixture
+    from reshard.fixtures import make_fixture
 
     make_fixture(tmp_path / "a", to="tp=1,pp=1,dp=2,ep=2", model="tiny-mixtral")
     with pytest.raises(reshard.ReshardError, match=r"local_experts.*: e\(4\) is not divisible by ep\(8\)"):

@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, example, given, note, settings
 from hypothesis import strategies as st
 from numpy.lib.stride_tricks import as_strided
 
-from reshard.arrays import apply, scatter
-from reshard.layout import Layout
-from reshard.planner import Plan, plan
+from reshard.execution.arrays import apply, scatter
+from reshard.core.layout import Layout
+from reshard.core.planner import Plan, plan
 
 PROPERTY = settings(
     max_examples=50,

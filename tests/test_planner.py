@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from conftest import convert, layouts, logical_values
 
-from reshard.arrays import scatter
+from reshard.execution.arrays import scatter
 from reshard.errors import PlanError
-from reshard.layout import resolve
-from reshard.planner import Plan, plan
-from reshard.spec import parse_spec
-from reshard.topology import parse_topology
+from reshard.core.resolve import resolve
+from reshard.core.planner import Plan, plan
+from reshard.core.spec import parse_spec
+from reshard.core.topology import parse_topology
 
 CHUNKED = """
 logical w = n

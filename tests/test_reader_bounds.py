@@ -29,9 +29,9 @@ from reshard.errors import CheckpointFormatError
 
 torch = pytest.importorskip("torch")
 
-from reshard.dcp_metadata import parse_metadata, read_metadata  # noqa: E402
-from reshard.safetensors_io import read_header  # noqa: E402
-from reshard.torchfile import TensorSpec, TorchFileWriter, read_torch_file  # noqa: E402
+from reshard.io.dcp_metadata import parse_metadata, read_metadata  # noqa: E402
+from reshard.io.safetensors_io import read_header  # noqa: E402
+from reshard.io.torchfile import TensorSpec, TorchFileWriter, read_torch_file  # noqa: E402
 
 U64_MAX = 2**64 - 1
 
@@ -307,7 +307,7 @@ def test_a_byte_count_past_the_end_of_the_pickle_is_refused_before_it_is_allocat
 
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 def test_the_pickle_scan_lets_through_what_every_protocol_writes(protocol):
-    from reshard.pickle_scan import check_pickle
+    from reshard.io.pickle_scan import check_pickle
 
     shared = [1.5, "x"]
     value = {"a": list(range(300)), "b": b"y" * 70_000, "c": bytearray(3), "d": (shared, shared), "e": 10**30,

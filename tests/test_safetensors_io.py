@@ -1,4 +1,4 @@
-"""Tests of reshard.safetensors_io: header validation, the streaming writer, HF shard planning."""
+"""Tests of reshard.io.safetensors_io: header validation, the streaming writer, HF shard planning."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from conftest import require
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.errors import CheckpointFormatError
-from reshard.safetensors_io import SafetensorsWriter, parse_size, plan_shards, read_header
+from reshard.errors import CheckpointFormatError, ReshardError
+from reshard.core.units import parse_size
+from reshard.io.safetensors_io import SafetensorsWriter, plan_shards, read_header
 
 SUPPORTED = ("BOOL, U8, I8, F8_E5M2, F8_E4M3, F8_E8M0, F8_E4M3FNUZ, F8_E5M2FNUZ, I16, U16, F16, BF16, I32, U32, F32, "
              "C64, F64, I64, U64")
@@ -331,19 +332,21 @@ def test_shard_plan_matches_huggingface_hub(sizes: list[int], limit: int) -> Non
     assert ours.sharded == ref.is_sharded
 
 
-@pytest.mark.parametrize(("text", "expected"),
-                         [("5GB", 5 * 10**9), ("50KB", 50_000), (" 1.5mb ", 1_500_000), (123, 123)])
-def test_parse_size_uses_decimal_units(text, expected: int) -> None:
+@pytest.mark.parametrize(("text", "expected"), [
+    ("5GB", 5 * 10**9), ("50KB", 50_000), (" 1.5mb ", 1_500_000), (123, 123),  # decimal, as huggingface_hub
+    ("5GiB", 5 << 30), ("2G", 2 << 30), ("512MiB", 512 << 20),  # binary
+])
+def test_parse_size_reads_decimal_and_binary_units(text, expected: int) -> None:
     assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("5GiB", "max_shard_size '5GiB' is not a positive size like '5GB' (units: TB, GB, MB, KB)"),
-    ("-1GB", "max_shard_size '-1GB' is not a positive size like '5GB' (units: TB, GB, MB, KB)"),
+    ("5XB", "max_shard_size: cannot read '5XB' as a size (write e.g. 1073741824, 512MiB, 1GiB, 5GB)"),
+    ("-1GB", "max_shard_size must be positive, got -1GB"),
     (0, "max_shard_size must be positive, got 0"),
-    (1.5, "max_shard_size must be an integer or a string like '5GB', got 1.5"),
+    (1.5, "max_shard_size: cannot read 1.5 as a size (write e.g. 1073741824, 512MiB, 1GiB, 5GB)"),
 ])
 def test_parse_size_rejects_nonsense(text, message: str) -> None:
-    with pytest.raises(CheckpointFormatError) as e:
-        parse_size(text)
+    with pytest.raises(ReshardError) as e:
+        parse_size(text, "max_shard_size")
     assert str(e.value) == message

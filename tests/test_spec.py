@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.catalog import available_specs, load_spec
+from reshard.core.catalog import available_specs, load_spec
 from reshard.errors import ReshardError, SpecError, TopologyError
-from reshard.layout import resolve
-from reshard.spec import Concat, Flat, Logical, Pad, Product, Section, Split, Stored, parse_spec
-from reshard.topology import parse_topology
+from reshard.core.resolve import resolve
+from reshard.core.spec import Concat, Flat, Logical, Pad, Product, Section, Split, Stored, parse_spec
+from reshard.core.topology import parse_topology
 
 VALID = [
     # (spec text, kinds of statements)
@@ -178,8 +178,22 @@ def test_include_cycles_and_missing_specs_are_errors(tmp_path):
     (tmp_path / "b.spec").write_text("include a\n")
     with pytest.raises(SpecError, match="include cycle: a.spec -> b.spec -> a.spec"):
         load_spec(tmp_path / "a.spec")
-    with pytest.raises(SpecError, match=r"^no spec 'nonexistent' \(shipped specs: "):
+    with pytest.raises(SpecError, match=r"^no shipped spec 'nonexistent' \(shipped specs: "):
         load_spec("nonexistent")
+    with pytest.raises(SpecError, match=r"^no spec file nowhere/x.spec \(shipped specs: .*named by its path\)$"):
+        load_spec("nowhere/x.spec")
+
+
+def test_a_bare_name_is_always_the_shipped_spec_and_a_path_is_the_users(tmp_path, monkeypatch):
+    """A ``llama.spec`` in the current directory (or a ``specs/`` folder there) never shadows the shipped one."""
+    (tmp_path / "specs").mkdir()
+    for where in (tmp_path, tmp_path / "specs"):
+        (where / "llama.spec").write_text("logical x as x = n\n")
+    monkeypatch.chdir(tmp_path)
+    shipped = load_spec("llama")
+    assert any(isinstance(s, Logical) and "embed_tokens" in s.pattern.text for s in shipped.statements)
+    mine = load_spec("./llama.spec")
+    assert [s.pattern.text for s in mine.statements if isinstance(s, Logical)] == ["x"]
 
 
 SHIPPED_SIZES = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 4, "vocab_div": 8, "positions": 32,

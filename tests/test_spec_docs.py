@@ -28,15 +28,16 @@ from pathlib import Path
 import pytest
 from conftest import assert_round_trip, logical_values
 
-import reshard.spec
-from reshard.arrays import gather, scatter
-from reshard.catalog import SPECS_DIR, load_spec
+import reshard.core.spec
+from reshard.execution.arrays import gather, scatter
+from reshard.core.catalog import load_spec, shipped_dir
 from reshard.errors import ReshardError
-from reshard.layout import Layout, resolve
-from reshard.spec import parse_spec
-from reshard.topology import parse_topology
+from reshard.core.layout import Layout
+from reshard.core.resolve import resolve
+from reshard.core.spec import parse_spec
+from reshard.core.topology import parse_topology
 
-README = SPECS_DIR / "README.md"
+README = shipped_dir() / "README.md"
 FACTS_TESTS = Path(__file__).with_name("test_layout_facts.py")
 _FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 
@@ -107,7 +108,7 @@ def test_readme_has_spec_examples_and_error_examples():
 
 
 def test_the_grammar_is_the_one_in_the_parser_docstring():
-    doc = reshard.spec.__doc__
+    doc = reshard.core.spec.__doc__
     start = doc.index("::\n\n") + 4
     grammar = textwrap.dedent(doc[start : doc.index("\n\n", start)]) + "\n"
     ebnf = [body for lang, body in BLOCKS if lang == "ebnf"]
@@ -149,7 +150,7 @@ def test_every_error_example_prints_exactly_as_shown(body, message):
 
 def test_every_shipped_spec_has_a_line_in_the_readme():
     listed = set(re.findall(r"^- `([\w.-]+\.spec)`", _section(TEXT, "Shipped specs"), re.M))
-    assert listed == {p.name for p in SPECS_DIR.glob("*.spec")}
+    assert listed == {p.name for p in shipped_dir().glob("*.spec")}
 
 
 def test_every_layout_fact_has_an_example_naming_a_real_test():

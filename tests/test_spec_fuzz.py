@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from spec_gen import SpecCase, check_case, random_case
 
 from reshard.errors import ReshardError
-from reshard.layout import resolve
-from reshard.spec import parse_spec
-from reshard.topology import parse_topology
+from reshard.core.resolve import resolve
+from reshard.core.spec import parse_spec
+from reshard.core.topology import parse_topology
 
 SEEDS = 300
 

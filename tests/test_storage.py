@@ -12,9 +12,9 @@ import pytest
 
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import stream_item
-from reshard.storage import OutputFile, file_digest, take_digest
-from reshard.torch_types import TensorSpec
-from reshard.torch_write import TorchFileWriter
+from reshard.io.storage import OutputFile, file_digest, take_digest
+from reshard.io.torch_types import TensorSpec
+from reshard.io.torch_write import TorchFileWriter
 
 
 def test_sequential_writes_are_checksummed_without_reading_back(tmp_path):
@@ -103,7 +103,7 @@ def test_the_manifest_checksums_every_tensor_and_verify_names_the_one_that_chang
     import json
 
     import reshard
-    from fixtures import make_fixture
+    from reshard.fixtures import make_fixture
 
     make_fixture(tmp_path / "src", to="tp=2,pp=2")
     reshard.convert(tmp_path / "src", tmp_path / "dst", to="tp=1,pp=2", workers=workers)
@@ -131,8 +131,8 @@ def test_a_full_disk_mid_conversion_is_named_and_leaves_no_output(tmp_path, monk
     import errno
 
     import reshard
-    import reshard.storage
-    from fixtures import make_fixture
+    import reshard.io.storage
+    from reshard.fixtures import make_fixture
 
     make_fixture(tmp_path / "src", to="tp=2,pp=2")
     calls = [0]
@@ -144,7 +144,7 @@ def test_a_full_disk_mid_conversion_is_named_and_leaves_no_output(tmp_path, monk
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, data, offset)
 
-    monkeypatch.setattr(reshard.storage.os, "pwrite", full)
+    monkeypatch.setattr(reshard.io.storage.os, "pwrite", full)
     with pytest.raises(reshard.ReshardError, match=r"model_optim_rng\.pt: cannot write .*No space left on device"):
         reshard.convert(tmp_path / "src", tmp_path / "dst", to="tp=1,pp=2")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
@@ -161,7 +161,7 @@ def test_manifests_carry_logical_checksums_that_verify_compares_without_reading_
     from safetensors.torch import load_file
 
     import reshard
-    from fixtures import make_fixture
+    from reshard.fixtures import make_fixture
 
     make_fixture(tmp_path / "src", to="tp=2,pp=2")
     reshard.convert(tmp_path / "src", tmp_path / "a", to="tp=1,pp=1")
@@ -217,8 +217,8 @@ def test_permission_denied_on_a_later_file_is_named_and_leaves_no_output(tmp_pat
     import errno
 
     import reshard
-    import reshard.storage
-    from fixtures import make_fixture
+    import reshard.io.storage
+    from reshard.fixtures import make_fixture
 
     make_fixture(tmp_path / "src", to="tp=2,pp=2")
     created = []
@@ -231,7 +231,7 @@ def test_permission_denied_on_a_later_file_is_named_and_leaves_no_output(tmp_pat
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
         return real(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(reshard.storage.os, "open", denied)
+    monkeypatch.setattr(reshard.io.storage.os, "open", denied)
     with pytest.raises(reshard.ReshardError, match=r"mp_rank_00_001/model_optim_rng\.pt: cannot create \(Permission denied\)"):
         reshard.convert(tmp_path / "src", tmp_path / "dst", to="tp=1,pp=4")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
@@ -245,7 +245,7 @@ def test_a_small_filesystem_filling_up_mid_conversion_leaves_nothing(tmp_path):
     import sys
     from pathlib import Path
 
-    from fixtures import make_fixture
+    from reshard.fixtures import make_fixture
 
     unshare = shutil.which("unshare")
     if unshare is None:
@@ -269,7 +269,7 @@ def test_a_small_filesystem_filling_up_mid_conversion_leaves_nothing(tmp_path):
 def test_ranges_inside_a_streamed_item_are_checksummed_across_windows():
     import xxhash
 
-    from reshard.storage import hash_segments, take_item_digests, take_segment_digests
+    from reshard.io.storage import hash_segments, take_item_digests, take_segment_digests
 
     data = os.urandom(40_000)
     ranges = [(0, 4), (4, 9_999), (10_000, 10_004), (12_001, 39_996), (39_996, 40_000)]

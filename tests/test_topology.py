@@ -1,4 +1,4 @@
-"""Tests of reshard.topology: rank order, expert view, layer placement, topology strings."""
+"""Tests of reshard.core.topology: rank order, expert view, layer placement, topology strings."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import TopologyError
-from reshard.topology import LayerPlace, Topology, parse_topology
+from reshard.core.topology import LayerPlace, Topology, parse_topology
 
 # Topologies whose every rank is checked; ids are their canonical strings.
 TOPOLOGIES = [

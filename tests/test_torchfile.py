@@ -1,4 +1,4 @@
-"""reshard.torchfile against real torch.save / torch.load: reading, writing and refusing hostile files."""
+"""reshard.io.torchfile against real torch.save / torch.load: reading, writing and refusing hostile files."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from reshard.errors import CheckpointFormatError
-from reshard.formats.base import DTYPE_SIZES
-from reshard.torchfile import (
+from reshard.core.dtypes import SUPPORTED
+from reshard.io.torchfile import (
     Opaque,
     TensorRef,
     TensorSpec,
@@ -94,7 +94,7 @@ def records_of(path: Path) -> dict[str, bytes]:
 # -------------------------------------------------------------------------------------------- reading
 
 
-@pytest.mark.parametrize("dtype", sorted(DTYPE_SIZES))
+@pytest.mark.parametrize("dtype", sorted(SUPPORTED))
 def test_torch_save_tensor_of_every_dtype_reads_back_bit_exact(tmp_path, dtype):
     t = sample(dtype)
     view = t[1:3, ::2]
@@ -104,7 +104,7 @@ def test_torch_save_tensor_of_every_dtype_reads_back_bit_exact(tmp_path, dtype):
 
     ref = tree["t"]
     assert (ref.dtype, ref.shape, ref.stride, ref.storage_offset) == (dtype, (4, 6), (6, 1), 0)
-    assert ref.itemsize == DTYPE_SIZES[dtype] and ref.nbytes == 24 * DTYPE_SIZES[dtype] == ref.storage_nbytes
+    assert ref.itemsize == SUPPORTED[dtype] and ref.nbytes == 24 * SUPPORTED[dtype] == ref.storage_nbytes
     assert ref.is_contiguous and ref.data_offset % 64 == 0
     with (tmp_path / "x.pt").open("rb") as fh:  # a contiguous tensor is one span at data_offset
         fh.seek(ref.data_offset)
@@ -195,7 +195,7 @@ def test_state_dict_metadata_survives_read_and_rewrite(tmp_path):
 # -------------------------------------------------------------------------------------------- writing
 
 
-ALL_DTYPES = sorted(DTYPE_SIZES)
+ALL_DTYPES = sorted(SUPPORTED)
 
 
 def writer_tree():

@@ -6,10 +6,10 @@ import pytest
 from typer.testing import CliRunner
 
 import reshard
-from cli.main import app
-from fixtures import make_fixture
+from reshard.cli.main import app
+from reshard.fixtures import make_fixture
 from reshard.errors import ReshardError
-from reshard.executor import PlanFill
+from reshard.execution.executor import PlanFill
 
 
 def read_all(path):
@@ -69,7 +69,7 @@ def test_a_budget_below_what_the_plan_needs_is_an_error_before_writing(tmp_path)
     with pytest.raises(ReshardError, match=r"^memory budget 64 MiB is below the \d+ MiB this conversion needs: per process, "
                                           r"224 MiB runtime \+ \d+ MiB plan \([\d,]+ copies, [\d,]+ fragments\) \+ 4 windows of 1 MiB$"):
         reshard.convert(src, tmp_path / "dst", to="tp=1", memory_budget="64MiB")
-    with pytest.raises(ReshardError, match="cannot read size 'lots'"):
+    with pytest.raises(ReshardError, match="memory budget: cannot read 'lots' as a size"):
         reshard.convert(src, tmp_path / "dst", to="tp=1", memory_budget="lots")
     assert not (tmp_path / "dst").exists()
 

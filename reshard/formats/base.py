@@ -23,30 +23,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from reshard.bounds import brief, show
+from reshard.io.bounds import brief, show
+from reshard.core.dtypes import SUPPORTED, itemsize
 from reshard.errors import CheckpointFormatError
-from reshard.layout import Item, Layout
-from reshard.storage import ItemHasher
-from reshard.spec import Spec
-from reshard.topology import Topology
+from reshard.io.smallfiles import Located, read_json, read_tag
+from reshard.core.layout import Item, Layout
+from reshard.io.storage import ItemHasher
+from reshard.core.spec import Spec
+from reshard.core.topology import Topology
 
-__all__ = ["DTYPE_SIZES", "LLAMA_SIZES", "MAX_COUNT", "MAX_SIZE", "Fill", "Format", "Located", "Source", "Target",
+__all__ = ["LLAMA_SIZES", "MAX_COUNT", "MAX_SIZE", "Fill", "Format", "Located", "Source", "Target",
            "check_sizes", "expect_int", "expect_shape", "expect_step", "given_sizes", "itemsize", "name_of",
            "read_json", "read_tag", "require_sizes", "scalar_value", "stream_item"]
-
-# torch dtype names (without "torch.") and their sizes in bytes.
-DTYPE_SIZES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
-}
-
-
-def itemsize(dtype: str) -> int:
-    try:
-        return DTYPE_SIZES[dtype]
-    except KeyError:
-        raise CheckpointFormatError(f"unsupported dtype '{dtype}' (supported: {', '.join(DTYPE_SIZES)})") from None
-
 
 LLAMA_SIZES = ("h", "heads", "g", "hd", "f", "vocab", "layers")
 """The sizes a Llama-style model's specs need."""
@@ -66,8 +54,6 @@ MAX_COUNT = 1 << 16
 a tighter bound (each layer and expert stores at least one tensor)."""
 COUNT_SIZES = ("layers", "experts")
 """Model sizes that count things the spec enumerates one by one (so a huge one is a hang, not a shape)."""
-_TEXT_LIMIT = 4096
-_JSON_LIMIT = 256 << 20
 
 
 def _show(value: Any) -> str:
@@ -136,47 +122,6 @@ def given_sizes(sizes: Mapping[str, Any] | None) -> dict[str, int]:
     return check_sizes(sizes or {}, "sizes given")
 
 
-def _read_small(path: Path, limit: int, what: str) -> bytes:
-    """The bytes of a small regular file (never a FIFO or a device, whose read could block or never end)."""
-    if not path.is_file():
-        raise CheckpointFormatError(f"{path}: {'not a regular file' if path.exists() else 'no such file'}")
-    try:
-        with path.open("rb") as f:
-            raw = f.read(limit + 1)
-    except OSError as e:
-        raise CheckpointFormatError(f"{path}: cannot read ({e.strerror or e})") from None
-    if len(raw) > limit:
-        raise CheckpointFormatError(f"{path}: more than {limit} bytes, too large for {what}")
-    return raw
-
-
-def read_tag(path: Path, what: str = "checkpoint tag") -> str:
-    """The content of a tracker file (``latest``, ``latest_universal``, ...), stripped: a few KiB at most of
-    UTF-8 text naming one directory beside it (no '/', no NUL, not '.' or '..'); else CheckpointFormatError."""
-    raw = _read_small(path, _TEXT_LIMIT, f"a {what}")
-    try:
-        tag = raw.decode("utf-8").strip()
-    except UnicodeDecodeError as e:
-        raise CheckpointFormatError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}), not a {what}") from None
-    if not tag or any(c in tag for c in "/\\\0") or tag in (".", ".."):
-        raise CheckpointFormatError(f"{path}: not a {what}: {tag[:40]!r}")
-    return tag
-
-
-def read_json(path: Path) -> Any:
-    """A JSON file's value; CheckpointFormatError when it cannot be read, is not UTF-8 JSON, is nested too
-    deeply or is larger than any metadata file should be."""
-    raw = _read_small(path, _JSON_LIMIT, "a JSON metadata file")
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise CheckpointFormatError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointFormatError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except (ValueError, RecursionError) as e:  # an integer of too many digits; nesting deeper than Python's stack
-        raise CheckpointFormatError(f"{path}: not readable JSON ({type(e).__name__}: {str(e)[:80]})") from None
-
-
 def require_sizes(source: Source, keys: tuple[str, ...], target: str) -> None:
     """Fail before writing when ``source`` does not know the model sizes a ``target`` format needs."""
     missing = [k for k in keys if k not in source.sizes]
@@ -185,16 +130,6 @@ def require_sizes(source: Source, keys: tuple[str, ...], target: str) -> None:
                 "its .metadata, or pass sizes)") if source.format == "dcp" else ""
         raise CheckpointFormatError(f"{source.path}: writing {target} needs model sizes {', '.join(missing)}, "
                                     f"which the source does not record{hint}")
-
-
-@dataclass(frozen=True, slots=True)
-class Located:
-    """Where one stored item's bytes are: ``numel * itemsize(dtype)`` bytes at ``offset``."""
-
-    path: Path
-    offset: int
-    """Byte offset of the item's first element in ``path``."""
-    dtype: str
 
 
 @dataclass(slots=True, kw_only=True)

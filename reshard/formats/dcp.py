@@ -1,6 +1,6 @@
 """PyTorch Distributed Checkpoint (DCP) directories: ``.metadata`` plus ``__{rank}_0.distcp`` files.
 
-What is read. ``.metadata`` (see ``reshard.dcp_metadata``) lists every
+What is read. ``.metadata`` (see ``reshard.io.dcp_metadata``) lists every
 flattened state-dict key: tensors with their global size and chunks (boxes),
 and bytes entries. Keys follow ``get_state_dict``'s flattening:
 ``model.<fqn>`` (or bare ``<fqn>``, as torchtitan saves), then
@@ -49,10 +49,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from reshard.dcp_metadata import METADATA_NAME, DcpChunk, DcpMetadata, DcpStorage, DcpTensor, read_metadata, write_metadata
+from reshard.io.dcp_metadata import METADATA_NAME, DcpChunk, DcpMetadata, DcpStorage, DcpTensor, read_metadata, write_metadata
 from reshard.errors import CheckpointFormatError, TopologyError
+from reshard.core.dtypes import SUPPORTED
 from reshard.formats.base import (
-    DTYPE_SIZES,
     LLAMA_SIZES,
     Fill,
     Located,
@@ -65,16 +65,17 @@ from reshard.formats.base import (
     stream_item,
 )
 
-from reshard.geometry import row_major_strides
-from reshard.catalog import load_spec
-from reshard.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments, dims_of, resolve
-from reshard.spec import parse_spec
-from reshard.topology import Topology
-from reshard.safetensors_io import read_header
-from reshard.torch_read import read_torch_file
-from reshard.torch_types import TensorRef, TensorSpec
-from reshard.storage import OutputFile
-from reshard.torch_write import TorchFileWriter
+from reshard.core.geometry import row_major_strides
+from reshard.core.catalog import load_spec
+from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments, dims_of
+from reshard.core.resolve import resolve
+from reshard.core.spec import parse_spec
+from reshard.core.topology import Topology
+from reshard.io.safetensors_io import read_header
+from reshard.io.torch_read import read_torch_file
+from reshard.io.torch_types import TensorRef, TensorSpec
+from reshard.io.storage import OutputFile
+from reshard.io.torch_write import TorchFileWriter
 
 __all__ = ["FORMAT", "DcpFormat"]
 
@@ -153,7 +154,7 @@ class DcpFormat:
                     step = None if value is None else expect_step(value, f"'{key}'", path / METADATA_NAME)
                 continue
             fqn, state = role
-            if t.dtype not in DTYPE_SIZES:
+            if t.dtype not in SUPPORTED:
                 problems.append(f"'{key}' has dtype {t.dtype}, which reshard cannot copy")
                 continue
             known = tensors.setdefault(fqn, _plain(fqn, t.size))
@@ -573,7 +574,7 @@ def _spec_layout(source: Source, topology: Topology, spec_ast, spec_name: str, s
 
 
 def _sections(spec_ast) -> list[str]:
-    from reshard.spec import Section
+    from reshard.core.spec import Section
 
     return [st.name for st in spec_ast.statements if isinstance(st, Section)]
 

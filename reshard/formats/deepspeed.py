@@ -68,18 +68,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reshard.bounds import brief
-from reshard.catalog import load_spec
+from reshard.io.bounds import brief
+from reshard.core.catalog import load_spec
 from reshard.errors import CheckpointFormatError, SpecError, TopologyError
 from reshard.formats.base import (LLAMA_SIZES, MAX_COUNT, Fill, Located, Source, Target, check_sizes, expect_int,
                                   expect_shape, given_sizes, itemsize, name_of, read_json, read_tag, require_sizes,
                                   stream_item)
 from reshard.formats.deepspeed_zero3 import files_of_zero3, is_zero3, open_zero3, target_zero3, write_zero3
 from reshard.formats.hf import llama_config
-from reshard.layout import Item, Layout, resolve
-from reshard.spec import Concat, Flat, Pad, Pattern, Product, Section, Spec, Split, Stored, Term
-from reshard.topology import Topology, parse_topology
-from reshard.torchfile import Opaque, TensorRef, TensorSpec, TorchFileWriter, TorchSize, read_torch_file
+from reshard.core.layout import Item, Layout
+from reshard.core.resolve import resolve
+from reshard.core.spec import Concat, Flat, Pad, Pattern, Product, Section, Spec, Split, Stored, Term
+from reshard.core.topology import Topology, parse_topology
+from reshard.io.torchfile import Opaque, TensorRef, TensorSpec, TorchFileWriter, TorchSize, read_torch_file
 
 __all__ = ["FORMAT", "DeepSpeedExtra", "DeepSpeedFormat", "Scalar", "synthesize_extra"]
 

@@ -34,14 +34,15 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from reshard.bounds import brief
-from reshard.catalog import load_spec
+from reshard.io.bounds import brief
+from reshard.core.catalog import load_spec
 from reshard.errors import CheckpointFormatError, SpecError
 from reshard.formats.base import (LLAMA_SIZES, MAX_COUNT, Fill, Located, Source, Target, expect_int, expect_step,
                                   require_sizes)
-from reshard.layout import Item, Layout, resolve
-from reshard.topology import Topology
-from reshard.torchfile import TensorRef, TensorSpec, TorchSize
+from reshard.core.layout import Item, Layout
+from reshard.core.resolve import resolve
+from reshard.core.topology import Topology
+from reshard.io.torchfile import TensorRef, TensorSpec, TorchSize
 
 SPEC = "deepspeed-llama-zero3"
 MASTER = "master"

@@ -31,13 +31,15 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from reshard.catalog import available_specs, load_spec
+from reshard.core.catalog import available_specs, load_spec
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.formats.base import (DTYPE_SIZES, Fill, Located, Source, Target, check_sizes, given_sizes, itemsize,
+from reshard.core.dtypes import SUPPORTED
+from reshard.formats.base import (Fill, Located, Source, Target, check_sizes, given_sizes, itemsize,
                                   read_json, stream_item)
-from reshard.layout import Item, Layout, resolve
-from reshard.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter, TensorInfo, plan_shards, read_header
-from reshard.topology import Topology
+from reshard.core.layout import Item, Layout
+from reshard.core.resolve import resolve
+from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter, TensorInfo, plan_shards, read_header
+from reshard.core.topology import Topology
 
 __all__ = ["FORMAT", "HFFormat", "llama_config", "llama_config_near", "sizes_from_config"]
 
@@ -103,9 +105,9 @@ class HFFormat:
             if tensor.shape != info.shape:
                 problems.append(f"{file}: tensor '{item.key}' has shape {list(tensor.shape)}, "
                                 f"the spec expects {list(info.shape)}")
-            elif tensor.dtype not in DTYPE_SIZES:
+            elif tensor.dtype not in SUPPORTED:
                 problems.append(f"{file}: tensor '{item.key}' has dtype {tensor.dtype}, which reshard cannot copy "
-                                f"(supported: {', '.join(DTYPE_SIZES)})")
+                                f"(supported: {', '.join(SUPPORTED)})")
             else:
                 where[item] = Located(file, tensor.data_offset, tensor.dtype)
         for name, (file, _) in stored.items():

@@ -37,20 +37,22 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from reshard.bounds import brief
-from reshard.catalog import load_spec
-from reshard.dcp_metadata import read_metadata
+from reshard.io.bounds import brief
+from reshard.core.catalog import load_spec
+from reshard.io.dcp_metadata import read_metadata
 from reshard.errors import CheckpointFormatError
-from reshard.formats.base import (DTYPE_SIZES, LLAMA_SIZES, MAX_COUNT, Fill, Located, Source, Target, check_sizes,
+from reshard.core.dtypes import SUPPORTED
+from reshard.formats.base import (LLAMA_SIZES, MAX_COUNT, Fill, Located, Source, Target, check_sizes,
                                   expect_int, expect_step, given_sizes, read_json, require_sizes)
 from reshard.formats.dcp import FORMAT as DCP
 from reshard.formats.dcp import _Chunk, _chunk_cover, _chunk_ref, _entry_bytes, _Naming, _Verbatim
-from reshard.dcp_metadata import DcpChunk
-from reshard.geometry import row_major_strides
-from reshard.torch_write import write_torch_file
-from reshard.layout import Fragment, Item, ItemInfo, Layout, chunk_fragments, resolve
-from reshard.topology import Topology
-from reshard.torch_read import read_torch_file
+from reshard.io.dcp_metadata import DcpChunk
+from reshard.core.geometry import row_major_strides
+from reshard.io.torch_write import write_torch_file
+from reshard.core.layout import Fragment, Item, ItemInfo, Layout, chunk_fragments
+from reshard.core.resolve import resolve
+from reshard.core.topology import Topology
+from reshard.io.torch_read import read_torch_file
 
 __all__ = ["FORMAT", "McoreDistFormat"]
 
@@ -127,7 +129,7 @@ class McoreDistFormat:
                 problems.append(f"'{key}' is {list(t.size)}, spec '{spec_name}' expects "
                                 f"{list(whole.items[whole_item].shape)} for sizes {model_sizes}")
                 continue
-            if t.dtype not in DTYPE_SIZES:
+            if t.dtype not in SUPPORTED:
                 problems.append(f"'{key}' has dtype {t.dtype}, which reshard cannot copy")
                 continue
             if problem := _chunk_cover(key, t):

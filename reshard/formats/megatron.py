@@ -113,16 +113,18 @@ from typing import Any
 
 import numpy as np
 
-from reshard.bounds import brief
-from reshard.catalog import load_spec
+from reshard.io.bounds import brief
+from reshard.core.catalog import load_spec
 from reshard.errors import CheckpointFormatError, ReshardError, TopologyError
-from reshard.formats.base import (DTYPE_SIZES, LLAMA_SIZES, MAX_COUNT, MAX_SIZE, Fill, Located, Source, Target,
+from reshard.core.dtypes import SUPPORTED
+from reshard.formats.base import (LLAMA_SIZES, MAX_COUNT, MAX_SIZE, Fill, Located, Source, Target,
                                   check_sizes, expect_int, given_sizes, itemsize, read_tag, require_sizes, scalar_value,
                                   stream_item)
-from reshard.layout import Item, Layout, resolve
-from reshard.spec import Flat, Section, Spec
-from reshard.topology import Topology, parse_topology
-from reshard.torchfile import Opaque, TensorRef, TensorSpec, TorchDtype, TorchFileWriter, map_tensors, read_torch_file
+from reshard.core.layout import Item, Layout
+from reshard.core.resolve import resolve
+from reshard.core.spec import Flat, Section, Spec
+from reshard.core.topology import Topology, parse_topology
+from reshard.io.torchfile import Opaque, TensorRef, TensorSpec, TorchDtype, TorchFileWriter, map_tensors, read_torch_file
 
 __all__ = ["FORMAT", "MegatronFormat", "SmallTensor", "megatron_args", "write_fixture_extra"]
 
@@ -1138,7 +1140,7 @@ class _Reader:
                 raise CheckpointFormatError(f"{path}: buffer {gbuf} is not one (param_dtype, grad_dtype) group")
             (key, tensors), = dtypes.items()
             pair = (_dtype_name(key[0]), _dtype_name(key[1])) if isinstance(key, tuple) and len(key) == 2 else None
-            if pair is None or not set(pair) <= set(DTYPE_SIZES) or not isinstance(tensors, Mapping):
+            if pair is None or not set(pair) <= set(SUPPORTED) or not isinstance(tensors, Mapping):
                 raise CheckpointFormatError(
                     f"{path}: buffer {gbuf} is {{{brief(key, 60)}: {type(tensors).__name__}}}, expected "
                     "{(param_dtype, grad_dtype): {state: tensor}}")
@@ -1448,7 +1450,7 @@ def _args_from_config(config: Any) -> dict[str, Any]:
 
 def _with_vocab_pad(spec_ast: Spec, policy: str) -> Spec:
     """``spec_ast`` with every padding of the ``vocab`` axis filled by ``policy`` (zero or last)."""
-    from reshard.spec import Axis, Concat, Pad, Product, Split, Stored
+    from reshard.core.spec import Axis, Concat, Pad, Product, Split, Stored
 
     def term(t: Any) -> Any:
         if isinstance(t, Pad):

@@ -57,13 +57,13 @@ from typing import Any
 from reshard.errors import CheckpointFormatError, TopologyError
 from reshard.formats.base import (Fill, Located, Source, Target, check_sizes, expect_shape, expect_step, given_sizes,
                                   name_of, read_tag, scalar_value, stream_item)
-from reshard.geometry import row_major_strides
-from reshard.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
-from reshard.spec import parse_spec
-from reshard.topology import Topology
-from reshard.torch_read import read_torch_file
-from reshard.torch_types import TensorRef, TensorSpec, TorchSize
-from reshard.torch_write import TorchFileWriter
+from reshard.core.geometry import row_major_strides
+from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
+from reshard.core.spec import parse_spec
+from reshard.core.topology import Topology
+from reshard.io.torch_read import read_torch_file
+from reshard.io.torch_types import TensorRef, TensorSpec, TorchSize
+from reshard.io.torch_write import TorchFileWriter
 
 __all__ = ["FORMAT", "UcpFormat"]
 

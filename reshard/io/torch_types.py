@@ -1,4 +1,4 @@
-"""The values ``reshard.torchfile`` reads and writes: tensor references and specs, dtypes, sizes, opaque framework objects."""
+"""The values ``reshard.io.torchfile`` reads and writes: tensor references and specs, dtypes, sizes, opaque framework objects."""
 
 
 from __future__ import annotations
@@ -10,17 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from reshard.core.dtypes import ITEMSIZE
 from reshard.errors import CheckpointFormatError
 
 __all__ = ["ALLOWED_PREFIXES", "Opaque", "TensorRef", "TensorSpec", "TorchDtype", "TorchSize", "map_tensors"]
 
 # Bytes per element of every dtype a tensor may have here.
-_ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint8": 1, "bool": 1, "complex128": 16, "complex64": 8, "complex32": 4, "uint16": 2, "uint32": 4,
-    "uint64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1, "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
-}
+_ITEMSIZE = ITEMSIZE  # bytes per element of every dtype a torch file may name
 # Legacy typed storages (pickled with _rebuild_tensor_v2); every other dtype goes through _rebuild_tensor_v3.
 _LEGACY_STORAGES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",

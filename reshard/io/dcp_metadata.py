@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.bounds import FieldError, brief, check_count, check_range, check_shape
+from reshard.io.bounds import FieldError, brief, check_count, check_range, check_shape
 from reshard.errors import CheckpointFormatError
-from reshard.pickle_scan import check_pickle
-from reshard.torch_types import _DTYPE_ALIASES, _DTYPE_NAMES, _ITEMSIZE
+from reshard.io.pickle_scan import check_pickle
+from reshard.io.torch_types import _DTYPE_ALIASES, _DTYPE_NAMES, _ITEMSIZE
 
 __all__ = ["METADATA_NAME", "DcpChunk", "DcpMetadata", "DcpStorage", "DcpTensor", "read_metadata", "write_metadata"]
 

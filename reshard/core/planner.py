@@ -24,8 +24,8 @@ import networkx as nx
 import numpy as np
 
 from reshard.errors import PlanError
-from reshard.geometry import Box, contains, intersect, subtract
-from reshard.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
+from reshard.core.geometry import Box, contains, intersect, subtract
+from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
 
 __all__ = ["Copy", "Plan", "plan"]
 

@@ -1,4 +1,4 @@
-"""Writing torch.save files, streaming: the pickle and zip layout torch writes; the format is described in ``reshard.torchfile``."""
+"""Writing torch.save files, streaming: the pickle and zip layout torch writes; the format is described in ``reshard.io.torchfile``."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from reshard.errors import CheckpointFormatError
-from reshard.storage import OutputFile
-from reshard.torch_read import _is_builtin_type
-from reshard.torch_types import (
+from reshard.io.storage import OutputFile
+from reshard.io.torch_read import _is_builtin_type
+from reshard.io.torch_types import (
     _STORAGE_OF,
     ALLOWED_PREFIXES,
     Opaque,

@@ -3,7 +3,7 @@
 A stored dim evaluates to its local extent and its *pieces*: parts of the dim
 mapped onto axes of a target logical tensor, each a strided box in the dim's
 local index. Splits and flat partitions cut pieces with ``geometry.restrict``.
-The resolver (``reshard.resolve``) combines the dims' pieces into fragments.
+The resolver (``reshard.core.resolve``) combines the dims' pieces into fragments.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from reshard import spec as S
+from reshard.core import spec as S
 from reshard.errors import TopologyError
-from reshard.geometry import restrict, row_major_strides, split_range
-from reshard.topology import Topology
+from reshard.core.geometry import restrict, row_major_strides, split_range
+from reshard.core.topology import Topology
 
 if TYPE_CHECKING:
-    from reshard.resolve import _Resolver
+    from reshard.core.resolve import _Resolver
 
 __all__ = ["Ctx", "eval_term", "flat_layout", "show"]
 

@@ -17,8 +17,8 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from reshard.errors import PlanError
-from reshard.layout import Fragment, Item, Layout
-from reshard.planner import Plan
+from reshard.core.layout import Fragment, Item, Layout
+from reshard.core.planner import Plan
 
 __all__ = ["apply", "gather", "scatter", "view"]
 

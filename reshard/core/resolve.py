@@ -15,12 +15,12 @@ import math
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-from reshard import spec as S
+from reshard.core import spec as S
 from reshard.errors import SpecError, TopologyError
-from reshard.geometry import Box, restrict, row_major_strides
-from reshard.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
-from reshard.terms import Ctx, eval_term, flat_layout
-from reshard.topology import Topology
+from reshard.core.geometry import Box, restrict, row_major_strides
+from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
+from reshard.core.terms import Ctx, eval_term, flat_layout
+from reshard.core.topology import Topology
 
 __all__ = ["BYTES_AXIS", "MESH_AXES", "TOPOLOGY_VARS", "resolve"]
 
@@ -40,7 +40,7 @@ def resolve(
     """Resolve ``spec`` for ``topology`` and model ``sizes`` into a ``Layout``.
 
     Args:
-      spec: a parsed spec with includes expanded (``reshard.catalog.load_spec``).
+      spec: a parsed spec with includes expanded (``reshard.core.catalog.load_spec``).
       topology: the parallel layout.
       sizes: model dimensions by variable name (``h``, ``g``, ``layers``, ...).
       blob_sizes: byte size of each blob (non-tensor state) by name.
@@ -93,7 +93,7 @@ class _Resolver:
         sections: list[tuple[S.Section, list[S.Statement]]] = []
         for st in self.spec.statements:
             if isinstance(st, S.Include):
-                raise self.err(f"include '{st.path}' was not expanded; load specs with reshard.catalog.load_spec", st.pos)
+                raise self.err(f"include '{st.path}' was not expanded; load specs with reshard.core.catalog.load_spec", st.pos)
             if isinstance(st, S.Let):
                 if st.name in TOPOLOGY_VARS:
                     raise self.err(f"'{st.name}' is a topology degree; it cannot be redefined", st.pos)

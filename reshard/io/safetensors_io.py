@@ -30,9 +30,11 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
 
-from reshard.bounds import FieldError, check_count, check_offset, check_shape
+from reshard.io.bounds import FieldError, check_count, check_offset, check_shape
+from reshard.core.units import parse_size
+from reshard.core.dtypes import DTYPES, ITEMSIZE, SAFETENSORS_CODES
 from reshard.errors import CheckpointFormatError
-from reshard.storage import OutputFile
+from reshard.io.storage import OutputFile
 
 __all__ = [
     "INDEX_NAME",
@@ -42,7 +44,6 @@ __all__ = [
     "SafetensorsWriter",
     "ShardPlan",
     "TensorInfo",
-    "parse_size",
     "plan_shards",
     "read_header",
 ]
@@ -54,29 +55,6 @@ INDEX_NAME = "model.safetensors.index.json"
 _N_LEN = 8
 _FIELDS = ("dtype", "shape", "data_offsets")
 
-# safetensors dtype code -> (torch name, bytes per element). Sub-byte codes (F4, F6_*) are not supported.
-_DTYPES: dict[str, tuple[str, int]] = {
-    "BOOL": ("bool", 1),
-    "U8": ("uint8", 1),
-    "I8": ("int8", 1),
-    "F8_E5M2": ("float8_e5m2", 1),
-    "F8_E4M3": ("float8_e4m3fn", 1),
-    "F8_E8M0": ("float8_e8m0fnu", 1),
-    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
-    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
-    "I16": ("int16", 2),
-    "U16": ("uint16", 2),
-    "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2),
-    "I32": ("int32", 4),
-    "U32": ("uint32", 4),
-    "F32": ("float32", 4),
-    "C64": ("complex64", 8),
-    "F64": ("float64", 8),
-    "I64": ("int64", 8),
-    "U64": ("uint64", 8),
-}
-_CODES = {torch_name: code for code, (torch_name, _) in _DTYPES.items()}
 # Declaration order of safetensors' Rust `Dtype` enum (increasing alignment), the same in
 # every release from 0.6 on. Its serializer sorts tensors by this rank, highest first, then by name.
 _ENUM_ORDER = (
@@ -84,6 +62,7 @@ _ENUM_ORDER = (
     "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
 )
 _RANK = {code: k for k, code in enumerate(_ENUM_ORDER)}
+_KNOWN = tuple(c for c in _ENUM_ORDER if c in SAFETENSORS_CODES)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -247,15 +226,16 @@ def _tensor(path: Path, name: str, entry: Any, data_start: int, data_len: int) -
     if extra:
         raise _error(path, f"unexpected key '{extra[0]}' (expected dtype, shape, data_offsets)", name)
     code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if not isinstance(code, str) or code not in _DTYPES:
-        raise _error(path, f"unsupported dtype {_brief_json(code)} (supported: {', '.join(_DTYPES)})", name)
+    if not isinstance(code, str) or code not in SAFETENSORS_CODES:
+        raise _error(path, f"unsupported dtype {_brief_json(code)} (supported: {', '.join(_KNOWN)})", name)
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise _error(path, f"shape must be a list of non-negative integers, got {_brief_json(shape)}", name)
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
         raise _error(path, f"data_offsets must be two non-negative integers, got {_brief_json(offsets)}", name)
     _check_unicode(path, "tensor name", name)
     begin, end = offsets
-    dtype, size = _DTYPES[code]
+    dtype = SAFETENSORS_CODES[code]
+    size = ITEMSIZE[dtype]
     if end < begin:
         raise _error(path, f"data_offsets [{begin}, {end}] end before they begin", name)
     try:
@@ -410,9 +390,9 @@ def _layout(path: Path, tensors: Mapping[str, tuple[str, Sequence[int]]],
     for name, (dtype, shape) in tensors.items():
         if not isinstance(name, str) or name == "__metadata__":
             raise CheckpointFormatError(f"{path}: invalid tensor name {name!r}")
-        code = _CODES.get(dtype)
+        code = DTYPES[dtype].safetensors if dtype in DTYPES else None
         if code is None:
-            raise _error(path, f"unsupported dtype '{dtype}' (supported: {', '.join(_CODES)})", name)
+            raise _error(path, f"unsupported dtype '{dtype}' (supported: {', '.join(SAFETENSORS_CODES[c] for c in _KNOWN)})", name)
         shape = tuple(shape)
         if not all(_is_count(d) for d in shape):
             raise _error(path, f"shape must be non-negative integers, got {shape}", name)
@@ -426,7 +406,7 @@ def _layout(path: Path, tensors: Mapping[str, tuple[str, Sequence[int]]],
     infos: list[tuple[str, str, tuple[int, ...], int, int]] = []
     at = 0
     for _, name, code, shape in entries:
-        nbytes = math.prod(shape) * _DTYPES[code][1]
+        nbytes = math.prod(shape) * ITEMSIZE[SAFETENSORS_CODES[code]]
         entry = f'{{"dtype":"{code}","shape":{_dumps(list(shape))},"data_offsets":[{at},{at + nbytes}]}}'
         parts.append(f"{_dumps(name)}:{entry}")
         infos.append((name, code, shape, at, nbytes))
@@ -441,7 +421,7 @@ def _layout(path: Path, tensors: Mapping[str, tuple[str, Sequence[int]]],
         raise CheckpointFormatError(
             f"{path}: header of {len(header)} bytes exceeds the limit of {MAX_HEADER_SIZE} bytes")
     start = _N_LEN + len(header)
-    out = {name: TensorInfo(dtype=_DTYPES[code][0], shape=shape, data_offset=start + begin, nbytes=nbytes)
+    out = {name: TensorInfo(dtype=SAFETENSORS_CODES[code], shape=shape, data_offset=start + begin, nbytes=nbytes)
            for name, code, shape, begin, nbytes in infos}
     return header, out
 
@@ -452,29 +432,6 @@ def _dumps(value: Any) -> str:
 
 
 # --- Hugging Face shards ----------------------------------------------------------------
-
-SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
-
-
-def parse_size(size: int | str) -> int:
-    """A byte count from an int or a string like ``"5GB"`` (decimal units TB, GB, MB, KB, as huggingface_hub)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        if size <= 0:
-            raise CheckpointFormatError(f"max_shard_size must be positive, got {size}")
-        return size
-    if not isinstance(size, str):
-        raise CheckpointFormatError(f"max_shard_size must be an integer or a string like '5GB', got {size!r}")
-    text = size.strip()
-    unit = text[-2:].upper()
-    try:
-        value = float(text[:-2].strip()) if unit in SIZE_UNITS else math.nan
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        units = ", ".join(SIZE_UNITS)
-        raise CheckpointFormatError(f"max_shard_size '{size}' is not a positive size like '5GB' (units: {units})")
-    return int(value * SIZE_UNITS[unit])
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShardPlan:
@@ -527,7 +484,7 @@ def plan_shards(tensors: Iterable[tuple[str, int]], max_shard_size: int | str = 
     >>> plan_shards([("a", 6), ("b", 6), ("c", 2)], 10).shards
     (('model-00001-of-00002.safetensors', ('a',)), ('model-00002-of-00002.safetensors', ('b', 'c')))
     """
-    limit = parse_size(max_shard_size)
+    limit = parse_size(max_shard_size, "max_shard_size")
     shards: list[list[str]] = []
     current: list[str] = []
     current_size = total = 0

@@ -4,7 +4,7 @@ A conversion writes into a hidden sibling of the destination,
 ``.{name}.reshard-partial``, holding an exclusive lock on it. First it writes
 ``.reshard-resume.json``: what is being converted (source, options, a digest of
 the plan) and each source file's size and mtime. Every output file, once fsynced,
-gets a line in the journal (``reshard.storage``). Last come the manifest, then
+gets a line in the journal (``reshard.io.storage``). Last come the manifest, then
 the journal and header are removed and the directory is renamed onto the
 destination in one ``rename``. So at any instant the destination either does not
 exist or is complete with its manifest; a kill anywhere leaves at most the
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointFormatError
-from reshard.formats.base import read_json
-from reshard.storage import HASH, JOURNAL, file_digest, read_journal
+from reshard.io.smallfiles import read_json
+from reshard.io.storage import HASH, JOURNAL, file_digest, read_journal
 
 __all__ = ["HEADER", "Partial", "partial_path"]
 

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from reshard.arrays import view
+from reshard.execution.arrays import view
 from reshard.errors import CheckpointFormatError
-from reshard.formats.base import Located, itemsize
-from reshard.geometry import restrict
-from reshard.layout import Item
-from reshard.planner import Copy, Plan
+from reshard.core.dtypes import itemsize
+from reshard.io.smallfiles import Located
+from reshard.core.geometry import restrict
+from reshard.core.layout import Item
+from reshard.core.planner import Copy, Plan
 
 __all__ = ["ByteReader", "PlanFill", "destination_dtypes", "uint_dtype"]
 

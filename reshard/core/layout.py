@@ -1,6 +1,6 @@
 """What a resolved spec is: stored items, logical tensors, and the fragments between them.
 
-``reshard.resolve.resolve(spec, topology, sizes)`` (re-exported here) returns a
+``reshard.core.resolve.resolve(spec, topology, sizes)`` returns a
 ``Layout``: every stored item each rank group writes, and the ``Fragment``s
 that say which box of which logical tensor lives where inside it.
 
@@ -21,10 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from reshard.geometry import Box, restrict, row_major_strides
-from reshard.topology import Topology
+from reshard.core.geometry import Box, restrict, row_major_strides
+from reshard.core.topology import Topology
 
-__all__ = ["Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "chunk_fragments", "common_views", "dims_of", "resolve", "with_state_alias"]
+__all__ = ["Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "chunk_fragments", "common_views", "dims_of", "with_state_alias"]
 
 
 @dataclass(frozen=True, slots=True, order=True, eq=True)
@@ -175,7 +175,7 @@ class Layout:
 
     @classmethod
     def from_json(cls, data: dict) -> Layout:
-        from reshard.topology import parse_topology
+        from reshard.core.topology import parse_topology
 
         items = [Item(d["section"], tuple((a, c) for a, c in d["unit"]), d["chunk"], d["state"], d["key"]) for d in data["items"]]
         infos = {it: ItemInfo(shape=tuple(d["shape"]), mapped=d["mapped"], fill=d["fill"], rule=d["rule"])
@@ -289,5 +289,3 @@ def common_views(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
             to_dst[name] = s
     return (_reviewed(src, to_src) if to_src else src), (_reviewed(dst, to_dst) if to_dst else dst)
 
-
-from reshard.resolve import resolve  # noqa: E402  (re-exported: resolve builds the types above)

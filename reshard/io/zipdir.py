@@ -1,9 +1,9 @@
 """The directory of a zip archive, every integer in it checked against the archive's real size.
 
-A torch.save file is a zip archive (``reshard.torchfile``). ``zipfile`` trusts the archive's
+A torch.save file is a zip archive (``reshard.io.torchfile``). ``zipfile`` trusts the archive's
 integers: a header offset past the end reaches ``seek`` as a ValueError, a zip64 size becomes a
 read of that many bytes. This module reads only what reshard needs, checking each integer
-before it is used (``reshard.bounds``):
+before it is used (``reshard.io.bounds``):
 
 - The end of central directory record is in the archive's last 65,557 bytes. When a zip64
   end locator sits just before it, the zip64 end record it points to (before the locator) gives
@@ -29,7 +29,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from reshard.bounds import FieldError, check_count, check_range
+from reshard.io.bounds import FieldError, check_count, check_range
 
 __all__ = ["DEFLATED", "STORED", "ZipEntry", "ZipReader"]
 

@@ -36,14 +36,14 @@ The file is untrusted: every integer read from it (zip end records, central dire
 extra fields, local headers, pickle memo indices and byte counts, storage numels, tensor offsets,
 sizes and strides) is checked against the file's real size and torch's int64 before it is used, and a
 bad one is a ``CheckpointFormatError`` naming the file, the field, the value and the limit
-(``reshard.bounds``, ``reshard.zipdir``, ``reshard.pickle_scan``).
+(``reshard.io.bounds``, ``reshard.io.zipdir``, ``reshard.io.pickle_scan``).
 """
 
 from __future__ import annotations
 
-from reshard.torch_read import read_torch_file
-from reshard.torch_types import ALLOWED_PREFIXES, Opaque, TensorRef, TensorSpec, TorchDtype, TorchSize, map_tensors
-from reshard.torch_write import TorchFileWriter, write_torch_file
+from reshard.io.torch_read import read_torch_file
+from reshard.io.torch_types import ALLOWED_PREFIXES, Opaque, TensorRef, TensorSpec, TorchDtype, TorchSize, map_tensors
+from reshard.io.torch_write import TorchFileWriter, write_torch_file
 
 __all__ = [
     "ALLOWED_PREFIXES", "Opaque", "TensorRef", "TensorSpec", "TorchDtype", "TorchFileWriter", "TorchSize",

@@ -3,7 +3,7 @@
 A spec file says, for one framework and model family, how every stored tensor
 maps onto logical tensors. This module turns its text into a tree (``Spec``)
 and checks nothing but syntax; meaning (axes exist, degrees divide, every
-logical axis is covered once) is checked by ``reshard.resolve.resolve``.
+logical axis is covered once) is checked by ``reshard.core.resolve.resolve``.
 
 Grammar (one statement per line; ``#`` starts a comment)::
 

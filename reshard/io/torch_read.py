@@ -1,4 +1,4 @@
-"""Reading torch.save files: a restricted unpickler that maps tensors to ``TensorRef``s; the format is described in ``reshard.torchfile``."""
+"""Reading torch.save files: a restricted unpickler that maps tensors to ``TensorRef``s; the format is described in ``reshard.io.torchfile``."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from reshard.bounds import FieldError, brief, check_count, check_offset, check_range, check_shape
+from reshard.io.bounds import FieldError, brief, check_count, check_offset, check_range, check_shape
 from reshard.errors import CheckpointFormatError
-from reshard.pickle_scan import check_pickle
-from reshard.torch_types import (
+from reshard.io.pickle_scan import check_pickle
+from reshard.io.torch_types import (
     _ALLOWED,
     _DTYPE_ALIASES,
     _DTYPE_NAMES,
@@ -29,7 +29,7 @@ from reshard.torch_types import (
     TorchSize,
     _allowlisted,
 )
-from reshard.zipdir import STORED, ZipEntry, ZipReader
+from reshard.io.zipdir import STORED, ZipEntry, ZipReader
 
 
 class _BadFileError(FieldError):
@@ -497,8 +497,8 @@ def read_torch_file(path: str | Path, *, offset: int = 0, length: int | None = N
     ``Opaque`` records. Dtypes come back as ``TorchDtype``, ``torch.Size`` as ``TorchSize`` (a tuple).
 
     Every integer is checked before use: the zip's offsets and sizes against the archive's real size
-    (``reshard.zipdir``), the pickle's memo indices and byte counts before the unpickler sees them
-    (``reshard.pickle_scan``), and each tensor's storage offset, size and stride so that every element,
+    (``reshard.io.zipdir``), the pickle's memo indices and byte counts before the unpickler sees them
+    (``reshard.io.pickle_scan``), and each tensor's storage offset, size and stride so that every element,
     in int64 arithmetic, lies inside its storage record, which lies inside the file. Containers nest
     at most ``_MAX_DEPTH`` (100) deep.
 
