@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from reshard.core.catalog import load_spec  # noqa: E402
+from reshard.formats.specs import layout_spec  # noqa: E402
 from reshard.core.resolve import resolve
 from reshard.core.planner import plan  # noqa: E402
 from reshard.core.topology import parse_topology  # noqa: E402
@@ -34,7 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--validate", action="store_true", help="also time Plan.validate()")
     args = ap.parse_args()
-    spec = load_spec("megatron-llama-distopt")
+    spec = layout_spec("megatron-llama-distopt")
     rows = []
     t0 = time.perf_counter()
     src = resolve(spec, parse_topology(SRC), SIZES)

@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "convert": "reshard.api", "inspect": "reshard.api", "load": "reshard.api", "open_checkpoint": "reshard.api",
     "plan": "reshard.api", "verify": "reshard.api",
-    "load_spec": "reshard.core.catalog", "resolve": "reshard.core.resolve",
+    "load_spec": "reshard.models.catalog", "resolve": "reshard.core.resolve",
     "Topology": "reshard.core.topology", "parse_topology": "reshard.core.topology",
 }
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import reshard
 import reshard.execution.partial
+import reshard.execution.session
 import reshard.io.storage
 
 SRC, DST, TO, WORKERS, POINT, N = sys.argv[1:7]
@@ -47,7 +48,8 @@ def _hit() -> bool:
 
 
 _in_worker = multiprocessing.current_process().name != "MainProcess"
-_pwrite, _close, _journal = reshard.io.storage.OutputFile.pwrite, reshard.io.storage.OutputFile.close, reshard.io.storage._journal
+_pwrite, _close = reshard.io.storage.OutputFile.pwrite, reshard.io.storage.OutputFile.close
+_journal = reshard.execution.session._append_line
 _start, _write_synced, _replace = reshard.execution.partial.Partial._start, reshard.execution.partial._write_synced, os.replace
 
 
@@ -69,10 +71,10 @@ def close(self, **kw):
     return digest
 
 
-def journal(path, size, digest):
+def journal(journal_path, line, what):
     if POINT == "journal" and _hit():
         _kill()
-    _journal(path, size, digest)
+    _journal(journal_path, line, what)
 
 
 def start(self, header):
@@ -99,7 +101,7 @@ def replace(a, b):
 
 reshard.io.storage.OutputFile.pwrite = pwrite
 reshard.io.storage.OutputFile.close = close
-reshard.io.storage._journal = journal
+reshard.execution.session._append_line = journal
 reshard.execution.partial.Partial._start = start
 reshard.execution.partial._write_synced = write_synced
 reshard.execution.partial.os.replace = replace

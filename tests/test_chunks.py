@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import shutil
-from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
@@ -12,12 +10,11 @@ import pytest
 
 from reshard.fixtures import MODELS
 from reshard.execution.arrays import gather, scatter
-from reshard.core.catalog import load_spec
+from reshard.formats.specs import layout_spec
 from reshard.core.layout import Item, ItemInfo, Layout, chunk_fragments
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
 
-SPECS = Path(__file__).resolve().parent.parent / "specs"
 # Megatron-core torch_dist style: layers stacked on a leading dim, QKV group-interleaved,
 # SwiGLU fc1 as [gate; up], padded vocab, a transposed-looking row-parallel weight.
 STACKED = """include llama
@@ -38,10 +35,9 @@ def _cuts(n: int, parts: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("parts", [1, 2, 3])
 def test_any_grid_of_chunks_rebuilds_every_logical_tensor(tmp_path, parts):
-    shutil.copy(SPECS / "llama.spec", tmp_path)
     (tmp_path / "stacked.spec").write_text(STACKED)
     sizes = {k: v for k, v in MODELS["tiny-llama"].sizes.items() if k != "vocab_div"}
-    whole = resolve(load_spec(tmp_path / "stacked.spec"), Topology(), sizes)
+    whole = resolve(layout_spec(tmp_path / "stacked.spec"), Topology(), sizes)
     used = {f.tensor for f in whole.fragments}
     rng = np.random.default_rng(parts)
     values = {(n, "param"): rng.integers(0, 2**32, size=int(np.prod(t.shape)), dtype=np.uint32)

@@ -145,8 +145,8 @@ def test_a_failed_conversion_leaves_no_destination(tmp_path, monkeypatch):
 
     real = megatron.FORMAT.write
 
-    def dies_halfway(target, out, fill, **kw):
-        real(target, out, fill, **kw)
+    def dies_halfway(target, out, fill, *args, **kw):
+        real(target, out, fill, *args, **kw)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(megatron.FORMAT, "write", dies_halfway)

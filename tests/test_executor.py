@@ -6,7 +6,7 @@ import pytest
 from conftest import layouts, logical_values
 
 from reshard.execution.arrays import apply, scatter
-from reshard.core.catalog import load_spec
+from reshard.formats.specs import layout_spec
 from reshard.errors import CheckpointFormatError
 from reshard.execution.executor import ByteReader, PlanFill
 from reshard.formats.base import Located
@@ -53,7 +53,7 @@ def test_windows_of_any_size_reproduce_the_in_memory_plan(tmp_path, window, dire
         return done
 
     monkeypatch.setattr(reshard.execution.executor.PlanFill, "_read_direct", counting)
-    spec = load_spec("megatron-llama-distopt")
+    spec = layout_spec("megatron-llama-distopt")
     sizes = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 4, "vocab_div": 8, "bucket_size": 0}
     src = resolve(spec, parse_topology("tp=2,pp=2,dp=2"), sizes)
     dst = resolve(spec, parse_topology("tp=1,pp=4,dp=3"), sizes)

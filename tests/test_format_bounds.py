@@ -429,7 +429,7 @@ def test_a_universal_step_that_is_not_a_whole_number_is_refused(ucp, tmp_path):
 
 
 def test_a_universal_tag_that_leaves_the_folder_is_refused(ucp):
-    from reshard.formats.ucp import FORMAT
+    from reshard.formats.deepspeed.ucp import FORMAT
 
     (ucp / "latest_universal").write_text("..")
     refused(lambda: FORMAT.open(ucp), r"latest_universal: not a checkpoint tag: '\.\.'")

@@ -18,10 +18,10 @@ from typer.testing import CliRunner
 import reshard
 from reshard.cli.main import app
 from reshard.fixtures import MODELS, make_fixture, model_values
-from reshard.core.catalog import load_spec
+from reshard.formats.specs import layout_spec
 from reshard.io.dcp_metadata import parse_metadata, read_metadata
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.formats.dcp import _torch_chunks
+from reshard.formats.dcp.layouts import _torch_chunks
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
 
@@ -40,7 +40,7 @@ def consolidated(path, tmp_path) -> dict:
 
 
 def logical(model: str = "tiny-llama") -> dict:
-    layout = resolve(load_spec(MODELS[model].spec), Topology(), MODELS[model].sizes,
+    layout = resolve(layout_spec(MODELS[model].spec), Topology(), MODELS[model].sizes,
                      states={"model": ("param", "master", "exp_avg", "exp_avg_sq")})
     values = model_values(layout)
     return {k: (v, layout.tensors[k[0]].shape) for k, v in values.items()}
@@ -79,7 +79,7 @@ def test_a_dcp_written_by_torch_converts_to_hf_and_back_bit_exactly(tmp_path):
     """One-process dcp.save of a plain state dict: reshard reads torch's chunk archives in place."""
     gen = torch.Generator().manual_seed(0)
     sizes = MODELS["tiny-llama"].sizes
-    layout = resolve(load_spec("hf-llama"), Topology(), sizes)
+    layout = resolve(layout_spec("hf-llama"), Topology(), sizes)
     weights = {it.key: torch.randn(info.shape, generator=gen).to(torch.bfloat16) for it, info in layout.items.items()}
     src = tmp_path / "src"
     dcp.save({"model": weights}, checkpoint_id=src)

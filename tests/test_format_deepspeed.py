@@ -26,7 +26,7 @@ import pytest
 from conftest import assert_round_trip, logical_values, require
 
 from reshard.execution.arrays import gather, scatter
-from reshard.core.catalog import load_spec, shipped_dir
+from reshard.formats.specs import layout_spec, spec_text
 from reshard.errors import CheckpointFormatError, TopologyError
 from reshard.execution.executor import ByteReader, PlanFill
 from reshard.formats.base import Source
@@ -230,17 +230,21 @@ def test_reshard_dp2_to_dp3_through_planner_and_executor(tmp_path):
     np.testing.assert_array_equal(read(embed, "bfloat16", embed.numel), want)
 
 
-def test_hf_trainer_spec_keeps_layernorms_in_their_own_param_group(tmp_path):
+def test_hf_trainer_spec_keeps_norms_in_their_own_param_group(tmp_path):
+    """transformers' Trainer (get_decay_parameter_names) exempts every parameter whose name matches a norm:
+    both layer norms and the final ``model.norm``."""
     _, values, _, _ = write_checkpoint(tmp_path, "dp=2", spec="deepspeed-llama-hf-trainer")
-    norms = [n for n in hf_order() if "layernorm" in n]
-    rest = [n for n in hf_order() if "layernorm" not in n]
+    norms = [n for n in hf_order() if "norm" in n]
+    rest = [n for n in hf_order() if "norm" not in n]
     sd = read_torch_file(tmp_path / "global_step1/mp_rank_00_model_states.pt")
     assert [list(g) for g in sd["param_shapes"]] == [rest, norms]
     osd = read_torch_file(tmp_path / optim_name(1))["optimizer_state_dict"]
-    # Real DeepSpeed 0.19.8, same grouping at dp=2: 3528 + 32 elements per rank.
-    assert [t.shape for t in osd["single_partition_of_fp32_groups"]] == [(3528,), (32,)]
+    # dp=2: 7040 decay elements (3520 per rank) and 80 no-decay elements (40 per rank): rank 1 holds the last
+    # half of layer 1's input norm, its post-attention norm and the final norm.
+    assert [t.shape for t in osd["single_partition_of_fp32_groups"]] == [(3520,), (40,)]
     assert {k: (v.state["numel"], v.state["start"]) for k, v in osd["param_slice_mappings"][1].items()} == {
-        "model.layers.1.input_layernorm.weight": (16, 0), "model.layers.1.post_attention_layernorm.weight": (16, 16)}
+        "model.layers.1.input_layernorm.weight": (8, 0), "model.layers.1.post_attention_layernorm.weight": (16, 8),
+        "model.norm.weight": (16, 24)}
     for g, names in enumerate((rest, norms)):
         ref = osd["base_optimizer_state"]["state"][g]["exp_avg"]
         want = zero_partitions(values, "exp_avg", names, 2)[1]
@@ -249,18 +253,18 @@ def test_hf_trainer_spec_keeps_layernorms_in_their_own_param_group(tmp_path):
 
 
 def test_ranks_holding_only_padding_have_empty_mappings_and_no_master_elements(tmp_path):
-    # dp=40: the decay group (7056) pads to 7120, 178 per rank; the no-decay group (64) to 80, 2 per rank,
-    # so ranks 32..39 hold only its padding.
-    _, values, _, _ = write_checkpoint(tmp_path / "a", "dp=40", spec="deepspeed-llama-hf-trainer")
-    osd = read_torch_file(tmp_path / "a" / optim_name(39))["optimizer_state_dict"]
+    # dp=48: the decay group (7040) pads to 7104, 148 per rank; the no-decay group (80) to 96, 2 per rank,
+    # so ranks 40..47 hold only its padding.
+    _, values, _, _ = write_checkpoint(tmp_path / "a", "dp=48", spec="deepspeed-llama-hf-trainer")
+    osd = read_torch_file(tmp_path / "a" / optim_name(47))["optimizer_state_dict"]
     assert osd["group_paddings"] == [64, 2] and osd["param_slice_mappings"][1] == OrderedDict()
     assert osd["single_partition_of_fp32_groups"][1].shape == (0,)
     assert osd["base_optimizer_state"]["state"][1]["exp_avg"].shape == (2,)
     src = FORMAT.open(tmp_path / "a", sizes=SIZES)
     reshard(src, FORMAT.target(src, parse_topology("dp=1")), tmp_path / "b")
     osd = read_torch_file(tmp_path / "b" / optim_name(0))["optimizer_state_dict"]
-    norms = [n for n in hf_order() if "layernorm" in n]
-    np.testing.assert_array_equal(read(osd["single_partition_of_fp32_groups"][1], "float32", 64),
+    norms = [n for n in hf_order() if "norm" in n]
+    np.testing.assert_array_equal(read(osd["single_partition_of_fp32_groups"][1], "float32", 80),
                                   zero_partitions(values, "master", norms, 1)[0])
 
 
@@ -305,7 +309,7 @@ def test_param_slice_mappings_disagreeing_with_the_spec_name_the_param(tmp_path)
     write_checkpoint(tmp_path / "ckpt", "dp=2")
     # The same model with every param starting at a multiple of 64: not how DeepSpeed lays it out.
     spec = tmp_path / "aligned.spec"
-    shipped = (shipped_dir() / "deepspeed-llama.spec").read_text()
+    shipped = spec_text("deepspeed-llama")
     spec.write_text(shipped.replace("| pad 2*dp | split dp", "| align 64 | pad 2*dp | split dp"))
     with pytest.raises(CheckpointFormatError) as e:
         FORMAT.open(tmp_path / "ckpt", spec=str(spec), sizes=SIZES)
@@ -477,7 +481,7 @@ def test_bf16_optimizer_files_keep_the_master_whole_and_count_padding_on_the_las
 def test_megatron_distributed_optimizer_state_plans_into_deepspeed(tmp_path):
     # Same logical names and states on both sides: tp=2, pp=2, dp=2 Megatron -> dp=3 DeepSpeed, and back.
     sizes = {**SIZES, "layers": 4, "vocab_div": 8, "bucket_size": 0}
-    spec = load_spec("megatron-llama-distopt")
+    spec = layout_spec("megatron-llama-distopt")
     megatron = resolve(spec, parse_topology("tp=2,pp=2,dp=2"), sizes)
     source = Source(format="megatron", path=tmp_path, spec_name="megatron-llama-distopt", spec=spec,
                     topology=megatron.topology, sizes=sizes, layout=megatron, where={})

@@ -17,11 +17,14 @@ import numpy as np
 import pytest
 from conftest import require, save_tiny_mixtral
 
-from reshard.core.catalog import load_spec
+from reshard.formats.specs import layout_spec
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.formats import hf
+from reshard.formats.hf.files import _ordered_items
 from reshard.formats.base import Source, Target, itemsize
-from reshard.formats.hf import FORMAT, llama_config, sizes_from_config
+from reshard.execution.session import WriteSession
+from reshard.formats.hf import FORMAT
+from reshard.models.llama import config_from_sizes as llama_config
+from reshard.models.llama import sizes_from_config
 from reshard.core.resolve import resolve
 from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter, read_header
 from reshard.core.topology import Topology
@@ -35,7 +38,7 @@ TINY = {
 
 def _tensors(config: dict) -> dict[str, np.ndarray]:
     """Every tensor of the hf-llama layout for ``config``, arange-valued and distinct per tensor."""
-    layout = resolve(load_spec("hf-llama"), Topology(), sizes_from_config(config))
+    layout = resolve(layout_spec("hf-llama"), Topology(), sizes_from_config(config))
     return {it.key: (np.arange(info.numel, dtype=np.float32) + 1000 * k).reshape(info.shape)
             for k, (it, info) in enumerate(sorted(layout.items.items()))}
 
@@ -135,20 +138,31 @@ def test_unknown_stored_tensor_fails_closed(tmp_path: Path, tiny) -> None:
 def test_missing_and_misshapen_tensors_are_all_listed(tmp_path: Path, tiny) -> None:
     tensors = {k: v for k, v in tiny.items() if k != "lm_head.weight"}
     tensors["model.norm.weight"] = np.zeros(9, np.float32)
-    root = _make_hf(tmp_path / "ckpt", tensors, config={**TINY, "model_type": "mistral"})
+    root = _make_hf(tmp_path / "ckpt", tensors)
     with pytest.raises(CheckpointFormatError) as e:
         FORMAT.open(root)
     assert str(e.value) == (
-        f"{root}: the stored tensors do not match spec 'hf-llama' (config model_type \"mistral\"):\n"
+        f"{root}: the stored tensors do not match spec 'hf-llama':\n"
         f"  {root / WEIGHTS_NAME}: tensor 'model.norm.weight' has shape [9], the spec expects [8]\n"
         f"  tensor 'lm_head.weight' is missing (spec rule 'lm_head.weight')")
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", None])
+def test_a_model_type_no_family_claims_is_refused_never_read_as_llama(tmp_path: Path, tiny, model_type) -> None:
+    """Mistral stores exactly Llama's tensor names; reading it as Llama would drop its sliding window."""
+    root = _make_hf(tmp_path / "ckpt", tiny, config={**TINY, "model_type": model_type})
+    with pytest.raises(CheckpointFormatError) as e:
+        FORMAT.open(root)
+    assert str(e.value) == (f"{root / 'config.json'}: model_type {model_type!r} is not a model family reshard "
+                            "knows (known: llama, mixtral, gpt2); converting it as another family would change "
+                            "the model")
 
 
 def test_tied_checkpoint_opens_with_the_tied_spec_and_has_no_lm_head(tmp_path: Path, tiny) -> None:
     tensors = {k: v for k, v in tiny.items() if k != "lm_head.weight"}
     root = _make_hf(tmp_path / "ckpt", tensors, config={**TINY, "tie_word_embeddings": True})
     source = FORMAT.open(root)
-    assert source.spec_name == hf.TIED_SPEC
+    assert source.spec_name == "hf-llama-tied"
     assert "lm_head.weight" not in source.layout.tensors
     with pytest.raises(CheckpointFormatError, match="lm_head.weight' matches no item of spec 'hf-llama-tied'"):
         FORMAT.open(_make_hf(tmp_path / "bad", tiny, config={**TINY, "tie_word_embeddings": True}))
@@ -246,7 +260,6 @@ def test_target_of_another_format_synthesizes_a_llama_config(tmp_path: Path, tin
 
 @pytest.mark.parametrize("max_shard_size", [None, 600], ids=["one-file", "sharded"])
 def test_write_streams_every_tensor_in_bounded_windows(tmp_path: Path, tiny, monkeypatch, max_shard_size) -> None:
-    monkeypatch.setattr(hf, "WINDOW_BYTES", 24)
     source = FORMAT.open(_make_hf(tmp_path / "ckpt", tiny))
     target = FORMAT.target(source, Topology())
     if max_shard_size:
@@ -255,7 +268,7 @@ def test_write_streams_every_tensor_in_bounded_windows(tmp_path: Path, tiny, mon
     out.mkdir()
     fill = _span_fill(source)
     progress: list[int] = []
-    files = FORMAT.write(target, out, fill, progress=progress.append)
+    files = FORMAT.write(target, out, fill, WriteSession(window_bytes=24, progress=progress.append))
     total = sum(a.nbytes for a in tiny.values())
     assert sum(progress) == total and max(fill.asked) <= 24
     if max_shard_size:
@@ -278,7 +291,7 @@ def test_write_streams_every_tensor_in_bounded_windows(tmp_path: Path, tiny, mon
 
 def test_write_keeps_each_layer_together_in_state_dict_order(tmp_path: Path, tiny) -> None:
     source = FORMAT.open(_make_hf(tmp_path / "ckpt", tiny))
-    order = [it.key for it in hf._ordered_items(FORMAT.target(source, Topology()).layout)]
+    order = [it.key for it in _ordered_items(FORMAT.target(source, Topology()).layout)]
     assert order[0] == "model.embed_tokens.weight" and order[-2:] == ["model.norm.weight", "lm_head.weight"]
     layers = [int(k.split(".")[2]) for k in order[1:-2]]
     assert layers == sorted(layers) and len(layers) == 18

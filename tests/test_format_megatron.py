@@ -18,7 +18,7 @@ import pytest
 from conftest import logical_values
 
 from reshard.execution.arrays import gather, scatter
-from reshard.core.catalog import load_spec
+from reshard.formats.specs import layout_spec
 from reshard.errors import CheckpointFormatError
 from reshard.execution.executor import ByteReader, PlanFill
 from reshard.formats.base import Source, itemsize
@@ -128,12 +128,10 @@ def coalesced(sd: OrderedDict, bucket_size: int = 0, dp: int = 2) -> np.ndarray:
 
 def fixture_source(states=STATES, tied=False) -> Source:
     """The model unsharded, as a source of another format (Hugging Face names; tied: no lm_head)."""
-    spec = load_spec("hf-llama")
-    if tied:
-        keep = tuple(st for st in spec.statements if "lm_head" not in getattr(getattr(st, "pattern", None), "text", ""))
-        spec = replace(spec, statements=keep)
+    name = "hf-llama-tied" if tied else "hf-llama"
+    spec = layout_spec(name)
     layout = resolve(spec, Topology(), SIZES, states={"model": states})
-    return Source(format="fixture", path=Path(), spec_name=spec.source, spec=spec, topology=Topology(),
+    return Source(format="fixture", path=Path(), spec_name=name, spec=spec, topology=Topology(),
                   sizes=dict(SIZES), layout=layout, where={})
 
 
@@ -441,7 +439,7 @@ def test_open_reads_a_torch_saved_checkpoint_and_maps_adam_state_by_index(tmp_pa
             np.testing.assert_array_equal(arr, values[(name, state)], err_msg=name)
     # Each parameter's main param and Adam moments are the ones torch computed for it.
     if distopt:
-        layout = resolve(load_spec("megatron-llama"), source.topology, source.sizes, states={"model": STATES})
+        layout = resolve(layout_spec("megatron-llama"), source.topology, source.sizes, states={"model": STATES})
         by_key = {(it.key, it.state, dict(it.unit)["tp"]): it for it in layout.items}
         items = {by_key[k]: v for k, v in _per_param(source, items).items()}
     else:
@@ -692,13 +690,13 @@ def test_without_vocab_pad_a_specs_own_pad_policy_stands(tmp_path):
     import reshard
     from reshard.fixtures import make_fixture
 
-    from reshard.core.catalog import shipped_dir
+    from reshard.formats.specs import spec_text
     from reshard.io.torchfile import read_torch_file
 
     make_fixture(tmp_path / "hf", format="hf")
     vocab = reshard.open_checkpoint(tmp_path / "hf").sizes["vocab"]
-    text = (shipped_dir() / "megatron-llama.spec").read_text().replace("(vocab~(vocab_div*tp))", "(vocab~(vocab_div*tp):last)")
-    (tmp_path / "last.spec").write_text(text.replace("include llama", f"include {shipped_dir() / 'llama.spec'}"))
+    text = spec_text("megatron-llama").replace("(vocab~(vocab_div*tp))", "(vocab~(vocab_div*tp):last)")
+    (tmp_path / "last.spec").write_text(text)
     reshard.convert(tmp_path / "hf", tmp_path / "out", format="megatron", to="tp=2", spec=str(tmp_path / "last.spec"))
     ref = read_torch_file(tmp_path / "out" / "iter_0000000" / "mp_rank_01" / "model_optim_rng.pt")["model"][
         "embedding.word_embeddings.weight"]

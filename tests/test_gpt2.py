@@ -8,7 +8,7 @@ from conftest import require
 
 import reshard
 from reshard.fixtures import MODELS, make_fixture, model_values
-from reshard.core.catalog import load_spec
+from reshard.formats.specs import layout_spec
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
 
@@ -50,7 +50,7 @@ def test_transformers_loads_the_converted_gpt2_with_the_fixture_values_and_same_
     make_fixture(src, format="megatron", to="tp=2,pp=2", model="tiny-gpt2")
     reshard.convert(src, hf, format="hf")
     model = transformers.GPT2LMHeadModel.from_pretrained(hf, dtype=torch.bfloat16)
-    layout = resolve(load_spec("hf-gpt2"), Topology(), MODELS["tiny-gpt2"].sizes)
+    layout = resolve(layout_spec("hf-gpt2"), Topology(), MODELS["tiny-gpt2"].sizes)
     values = model_values(layout, ("param",))
     state = model.state_dict()
     for (name, _), bits in values.items():
@@ -113,5 +113,5 @@ def test_a_gpt2_saved_by_transformers_survives_megatron_and_back(tmp_path):
 
 
 def test_deepspeed_says_plainly_that_gpt2_is_not_supported_yet(tmp_path):
-    with pytest.raises(reshard.CheckpointFormatError, match="a GPT-2-style model; the deepspeed format supports Llama-style"):
+    with pytest.raises(reshard.CheckpointFormatError, match="a gpt2 model; the deepspeed format supports Llama-style"):
         make_fixture(tmp_path / "ds", format="deepspeed", to="dp=2", model="tiny-gpt2")

@@ -486,13 +486,13 @@ blob rng_state regenerate
 def test_the_fragment_index_round_trips_through_json():
     import json
 
-    from reshard.core.catalog import load_spec
+    from reshard.formats.specs import layout_spec
     from reshard.core.layout import Layout
     from reshard.core.resolve import resolve
     from reshard.core.topology import parse_topology
 
     sizes = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 4, "vocab_div": 8, "bucket_size": 0}
-    layout = resolve(load_spec("megatron-llama-distopt"), parse_topology("tp=2,pp=2,dp=2,vpp=2"), sizes)
+    layout = resolve(layout_spec("megatron-llama-distopt"), parse_topology("tp=2,pp=2,dp=2,vpp=2"), sizes)
     back = Layout.from_json(json.loads(json.dumps(layout.to_json())))
     assert back.fragments == layout.fragments
     assert dict(back.items) == dict(layout.items)

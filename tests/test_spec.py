@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.core.catalog import available_specs, load_spec
+from reshard.models.catalog import available_specs, load_spec
 from reshard.errors import ReshardError, SpecError, TopologyError
 from reshard.core.resolve import resolve
 from reshard.core.spec import Concat, Flat, Logical, Pad, Product, Section, Split, Stored, parse_spec
@@ -178,9 +178,9 @@ def test_include_cycles_and_missing_specs_are_errors(tmp_path):
     (tmp_path / "b.spec").write_text("include a\n")
     with pytest.raises(SpecError, match="include cycle: a.spec -> b.spec -> a.spec"):
         load_spec(tmp_path / "a.spec")
-    with pytest.raises(SpecError, match=r"^no shipped spec 'nonexistent' \(shipped specs: "):
+    with pytest.raises(SpecError, match=r"^no model family 'nonexistent' \(families: gpt2, llama, mixtral; "):
         load_spec("nonexistent")
-    with pytest.raises(SpecError, match=r"^no spec file nowhere/x.spec \(shipped specs: .*named by its path\)$"):
+    with pytest.raises(SpecError, match=r"^no spec file nowhere/x.spec \(families: .*named by its path; "):
         load_spec("nowhere/x.spec")
 
 

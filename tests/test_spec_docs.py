@@ -30,14 +30,15 @@ from conftest import assert_round_trip, logical_values
 
 import reshard.core.spec
 from reshard.execution.arrays import gather, scatter
-from reshard.core.catalog import load_spec, shipped_dir
+from reshard.formats.specs import spec_names
+from reshard.models.catalog import load_spec
 from reshard.errors import ReshardError
 from reshard.core.layout import Layout
 from reshard.core.resolve import resolve
 from reshard.core.spec import parse_spec
 from reshard.core.topology import parse_topology
 
-README = shipped_dir() / "README.md"
+README = Path(__file__).resolve().parent.parent / "specs" / "README.md"
 FACTS_TESTS = Path(__file__).with_name("test_layout_facts.py")
 _FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 
@@ -148,9 +149,12 @@ def test_every_error_example_prints_exactly_as_shown(body, message):
     assert str(e.value) == message.rstrip("\n")
 
 
-def test_every_shipped_spec_has_a_line_in_the_readme():
-    listed = set(re.findall(r"^- `([\w.-]+\.spec)`", _section(TEXT, "Shipped specs"), re.M))
-    assert listed == {p.name for p in shipped_dir().glob("*.spec")}
+def test_every_format_rule_and_family_has_a_line_in_the_readme():
+    listed = set(re.findall(r"^- `([\w.-]+)`", _section(TEXT, "Formats and families"), re.M))
+    prefixes = {name.rsplit("-", 1)[0] for name in spec_names()}
+    from reshard.models import FAMILIES
+
+    assert listed == prefixes | set(FAMILIES)
 
 
 def test_every_layout_fact_has_an_example_naming_a_real_test():

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from reshard.errors import CheckpointFormatError
-from reshard.formats.base import stream_item
-from reshard.io.storage import OutputFile, file_digest, take_digest
+from reshard.execution.session import WriteSession
+from reshard.io.storage import OutputFile, file_digest
 from reshard.io.torch_types import TensorSpec
 from reshard.io.torch_write import TorchFileWriter
 
@@ -29,15 +29,16 @@ def test_sequential_writes_are_checksummed_without_reading_back(tmp_path):
 def test_any_write_order_overwrites_and_holes_still_give_the_files_checksum(tmp_path, seed):
     rng = random.Random(seed)
     size = 5000
-    f = OutputFile(tmp_path / "a", size=size if seed % 2 else None)
+    session = WriteSession()
+    f = session.open(tmp_path / "a", size=size if seed % 2 else None)
     for _ in range(12):
         lo = rng.randrange(0, size - 1)
         f.pwrite(os.urandom(rng.randrange(1, min(900, size - lo) + 1)), lo)
     if seed % 2 == 0:  # without a size the file ends where the last byte was written
         f.pwrite(b"end", size - 3)
     digest = f.close()
-    assert digest == file_digest(tmp_path / "a") == take_digest(tmp_path / "a")
-    assert take_digest(tmp_path / "a") is None  # taken once
+    assert digest == file_digest(tmp_path / "a") == session.digest(tmp_path / "a")
+    assert WriteSession().digest(tmp_path / "a") is None  # another session never sees it
 
 
 def test_a_torch_file_is_checksummed_as_it_streams(tmp_path):
@@ -45,12 +46,13 @@ def test_a_torch_file_is_checksummed_as_it_streams(tmp_path):
     tree = {"a": TensorSpec("float32", (1000,), key="a"), "b": TensorSpec("bfloat16", (3, 500), key="b"),
             "empty": TensorSpec("float32", (0,), key="e"), "step": 7}
     data = {"a": os.urandom(4000), "b": os.urandom(3000), "e": b""}
-    with TorchFileWriter(tmp_path / "t.pt", tree) as w:
+    session = WriteSession()
+    with TorchFileWriter(tmp_path / "t.pt", tree, open_file=session.open) as w:
         out = w._out
         for key in w.entries:
             for lo in range(0, len(data[key]), 512):
                 w.write(key, data[key][lo:lo + 512])
-    assert take_digest(tmp_path / "t.pt") == file_digest(tmp_path / "t.pt")
+    assert session.digest(tmp_path / "t.pt") == file_digest(tmp_path / "t.pt")
     assert out.read_back < 2000 < len(data["a"]) and not out._rehash
     import torch
     loaded = torch.load(tmp_path / "t.pt", weights_only=True)
@@ -87,15 +89,16 @@ def test_stream_item_overlaps_filling_and_writing_and_keeps_the_order():
         threads.add(threading.current_thread().name)
         got.append(bytes(data))
 
-    stream_item(fill, "item", 10_000, "float32", write, None, window=4 * 999)
+    with WriteSession(window_bytes=4 * 999) as session:
+        session.stream_item(fill, "item", 10_000, "float32", write)
     assert b"".join(got) == payload.tobytes() and len(got) == 11
     assert any(t.startswith("reshard-write") for t in threads)
 
     def broken(data):
         raise CheckpointFormatError("disk full")
 
-    with pytest.raises(CheckpointFormatError, match="disk full"):
-        stream_item(fill, "item", 10_000, "float32", broken, None, window=4 * 999)
+    with pytest.raises(CheckpointFormatError, match="disk full"), WriteSession(window_bytes=4 * 999) as session:
+        session.stream_item(fill, "item", 10_000, "float32", broken)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -269,17 +272,11 @@ def test_a_small_filesystem_filling_up_mid_conversion_leaves_nothing(tmp_path):
 def test_ranges_inside_a_streamed_item_are_checksummed_across_windows():
     import xxhash
 
-    from reshard.io.storage import hash_segments, take_item_digests, take_segment_digests
-
     data = os.urandom(40_000)
     ranges = [(0, 4), (4, 9_999), (10_000, 10_004), (12_001, 39_996), (39_996, 40_000)]
-    take_segment_digests()  # none left from an earlier test in this process
-    hash_segments({"item": ranges})
-    try:
-        out = bytearray()
-        stream_item(lambda item, lo, hi: data[lo * 4:hi * 4], "item", 10_000, "float32", out.extend, None,
-                    window=4 * 333)
-    finally:
-        hash_segments(None)
-    assert bytes(out) == data and take_item_digests()["item"] == xxhash.xxh3_128(data).hexdigest()
-    assert take_segment_digests() == {("item", lo, hi): xxhash.xxh3_128(data[lo:hi]).hexdigest() for lo, hi in ranges}
+    out = bytearray()
+    with WriteSession(segments={"item": ranges}, window_bytes=4 * 333) as session:
+        session.stream_item(lambda item, lo, hi: data[lo * 4:hi * 4], "item", 10_000, "float32", out.extend)
+    assert bytes(out) == data and session.item_digests()["item"] == xxhash.xxh3_128(data).hexdigest()
+    assert session.segment_digests() == {("item", lo, hi): xxhash.xxh3_128(data[lo:hi]).hexdigest()
+                                         for lo, hi in ranges}

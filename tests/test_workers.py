@@ -44,9 +44,9 @@ def test_windows_follow_the_memory_budget(tmp_path, monkeypatch):
     windows, largest = [], [0]
     real_write, real_fill = megatron.FORMAT.write, PlanFill.__call__
 
-    def write(target, out, fill, **kw):
-        windows.append(kw.get("window_bytes"))
-        return real_write(target, out, fill, **kw)
+    def write(target, out, fill, session=None, **kw):
+        windows.append(session.window_bytes)
+        return real_write(target, out, fill, session, **kw)
 
     def fill(self, item, lo, hi):
         out = real_fill(self, item, lo, hi)
@@ -75,7 +75,7 @@ def test_a_budget_below_what_the_plan_needs_is_an_error_before_writing(tmp_path)
 
 
 def test_a_worker_error_comes_back_with_the_files_it_was_writing(tmp_path):
-    from reshard.api import _worker
+    from reshard.api.workers import _worker
 
     files, error, read, tensors = _worker((str(tmp_path / "missing"), str(tmp_path), "tp=1", None, None, {},
                                   ["iter_0000000/mp_rank_00/model_optim_rng.pt"], 1 << 20, {}))
@@ -87,13 +87,13 @@ def test_a_worker_error_comes_back_with_the_files_it_was_writing(tmp_path):
 def test_a_failed_worker_leaves_no_destination(tmp_path, monkeypatch):
     src = tmp_path / "src"
     make_fixture(src, format="megatron", to="tp=1,pp=2")
-    import reshard.api
+    import reshard.api.converting
 
     def fails(shares, src, tmp, *args):
         (tmp / "partial.pt").write_bytes(b"x")
         raise ReshardError("worker died")
 
-    monkeypatch.setattr(reshard.api, "_run_workers", fails)
+    monkeypatch.setattr(reshard.api.converting, "run_workers", fails)
     with pytest.raises(ReshardError, match="worker died"):
         reshard.convert(src, tmp_path / "dst", to="tp=1,pp=2", workers=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

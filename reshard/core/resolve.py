@@ -12,19 +12,19 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 
 from reshard.core import spec as S
-from reshard.errors import SpecError, TopologyError
+from reshard.errors import SpecError
 from reshard.core.geometry import Box, restrict, row_major_strides
 from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
+from reshard.core.names import MESH_AXES, Captures, _layer_name, _stacks_over_pp
 from reshard.core.terms import Ctx, eval_term, flat_layout
 from reshard.core.topology import Topology
 
 __all__ = ["BYTES_AXIS", "MESH_AXES", "TOPOLOGY_VARS", "resolve"]
 
-MESH_AXES = ("tp", "pp", "dp", "cp", "ep", "edp")
 TOPOLOGY_VARS = ("tp", "pp", "dp", "cp", "ep", "edp", "vpp")
 BYTES_AXIS = "nbytes"
 
@@ -40,7 +40,7 @@ def resolve(
     """Resolve ``spec`` for ``topology`` and model ``sizes`` into a ``Layout``.
 
     Args:
-      spec: a parsed spec with includes expanded (``reshard.core.catalog.load_spec``).
+      spec: a parsed spec with includes expanded (``reshard.models.catalog.load_spec``).
       topology: the parallel layout.
       sizes: model dimensions by variable name (``h``, ``g``, ``layers``, ...).
       blob_sizes: byte size of each blob (non-tensor state) by name.
@@ -54,7 +54,7 @@ def resolve(
     return _Resolver(spec, topology, dict(sizes), dict(blob_sizes or {}), dict(states or {})).run()
 
 
-class _Resolver:
+class _Resolver(Captures):
     def __init__(self, spec: S.Spec, topo: Topology, sizes: dict[str, int], blobs: dict[str, int], states: dict[str, tuple[str, ...]]) -> None:
         self.spec = spec
         self.topo = topo
@@ -93,7 +93,7 @@ class _Resolver:
         sections: list[tuple[S.Section, list[S.Statement]]] = []
         for st in self.spec.statements:
             if isinstance(st, S.Include):
-                raise self.err(f"include '{st.path}' was not expanded; load specs with reshard.core.catalog.load_spec", st.pos)
+                raise self.err(f"include '{st.path}' was not expanded; load specs with reshard.models.catalog.load_spec", st.pos)
             if isinstance(st, S.Let):
                 if st.name in TOPOLOGY_VARS:
                     raise self.err(f"'{st.name}' is a topology degree; it cannot be redefined", st.pos)
@@ -129,20 +129,6 @@ class _Resolver:
             fragments=tuple(self.fragments),
             order=MappingProxyType(self.order),
         )
-
-    def key_of(self, pattern: S.Pattern, values: dict[str, tuple[int, int]]) -> str:
-        """A stored tensor's name: each capture numbered as it says (local, or global ``{i@pp}``), plus its
-        offset; ``{=expr}`` parts evaluated."""
-        out = []
-        for p in pattern.parts:
-            if isinstance(p, str):
-                out.append(p)
-            elif isinstance(p, S.Computed):
-                out.append(str(self.eval(p.expr)))
-            else:
-                g, local = values[p.name]
-                out.append(str((g if p.numbered == "global" else local) + (self.eval(p.offset) if p.offset else 0)))
-        return "".join(out)
 
     def eval(self, e: S.Expr) -> int:
         if isinstance(e, S.Num):
@@ -237,11 +223,6 @@ class _Resolver:
             raise self.err(f"axis '{name}' has size {self.env[name]}; a size must be >= 0", pos)
         return self.env[name]
 
-    def capture_values(self, pattern: S.Pattern) -> Iterable[dict[str, int]]:
-        caps = list(dict.fromkeys(c.name for c in pattern.captures))
-        for combo in itertools.product(*(range(self.indexes[c]) for c in caps)):
-            yield dict(zip(caps, combo))
-
     # -- sections
 
     def section(self, sec: S.Section, rules: list[S.Statement], sections: dict[str, S.Section]) -> None:
@@ -273,109 +254,6 @@ class _Resolver:
                         self.check_rule(sec, rule)
                     ordered += self.stored(sec, rule, unit, coords, chunk, values, states)
                 self.order[_order_key(sec.name, unit, chunk)] = tuple(ordered)
-
-    def expand(self, sec: S.Section, rules: list[S.Statement], coords: dict[str, int], chunk: int, pipelined: bool):
-        """Rules with their capture values for one unit, in registration order.
-
-        Consecutive rules sharing the capture split over pp form a block that is
-        repeated layer by layer (a transformer layer's parameters stay together);
-        inside it, or outside, consecutive rules sharing a capture split over
-        another axis form a block repeated index by index (a local expert's
-        parameters stay together).
-        """
-        i = 0
-        while i < len(rules):
-            rule = rules[i]
-            layer = _pp_capture(rule)
-            if layer is None:
-                j = i + 1
-                while j < len(rules) and _pp_capture(rules[j]) is None:
-                    j += 1
-                yield from self.by_index([r for r in rules[i:j] if self.placed(r, coords, chunk, pipelined)],
-                                         coords, chunk, None)
-                i = j
-                continue
-            if getattr(rule, "place", None) is not None:
-                raise self.err(f"a rule with '{{{layer.name}/pp}}' sits on the stage of its layer; drop '@{rule.place}'", rule.pos)
-            j = i
-            while j < len(rules) and _layer_name(rules[j]) == layer.name:
-                j += 1
-            block = rules[i:j]
-            for lv in self.layer_values(layer, coords, chunk, rule):
-                yield from self.by_index(block, coords, chunk, lv)
-            i = j
-
-    def by_index(self, rules: list[S.Statement], coords: dict[str, int], chunk: int, layer: tuple[int, int] | None):
-        """Rules with their capture values; a run of rules sharing a ``{x/axis}`` capture (axis not pp) goes index by index."""
-        caps = [_split_capture(r) for r in rules]
-        if not any(caps):
-            for r in rules:
-                yield from ((r, v) for v in self.rule_values(r, coords, chunk, layer))
-            return
-        i = 0
-        while i < len(rules):
-            cap = caps[i]
-            j = i + 1
-            while cap is not None and j < len(rules) and caps[j] == cap:
-                j += 1
-            run = [(r, list(self.rule_values(r, coords, chunk, layer))) for r in rules[i:j]]
-            if j - i == 1:
-                yield from ((r, v) for r, vs in run for v in vs)
-            else:
-                for x in dict.fromkeys(v[cap][0] for _, vs in run for v in vs):
-                    yield from ((r, v) for r, vs in run for v in vs if v[cap][0] == x)
-            i = j
-
-    def placed(self, rule: S.Statement, coords: dict[str, int], chunk: int, pipelined: bool) -> bool:
-        place = rule.place if isinstance(rule, S.Stored) else None
-        if place == "lastonly" and not pipelined:
-            return False
-        if pipelined and place is None and _stacks_over_pp(rule):
-            return True  # layers stacked on a dim split over pp: one item per (stage, chunk)
-        if not pipelined or place is None:
-            return chunk == 0
-        if place == "first":
-            return coords["pp"] == 0 and chunk == 0
-        last = coords["pp"] == self.topo.pp - 1 and chunk == self.topo.vpp - 1
-        return last and (place == "last" or self.topo.pp * self.topo.vpp > 1)
-
-    def layer_values(self, cap: S.Capture, coords: dict[str, int], chunk: int, rule: S.Statement) -> list[tuple[int, int]]:
-        n = self.index_size(cap)
-        if "pp" not in coords:
-            raise self.err(f"'{{{cap.name}/pp}}' needs 'pp' among the section's 'per' axes", cap.pos)
-        try:
-            places = self.topo.layer_placement(n)
-        except TopologyError as e:
-            raise TopologyError(f"{_name(rule)}: {e}") from None
-        return [(g, p.local) for g, p in enumerate(places) if p.stage == coords["pp"] and p.chunk == chunk]
-
-    def index_size(self, cap: S.Capture) -> int:
-        if cap.name not in self.indexes:
-            raise self.err(f"unknown index '{cap.name}' (declared: {', '.join(self.indexes) or 'none'})", cap.pos)
-        return self.indexes[cap.name]
-
-    def rule_values(self, rule: S.Statement, coords: dict[str, int], chunk: int, layer: tuple[int, int] | None):
-        """Capture values of one rule: each a dict name -> (global, local)."""
-        caps = list({c.name: c for c in rule.pattern.captures}.values())
-        choices = []
-        for cap in caps:
-            if cap.axis == "pp":
-                choices.append([layer])
-            elif cap.axis is None:
-                choices.append([(v, v) for v in range(self.index_size(cap))])
-            else:
-                n = self.index_size(cap)
-                if cap.axis not in MESH_AXES:
-                    raise self.err(f"unknown mesh axis '{cap.axis}' (expected one of: {', '.join(MESH_AXES)})", cap.pos)
-                if cap.axis not in coords:
-                    raise self.err(f"'{{{cap.name}/{cap.axis}}}' needs '{cap.axis}' among the section's 'per' axes", cap.pos)
-                d = self.topo.degree(cap.axis)
-                if n % d:
-                    raise TopologyError(f"{_name(rule)}: {cap.name}({n}) is not divisible by {cap.axis}({d})")
-                lo = coords[cap.axis] * (n // d)
-                choices.append([(lo + j, j) for j in range(n // d)])
-        for combo in itertools.product(*choices):
-            yield dict(zip((c.name for c in caps), combo))
 
     # -- stored tensors
 
@@ -627,14 +505,6 @@ def _order_key(section: str, unit, chunk: int) -> str:
     return f"{section}/{','.join(f'{a}={c}' for a, c in unit)}/{chunk}"
 
 
-def _name(rule: S.Statement) -> str:
-    return rule.pattern.text
-
-
-def _pp_capture(rule: S.Statement) -> S.Capture | None:
-    return next((c for c in rule.pattern.captures if c.axis == "pp"), None) if hasattr(rule, "pattern") else None
-
-
 def _selected(key: str, ops: tuple[S.FlatOp, ...]) -> bool:
     """Whether a flat buffer's ``only``/``except`` globs keep the param stored as ``key``."""
     for op in ops:
@@ -643,33 +513,6 @@ def _selected(key: str, ops: tuple[S.FlatOp, ...]) -> bool:
         if op.op == "except" and fnmatch.fnmatchcase(key, op.arg):
             return False
     return True
-
-
-def _split_capture(rule: S.Statement) -> str | None:
-    """The name of a rule's first capture split over a mesh axis other than pp, if any."""
-    if not hasattr(rule, "pattern"):
-        return None
-    return next((c.name for c in rule.pattern.captures if c.axis not in (None, "pp")), None)
-
-
-def _stacks_over_pp(rule: S.Statement) -> bool:
-    def walk(t: S.Term) -> bool:
-        if isinstance(t, S.Split):
-            return (t.axis == "pp" and isinstance(t.term, S.Index)) or walk(t.term)
-        if isinstance(t, S.Pad):
-            return walk(t.term)
-        if isinstance(t, S.Product):
-            return any(walk(x) for x in t.terms)
-        if isinstance(t, S.Concat):
-            return any(walk(x) for p in t.parts for x in p.terms)
-        return False
-
-    return isinstance(rule, S.Stored) and any(walk(t) for t in rule.dims or ())
-
-
-def _layer_name(rule: S.Statement) -> str | None:
-    cap = _pp_capture(rule)
-    return cap.name if cap else None
 
 
 def _logical_axes(term: S.Term, r: _Resolver) -> list[tuple[str, S.Pos]]:

@@ -4,6 +4,7 @@ A spec file says, for one framework and model family, how every stored tensor
 maps onto logical tensors. This module turns its text into a tree (``Spec``)
 and checks nothing but syntax; meaning (axes exist, degrees divide, every
 logical axis is covered once) is checked by ``reshard.core.resolve.resolve``.
+The tree's node classes live in ``reshard.core.spec_ast`` and are re-exported here.
 
 Grammar (one statement per line; ``#`` starts a comment)::
 
@@ -38,9 +39,39 @@ The published, normative version of this grammar is ``specs/README.md``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from reshard.errors import SpecError
+from reshard.core.spec_ast import (
+    Axis,
+    Blob,
+    Call,
+    Capture,
+    Computed,
+    Concat,
+    Expr,
+    Flat,
+    FlatOp,
+    Include,
+    Index,
+    IndexDecl,
+    Let,
+    Logical,
+    Num,
+    Op,
+    Pad,
+    Part,
+    Pattern,
+    Pos,
+    Product,
+    Section,
+    Spec,
+    Split,
+    Statement,
+    Stored,
+    Term,
+    Var,
+)
 
 __all__ = [
     "Axis",
@@ -72,254 +103,6 @@ __all__ = [
     "Var",
     "parse_spec",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class Pos:
-    """Where a token sits: 1-based line and column, length in characters."""
-
-    line: int
-    col: int
-    length: int = 1
-    source: str = ""  # the file, when a spec includes others
-
-
-# --- expressions (sizes) -------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Num:
-    value: int
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Var:
-    name: str
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Op:
-    op: str  # one of + - * / //
-    left: Expr
-    right: Expr
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    fn: str  # cdiv, roundup, lcm, min, max
-    args: tuple[Expr, ...]
-    pos: Pos
-
-
-Expr = Num | Var | Op | Call
-
-# --- dims (terms) ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Axis:
-    """A named extent of a logical tensor; its size is the variable of the same name."""
-
-    name: str
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Index:
-    """``{i}`` as a dim: the values of capture ``i`` stacked (layers on a leading dim)."""
-
-    name: str
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Product:
-    """``(a b c)``: row-major composition of terms into one dim."""
-
-    terms: tuple[Term, ...]
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    """One part of a concatenation: ``ref: terms`` (a logical tensor's axes) or ``pad: n``."""
-
-    ref: str | None  # None for a pad part
-    terms: tuple[Term, ...]
-    size: Expr | None  # pad parts only
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Concat:
-    """``[q: ... | k: ... | pad: n]``: parts stacked along one dim."""
-
-    parts: tuple[Part, ...]
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Split:
-    """``term/axis``: the term's extent divided over a mesh axis.
-
-    ``mode`` is ``even`` (must divide), ``chunk`` (torch.chunk) or ``widths``.
-    """
-
-    term: Term
-    axis: str
-    mode: str
-    widths: tuple[Expr, ...]
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Pad:
-    """``term~m``: extent rounded up to a multiple of ``m``; ``policy`` fills the rest."""
-
-    term: Term
-    multiple: Expr
-    policy: str  # zero | last
-    pos: Pos
-
-
-Term = Axis | Index | Product | Concat | Split | Pad
-
-# --- statements ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Capture:
-    name: str
-    axis: str | None  # {i/pp}: local index under a split over pp
-    pos: Pos
-    numbered: str = "local"
-    """How the name numbers it: ``local`` ({i/pp}, the index within the split) or ``global`` ({i@pp})."""
-    offset: "Expr | None" = None
-    """Added to the number in the name: ``{i@pp+1}`` (DeepSpeed pipelines number an embedding layer 0)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Computed:
-    """A number in a name computed from sizes: ``{=layers+1}``."""
-
-    expr: "Expr"
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Pattern:
-    """A tensor name with captures: literal pieces and ``Capture``s, in order."""
-
-    parts: tuple["str | Capture | Computed", ...]
-    text: str
-    pos: Pos
-
-    @property
-    def plain(self) -> bool:
-        """Only literal text and ``{name}`` / ``{name/axis}`` captures: no offsets, global numbering or computed parts."""
-        return all(isinstance(p, str) or (isinstance(p, Capture) and p.numbered == "local" and p.offset is None)
-                   for p in self.parts)
-
-    @property
-    def captures(self) -> tuple[Capture, ...]:
-        return tuple(p for p in self.parts if isinstance(p, Capture))
-
-    def format(self, values: dict[str, object]) -> str:
-        return "".join(p if isinstance(p, str) else str(values[p.name]) for p in self.parts)
-
-
-@dataclass(frozen=True, slots=True)
-class Let:
-    name: str
-    expr: Expr
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class IndexDecl:
-    name: str
-    size: Expr
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Include:
-    path: str
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Logical:
-    pattern: Pattern
-    alias: str | None
-    dims: tuple[Term, ...] | None  # None: a 0-d scalar
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Section:
-    name: str
-    axes: tuple[str, ...]
-    states: tuple[str, ...]
-    pos: Pos
-    axes_pos: tuple[Pos, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    pattern: Pattern
-    ref: str | None  # alias or logical name; None: the logical tensor of the same name
-    place: str | None  # first | last | lastonly (pipeline stage)
-    dims: tuple[Term, ...] | None
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Blob:
-    pattern: Pattern
-    regenerate: bool
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class FlatOp:
-    op: str  # one of FLAT_OPS
-    arg: Expr | str | None
-    pos: Pos
-
-
-@dataclass(frozen=True, slots=True)
-class Flat:
-    pattern: Pattern
-    source: str  # the section whose items are flattened
-    ops: tuple[FlatOp, ...]
-    pos: Pos
-
-
-Statement = Let | IndexDecl | Include | Logical | Section | Stored | Blob | Flat
-
-
-@dataclass(frozen=True, slots=True)
-class Spec:
-    """A parsed spec: statements in file order, plus the text for error messages."""
-
-    source: str
-    statements: tuple[Statement, ...]
-    lines: tuple[str, ...] = field(repr=False, compare=False)
-    included: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), repr=False, compare=False)
-    """Source name and lines of each included file, for messages."""
-
-    def error(self, message: str, pos: Pos | None) -> SpecError:
-        if pos is None:
-            return SpecError(message, source=self.source)
-        source, lines = self.source, self.lines
-        if pos.source and pos.source != self.source:
-            source, lines = pos.source, dict(self.included).get(pos.source, ())
-        text = lines[pos.line - 1] if 0 < pos.line <= len(lines) else ""
-        return SpecError(message, source=source, line=pos.line, col=pos.col, length=pos.length, text=text)
 
 
 # --- the parser ----------------------------------------------------------------------

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from reshard.errors import PlanError
 from reshard.core.layout import Fragment, Item, Layout
 from reshard.core.planner import Plan
+from reshard.errors import PlanError
 
 __all__ = ["apply", "gather", "scatter", "view"]
 

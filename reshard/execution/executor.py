@@ -20,15 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
-from reshard.execution.arrays import view
-from reshard.errors import CheckpointFormatError
 from reshard.core.dtypes import itemsize
-from reshard.io.smallfiles import Located
 from reshard.core.geometry import restrict
 from reshard.core.layout import Item
 from reshard.core.planner import Copy, Plan
+from reshard.errors import CheckpointFormatError
+from reshard.execution.arrays import view
+from reshard.io.smallfiles import Located
 
-__all__ = ["ByteReader", "PlanFill", "destination_dtypes", "uint_dtype"]
+__all__ = ["ByteReader", "PlanFill", "SourceReader", "destination_dtypes", "uint_dtype"]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -120,50 +120,17 @@ def destination_dtypes(plan: Plan, where: Mapping[Item, Located]) -> dict[Item, 
     return dtypes
 
 
-class PlanFill:
-    """``fill(item, lo, hi)`` for a format writer, backed by a plan and source files.
+class SourceReader:
+    """Strided regions of source items, read with as few reads as their runs allow.
 
     Args:
-      plan: the copy plan.
       where: where each source item's bytes are (``Source.where``).
       reader: the byte reader (shared, so bytes read add up across files).
     """
 
-    def __init__(self, plan: Plan, where: Mapping[Item, Located], reader: ByteReader) -> None:
+    def __init__(self, where: Mapping[Item, Located], reader: ByteReader) -> None:
         self.where = where
         self.reader = reader
-        self._copies: dict[Item, list[Copy]] = defaultdict(list)
-        for c in plan.copies:
-            self._copies[c.dst].append(c)
-        self._extents: dict[Item, tuple[np.ndarray, np.ndarray]] = {}
-        for dst, copies in self._copies.items():
-            starts = np.array([c.dst_offset for c in copies], dtype=np.int64)
-            ends = np.array([c.dst_offset + sum((n - 1) * s for n, s in zip(c.lengths, c.dst_strides)) + 1 for c in copies], dtype=np.int64)
-            self._extents[dst] = (starts, ends)
-        self.dtypes = destination_dtypes(plan, where)
-
-    def __call__(self, item: Item, lo: int, hi: int) -> memoryview:
-        dtype = uint_dtype(self.dtypes.get(item, "uint8"))
-        pieces = []
-        copies = self._copies.get(item)
-        if copies:
-            starts, ends = self._extents[item]
-            for k in np.nonzero((starts < hi) & (ends > lo))[0]:
-                c = copies[int(k)]
-                for offs, lens, base in restrict(c.box.offsets, c.lengths, c.dst_strides, c.dst_offset, lo, hi):
-                    src_base = c.src_offset + sum((o - b) * s for o, b, s in zip(offs, c.box.offsets, c.src_strides))
-                    pieces.append((_Region(c.src, src_base, c.src_strides, lens), base - lo, c.dst_strides))
-        covered = sum(math.prod(r.lengths) for r, _, _ in pieces)  # pieces never overlap in the destination
-        out = np.empty(hi - lo, dtype=dtype) if covered == hi - lo else np.zeros(hi - lo, dtype=dtype)
-        gathered = []
-        for region, at, strides in pieces:
-            if not self._read_direct(region, out, at, strides):
-                gathered.append((region, at, strides))
-        if gathered:
-            window = self._read([r for r, _, _ in gathered], dtype)
-            for region, at, strides in gathered:
-                view(out, at, strides, region.lengths)[...] = window.get(region)
-        return memoryview(out).cast("B")
 
     def _read_direct(self, region: _Region, out: np.ndarray, at: int, dst_strides: tuple[int, ...]) -> bool:
         """Read a region straight into the destination window when each of its contiguous source runs is
@@ -223,6 +190,51 @@ class PlanFill:
                 self.reader.read_into(loc.path, loc.offset + a * dtype.itemsize, memoryview(buf).cast("B"))
                 window.add(item, a, buf)
         return window
+
+
+class PlanFill(SourceReader):
+    """``fill(item, lo, hi)`` for a format writer, backed by a plan and source files.
+
+    Args:
+      plan: the copy plan.
+      where: where each source item's bytes are (``Source.where``).
+      reader: the byte reader (shared, so bytes read add up across files).
+    """
+
+    def __init__(self, plan: Plan, where: Mapping[Item, Located], reader: ByteReader) -> None:
+        super().__init__(where, reader)
+        self._copies: dict[Item, list[Copy]] = defaultdict(list)
+        for c in plan.copies:
+            self._copies[c.dst].append(c)
+        self._extents: dict[Item, tuple[np.ndarray, np.ndarray]] = {}
+        for dst, copies in self._copies.items():
+            starts = np.array([c.dst_offset for c in copies], dtype=np.int64)
+            ends = np.array([c.dst_offset + sum((n - 1) * s for n, s in zip(c.lengths, c.dst_strides)) + 1 for c in copies], dtype=np.int64)
+            self._extents[dst] = (starts, ends)
+        self.dtypes = destination_dtypes(plan, where)
+
+    def __call__(self, item: Item, lo: int, hi: int) -> memoryview:
+        dtype = uint_dtype(self.dtypes.get(item, "uint8"))
+        pieces = []
+        copies = self._copies.get(item)
+        if copies:
+            starts, ends = self._extents[item]
+            for k in np.nonzero((starts < hi) & (ends > lo))[0]:
+                c = copies[int(k)]
+                for offs, lens, base in restrict(c.box.offsets, c.lengths, c.dst_strides, c.dst_offset, lo, hi):
+                    src_base = c.src_offset + sum((o - b) * s for o, b, s in zip(offs, c.box.offsets, c.src_strides))
+                    pieces.append((_Region(c.src, src_base, c.src_strides, lens), base - lo, c.dst_strides))
+        covered = sum(math.prod(r.lengths) for r, _, _ in pieces)  # pieces never overlap in the destination
+        out = np.empty(hi - lo, dtype=dtype) if covered == hi - lo else np.zeros(hi - lo, dtype=dtype)
+        gathered = []
+        for region, at, strides in pieces:
+            if not self._read_direct(region, out, at, strides):
+                gathered.append((region, at, strides))
+        if gathered:
+            window = self._read([r for r, _, _ in gathered], dtype)
+            for region, at, strides in gathered:
+                view(out, at, strides, region.lengths)[...] = window.get(region)
+        return memoryview(out).cast("B")
 
 
 class _Region:

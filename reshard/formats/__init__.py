@@ -21,9 +21,9 @@ FORMATS = {
     "megatron": "reshard.formats.megatron",
     "deepspeed": "reshard.formats.deepspeed",
     "hf": "reshard.formats.hf",
-    "mcore-dist": "reshard.formats.mcore_dist",  # before dcp: a torch_dist directory is also a DCP one
+    "mcore-dist": "reshard.formats.megatron.torch_dist",  # before dcp: a torch_dist directory is also a DCP one
     "dcp": "reshard.formats.dcp",
-    "ucp": "reshard.formats.ucp",
+    "ucp": "reshard.formats.deepspeed.ucp",
 }
 PLANNED = ()
 

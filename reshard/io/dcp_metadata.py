@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.io.bounds import FieldError, brief, check_count, check_range, check_shape
 from reshard.errors import CheckpointFormatError
+from reshard.io.bounds import FieldError, brief, check_count, check_range, check_shape
 from reshard.io.pickle_scan import check_pickle
 from reshard.io.torch_types import _DTYPE_ALIASES, _DTYPE_NAMES, _ITEMSIZE
 
@@ -335,6 +335,7 @@ def read_metadata(directory: Path) -> DcpMetadata:
 
 def write_metadata(directory: Path, md: DcpMetadata) -> Path:
     """Write ``.metadata`` as DCP's ``FileSystemWriter`` does: a pickle of torch's own classes."""
+    import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -344,7 +345,6 @@ def write_metadata(directory: Path, md: DcpMetadata) -> Path:
         TensorProperties,
         TensorStorageMetadata,
     )
-    import torch
 
     sdm: dict[str, Any] = {}
     for key, t in md.tensors.items():

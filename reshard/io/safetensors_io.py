@@ -24,16 +24,16 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
 
-from reshard.io.bounds import FieldError, check_count, check_offset, check_shape
-from reshard.core.units import parse_size
 from reshard.core.dtypes import DTYPES, ITEMSIZE, SAFETENSORS_CODES
+from reshard.core.units import parse_size
 from reshard.errors import CheckpointFormatError
+from reshard.io.bounds import FieldError, check_count, check_offset, check_shape
 from reshard.io.storage import OutputFile
 
 __all__ = [
@@ -315,19 +315,21 @@ class SafetensorsWriter:
       path: the file to create (replaced if it exists).
       tensors: name -> (torch dtype name, shape in elements).
       metadata: the ``__metadata__`` string map, e.g. ``{"format": "pt"}``; None for none.
+      open_file: creates the file at its size (a write session's ``open``, which keeps its checksum).
 
     >>> with SafetensorsWriter("a.safetensors", {"w": ("float32", (2, 3))}) as w:   # doctest: +SKIP
     ...     w.write("w", bytes(24))
     """
 
     def __init__(self, path: str | Path, tensors: Mapping[str, tuple[str, Sequence[int]]],
-                 metadata: Mapping[str, str] | None = None) -> None:
+                 metadata: Mapping[str, str] | None = None, *,
+                 open_file: Callable[[Path, int], OutputFile] = OutputFile) -> None:
         self.path = Path(path)
         header, self.tensors = _layout(self.path, tensors, metadata)
         self.size = _N_LEN + len(header) + sum(t.nbytes for t in self.tensors.values())
         """Final file size in bytes."""
         self._written = dict.fromkeys(self.tensors, 0)
-        self._out: OutputFile | None = OutputFile(self.path, self.size)
+        self._out: OutputFile | None = open_file(self.path, self.size)
         try:
             self._out.pwrite(len(header).to_bytes(_N_LEN, "little") + header, 0)
         except BaseException:

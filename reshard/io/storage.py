@@ -12,11 +12,11 @@ reaches them. Only a file written out of that order is read back whole at
 ``close`` fsyncs; a failed write raises ``CheckpointFormatError`` naming the
 file and the reason (disk full, permission), and ``abort`` removes the file.
 
-While a conversion runs, ``journal_into`` names its (temporary) output
-directory: each ``close`` then appends the file's size and checksum, with the
-checksums of the stored tensors written since the previous entry, to the
-journal there, once the file's bytes are on disk. A conversion that was killed
-resumes from the files its journal lists and that still verify.
+Nothing here keeps state between files: ``close`` hands the file's size and
+checksum to the ``on_close`` callback its creator gave (the write session of
+``reshard.execution.session``, which keeps the checksums and the resume
+journal of one conversion), and ``ItemHasher`` hands a tensor's checksums to
+its ``on_done``.
 """
 
 from __future__ import annotations
@@ -24,56 +24,22 @@ from __future__ import annotations
 import bisect
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import xxhash
 
 from reshard.errors import CheckpointFormatError
 
-__all__ = ["HASH", "JOURNAL", "ItemHasher", "OutputFile", "file_digest", "hash_segments", "journal_into", "read_journal",
-           "take_digest", "take_item_digests", "take_segment_digests"]
+__all__ = ["HASH", "JOURNAL", "ItemHasher", "OutputFile", "file_digest", "read_journal"]
 
 HASH = "xxh3_128"
 """The manifest's checksum: xxh3-128 of a file's bytes, as hex."""
 
-_CHUNK = 8 << 20
-_digests: dict[str, str] = {}
-_item_digests: dict[object, str] = {}
-
 JOURNAL = ".reshard-journal"
 """The journal's file name inside the directory being written."""
-_journal_dir: Path | None = None
-_journal_items: dict[str, str] = {}
-_journal_segments: list[list] = []
-_segments: dict[object, list[tuple[int, int]]] = {}
-_segment_digests: dict[tuple[str, int, int], str] = {}
 
-
-def journal_into(directory: str | Path | None) -> None:
-    """Journal every file this process closes under ``directory`` (None: stop journaling)."""
-    global _journal_dir
-    _journal_dir = Path(directory).absolute() if directory is not None else None
-    _journal_items.clear()
-    _journal_segments.clear()
-
-
-def _journal(path: Path, size: int, digest: str) -> None:
-    if _journal_dir is None or not path.absolute().is_relative_to(_journal_dir):
-        return
-    entry = {"file": str(path.absolute().relative_to(_journal_dir)), "bytes": size, HASH: digest,
-             "tensors": dict(_journal_items), "segments": list(_journal_segments)}
-    _journal_items.clear()
-    _journal_segments.clear()
-    line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
-    fd = os.open(_journal_dir / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)  # one append per entry: concurrent writers never interleave within a line
-        os.fsync(fd)
-    except OSError as e:
-        raise CheckpointFormatError(f"{_journal_dir / JOURNAL}: cannot record {path.name} ({e.strerror})") from None
-    finally:
-        os.close(fd)
+_CHUNK = 8 << 20
 
 
 def read_journal(directory: str | Path) -> list[dict]:
@@ -105,42 +71,17 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def take_digest(path: str | Path) -> str | None:
-    """The checksum ``OutputFile.close`` took of ``path`` in this process, if it wrote it (and forget it)."""
-    return _digests.pop(str(Path(path).absolute()), None)
-
-
-def take_item_digests() -> dict[object, str]:
-    """The checksums ``ItemHasher`` took of each stored tensor written in this process (and forget them)."""
-    out = dict(_item_digests)
-    _item_digests.clear()
-    return out
-
-
-def hash_segments(segments: Mapping[object, Sequence[tuple[int, int]]] | None) -> None:
-    """Byte ranges of stored tensors to checksum on their own as well, by item (None: none). Each is
-    a logical tensor held row-major inside a larger item (a vocabulary padded for tp, one half of a
-    fused weight, one param of a flat buffer); its checksum is the logical tensor's."""
-    _segments.clear()
-    _segments.update({k: sorted(v) for k, v in (segments or {}).items() if v})
-
-
-def take_segment_digests() -> dict[tuple[str, int, int], str]:
-    """The checksums of the ranges ``hash_segments`` named, by (item label, first byte, end byte), taken
-    in this process (and forget them)."""
-    out = dict(_segment_digests)
-    _segment_digests.clear()
-    return out
-
-
 class ItemHasher:
     """xxh3-128 of one stored tensor's bytes, fed window by window as a writer streams them, and of
-    the byte ranges inside it that ``hash_segments`` named."""
+    the byte ranges ``ranges`` inside it (each a logical tensor of its own); ``done`` hands them to
+    ``on_done(item, digest, [(first byte, end byte, digest), ...])``."""
 
-    def __init__(self, item: object) -> None:
+    def __init__(self, item: object, ranges: Sequence[tuple[int, int]] = (),
+                 on_done: Callable[[object, str, list[tuple[int, int, str]]], None] | None = None) -> None:
         self.item = item
+        self._on_done = on_done
         self._hash = xxhash.xxh3_128()
-        self._ranges = _segments.get(item, ())
+        self._ranges = tuple(ranges)
         self._range_hashes = [xxhash.xxh3_128() for _ in self._ranges]
         self._first = 0  # ranges before this one are complete
         self._pos = 0
@@ -163,14 +104,9 @@ class ItemHasher:
 
     def done(self) -> str:
         digest = self._hash.hexdigest()
-        _item_digests[self.item] = digest
-        label = str(self.item)
-        if _journal_dir is not None:
-            _journal_items[label] = digest
-        for (lo, hi), h in zip(self._ranges, self._range_hashes):
-            _segment_digests[(label, lo, hi)] = h.hexdigest()
-            if _journal_dir is not None:
-                _journal_segments.append([label, lo, hi, h.hexdigest()])
+        if self._on_done is not None:
+            self._on_done(self.item, digest, [(lo, hi, h.hexdigest()) for (lo, hi), h in zip(self._ranges,
+                                                                                            self._range_hashes)])
         return digest
 
 
@@ -180,10 +116,13 @@ class OutputFile:
     Args:
       path: the file to create (replaced if it exists).
       size: if given, the file is sized up front (its unwritten bytes read as zeros).
+      on_close: ``on_close(path, size, checksum)`` once the file's bytes are on disk.
     """
 
-    def __init__(self, path: str | Path, size: int | None = None) -> None:
+    def __init__(self, path: str | Path, size: int | None = None, *,
+                 on_close: Callable[[Path, int, str], None] | None = None) -> None:
         self.path = Path(path)
+        self._on_close = on_close
         try:
             self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
@@ -282,8 +221,8 @@ class OutputFile:
         fd, self._fd = self._fd, None
         os.close(fd)
         self.digest = self._hash.hexdigest()
-        _digests[str(self.path.absolute())] = self.digest
-        _journal(self.path, size, self.digest)
+        if self._on_close is not None:
+            self._on_close(self.path, size, self.digest)
         return self.digest
 
     def abort(self) -> None:

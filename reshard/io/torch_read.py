@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from reshard.io.bounds import FieldError, brief, check_count, check_offset, check_range, check_shape
 from reshard.errors import CheckpointFormatError
+from reshard.io.bounds import FieldError, brief, check_count, check_offset, check_range, check_shape
 from reshard.io.pickle_scan import check_pickle
 from reshard.io.torch_types import (
     _ALLOWED,

@@ -9,7 +9,7 @@ import io
 import os
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -356,16 +356,19 @@ class TorchFileWriter:
     """Bytes of the whole archive."""
 
     def __init__(self, path: str | Path, obj: object, *, archive_name: str | None = None,
-                 file: OutputFile | None = None, base: int = 0) -> None:
+                 file: OutputFile | None = None, base: int = 0,
+                 open_file: Callable[[Path, int], OutputFile] = OutputFile) -> None:
         """With ``file``, the archive is written into that open file at byte ``base`` (DCP's ``.distcp``
-        files hold one archive per chunk, each self-contained); the caller owns, sizes and closes it."""
+        files hold one archive per chunk, each self-contained); the caller owns, sizes and closes it.
+        Otherwise ``open_file(path, size)`` creates the file (a write session's ``open``, which keeps its
+        checksum)."""
         self.path = Path(path)
         self._base, self._owned = base, file is None
         prefix = archive_name or _archive_name(self.path)
         self._tensors, self._id, self._records, tail, offset = _lay_out(obj, prefix)
         self.entries = {k: (base + r.data_offset, r.size) for k, r in self._tensors.items()}
         self.size = offset + len(tail)
-        self._out: OutputFile | None = OutputFile(self.path, self.size) if file is None else file
+        self._out: OutputFile | None = open_file(self.path, self.size) if file is None else file
         try:
             for r in self._records:
                 self._out.pwrite(r.local_header(), base + r.header_offset)
@@ -443,8 +446,9 @@ class TorchFileWriter:
             self.abort()
 
 
-def write_torch_file(path: str | Path, obj: object, tensors: Mapping[object, bytes | np.ndarray]) -> None:
+def write_torch_file(path: str | Path, obj: object, tensors: Mapping[object, bytes | np.ndarray], *,
+                     open_file: Callable[[Path, int], OutputFile] = OutputFile) -> None:
     """Writes ``obj`` with each ``TensorSpec``'s bytes taken whole from ``tensors[spec.key]``: for small files."""
-    with TorchFileWriter(path, obj) as out:
+    with TorchFileWriter(path, obj, open_file=open_file) as out:
         for key in out.entries:
             out.write(key, tensors[key])

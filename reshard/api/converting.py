@@ -1,0 +1,270 @@
+"""``convert``: open -> resolve -> plan -> execute -> manifest, into a directory renamed into place when complete."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from reshard import __version__
+from reshard.api.planning import PlanReport, plan
+from reshard.api.workers import run_workers, shares
+from reshard.core.topology import Topology
+from reshard.core.units import parse_size
+from reshard.errors import CheckpointFormatError, ReshardError
+from reshard.execution.executor import ByteReader, PlanFill
+from reshard.execution.manifest import (
+    MANIFEST,
+    file_record,
+    logical_digests,
+    logical_sources,
+    read_manifest,
+    segments_of,
+    tensor_digests,
+    verify_manifest,
+)
+from reshard.execution.partial import Partial, partial_path
+from reshard.formats import get_format
+from reshard.execution.session import WriteSession
+from reshard.io.storage import HASH
+
+__all__ = ["ConvertResult", "convert"]
+
+DEFAULT_MEMORY_BUDGET = 1 << 30
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertResult:
+    path: Path
+    report: PlanReport
+    files: dict[str, dict[str, Any]]
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    reused: int = 0
+    """Files an interrupted conversion had written that ``resume`` kept (verified by checksum)."""
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    to: str | Topology | None = None,
+    format: str | None = None,
+    spec: str | None = None,
+    sizes: Mapping[str, int] | None = None,
+    workers: int = 1,
+    memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
+    max_shard_size: int | str | None = None,
+    vocab_pad: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    resume: bool = False,
+) -> ConvertResult:
+    """Rewrite the checkpoint ``src`` for topology ``to`` (and ``format``) at ``dst``.
+
+    Streams: each destination file is written window by window from just the
+    source bytes it needs. The output is built in a hidden sibling directory
+    (``.{name}.reshard-partial``) and renamed to ``dst`` only when complete, with the
+    manifest ``reshard.json`` written last: sources, topologies, and per file
+    its size and the xxh3-128 of its bytes and of each stored tensor, taken
+    while writing. A failed run leaves no ``dst``; one that was killed or
+    interrupted leaves the hidden directory, which ``resume`` continues.
+
+    Args:
+      src: a checkpoint directory in any supported format.
+      dst: the directory to create; must not exist, or be empty.
+      to: the destination topology (``"tp=2,pp=2,dp=4"``); default: the source's
+        for the same format, unsharded for hf.
+      format: destination format; default: the source's.
+      spec: destination spec name or path; default: the format's spec for the model.
+      sizes: model sizes the source's metadata lacks.
+      workers: processes writing the plan's independent work units (sets of
+        destination files no two of which share a source file) side by side.
+      memory_budget: bytes (or ``"512MiB"``, ``"1GiB"``) the conversion may hold,
+        shared by the workers; it sets the window each writer asks for at a time.
+        Too small a budget for the plan is an error before anything is written.
+      max_shard_size: hf only: the largest safetensors shard (bytes, or ``"5GB"``;
+        default 5GB as transformers), with ``model.safetensors.index.json``.
+      vocab_pad: megatron only: ``zero`` or ``last``, what fills the rows that pad the
+        vocabulary for the target tp (``last``: copies of the last real row, as Megatron's
+        own converter pads); default: the spec's own policy (zeros in the shipped specs).
+      progress: ``progress(done_bytes, total_bytes)`` while writing (one worker).
+      resume: continue an interrupted conversion with the same source and options,
+        keeping the files it finished whose checksums still verify; if it had
+        finished, check ``dst`` against its manifest instead.
+
+    Raises:
+      ReshardError: anything about the inputs, named with file, tensor and reason.
+    """
+    started = time.perf_counter()
+    dst = Path(dst)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ReshardError(f"workers must be an integer of at least 1, got {workers!r}")
+    report = plan(src, to=to, format=format, spec=spec, sizes=sizes, max_shard_size=max_shard_size,
+                  vocab_pad=vocab_pad)
+    if resume and dst.exists() and not partial_path(dst).exists() and (dst / MANIFEST).exists():
+        files = _finished(dst, report)  # done before: killed after its rename, or run twice
+        return ConvertResult(path=dst, report=report, files=files, bytes_read=0, bytes_written=0, reused=len(files),
+                             seconds=time.perf_counter() - started)
+    _check_destination(Path(src), dst)
+    window = _window_bytes(report, parse_size(memory_budget, "memory budget"), workers)
+    target = report.target
+    fmt = get_format(target.format)
+    options = {"max_shard_size": max_shard_size, "vocab_pad": vocab_pad}
+    partial = Partial(dst, _resume_header(report, options), resume=resume, manifest=MANIFEST)
+    tmp = partial.path
+    session: WriteSession | None = None
+    try:
+        if partial.complete:  # killed after its manifest, before its rename
+            files = _finished(tmp, report)
+            partial.commit(None)
+            return ConvertResult(path=dst, report=report, files=files, bytes_read=0, bytes_written=0,
+                                 reused=len(files), seconds=time.perf_counter() - started)
+        kept = partial.kept
+        todo = sorted({str(f) for f in report.dst_files.values()} - kept.keys())
+        total = report.needed_bytes(todo) if kept else report.needed_bytes()
+        done = [0]
+
+        def tick(n: int) -> None:
+            done[0] += n
+            if progress:
+                progress(done[0], total)
+
+        sources = logical_sources(target.layout, target.dtypes)
+        session = WriteSession(journal=tmp, segments=segments_of(sources), window_bytes=window, progress=tick)
+        written: dict[Path, str | None] = {Path(rel): e[HASH] for rel, e in kept.items()}
+        parts = shares(report, workers, todo)
+        if len(parts) <= 1:
+            with ByteReader() as reader:
+                fill = PlanFill(report.plan, report.source.where, reader)
+                if not kept:
+                    paths = fmt.write(target, tmp, fill, session)
+                else:
+                    paths = fmt.write(target, tmp, fill, session, only=[Path(f) for f in todo]) if todo else []
+                    paths += fmt.write(target, tmp, fill, session, only=())
+                written.update({p: session.digest(tmp / p) for p in paths})
+                bytes_read = reader.bytes_read
+            tensors, segments = tensor_digests(session.item_digests(), report.dst_files), session.segment_digests()
+        else:
+            new, bytes_read, tensors, segments = run_workers(parts, src, tmp, to, format, spec, sizes, window,
+                                                              options)
+            written.update(new)
+            with ByteReader() as reader:  # the files that hold no items: trackers, configs, indexes
+                paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), session, only=())
+                written.update({p: session.digest(tmp / p) for p in paths})
+        labels = {str(item): report.dst_file(item) for item in report.dst_files}
+        for label, digest in partial.tensors.items():
+            if labels.get(label) in kept:
+                tensors.setdefault(labels[label], {})[label] = digest
+        for (label, lo, hi), digest in partial.segments.items():
+            if labels.get(label) in kept:
+                segments[(label, lo, hi)] = digest
+        files = {}
+        for rel in sorted(written, key=str):
+            files[str(rel)] = file_record(tmp / rel, written[rel])
+            if str(rel) in tensors:
+                files[str(rel)]["tensors"] = dict(sorted(tensors[str(rel)].items()))
+        manifest = {
+            "reshard": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **report.to_json(),
+            "files": files,
+            "logical": logical_digests(target.dtypes, sources, tensors, segments),
+        }
+        manifest.pop("work_units", None)
+        partial.commit(json.dumps(manifest, indent=1) + "\n")
+    except (KeyboardInterrupt, SystemExit):
+        raise  # interrupted: the partial directory stays for --resume
+    except BaseException:
+        partial.abandon()
+        raise
+    finally:
+        if session is not None:
+            session.close()
+        partial.release()
+    size = sum(f["bytes"] for rel, f in files.items() if rel not in kept)
+    return ConvertResult(path=dst, report=report, files=files, bytes_read=bytes_read, bytes_written=size,
+                         reused=len(kept), seconds=time.perf_counter() - started)
+
+# Resident memory of a process with numpy, networkx, reshard and torch (some formats regenerate
+# RNG state with it) loaded, and per planned copy and fragment (dataclasses, boxes, tuples,
+# dict entries): measured on CPython 3.11 with torch 2.13.
+_BASE_BYTES = 224 << 20
+
+_BYTES_PER_COPY = 700
+
+_BYTES_PER_FRAGMENT = 500
+
+def _window_bytes(report: PlanReport, budget: int, workers: int) -> int:
+    """The window each writer asks of fill, from the memory budget; an error if the budget cannot hold the plan.
+
+    Each process holds the runtime and the plan (estimated from its counts);
+    each writing process also a destination window, the source spans feeding
+    it (at most the window again) and the writer's own buffer: four windows in
+    all. With workers, the main process waits holding its plan, so the budget
+    is split ``workers + 1`` ways.
+    """
+    share = budget // (workers + 1 if workers > 1 else 1)
+    fragments = len(report.source.layout.fragments) + len(report.target.layout.fragments)
+    plan_bytes = _BASE_BYTES + _BYTES_PER_COPY * len(report.plan.copies) + _BYTES_PER_FRAGMENT * fragments
+    window = min(64 << 20, max(1 << 20, (share - plan_bytes) // 4))
+    if plan_bytes + 4 * window > share:
+        mib = 1 << 20
+        raise ReshardError(
+            f"memory budget {budget / mib:.0f} MiB{f' over {workers} workers' if workers > 1 else ''} is below the "
+            f"{(plan_bytes + 4 * window) * (budget // share) / mib:.0f} MiB this conversion needs: per process, "
+            f"{_BASE_BYTES / mib:.0f} MiB runtime + {(plan_bytes - _BASE_BYTES) / mib:.0f} MiB plan "
+            f"({len(report.plan.copies):,} copies, {fragments:,} fragments) + 4 windows of {window / mib:.0f} MiB")
+    return window
+
+def _resume_header(report: PlanReport, options: Mapping[str, Any]) -> dict[str, Any]:
+    """What identifies a conversion for ``resume``: source, destination, options, the plan, and the
+    size and mtime of each source file it reads."""
+    plan_json = json.dumps({"files": report.files(), "summary": report.plan.summary()}, sort_keys=True, default=str)
+    src_files = {}
+    for path in sorted({loc.path for loc in report.source.where.values()}):
+        st = path.stat()
+        src_files[str(path)] = [st.st_size, st.st_mtime_ns]
+    return {
+        "reshard": __version__,
+        "source": str(report.source.path.resolve()),
+        "destination": {"format": report.target.format, "topology": str(report.target.topology),
+                        "spec": report.target.spec_name},
+        "options": {k: v for k, v in options.items() if v is not None},
+        "plan": xxhash.xxh3_128(plan_json.encode()).hexdigest(),
+        "source_files": src_files,
+    }
+
+def _finished(path: Path, report: PlanReport) -> dict[str, dict[str, Any]]:
+    """The files of a finished conversion at ``path`` that ``resume`` is asked to redo: its manifest must
+    describe this conversion and verify."""
+    manifest = read_manifest(path)
+    want = report.to_json()
+    for key in ("source", "destination"):
+        if manifest.get(key) != want[key]:
+            raise CheckpointFormatError(f"{path}: holds a finished conversion of another {key} "
+                                        f"({json.dumps(manifest.get(key))}, not {json.dumps(want[key])})")
+    missing = sorted({row["destination"] for row in want["files"]} - set(manifest.get("files", {})))
+    if missing:
+        raise CheckpointFormatError(f"{path}: its manifest lacks {', '.join(missing[:3])} of this conversion")
+    result = verify_manifest(path)
+    if not result:
+        raise CheckpointFormatError(f"{path}: holds a finished conversion that fails its manifest: "
+                                    f"{'; '.join(result.differences[:5])}; remove it to convert again")
+    return manifest["files"]
+
+def _check_destination(src: Path, dst: Path) -> None:
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise CheckpointFormatError(f"{dst}: destination exists and is not empty")
+    try:
+        s, d = src.resolve(), dst.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop, before Python 3.13
+        raise CheckpointFormatError(f"{dst}: cannot be resolved ({e})") from None
+    if d == s or s in d.parents:
+        raise CheckpointFormatError(f"{dst}: destination is inside the source {src}")

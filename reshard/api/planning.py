@@ -1,0 +1,130 @@
+"""Open a checkpoint, choose the target layout, and plan: the first three steps of every entry point."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from reshard.core.dtypes import itemsize
+from reshard.core.layout import Item, common_views, with_state_alias
+from reshard.core.planner import Plan
+from reshard.core.planner import plan as make_plan
+from reshard.core.topology import Topology, parse_topology
+from reshard.core.units import parse_size
+from reshard.errors import ReshardError
+from reshard.execution.executor import destination_dtypes
+from reshard.formats import detect_format, get_format
+from reshard.formats.base import Source, Target
+
+__all__ = ["PlanReport", "open_checkpoint", "plan"]
+
+
+def open_checkpoint(path: str | Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
+    """Detect a checkpoint's format and read its metadata (no tensor data)."""
+    path = Path(path)
+    return detect_format(path).open(path, spec=spec, sizes=sizes)
+
+def _topology(to: str | Topology | None, default: Topology) -> Topology:
+    if to is None:
+        return default
+    return parse_topology(to) if isinstance(to, str) else to
+
+def _target(source: Source, to: str | Topology | None, format: str | None, spec: str | None,
+            max_shard_size: int | str | None = None, vocab_pad: str | None = None) -> Target:
+    fmt = get_format(format or source.format)
+    same = fmt.name == source.format
+    topology = _topology(to, source.topology if same else Topology())
+    if same and isinstance(to, str) and "zero" not in _keys(to):
+        # A new layout keeps the source's optimizer sharding unless the user names another.
+        topology = dataclasses.replace(topology, zero=source.topology.zero)
+    if vocab_pad is not None and fmt.name != "megatron":
+        raise ReshardError(f"vocab_pad applies to the megatron format (its padded vocabulary), not {fmt.name}")
+    target = fmt.target(source, topology, spec=spec, **({"vocab_pad": vocab_pad} if vocab_pad else {}))
+    if max_shard_size is not None:
+        if target.format != "hf":
+            raise ReshardError(f"max_shard_size applies to the hf format (safetensors shards), not {target.format}")
+        parse_size(max_shard_size, "max_shard_size")  # a bad size fails before anything is read
+        target.extra["max_shard_size"] = max_shard_size
+    return target
+
+def _keys(text: str) -> set[str]:
+    return {part.split("=", 1)[0].strip() for part in text.split(",") if "=" in part}
+
+@dataclass(frozen=True, slots=True)
+class PlanReport:
+    """A plan and what it means: per destination file, bytes and sources; independent work units."""
+
+    source: Source
+    target: Target
+    plan: Plan
+    dropped_states: tuple[str, ...]
+    """Source states the destination format does not hold (e.g. optimizer state going to hf)."""
+    dst_files: Mapping[Item, Path]
+    """The destination file (relative to the destination directory) of each destination item."""
+
+    def src_file(self, item: Item) -> str:
+        path = self.source.where[item].path
+        return str(path.relative_to(self.source.path)) if path.is_relative_to(self.source.path) else str(path)
+
+    def dst_file(self, item: Item) -> str:
+        return str(self.dst_files[item])
+
+    def needed_bytes(self, files: Collection[str] | None = None) -> int:
+        """Bytes the copies move (what a conversion reads at least), into just ``files`` if given."""
+        keep = None if files is None else set(files)
+        return sum(c.numel * itemsize(self.source.where[c.src].dtype) for c in self.plan.copies
+                   if keep is None or self.dst_file(c.dst) in keep)
+
+    def files(self) -> list[dict[str, Any]]:
+        per: dict[str, dict[str, Any]] = defaultdict(lambda: {"bytes": 0, "copies": 0, "sources": set()})
+        for c in self.plan.copies:
+            row = per[self.dst_file(c.dst)]
+            row["bytes"] += c.numel * itemsize(self.source.where[c.src].dtype)
+            row["copies"] += 1
+            row["sources"].add(self.src_file(c.src))
+        return [{"destination": k, "bytes": v["bytes"], "copies": v["copies"], "sources": sorted(v["sources"])}
+                for k, v in sorted(per.items())]
+
+    def work_units(self) -> list[tuple[list[str], list[str]]]:
+        return self.plan.work_units(self.src_file, self.dst_file)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": {"path": str(self.source.path), "format": self.source.format, "topology": str(self.source.topology),
+                       "spec": self.source.spec_name},
+            "destination": {"format": self.target.format, "topology": str(self.target.topology), "spec": self.target.spec_name},
+            "summary": self.plan.summary(),
+            "dropped_states": list(self.dropped_states),
+            "files": self.files(),
+            "work_units": [{"sources": s, "destinations": d} for s, d in self.work_units()],
+        }
+
+def plan(src: str | Path, *, to: str | Topology | None = None, format: str | None = None, spec: str | None = None,
+         sizes: Mapping[str, int] | None = None, max_shard_size: int | str | None = None,
+         vocab_pad: str | None = None) -> PlanReport:
+    """What converting ``src`` to topology ``to`` (in ``format``) moves where, without reading tensor data.
+
+    >>> report = plan("ckpt/", to="tp=1,pp=4")   # doctest: +SKIP
+    >>> report.plan.summary()["copies"]          # doctest: +SKIP
+    """
+    source = open_checkpoint(src, sizes=sizes)
+    target = _target(source, to, format, spec, max_shard_size, vocab_pad)
+    held = set(source.layout.states)
+    source.layout, target.layout = common_views(source.layout, target.layout)
+    if "master" in target.layout.states and "master" not in source.layout.states and all(
+            loc.dtype == "float32" for it, loc in source.where.items() if it.state == "param"):
+        # fp32 weights with no separate master copy (FSDP2, fp32 runs) are the master copy.
+        source.layout = with_state_alias(source.layout, "param", "master")
+    elif "param" in target.layout.states and "param" not in source.layout.states and "master" in source.layout.states:
+        # Only fp32 master weights stored (DeepSpeed ZeRO-3): they are the weights, as zero_to_fp32 reads them.
+        source.layout = with_state_alias(source.layout, "master", "param")
+    p = make_plan(source.layout, target.layout)
+    p.validate()
+    target.dtypes = destination_dtypes(p, source.where)
+    dropped = tuple(sorted(held - set(target.layout.states)))
+    files = get_format(target.format).files_of(target)
+    return PlanReport(source=source, target=target, plan=p, dropped_states=dropped, dst_files=files)

@@ -1,0 +1,208 @@
+"""A write session: everything the writers of one conversion share, in one object passed to them.
+
+A conversion (or one worker's share of it) opens a ``WriteSession`` and hands it to the format's
+``write``; the format says *what* goes into *which* file, and the session does the writing the
+same way for every format:
+
+- output files (``open``): positioned writes, fsync on close, the file's checksum taken while
+  it is written, and, when the session journals, an entry in the resume journal once the
+  file's bytes are on disk;
+- stored tensors (``stream_item``): copied from ``fill`` window by window, at most
+  ``window_bytes`` at a time, with a per-tensor checksum (and the checksums of the byte ranges
+  inside it that hold a logical tensor of their own), one window written on the session's
+  writer thread while the next is filled;
+- progress, counted in bytes as windows are written.
+
+Nothing is kept in module globals: two sessions in one process (two conversions in parallel
+threads, the load API inside a training job) never see each other's checksums or journal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from reshard.core.dtypes import itemsize
+from reshard.core.layout import Item
+from reshard.errors import CheckpointFormatError
+from reshard.io.storage import HASH, JOURNAL, ItemHasher, OutputFile
+
+__all__ = ["DEFAULT_WINDOW", "Fill", "WriteSession"]
+
+DEFAULT_WINDOW = 8 << 20
+"""Bytes a writer asks of ``fill`` at a time when the session is given no budget."""
+
+Fill = Callable[[Item, int, int], "bytes | memoryview"]
+"""``fill(item, lo, hi)``: the bytes of the item's elements ``[lo, hi)`` (row-major), padding included."""
+
+
+class WriteSession:
+    """The shared state of one conversion's writers.
+
+    Args:
+      journal: the directory being written, whose journal (``.reshard-journal``) records each file
+        closed under it, for ``resume``; None: no journal.
+      segments: byte ranges inside stored items to checksum on their own, by item: each a logical
+        tensor held row-major inside a larger item (a vocabulary padded for tp, one half of a fused
+        weight, one param of a flat buffer).
+      window_bytes: the most bytes a writer asks of ``fill`` at a time (from the memory budget).
+      progress: ``progress(nbytes)`` after each window is written.
+    """
+
+    def __init__(self, *, journal: str | Path | None = None,
+                 segments: Mapping[Item, Sequence[tuple[int, int]]] | None = None,
+                 window_bytes: int = DEFAULT_WINDOW, progress: Callable[[int], None] | None = None) -> None:
+        self.journal = Path(journal).absolute() if journal is not None else None
+        self.window_bytes = window_bytes
+        self.progress = progress
+        self._segments = {k: tuple(sorted(v)) for k, v in (segments or {}).items() if v}
+        self._lock = threading.Lock()
+        self._digests: dict[str, str] = {}
+        self._item_digests: dict[Item, str] = {}
+        self._segment_digests: dict[tuple[str, int, int], str] = {}
+        self._pending_items: dict[str, str] = {}
+        self._pending_segments: list[list[Any]] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    # --- files -----------------------------------------------------------------------------------
+
+    def open(self, path: str | Path, size: int | None = None) -> OutputFile:
+        """Create an output file (sized up front if ``size`` is given) whose checksum this session keeps."""
+        return OutputFile(path, size, on_close=self._closed)
+
+    def write_bytes(self, path: str | Path, data: bytes) -> None:
+        """A small file (a tracker, a JSON config) written whole through ``open``."""
+        f = self.open(path, len(data) or None)
+        try:
+            f.pwrite(data, 0)
+        except BaseException:
+            f.abort()
+            raise
+        f.close()
+
+    def digest(self, path: str | Path) -> str | None:
+        """The checksum taken of ``path`` while this session wrote it; None if it did not."""
+        with self._lock:
+            return self._digests.get(str(Path(path).absolute()))
+
+    def item_digests(self) -> dict[Item, str]:
+        """The checksum of each stored tensor written in this session."""
+        with self._lock:
+            return dict(self._item_digests)
+
+    def segment_digests(self) -> dict[tuple[str, int, int], str]:
+        """The checksums of the ranges named by ``segments``, by (item label, first byte, end byte)."""
+        with self._lock:
+            return dict(self._segment_digests)
+
+    # --- tensors ---------------------------------------------------------------------------------
+
+    def stream_item(self, fill: Fill, item: Item, numel: int, dtype: str,
+                    write: Callable[["bytes | memoryview"], None]) -> None:
+        """Copy an item's ``numel`` elements from ``fill`` to ``write``, at most ``window_bytes`` at a time.
+
+        A window is written (checksummed, CRC'd, handed to the kernel) on the session's writer
+        thread while the next one is filled: both sides spend their time in code that releases the
+        GIL, so reading and writing overlap. At most two windows are in flight.
+
+        Raises CheckpointFormatError when ``fill`` returns the wrong number of bytes.
+        """
+        size = itemsize(dtype)
+        step = max(1, self.window_bytes // size)
+        digest = ItemHasher(item, self._segments.get(item, ()), on_done=self._hashed)
+        if numel <= step:  # one window: nothing to overlap
+            data = fill(item, 0, numel)
+            got = _check_window(data, item, 0, numel, size, dtype)
+            digest.update(data)
+            write(data)
+            digest.done()
+            self._tick(got)
+            return
+        pending: Future | None = None
+        try:
+            for lo in range(0, numel, step):
+                hi = min(numel, lo + step)
+                data = fill(item, lo, hi)
+                got = _check_window(data, item, lo, hi, size, dtype)
+                digest.update(data)
+                if pending is not None:
+                    pending.result()
+                pending = self._writer().submit(write, data)
+                self._tick(got)
+            if pending is not None:
+                pending.result()
+                pending = None
+            digest.done()
+        finally:
+            if pending is not None:  # an error while filling: let the write in flight end before unwinding
+                pending.exception()
+
+    # --- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the writer thread (the session's files are closed by their writers)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __enter__(self) -> WriteSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _writer(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-write")
+        return self._pool
+
+    def _tick(self, nbytes: int) -> None:
+        if self.progress is not None:
+            self.progress(nbytes)
+
+    def _hashed(self, item: Item, digest: str, ranges: Sequence[tuple[int, int, str]]) -> None:
+        label = str(item)
+        with self._lock:
+            self._item_digests[item] = digest
+            for lo, hi, d in ranges:
+                self._segment_digests[(label, lo, hi)] = d
+            if self.journal is not None:
+                self._pending_items[label] = digest
+                self._pending_segments += [[label, lo, hi, d] for lo, hi, d in ranges]
+
+    def _closed(self, path: Path, size: int, digest: str) -> None:
+        with self._lock:
+            self._digests[str(path.absolute())] = digest
+            if self.journal is None or not path.absolute().is_relative_to(self.journal):
+                return
+            entry = {"file": str(path.absolute().relative_to(self.journal)), "bytes": size, HASH: digest,
+                     "tensors": dict(self._pending_items), "segments": list(self._pending_segments)}
+            self._pending_items.clear()
+            self._pending_segments.clear()
+            _append_line(self.journal / JOURNAL, json.dumps(entry, separators=(",", ":")), path)
+
+
+def _append_line(journal: Path, line: str, what: Path) -> None:
+    fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())  # one append per entry: concurrent writers never interleave within a line
+        os.fsync(fd)
+    except OSError as e:
+        raise CheckpointFormatError(f"{journal}: cannot record {what.name} ({e.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def _check_window(data, item: Item, lo: int, hi: int, size: int, dtype: str) -> int:
+    got = memoryview(data).nbytes
+    if got != (hi - lo) * size:
+        raise CheckpointFormatError(
+            f"fill returned {got} bytes for elements [{lo}, {hi}) of {item}, expected {(hi - lo) * size} ({dtype})")
+    return got

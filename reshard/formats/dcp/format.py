@@ -1,0 +1,262 @@
+"""The DCP format's entry points: detect, open (metadata into a layout), target, and write."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from reshard.core.dtypes import SUPPORTED
+from reshard.core.geometry import row_major_strides
+from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
+from reshard.core.spec import parse_spec
+from reshard.core.topology import Topology
+from reshard.errors import CheckpointFormatError, TopologyError
+from reshard.execution.session import WriteSession
+from reshard.formats.base import (
+    Fill,
+    Located,
+    Source,
+    Target,
+    expect_step,
+    given_sizes,
+)
+from reshard.formats.dcp.layouts import _dtype_of, _file_plan, _fsdp_layout, _spec_layout, _synthesized, _tensor_order
+from reshard.formats.dcp.reading import (
+    _DATA_FILE,
+    CONFIG_NAME,
+    SECTION,
+    _chunk_cover,
+    _chunk_ref,
+    _entry_bytes,
+    _Naming,
+    _naming,
+    _plain,
+    _rank_file,
+    _step_value,
+    _Verbatim,
+)
+from reshard.formats.specs import layout_spec, source_family
+from reshard.io.dcp_metadata import (
+    METADATA_NAME,
+    DcpMetadata,
+    DcpStorage,
+    DcpTensor,
+    read_metadata,
+    write_metadata,
+)
+from reshard.io.torch_types import TensorSpec
+from reshard.io.torch_write import TorchFileWriter
+from reshard.models.config import config_near, hf_config
+
+
+class DcpFormat:
+    """The ``dcp`` format adapter (see ``reshard.formats.base.Format``)."""
+
+    name = "dcp"
+
+    def detect(self, path: Path) -> bool:
+        path = Path(path)
+        return (path / METADATA_NAME).is_file()
+
+    def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
+        """Read ``.metadata`` and each chunk's archive index; match optimizer states to parameters.
+
+        Raises:
+          CheckpointFormatError: a malformed or hostile ``.metadata``, a missing
+            or truncated ``.distcp``, a chunk whose archive disagrees with the
+            metadata, an optimizer state for no parameter, or a transformed
+            (compressed) entry; each naming the key and file.
+        """
+        path = Path(path)
+        if spec is not None:
+            raise CheckpointFormatError(f"{path}: a DCP checkpoint describes its own layout; --spec does not apply to it")
+        md = read_metadata(path)
+        naming = _naming(md, path)
+        tensors: dict[str, LogicalTensor] = {}
+        items: dict[Item, ItemInfo] = {}
+        fragments: list[Fragment] = []
+        where: dict[Item, Located] = {}
+        verbatim: list[_Verbatim] = []
+        step: float | None = None
+        problems: list[str] = []
+        archives: dict[str, Any] = {}
+        for key, t in md.tensors.items():
+            role = naming.role(key)
+            if t.size == () or role is None:
+                if t.size != ():
+                    problems.append(f"'{key}' is neither a parameter ('{naming.model}<fqn>') nor an optimizer state")
+                    continue
+                data, ref = _entry_bytes(path, md, key, ())
+                verbatim.append(_Verbatim(key, t, data))
+                if step is None and key.endswith(".step"):
+                    value = _step_value(data, ref, md.storage[(key, ())].offset)
+                    step = None if value is None else expect_step(value, f"'{key}'", path / METADATA_NAME)
+                continue
+            fqn, state = role
+            if t.dtype not in SUPPORTED:
+                problems.append(f"'{key}' has dtype {t.dtype}, which reshard cannot copy")
+                continue
+            known = tensors.setdefault(fqn, _plain(fqn, t.size))
+            if known.shape != t.size:
+                problems.append(f"'{key}' has size {list(t.size)} but parameter '{fqn}' has {list(known.shape)}")
+                continue
+            if problem := _chunk_cover(key, t):
+                problems.append(problem)
+                continue
+            for c in t.chunks:
+                if 0 in c.sizes:
+                    continue
+                item = Item(SECTION, (), 0, state, f"{key}@{','.join(map(str, c.offsets))}")
+                ref = _chunk_ref(path, md, key, c, t, archives, problems)
+                if ref is None:
+                    continue
+                items[item] = ItemInfo(shape=c.sizes, mapped=math.prod(c.sizes), rule="dcp chunk")
+                where[item] = Located(ref.path, ref.data_offset, ref.dtype)
+                strides = row_major_strides(c.sizes)
+                for box, off, st in box_fragments(known, c.offsets, c.sizes, strides, 0):
+                    fragments.append(Fragment(tensor=fqn, state=state, box=box, item=item, offset=off, strides=st))
+        for key in md.byte_entries:
+            verbatim.append(_Verbatim(key, None, _entry_bytes(path, md, key, None)[0]))
+        if problems:
+            raise CheckpointFormatError(f"{path}: cannot read this DCP checkpoint:\n  " + "\n  ".join(problems[:20]))
+        ranks = {int(m.group(1)) for s in md.storage.values() if (m := _DATA_FILE.fullmatch(s.relative_path))}
+        topology = Topology(dp=max(len(ranks), 1))
+        layout = Layout(topology=topology, tensors=MappingProxyType(tensors), items=MappingProxyType(items),
+                        fragments=tuple(fragments))
+        model_sizes, config = config_near(path, path.parent, tensors=len(md.tensors))
+        model_sizes.update(given_sizes(sizes))
+        extra: dict[str, Any] = {"dcp": {"naming": naming, "verbatim": verbatim, "planner_data": md.planner_data}}
+        if config is not None:
+            extra["config"] = config
+        if step is not None:
+            extra["step"] = step
+        return Source(format=self.name, path=path, spec_name="dcp", spec=parse_spec("", "<dcp>"), topology=topology,
+                      sizes=model_sizes, layout=layout, where=where, extra=extra)
+
+    def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
+        """The layout FSDP2 (and DTensor tensor parallelism) give ``source``'s tensors at ``topology``.
+
+        ``dp`` alone: every tensor ``Shard(0)`` over dp with torch.chunk sizes, for
+        any model. With ``tp`` (or a ``spec``): the spec's layout, by default
+        ``dcp-llama`` (a Hugging Face Llama under ``parallelize_module`` with the
+        usual colwise/rowwise plan, then ``fully_shard``); each stored item must be
+        one box of its tensor, which DCP records as a chunk. A chunk several ranks
+        hold (a replicated norm) is written once, by the lowest rank.
+        """
+        others = [f"{a}({topology.degree(a)})" for a in ("pp", "cp", "ep", "vpp") if topology.degree(a) > 1]
+        if others:
+            raise TopologyError(f"the dcp target shards over dp (FSDP2) and tp (DTensor) only; cannot write "
+                                f"{', '.join(others)}")
+        topology = Topology(dp=topology.dp, tp=topology.tp)
+        states = set(source.layout.states)
+        model_state = "master" if "master" in states else "param"
+        opt_states = sorted(states - {"param", "master"})
+        src_dcp = source.extra.get("dcp") if source.format == self.name else None
+        naming = src_dcp["naming"] if src_dcp else _Naming("model.", "optim.", frozenset())
+        names = _tensor_order(source)
+        wanted = (model_state, *opt_states)
+        if spec is None and topology.tp == 1:
+            layout, chunks = _fsdp_layout(source, topology, names, wanted, model_state, naming)
+            spec_name, spec_ast = "dcp", parse_spec("", "<dcp>")
+        else:
+            family = source_family(source)
+            if spec is None and family is None:
+                raise CheckpointFormatError(
+                    f"{source.path}: a tensor-parallel DCP target needs the model's tensor-parallel plan, and the "
+                    "source records no model family (no config.json beside it); put its config.json there, or "
+                    "give a spec")
+            spec_name = spec or f"dcp-{family.name}"
+            spec_ast = layout_spec(spec_name)
+            layout, chunks = _spec_layout(source, topology, spec_ast, spec_name, wanted, model_state, naming)
+        verbatim = list(src_dcp["verbatim"]) if src_dcp else _synthesized(source, names, naming, opt_states)
+        planner = dict(src_dcp["planner_data"]) if src_dcp else {}
+        extra = {"chunks": chunks, "verbatim": verbatim, "planner_data": planner, "naming": naming}
+        config = source.extra.get("config")
+        family = source_family(source)
+        if config is None and family is not None and all(k in source.sizes for k in family.sizes):
+            try:  # beside the checkpoint for later conversions; DCP itself never reads it
+                config = hf_config(family, source.sizes, [_dtype_of(source)], hints=source.extra.get("config_hints"),
+                                   tied=not any(t.untied_only and t.name in source.layout.tensors
+                                                for t in family.tensors))
+            except CheckpointFormatError:  # a mixture of experts whose routing the source does not record
+                config = None
+        if config is not None:
+            extra["config"] = config
+        return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology,
+                      sizes=dict(source.sizes), layout=layout, dtypes=dict.fromkeys(layout.items, "float32"),
+                      extra=extra)
+
+    def files_of(self, target: Target) -> dict[Item, Path]:
+        """Each item's rank file; a chunk several ranks hold is in the file of the rank that writes it."""
+        chunks = target.extra["chunks"]
+        return {it: Path(_rank_file(chunks[it].rank)) for it in target.layout.items}
+
+    def write(self, target: Target, out: Path, fill: Fill, session: WriteSession | None = None, *,
+              only: Collection[Path] | None = None) -> list[Path]:
+        """Write each rank's ``.distcp`` (one torch.save archive per chunk), then ``.metadata``.
+
+        Rank 0's file also holds the verbatim entries (steps, param_groups).
+        With ``only``, just those rank files; ``.metadata`` is written by the
+        call without ``only`` or with ``only=()``. Offsets are computed before
+        any byte is written, so workers need not report back.
+        """
+        out = Path(out)
+        session = session or WriteSession()
+        files = _file_plan(target)
+        written: list[Path] = []
+        for rel, entries in files.items():
+            if only is not None and Path(rel) not in set(only):
+                continue
+            f = session.open(out / rel)
+            try:
+                for e in entries:
+                    if e.item is None:
+                        f.pwrite(e.data, e.base)
+                        continue
+                    dtype = target.dtypes[e.item]
+                    w = TorchFileWriter(out / rel, TensorSpec(dtype, e.chunk.sizes, key=0), archive_name="archive",
+                                        file=f, base=e.base)
+                    if w.size != e.length:
+                        raise CheckpointFormatError(f"{out / rel}: {e.key}'s archive is {w.size} bytes, planned "
+                                                    f"{e.length} (a bug in reshard's DCP writer)")
+                    session.stream_item(fill, e.item, math.prod(e.chunk.sizes), dtype,
+                                        lambda data, w=w: w.write(0, data))
+                    w.close()
+                f.close()
+            except BaseException:
+                f.abort()
+                raise
+            written.append(Path(rel))
+        if only:
+            return written
+        md = DcpMetadata(version="1.0.0")
+        naming: _Naming = target.extra["naming"]
+        for rel, entries in files.items():
+            for e in entries:
+                if e.item is not None:
+                    t = md.tensors.get(e.key)
+                    chunk_list = (t.chunks if t else ()) + (e.chunk,)
+                    md.tensors[e.key] = DcpTensor(target.dtypes[e.item], e.global_size, chunk_list)
+                    md.storage[(e.key, e.chunk.offsets)] = DcpStorage(rel, e.base, e.length)
+                elif e.tensor is not None:
+                    md.tensors[e.key] = e.tensor
+                    md.storage[(e.key, (0,) * len(e.tensor.size))] = DcpStorage(rel, e.base, e.length)
+                else:
+                    md.byte_entries.append(e.key)
+                    md.storage[(e.key, None)] = DcpStorage(rel, e.base, e.length)
+        planner = dict(target.extra.get("planner_data") or {})
+        for key in [*md.tensors, *md.byte_entries]:
+            planner.setdefault(key, naming.path(key))
+        md.planner_data = {k: planner[k] for k in [*md.tensors, *md.byte_entries]}
+        if "config" in target.extra:  # not DCP's: the model's sizes, for targets that need them (hf, megatron)
+            (out / CONFIG_NAME).write_text(json.dumps(target.extra["config"], indent=2, sort_keys=True) + "\n")
+            written.append(Path(CONFIG_NAME))
+        write_metadata(out, md)  # last: DCP's own commit marker
+        written.append(Path(METADATA_NAME))
+        return written
+
+FORMAT = DcpFormat()

@@ -1,0 +1,185 @@
+"""Layouts of a DCP target: FSDP2's ``Shard(0)`` chunks (or a spec's boxes), the entries carried
+verbatim or synthesized (Adam's ``step``, ``param_groups``), and which chunk goes into which file."""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from reshard.core.geometry import row_major_strides
+from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments, dims_of
+from reshard.core.resolve import resolve
+from reshard.core.topology import Topology
+from reshard.errors import CheckpointFormatError
+from reshard.formats.base import (
+    LLAMA_SIZES,
+    Source,
+    Target,
+    require_sizes,
+)
+from reshard.formats.dcp.reading import _ADAM_GROUP, SECTION, _Naming, _plain, _rank_file, _Verbatim
+from reshard.io.dcp_metadata import (
+    DcpChunk,
+    DcpTensor,
+)
+from reshard.io.torch_types import TensorSpec
+from reshard.io.torch_write import TorchFileWriter
+
+
+def _torch_chunks(n: int, parts: int) -> list[tuple[int, int]]:
+    """``torch.chunk``'s split of ``n`` rows into ``parts``: ``ceil(n/parts)`` each, the rest short or empty."""
+    step = -(-n // parts)
+    return [(min(r * step, n), max(0, min(step, n - r * step))) for r in range(parts)]
+
+def _dtype_of(source: Source) -> str:
+    for f in source.layout.fragments:
+        if f.state == "param" and f.item in source.where:
+            return source.where[f.item].dtype
+    return "float32"
+
+def _tensor_order(source: Source) -> list[str]:
+    """The source's stored, non-blob, non-scalar tensors in its own order (embedding, layers, ...)."""
+    held = {f.tensor for f in source.layout.fragments}
+    return [n for n, t in source.layout.tensors.items() if not t.blob and t.shape and n in held]
+
+def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: list[str]) -> list[_Verbatim]:
+    """Adam's per-parameter ``step`` and one ``param_groups`` entry, for a source that is not DCP."""
+    import torch
+
+    def saved(obj: object) -> bytes:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+
+    out: list[_Verbatim] = []
+    if not opt_states:
+        return out
+    step = float(source.extra.get("step") or source.extra.get("iteration") or 0)
+    step_bytes = saved(torch.tensor(step, dtype=torch.float32))
+    for name in names:
+        out.append(_Verbatim(naming.key(name, "step"), DcpTensor("float32", (), (DcpChunk((), ()),)), step_bytes))
+    group = dict(_ADAM_GROUP)
+    lr = source.extra.get("lr")
+    if isinstance(lr, int | float):
+        group["lr"] = float(lr)
+    group["params"] = list(names)
+    for k, v in group.items():
+        out.append(_Verbatim(f"{naming.optim}param_groups.0.{k}", None, saved(v)))
+    return out
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """Where a target item goes in DCP terms: its flat key, its box of the global tensor, who writes it."""
+
+    key: str
+    chunk: DcpChunk
+    size: tuple[int, ...]
+    rank: int
+    """The rank whose file holds it."""
+    writer: Item
+    """The item written for this (key, box): the lowest rank's; the others are replicas of it."""
+
+def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: tuple[str, ...], model_state: str,
+                 naming: _Naming) -> tuple[Layout, dict[Item, _Chunk]]:
+    tensors: dict[str, LogicalTensor] = {}
+    items: dict[Item, ItemInfo] = {}
+    fragments: list[Fragment] = []
+    chunks: dict[Item, _Chunk] = {}
+    held = {(f.tensor, f.state) for f in source.layout.fragments}
+    for name in names:
+        t = source.layout.tensors[name]
+        plain = tensors[name] = _plain(name, t.shape)
+        for state in states:
+            if (name, state) not in held:
+                continue
+            key = naming.key(name, "param" if state == model_state else state)
+            for rank, (lo, n) in enumerate(_torch_chunks(t.shape[0], topology.dp)):
+                if n == 0:
+                    continue
+                offs, sizes = (lo,) + (0,) * (len(t.shape) - 1), (n, *t.shape[1:])
+                item = Item(SECTION, (("dp", rank),), 0, state, key)
+                items[item] = ItemInfo(shape=sizes, mapped=math.prod(sizes), rule="FSDP2 Shard(0)")
+                chunks[item] = _Chunk(key, DcpChunk(offs, sizes), t.shape, rank, item)
+                for box, off, st in box_fragments(plain, offs, sizes, row_major_strides(sizes), 0):
+                    fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
+    layout = Layout(topology=topology, tensors=MappingProxyType(tensors), items=MappingProxyType(items),
+                    fragments=tuple(fragments))
+    return layout, chunks
+
+def _spec_layout(source: Source, topology: Topology, spec_ast, spec_name: str, states: tuple[str, ...],
+                 model_state: str, naming: _Naming) -> tuple[Layout, dict[Item, _Chunk]]:
+    require_sizes(source, LLAMA_SIZES, f"dcp with spec {spec_name}")
+    layout = resolve(spec_ast, topology, source.sizes, states={s: states for s in _sections(spec_ast)})
+    by_item: dict[Item, list[Fragment]] = {}
+    for f in layout.fragments:
+        by_item.setdefault(f.item, []).append(f)
+    chunks: dict[Item, _Chunk] = {}
+    first: dict[tuple[str, tuple[int, ...]], Item] = {}
+    for it in sorted(layout.items, key=lambda i: (topology.rank(**dict(i.unit)), i.key, i.state)):
+        frags = by_item.get(it, [])
+        names = {f.tensor for f in frags}
+        if len(names) != 1:
+            raise CheckpointFormatError(f"spec {spec_name}: {it} holds {len(names)} tensors; a DCP chunk is one box of "
+                                        "one tensor")
+        t = layout.tensors[frags[0].tensor]
+        offs, sizes = _plain_box(t, frags)
+        if sizes != layout.items[it].shape:
+            raise CheckpointFormatError(f"spec {spec_name}: {it} stores shape {list(layout.items[it].shape)}, which "
+                                        f"is not one box of '{t.name}' (it spans {list(sizes)} at {list(offs)})")
+        key = naming.key(t.name, "param" if it.state == model_state else it.state)
+        writer = first.setdefault((key, offs), it)
+        rank = topology.rank(**dict(writer.unit))
+        chunks[it] = _Chunk(key, DcpChunk(offs, sizes), t.shape, rank, writer)
+    return layout, chunks
+
+def _sections(spec_ast) -> list[str]:
+    from reshard.core.spec import Section
+
+    return [st.name for st in spec_ast.statements if isinstance(st, Section)]
+
+def _plain_box(t: LogicalTensor, frags: list[Fragment]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box of ``t``'s own dims that ``frags`` (boxes of its axis view) cover together."""
+    lo, hi = [], []
+    for group in dims_of(t):
+        sizes = [t.view[k] for k in group]
+        strides = row_major_strides(tuple(sizes))
+        starts = [sum(f.box.offsets[k] * s for k, s in zip(group, strides)) for f in frags]
+        ends = [sum((f.box.offsets[k] + f.box.lengths[k] - 1) * s for k, s in zip(group, strides)) + 1 for f in frags]
+        lo.append(min(starts))
+        hi.append(max(ends))
+    return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    key: str
+    base: int
+    length: int
+    item: Item | None = None
+    chunk: DcpChunk | None = None
+    global_size: tuple[int, ...] = ()
+    tensor: DcpTensor | None = None
+    data: bytes = b""
+
+def _file_plan(target: Target) -> dict[str, list[_Entry]]:
+    """Every entry of every rank file with its byte offset, computed without writing."""
+    per_rank: dict[int, list[Item]] = {}
+    for it, c in target.extra["chunks"].items():
+        if c.writer is it:
+            per_rank.setdefault(c.rank, []).append(it)
+    files: dict[str, list[_Entry]] = {}
+    for rank in range(target.topology.world_size):
+        base, entries = 0, []
+        for it in per_rank.get(rank, []):
+            c = target.extra["chunks"][it]
+            length = TorchFileWriter.measure(TensorSpec(target.dtypes[it], c.chunk.sizes, key=0), archive_name="archive")
+            entries.append(_Entry(c.key, base, length, item=it, chunk=c.chunk, global_size=c.size))
+            base += length
+        if rank == 0:
+            for v in target.extra["verbatim"]:
+                entries.append(_Entry(v.key, base, len(v.data), tensor=v.tensor, data=v.data))
+                base += len(v.data)
+        if entries:  # a rank with nothing to write (a dp replica, a rank past a short tensor) gets no file
+            files[_rank_file(rank)] = entries
+    return files

@@ -1,0 +1,46 @@
+"""DeepSpeed checkpoints: ZeRO stage 1/2 and 3 and pipeline-engine directories, as
+``engine.save_checkpoint`` writes them (format ``deepspeed``), and universal checkpoints, as
+``ds_to_universal`` writes them (format ``ucp``, ``reshard.formats.deepspeed.ucp``).
+
+On disk (DeepSpeed ``runtime/engine.py``: ``save_checkpoint``, ``_get_ckpt_name``,
+``_get_rank_zero_ckpt_name``)::
+
+    <dir>/latest                                                    the tag, e.g. global_step100
+    <dir>/<tag>/mp_rank_{tp:02d}_model_states.pt                    one per tp rank
+    <dir>/<tag>/[bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt   one per (tp, dp) rank
+
+``bf16_`` prefixes the optimizer files when bf16 is on. DeepSpeed also copies its own
+``zero_to_fp32.py`` (and, from 0.19.8, ``zero_to_torch.py``) into ``<dir>``: DeepSpeed's
+code, which reshard never writes.
+
+States: model weights ``param``; fp32 master ``master``; every tensor the torch optimizer
+keeps per flat param (``exp_avg``, ``exp_avg_sq``, ...) under its own name, laid out like
+``master``. Scalars (``step``) and all other non-tensor state are carried, never resharded.
+
+ZeRO stage 3 checkpoints are read and written by ``reshard.formats.deepspeed.zero3``; universal
+folders by ``reshard.formats.deepspeed.ucp``; the pipeline engine's layer files by
+``reshard.formats.deepspeed.pipe``.
+
+Not supported, each refused with a message: MoE expert files, tied pipeline modules
+(``tied_modules.*``), ``round_robin_gradients``, ``parameter_alignment``, frozen parameters,
+persistent buffers, tied weights, and tp > 1 with a spec that splits nothing over tp.
+
+The modules, each importing only modules listed above it::
+
+    state    the non-tensor state: carried from a source, synthesized, put back into a file's tree
+    files    the files: names, finding them under a save dir or tag dir, reading and writing one
+    sizes    the model sizes: given, from a config.json, or from the param shapes
+    zero12   ZeRO-1/2: the flat-partition layout, and the checks of the files against it
+    pipe     the pipeline engine: its layer files, read and written
+    write    the trees of the ZeRO-1/2 model and optimizer files a write lays down
+    zero3    ZeRO stage 3, read and written
+    format   ``DeepSpeedFormat``: the ``deepspeed`` format's entry points, and ``FORMAT``
+    ucp      universal checkpoints: the ``ucp`` format
+"""
+
+from __future__ import annotations
+
+from reshard.formats.deepspeed.format import FORMAT, DeepSpeedFormat
+from reshard.formats.deepspeed.state import DeepSpeedExtra, Scalar, synthesize_extra
+
+__all__ = ["FORMAT", "DeepSpeedExtra", "DeepSpeedFormat", "Scalar", "synthesize_extra"]

@@ -1,0 +1,52 @@
+"""The model sizes of a DeepSpeed checkpoint: given, else from a Hugging Face ``config.json`` beside
+it, else what the Llama tensor shapes in ``param_shapes`` tell (which cannot tell heads from head dim).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from reshard.errors import CheckpointFormatError
+from reshard.formats.base import check_sizes, given_sizes
+from reshard.formats.deepspeed.files import _config_file, _Files, _hf_config
+
+# Hugging Face config.json keys -> llama.spec size names.
+_HF_CONFIG = {"hidden_size": "h", "num_attention_heads": "heads", "num_key_value_heads": "g", "head_dim": "hd",
+              "intermediate_size": "f", "vocab_size": "vocab", "num_hidden_layers": "layers"}
+
+
+def _llama_sizes(files: _Files, shapes: list[list[tuple[str, tuple[int, ...]]]],
+                 override: Mapping[str, int] | None, params: int) -> dict[str, int]:
+    """Model sizes: ``override``, else a Hugging Face config.json, else what Llama tensor shapes tell; each
+    checked, and the layer count at most ``params`` (the params in the model files' param_shapes)."""
+    by_name = {k: s for group in shapes for k, s in group}
+    sizes: dict[str, int] = {}
+    if len(embed := by_name.get("model.embed_tokens.weight", ())) == 2:
+        sizes["vocab"], sizes["h"] = embed
+    if layers := {int(m.group(1)) for k in by_name if (m := re.match(r"model\.layers\.([0-9]{1,9})\.", k))}:
+        sizes["layers"] = max(layers) + 1
+    if gate := by_name.get("model.layers.0.mlp.gate_proj.weight"):
+        sizes["f"] = gate[0]
+    counts = {"layers": params}  # each layer holds a param at least
+    config = _hf_config(files)
+    found = {name: config[key] for key, name in _HF_CONFIG.items() if config.get(key) is not None}
+    sizes.update(check_sizes(found, _config_file(files), counts=counts) if found else {})
+    sizes.update(given_sizes(override))
+    q, k = by_name.get("model.layers.0.self_attn.q_proj.weight"), by_name.get("model.layers.0.self_attn.k_proj.weight")
+    if q and k and len(q) == 2 and len(k) == 2:
+        if "hd" not in sizes and "heads" not in sizes:
+            places = ", ".join(str(p) for p in (files.tag_dir, files.root, files.root.parent))
+            raise CheckpointFormatError(
+                f"{files.tag_dir}: the attention head layout cannot be told from tensor shapes alone "
+                f"(q_proj has {q[0]} rows, k_proj {k[0]}): give sizes heads=N (and hd, g if not hidden/heads), "
+                f"or put the model's config.json in one of: {places}")
+        if "hd" not in sizes:
+            sizes["hd"] = q[0] // sizes["heads"]
+        if sizes["hd"] < 1:
+            raise CheckpointFormatError(f"{files.model[0]}: q_proj has {q[0]} rows for {sizes['heads']} heads")
+        sizes.setdefault("heads", q[0] // sizes["hd"])
+        sizes.setdefault("g", k[0] // sizes["hd"])
+    elif "hd" not in sizes and "h" in sizes and "heads" in sizes:
+        sizes["hd"] = sizes["h"] // sizes["heads"]  # Hugging Face's default head_dim
+    return check_sizes(sizes, f"{files.model[0]}: param_shapes", counts=counts)

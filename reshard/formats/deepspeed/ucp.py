@@ -1,0 +1,467 @@
+"""DeepSpeed universal checkpoints (UCP, what ``ds_to_universal`` writes), read and written.
+
+A universal folder holds, per parameter, ``zero/<name>/fp32.pt``,
+``exp_avg.pt``, ``exp_avg_sq.pt`` (each ``{"param": full tensor, "cat_dim":
+...}``; any other optimizer state likewise) and ``step.pt`` (a 0-d tensor),
+plus ``zero/optimizer_state.pt`` (param groups, loss scaler). Tensors are
+whole and unsharded, so every file is one item whose bytes are read in place;
+``fp32`` is state ``master``. The path may be the universal folder itself or a
+save dir whose ``latest_universal`` names it.
+
+Model sizes come from a Hugging Face ``config.json`` in the folder or the two
+above it, or from ``sizes``, and the rest from the tensors' shapes (given the
+head count, which shapes cannot tell from the head size). Refused with a message: sub-parameter and vocab
+padding entries (Megatron-DeepSpeed's tp-fused layouts) and tensors that are
+not contiguous.
+
+Written as ``ds_to_universal`` writes one for a ZeRO-1/2 run (DeepSpeed 0.19.8,
+``checkpoint/ds_to_universal.py``), so that ``"checkpoint": {"load_universal":
+true}`` resumes from it at any dp::
+
+    <out>/latest_universal                      the tag
+    <out>/<tag>/zero/<name>/fp32.pt             {"cat_dim": 0, "param": whole fp32 master}
+    <out>/<tag>/zero/<name>/<state>.pt          each optimizer state (exp_avg, exp_avg_sq), likewise
+    <out>/<tag>/zero/<name>/step.pt             the optimizer's step of the param's group (a 0-d tensor)
+    <out>/<tag>/zero/optimizer_state.pt         the ZeRO optimizer's state_dict without its partitions,
+                                                plus the torch optimizer's param_groups
+    <out>/<tag>/mp_rank_00_model_states.pt      the engine's model file (weights in the training dtype)
+
+DeepSpeed's loader reads the model file named for its own ZeRO stage, which is
+``mp_rank_00_model_states.pt`` for stages 1 and 2. A DeepSpeed ZeRO-1/2 source's
+non-tensor state is carried (tag, counters, config, loss scaler, param groups);
+other sources get ``synthesize_extra``'s.
+
+For a ZeRO-3 engine (the default for a ZeRO-3 source, or ``zero=3``) the folder is
+the one ``ds_to_universal`` writes from a ZeRO-3 checkpoint: each state a bare flat
+fp32 tensor, no ``step.pt`` (the step is in ``optimizer_state.pt``, the stage-3
+optimizer's state_dict with ``param_groups`` on top, less the partitions
+ds_to_universal leaves in it and DeepSpeed never reads), and
+``zero_pp_rank_0_mp_rank_00_model_states.pt`` with empty module placeholders. Both
+kinds are read; a flat tensor takes its shape from the model file's ``param_shapes``.
+Needs the fp32 master weights (or fp32 weights, which are them); tp = pp = 1 (the
+universal folder has no topology: the loading job's is used).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from reshard.core.geometry import row_major_strides
+from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
+from reshard.core.spec import parse_spec
+from reshard.core.topology import Topology
+from reshard.errors import CheckpointFormatError, TopologyError
+from reshard.execution.session import WriteSession
+from reshard.formats.base import (
+    Fill,
+    Located,
+    Source,
+    Target,
+    check_sizes,
+    expect_shape,
+    expect_step,
+    given_sizes,
+    name_of,
+    read_tag,
+    scalar_value,
+)
+from reshard.formats.deepspeed.state import DeepSpeedExtra, Scalar, _with_scalars, synthesize_extra
+from reshard.formats.deepspeed.zero3 import Zero3Extra, extra_from_zero12, model_tree3
+from reshard.formats.specs import source_config
+from reshard.io.torch_read import read_torch_file
+from reshard.io.torch_types import TensorRef, TensorSpec, TorchSize
+from reshard.io.torch_write import TorchFileWriter
+
+__all__ = ["FORMAT", "UcpFormat"]
+
+ZERO = "zero"
+MODEL = "model"
+MODEL_FILE = "mp_rank_00_model_states.pt"
+MODEL_FILE3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+_KNOWN_KEYS = {"param", "cat_dim"}
+_SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+"""What ``ds_to_universal`` leaves out of ``optimizer_state.pt``: the per-rank partitions."""
+WINDOW_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UcpExtra:
+    """A universal folder's non-tensor content, as ``write`` lays it down."""
+
+    tag: str
+    model_states: dict[str, Any]
+    """The model file's tree without ``module`` (``Scalar`` for 0-d tensors)."""
+    optimizer_state: dict[str, Any]
+    """``zero/optimizer_state.pt``."""
+    step: Any
+    """``step.pt`` of every param (a ``Scalar``), or None when the optimizer keeps no step."""
+    names: tuple[str, ...]
+    """The params, in the model's order."""
+    stage3: bool = False
+    """For a ZeRO-3 engine: flat per-param tensors, no ``step.pt``, a stage-3 ``optimizer_state.pt`` and
+    ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (module placeholders, ``model_states`` whole) as the model file."""
+
+
+class UcpFormat:
+    """The ``ucp`` format adapter (see ``reshard.formats.base.Format``)."""
+
+    name = "ucp"
+
+    def detect(self, path: Path) -> bool:
+        try:
+            return _folder(Path(path)) is not None
+        except CheckpointFormatError:  # a broken latest_universal: open names what is wrong
+            return True
+
+    def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
+        path = Path(path)
+        folder = _folder(path)
+        if folder is None:
+            raise CheckpointFormatError(f"{path}: not a universal checkpoint (no zero/<param>/fp32.pt)")
+        tensors: dict[str, LogicalTensor] = {}
+        items: dict[Item, ItemInfo] = {}
+        fragments: list[Fragment] = []
+        where: dict[Item, Located] = {}
+        step = None
+        problems: list[str] = []
+        shapes = _param_shapes(folder)
+        for pdir in sorted(p for p in (folder / ZERO).iterdir() if p.is_dir()):
+            name = pdir.name
+            for file in sorted(pdir.glob("*.pt")):
+                if not file.is_file():
+                    problems.append(f"{file}: not a regular file")
+                    continue
+                obj = read_torch_file(file)
+                if file.stem == "step":
+                    if isinstance(obj, TensorRef) and obj.shape == () and step is None:
+                        step = _scalar(file, obj)
+                    continue
+                if isinstance(obj, TensorRef) and name in shapes and obj.numel == math.prod(shapes[name]):
+                    ref, shape = obj, shapes[name]  # ZeRO-3's: flat, the shape in the model file's param_shapes
+                elif isinstance(obj, TensorRef):
+                    problems.append(f"{file}: a bare tensor of {obj.numel} elements, and no param_shapes entry of "
+                                    f"that size for '{name}' in a model file of {folder}")
+                    continue
+                elif not isinstance(obj, dict) or not isinstance(obj.get("param"), TensorRef):
+                    problems.append(f"{file}: expected {{'param': tensor, ...}}, found {type(obj).__name__}")
+                    continue
+                else:
+                    ref = obj["param"]
+                    shape = ref.shape
+                    if name in shapes and shapes[name] != shape:
+                        problems.append(f"{file}: '{name}' is {list(shape)}, but the model file's param_shapes "
+                                        f"says {list(shapes[name])}")
+                        continue
+                extra_keys = [name_of(k) for k in obj if k not in _KNOWN_KEYS] if isinstance(obj, dict) else []
+                if extra_keys:
+                    problems.append(f"{file}: entries {extra_keys} (sub-parameters or vocab padding) are not supported")
+                    continue
+                if not ref.is_contiguous:
+                    problems.append(f"{file}: '{name}' is stored non-contiguous (stride {list(ref.stride)})")
+                    continue
+                state = "master" if file.stem == "fp32" else file.stem
+                t = tensors.setdefault(name, LogicalTensor(name=name, shape=shape,
+                                                           axes=tuple(f"d{k}" for k in range(len(shape))),
+                                                           view=shape, dim_axes=(1,) * len(shape)))
+                if t.shape != shape:
+                    problems.append(f"{file}: '{name}' is {list(shape)} here but {list(t.shape)} in its fp32.pt")
+                    continue
+                item = Item(ZERO, (), 0, state, name)
+                items[item] = ItemInfo(shape=ref.shape, mapped=ref.numel, rule="ucp")
+                where[item] = Located(ref.path, ref.data_offset, ref.dtype)
+                zeros = (0,) * len(shape)
+                for box, off, st in box_fragments(t, zeros, shape, row_major_strides(shape), 0):
+                    fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
+        if not tensors:
+            problems.append(f"{folder / ZERO}: no parameter folders")
+        if problems:
+            raise CheckpointFormatError(f"{folder}: cannot read this universal checkpoint:\n  " + "\n  ".join(problems[:20]))
+        missing = sorted(n for n in tensors if Item(ZERO, (), 0, "master", n) not in items)
+        if missing:
+            raise CheckpointFormatError(f"{folder / ZERO}: no fp32.pt for {', '.join(missing[:5])}")
+        layout = Layout(topology=Topology(), tensors=MappingProxyType(tensors), items=MappingProxyType(items),
+                        fragments=tuple(fragments))
+        from reshard.models.config import config_near
+
+        model_sizes, config = config_near(folder, folder.parent, folder.parent.parent, tensors=len(tensors))
+        model_sizes.update(given_sizes(sizes))
+        _shape_sizes(model_sizes, {n: t.shape for n, t in tensors.items()}, folder / ZERO)
+        model_sizes = check_sizes(model_sizes, folder / ZERO, counts=dict.fromkeys(("layers", "experts"), len(tensors)))
+        extra: dict[str, Any] = {}
+        step = step if step is not None else _stage3_step(folder)
+        if step is not None:
+            extra["step"] = expect_step(step, "the optimizer step (step.pt)", folder / ZERO)
+        lr = _lr(folder)
+        if lr is not None:
+            extra["lr"] = lr
+        if config is not None:
+            extra["config"] = config
+        return Source(format=self.name, path=folder, spec_name="ucp", spec=parse_spec("", "<ucp>"),
+                      topology=Topology(), sizes=model_sizes, layout=layout, where=where, extra=extra)
+
+    def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
+        """Whole tensors, one file per param and state; the weights in the model file.
+
+        Raises:
+          TopologyError: for a topology other than the trivial one.
+          CheckpointFormatError: when the source has no fp32 master weights.
+        """
+        if topology != Topology(zero=topology.zero):
+            raise TopologyError(f"a universal checkpoint holds whole tensors and no topology (DeepSpeed splits them "
+                                f"for the job that loads it); got {topology}: leave out --to")
+        if spec is not None:
+            raise CheckpointFormatError("the ucp format takes no spec: every tensor is stored whole")
+        if topology.zero not in (0, 1, 2, 3):
+            raise TopologyError(f"zero={topology.zero}: a universal folder is for ZeRO stage 1, 2 or 3")
+        stage3 = topology.zero == 3 or (topology.zero == 0 and "zero3" in source.extra)
+        held = {(f.tensor, f.state) for f in source.layout.fragments}
+        names = [n for n, t in source.layout.tensors.items()
+                 if not t.blob and t.shape and any((n, s) in held for s in source.layout.states)]
+        states = set(source.layout.states)
+        fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == "param")
+        if "master" not in states and not ("param" in states and fp32):
+            raise CheckpointFormatError(f"{source.path}: a universal checkpoint needs the fp32 master weights "
+                                        f"(fp32.pt); the source has {', '.join(sorted(states))}, and its weights are "
+                                        "not float32")
+        opt_states = [s for s in dict.fromkeys(it.state for it in source.layout.items) if s not in ("param", "master")]
+        tensors: dict[str, LogicalTensor] = {}
+        items: dict[Item, ItemInfo] = {}
+        fragments: list[Fragment] = []
+        for name in names:
+            shape = source.layout.tensors[name].shape
+            t = tensors[name] = LogicalTensor(name=name, shape=shape, axes=tuple(f"d{k}" for k in range(len(shape))),
+                                              view=shape, dim_axes=(1,) * len(shape))
+            kinds = ((ZERO, "master"), *((ZERO, s) for s in opt_states))
+            for section, state in kinds if stage3 else ((MODEL, "param"), *kinds):
+                item = Item(section, (), 0, state, name)
+                # ZeRO-3's folders hold each state flat (ds_to_universal's merge_zero3_slices)
+                items[item] = ItemInfo(shape=(math.prod(shape),) if stage3 else shape, mapped=math.prod(shape),
+                                       rule="ucp")
+                for box, off, st in box_fragments(t, (0,) * len(shape), shape, row_major_strides(shape), 0):
+                    fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
+        layout = Layout(topology=Topology(), tensors=MappingProxyType(tensors), items=MappingProxyType(items),
+                        fragments=tuple(fragments))
+        model_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == "param"), "float32")
+        extra = (_extra3(source, tuple(names), model_dtype) if stage3 else
+                 _extra(source, tuple(names), model_dtype, tuple(opt_states)))
+        dtypes = {it: model_dtype if it.section == MODEL else "float32" for it in items}
+        config = source_config(source, [model_dtype])
+        carried = {"config": config} if config is not None else {}
+        return Target(format=self.name, spec_name="ucp", spec=parse_spec("", "<ucp>"), topology=Topology(),
+                      sizes=dict(source.sizes), layout=layout, dtypes=dtypes, extra={"ucp": extra, **carried})
+
+    def files_of(self, target: Target) -> dict[Item, Path]:
+        """The file, relative to the output directory, that holds each item."""
+        tag = target.extra["ucp"].tag
+        return {it: Path(tag) / (MODEL_FILE if it.section == MODEL else Path(ZERO, it.key, _file_stem(it.state) + ".pt"))
+                for it in target.layout.items}
+
+    def write(self, target: Target, out: Path, fill: Fill, session: WriteSession | None = None, *,
+              only: Collection[Path] | None = None) -> list[Path]:
+        """Write the universal folder under ``out`` (see the module docstring).
+
+        With ``only``, just those item files; the files holding no items (``step.pt``,
+        ``optimizer_state.pt``, ``latest_universal``, ``config.json``) are written by the
+        call without ``only`` or with ``only=()``.
+        """
+
+        out = Path(out)
+        extra: UcpExtra = target.extra["ucp"]
+        session = session or WriteSession()
+        keep = None if only is None else set(only)
+        by_file: dict[Path, list[Item]] = {}
+        for it, rel in self.files_of(target).items():
+            by_file.setdefault(rel, []).append(it)
+        written: list[Path] = []
+        for rel, its in by_file.items():
+            if keep is not None and rel not in keep:
+                continue
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            sources: dict[Any, tuple[Any, int]] = {}
+            if rel.name == MODEL_FILE:
+                by_key = {it.key: it for it in its}
+                module = OrderedDict()
+                for name in extra.names:
+                    module[name] = TensorSpec(target.dtypes[by_key[name]], target.layout.items[by_key[name]].shape,
+                                              ("item", name))
+                    sources[("item", name)] = (by_key[name], target.layout.items[by_key[name]].numel)
+                tree: Any = {"module": module, **_with_scalars(extra.model_states, sources)}
+            else:
+                (it,) = its
+                spec = TensorSpec("float32", target.layout.items[it].shape, ("item", it.key))
+                tree = spec if extra.stage3 else {"cat_dim": 0, "param": spec}
+                sources[("item", it.key)] = (it, target.layout.items[it].numel)
+            with TorchFileWriter(out / rel, tree, open_file=session.open) as writer:
+                for key in writer.entries:
+                    src, numel = sources[key]
+                    if isinstance(src, Item):
+                        session.stream_item(fill, src, numel, target.dtypes[src],
+                                            lambda data, k=key: writer.write(k, data))
+                    else:
+                        writer.write(key, src.data)
+            written.append(rel)
+        if keep:
+            return written
+        rest: list[tuple[Path, Any]] = [(Path(extra.tag, ZERO, "optimizer_state.pt"), extra.optimizer_state)]
+        if extra.stage3:  # its model file holds no items: placeholders only
+            rest.append((Path(extra.tag, MODEL_FILE3), extra.model_states))
+        if extra.step is not None:
+            rest += [(Path(extra.tag, ZERO, name, "step.pt"), extra.step) for name in extra.names]
+        for rel, obj in rest:
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            scalars: dict[Any, tuple[Any, int]] = {}
+            tree = _with_scalars({"x": obj}, scalars)["x"]
+            with TorchFileWriter(out / rel, tree, open_file=session.open) as writer:
+                for key in writer.entries:
+                    writer.write(key, scalars[key][0].data)
+            written.append(rel)
+        config = target.extra.get("config")
+        if config is not None:
+            (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (out / "latest_universal").write_text(extra.tag)
+        return [*written, *([Path("config.json")] if config is not None else []), Path("latest_universal")]
+
+
+def _extra3(source: Source, names: tuple[str, ...], model_dtype: str) -> UcpExtra:
+    """What ds_to_universal writes beside the tensors of a ZeRO-3 checkpoint: the stage-3 optimizer's
+    state_dict (less its partitions) with ``param_groups`` on top, and a stage-3 model file."""
+    z3: Zero3Extra = source.extra.get("zero3") or extra_from_zero12(source, model_dtype)
+    osd = dict(z3.optim_states)
+    inner = dict(osd.get("optimizer_state_dict") or {})
+    osd["partition_count"] = 1 if not isinstance(osd.get("partition_count"), int) else osd["partition_count"]
+    osd["param_groups"] = inner.get("param_groups", [])
+    # The flat (registration) order: the source's param_shapes, when it has them.
+    carried = [str(k) for g in z3.model_states.get("param_shapes") or () if isinstance(g, Mapping) for k in g]
+    names = tuple([n for n in carried if n in names] + [n for n in names if n not in carried])
+    dp = source.topology.dp if "zero3" in source.extra else 1  # ds_to_universal copies the source's rank 0 file
+    model_file = model_tree3(z3, [(n, source.layout.tensors[n].shape) for n in names], dp)
+    return UcpExtra(tag=z3.tag, model_states=model_file, optimizer_state=osd, step=None, names=names, stage3=True)
+
+
+def _file_stem(state: str) -> str:
+    return "fp32" if state == "master" else state
+
+
+def _extra(source: Source, names: tuple[str, ...], model_dtype: str, opt_states: tuple[str, ...]) -> UcpExtra:
+    """The universal folder's non-tensor content: a DeepSpeed ZeRO-1/2 source's own, else synthesized."""
+    ds: DeepSpeedExtra | None = source.extra.get("deepspeed") if source.format == "deepspeed" else None
+    if ds is None:
+        step = _source_step(source)
+        if opt_states and step is None:
+            raise CheckpointFormatError(f"{source.path}: the source records no optimizer step, which a universal "
+                                        f"folder keeps beside {', '.join(opt_states)} (step.pt)")
+        value = expect_step(scalar_value(step.data, step.dtype) or 0, "the optimizer step", source.path) \
+            if step is not None else 0
+        ds = synthesize_extra(dtype=model_dtype if model_dtype in ("bfloat16", "float32") else "float32",
+                              states=opt_states, global_steps=value, dp=1, lr=float(source.extra.get("lr", 1e-3)))
+        ds.model_states["param_shapes"] = [OrderedDict((n, TorchSize(source.layout.tensors[n].shape)) for n in names)]
+        for group in ds.optim_states["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+            group["step"] = step
+    if ds.elastic:
+        raise CheckpointFormatError(f"{source.path}: an elastic DeepSpeed checkpoint (base_optimizer_state is a list "
+                                    "of groups) has no param_groups to put in optimizer_state.pt")
+    osd = ds.optim_states["optimizer_state_dict"]
+    base = osd["base_optimizer_state"]
+    optimizer_state = {k: v for k, v in osd.items() if k not in _SHARDED}
+    optimizer_state["param_groups"] = base.get("param_groups", [])
+    steps = [s.get("step") for s in base.get("state", {}).values()]
+    if len({(s.dtype, s.data) if isinstance(s, Scalar) else repr(s) for s in steps}) > 1:
+        raise CheckpointFormatError(f"{source.path}: the optimizer's param groups are at different steps "
+                                    f"({len(steps)} groups); a universal folder keeps one step per param")
+    step = steps[0] if steps and isinstance(steps[0], Scalar) else None
+    order = [n for n in ds.module_order if n in names] + [n for n in names if n not in ds.module_order]
+    return UcpExtra(tag=ds.tag, model_states=ds.model_states, optimizer_state=optimizer_state, step=step,
+                    names=tuple(order))
+
+
+def _source_step(source: Source):
+    """The optimizer step of a source that is not DeepSpeed ZeRO-1/2, as a ``Scalar`` (Adam keeps a float32)."""
+    import struct
+
+    zero3 = source.extra.get("zero3")
+    if zero3 is not None:
+        inner = zero3.optim_states.get("optimizer_state_dict", {})
+        for group in inner.get("state", {}).values():
+            if isinstance(group.get("step"), Scalar):
+                return group["step"]
+    for key in ("step", "iteration"):
+        if source.extra.get(key):
+            return Scalar("float32", struct.pack("<f", float(source.extra[key])))
+    return None
+
+
+def _folder(path: Path) -> Path | None:
+    marker = path / "latest_universal"
+    if marker.is_file():
+        path = path / read_tag(marker)
+    zero = path / ZERO
+    if zero.is_dir() and any((p / "fp32.pt").is_file() for p in zero.iterdir() if p.is_dir()):
+        return path
+    return None
+
+
+def _param_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape from the folder's model file (ZeRO-3's first, then ZeRO-1/2's); empty without one."""
+    for name in (MODEL_FILE3, MODEL_FILE):
+        if (folder / name).is_file():
+            tree = read_torch_file(folder / name)
+            groups = tree.get("param_shapes") if isinstance(tree, dict) else None
+            if isinstance(groups, list):
+                return {name_of(k): expect_shape(v, f"param_shapes[{i}]['{name_of(k)}']", folder / name)
+                        for i, g in enumerate(groups) if isinstance(g, Mapping) for k, v in g.items()}
+    return {}
+
+
+def _scalar(file: Path, ref: TensorRef) -> float | None:
+    with open(file, "rb") as f:
+        f.seek(ref.data_offset)
+        return scalar_value(f.read(ref.itemsize), ref.dtype)
+
+
+def _lr(folder: Path) -> float | None:
+    file = folder / ZERO / "optimizer_state.pt"
+    if not file.is_file():
+        return None
+    state = read_torch_file(file)
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    lr = groups[0].get("lr") if isinstance(groups, list) and groups and isinstance(groups[0], dict) else None
+    return float(lr) if isinstance(lr, float) and math.isfinite(lr) or type(lr) is int and abs(lr) < 1 << 60 else None
+
+
+def _stage3_step(folder: Path) -> float | None:
+    """A ZeRO-3 folder's step (it has no step.pt): the optimizer's, in optimizer_state.pt."""
+    file = folder / ZERO / "optimizer_state.pt"
+    state = read_torch_file(file) if file.is_file() else None
+    inner = state.get("optimizer_state_dict") if isinstance(state, dict) else None
+    groups = inner.get("state") if isinstance(inner, dict) else None
+    ref = groups.get(0, {}).get("step") if isinstance(groups, dict) and isinstance(groups.get(0), dict) else None
+    return _scalar(file, ref) if isinstance(ref, TensorRef) and ref.shape == () else None
+
+
+def _shape_sizes(sizes: dict[str, int], shapes: Mapping[str, tuple[int, ...]], where: Path) -> None:
+    """Fill in the Llama sizes the tensor shapes tell (given ``heads`` or ``hd``, for the attention layout)."""
+    if len(embed := shapes.get("model.embed_tokens.weight", ())) == 2:
+        sizes.setdefault("vocab", embed[0])
+        sizes.setdefault("h", embed[1])
+    layers = {int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.") and n.split(".")[2].isdecimal()}
+    if layers:
+        sizes.setdefault("layers", max(layers) + 1)
+    if gate := shapes.get("model.layers.0.mlp.gate_proj.weight"):
+        sizes.setdefault("f", gate[0])
+    q, k = shapes.get("model.layers.0.self_attn.q_proj.weight"), shapes.get("model.layers.0.self_attn.k_proj.weight")
+    if q and k and ("heads" in sizes or "hd" in sizes):
+        sizes.setdefault("hd", q[0] // sizes["heads"] if "heads" in sizes else sizes["hd"])
+        if sizes["hd"] < 1:
+            raise CheckpointFormatError(f"{where}: q_proj.weight has {q[0]} rows for {sizes['heads']} heads")
+        sizes.setdefault("heads", q[0] // sizes["hd"])
+        sizes.setdefault("g", k[0] // sizes["hd"])
+
+
+FORMAT = UcpFormat()

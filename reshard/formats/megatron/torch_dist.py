@@ -1,0 +1,434 @@
+"""Megatron-core ``torch_dist`` checkpoints (``dist_checkpointing.save``): read as a source.
+
+A directory holds ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``),
+``common.pt`` (the non-sharded state: ``args``, ``iteration``, ...) and a
+PyTorch DCP checkpoint (``.metadata``, ``__{rank}_{n}.distcp``). Unlike the
+torch format, every stored key is the *global* tensor: layers stacked on a
+leading dim (``decoder.layers.self_attention.linear_qkv.weight`` is
+``[layers, g·(qpg+2)·hd, h]``), QKV group-interleaved, SwiGLU fc1 stored as
+``[gate; up]`` of the whole ffn, the vocabulary padded. DCP's chunks say which
+box of it each rank wrote. The spec ``mcore-dist-llama`` describes the global
+tensors; ``chunk_fragments`` cuts its fragments down to each chunk, so a
+conversion reads just the rows each target needs, in place inside the chunks'
+``torch.save`` archives.
+
+Model sizes come from ``common.pt``'s ``args`` (as Megatron's training loop
+saves them) or from ``sizes``; ``vpad`` is the stored embedding's row count.
+Per-layer ``_extra_state`` entries are bytes entries, carried as they are to a
+torch_dist target (written as megatron-core's local layers write them,
+``[None]``, from any other source); they hold nothing the other formats need.
+Optimizer state saved in the distributed optimizer's ``fully_reshardable``
+format (``optimizer.state.<state>.<model key>``, the same global tensors and
+chunks as the weights; ``param`` is the fp32 master copy) is read; the
+default ``dp_reshardable`` bucket space (``optimizer.distributed.*``) is
+refused with a message. Writing lays the same global weights out as
+megatron-core's ranks would at the target tp/pp (see
+``McoreDistFormat.target``); optimizer state is not written yet, nor MoE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from reshard.core.dtypes import SUPPORTED
+from reshard.core.geometry import row_major_strides
+from reshard.core.layout import Fragment, Item, ItemInfo, Layout, chunk_fragments
+from reshard.core.resolve import resolve
+from reshard.core.topology import Topology
+from reshard.errors import CheckpointFormatError
+from reshard.execution.session import WriteSession
+from reshard.formats.base import (
+    LLAMA_SIZES,
+    MAX_COUNT,
+    Fill,
+    Located,
+    Source,
+    Target,
+    check_sizes,
+    expect_int,
+    expect_step,
+    given_sizes,
+    read_json,
+    require_sizes,
+)
+from reshard.formats.dcp import FORMAT as DCP
+from reshard.formats.dcp.layouts import _Chunk
+from reshard.formats.dcp.reading import _chunk_cover, _chunk_ref, _entry_bytes, _Naming, _Verbatim
+from reshard.formats.specs import layout_spec
+from reshard.io.bounds import brief
+from reshard.io.dcp_metadata import DcpChunk, read_metadata
+from reshard.io.torch_read import read_torch_file
+from reshard.io.torch_write import write_torch_file
+
+__all__ = ["FORMAT", "McoreDistFormat"]
+
+SPEC = "mcore-dist-llama"
+RANK_SPEC = "megatron-llama"
+"""Where each rank's tensors are: the torch format's per-rank spec."""
+METADATA_JSON = "metadata.json"
+COMMON = "common.pt"
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+class McoreDistFormat:
+    """The ``mcore-dist`` format adapter (see ``reshard.formats.base.Format``)."""
+
+    name = "mcore-dist"
+
+    def detect(self, path: Path) -> bool:
+        meta = Path(path) / METADATA_JSON
+        if not meta.is_file():
+            return False
+        try:
+            data = read_json(meta)
+        except CheckpointFormatError:
+            return False
+        return isinstance(data, dict) and data.get("sharded_backend") == "torch_dist"
+
+    def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
+        """Read ``metadata.json``, ``common.pt`` and DCP's ``.metadata``; match every stored key to the spec.
+
+        Raises:
+          CheckpointFormatError: another backend, missing model sizes, a stored
+            key the spec does not know (or the reverse), a global shape that
+            differs from the spec's, or optimizer state other than the
+            ``fully_reshardable`` format's.
+        """
+        path = Path(path)
+        backend = _read_json(path / METADATA_JSON).get("sharded_backend")
+        if backend != "torch_dist":
+            raise CheckpointFormatError(f"{path / METADATA_JSON}: sharded_backend is {brief(backend)}; reshard reads "
+                                        "'torch_dist' (zarr and others are not supported)")
+        common = _common(path)
+        md = read_metadata(path)
+        spec_name = spec or SPEC
+        spec_ast = layout_spec(spec_name)
+        model_sizes, topology = _sizes(path, common, md, sizes or {})
+        whole = resolve(spec_ast, Topology(), model_sizes)
+        by_key = {it.key: it for it in whole.items}
+        frags_of: dict[Item, list[Fragment]] = {}
+        for f in whole.fragments:
+            frags_of.setdefault(f.item, []).append(f)
+        items: dict[Item, ItemInfo] = {}
+        fragments: list[Fragment] = []
+        where: dict[Item, Located] = {}
+        problems: list[str] = []
+        bucket = sorted(k for k in [*md.tensors, *md.byte_entries] if k.startswith("optimizer.distributed."))
+        if bucket:
+            problems.append(f"optimizer state in the distributed optimizer's bucket space ({len(bucket)} keys, e.g. "
+                            f"'{bucket[0]}', sharding type dp_reshardable) is not read yet; save with "
+                            "--dist-ckpt-optim-fully-reshardable, or convert the weights alone")
+        archives: dict[str, Any] = {}
+        for key, t in md.tensors.items():
+            if key.startswith("optimizer.distributed."):
+                continue
+            state, model_key = _optimizer_state(key)
+            if state is None:
+                problems.append(f"'{key}' is optimizer state reshard does not read (expected "
+                                "optimizer.state.<param|exp_avg|exp_avg_sq|...>.<model key>)")
+                continue
+            whole_item = by_key.get(model_key)
+            if whole_item is None:
+                problems.append(f"'{key}' ({t.dtype} {list(t.size)}) matches no tensor of spec '{spec_name}'")
+                continue
+            if t.size != whole.items[whole_item].shape:
+                problems.append(f"'{key}' is {list(t.size)}, spec '{spec_name}' expects "
+                                f"{list(whole.items[whole_item].shape)} for sizes {model_sizes}")
+                continue
+            if t.dtype not in SUPPORTED:
+                problems.append(f"'{key}' has dtype {t.dtype}, which reshard cannot copy")
+                continue
+            if problem := _chunk_cover(key, t):
+                problems.append(problem)
+                continue
+            for c in t.chunks:
+                if 0 in c.sizes:
+                    continue
+                ref = _chunk_ref(path, md, key, c, t, archives, problems)
+                if ref is None:
+                    continue
+                item = Item("model", (), 0, state, f"{key}@{','.join(map(str, c.offsets))}")
+                mine = [replace(f, state=state) for f in
+                        chunk_fragments(frags_of.get(whole_item, []), t.size, c.offsets, c.sizes, item)]
+                items[item] = ItemInfo(shape=c.sizes, mapped=sum(math.prod(f.box.lengths) for f in mine),
+                                       rule=whole.items[whole_item].rule)
+                fragments.extend(mine)
+                where[item] = Located(ref.path, ref.data_offset, ref.dtype)
+        stored = {_optimizer_state(k)[1] for k in md.tensors}
+        for key in by_key:
+            if key not in stored:
+                problems.append(f"'{key}' is missing (spec '{spec_name}' has it)")
+        if problems:
+            raise CheckpointFormatError(f"{path}: the torch_dist checkpoint does not match spec '{spec_name}':\n  "
+                                        + "\n  ".join(problems[:20]))
+        used = {f.tensor for f in fragments}
+        layout = Layout(topology=topology, tensors=MappingProxyType({n: t for n, t in whole.tensors.items() if n in used}),
+                        items=MappingProxyType(items), fragments=tuple(fragments))
+        it = common.get("iteration")
+        extra: dict[str, Any] = {"iteration": expect_step(it, "iteration", path / COMMON)} if it is not None else {}
+        step = _group_step(common, path / COMMON)
+        if step is not None:
+            extra["step"] = step
+        if isinstance(common.get("args"), argparse.Namespace | Mapping):
+            extra["args"] = dict(vars(common["args"]) if isinstance(common["args"], argparse.Namespace) else common["args"])
+        # Per-layer _extra_state (Transformer Engine's FP8 metadata, or [None]): keyed by global layer, so
+        # a torch_dist target at any tp/pp takes them as they are.
+        extra["extra_states"] = [_Verbatim(k, None, _entry_bytes(path, md, k, None)[0])
+                                 for k in md.byte_entries if "._extra_state/shard_" in k]
+        return Source(format=self.name, path=path, spec_name=spec_name, spec=spec_ast, topology=topology,
+                      sizes=model_sizes, layout=layout, where=where, extra=extra)
+
+    def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
+        """Megatron-core's torch_dist layout of ``source``'s model weights at ``topology`` (tp, pp, vpp, dp).
+
+        The stored tensors are the global ones of ``mcore-dist-llama`` (vocabulary
+        padded for the target tp); the chunks are the boxes megatron-core's ranks
+        write: each rank's tensors as the torch-format spec ``megatron-llama``
+        places them, one chunk per layer, SwiGLU fc1 as one chunk per half,
+        replicated tensors (norms) once, by the lowest rank (dp only changes the
+        rank numbers and ``args``). Weights only: optimizer states are not written
+        (reported as not carried).
+        """
+        from reshard.formats.megatron.args import _padded_vocab, megatron_args
+
+        bad = [f"{a}({topology.degree(a)})" for a in ("cp", "ep") if topology.degree(a) > 1]
+        if bad:
+            raise CheckpointFormatError(f"the mcore-dist target writes tp, pp, vpp and dp; {', '.join(bad)} is not "
+                                        "supported yet")
+        if "transformer.wte.weight" in source.layout.tensors or "lm_head.weight" not in source.layout.tensors:
+            raise CheckpointFormatError(f"{source.path}: the mcore-dist target supports untied Llama-style models so far")
+        require_sizes(source, LLAMA_SIZES, "mcore-dist")
+        sizes = {k: int(source.sizes[k]) for k in LLAMA_SIZES}
+        src_args = dict(source.extra.get("args", {})) if source.format in ("megatron", self.name) else {}
+        div = int(src_args.get("make_vocab_size_divisible_by") or source.sizes.get("vocab_div", 128))
+        spec_name = spec or SPEC
+        spec_ast = layout_spec(spec_name)
+        whole = resolve(spec_ast, Topology(), sizes | {"vpad": _padded_vocab(sizes["vocab"], div, topology.tp)})
+        ranks = resolve(layout_spec(RANK_SPEC), topology, sizes | {"vocab_div": div})
+        boxes = _chunk_boxes(whole, ranks, topology)
+        frags_of: dict[str, list[Fragment]] = {}
+        for f in whole.fragments:
+            frags_of.setdefault(f.item.key, []).append(f)
+        shapes = {it.key: info.shape for it, info in whole.items.items()}
+        items: dict[Item, ItemInfo] = {}
+        fragments: list[Fragment] = []
+        chunks: dict[Item, Any] = {}
+        for (key, offsets), (sizes_, rank) in sorted(boxes.items(), key=lambda kv: (kv[1][1], kv[0])):
+            item = Item("model", (("rank", rank),), 0, "param", f"{key}@{','.join(map(str, offsets))}")
+            mine = chunk_fragments(frags_of[key], shapes[key], offsets, sizes_, item)
+            items[item] = ItemInfo(shape=sizes_, mapped=sum(math.prod(f.box.lengths) for f in mine), rule=key)
+            fragments.extend(mine)
+            chunks[item] = _Chunk(key, DcpChunk(offsets, sizes_), shapes[key], rank, item)
+        used = {f.tensor for f in fragments}
+        layout = Layout(topology=topology, tensors=MappingProxyType({n: t for n, t in whole.tensors.items() if n in used}),
+                        items=MappingProxyType(items), fragments=tuple(fragments))
+        args = megatron_args(sizes | {"vocab_div": div}, topology, base=src_args or None,
+                             iteration=int(source.extra.get("iteration") or 0))
+        common = {"args": args, "checkpoint_version": 3.0, "iteration": int(source.extra.get("iteration") or 0)}
+        carried = source.extra.get("extra_states") if source.format == self.name else None
+        extra = {"chunks": chunks, "verbatim": carried or _extra_states(sizes["layers"]), "planner_data": {},
+                 "naming": _Naming("", "", frozenset()), "common": common}
+        return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology, sizes=dict(source.sizes),
+                      layout=layout, dtypes=dict.fromkeys(items, "float32"), extra=extra)
+
+    def files_of(self, target: Target) -> dict[Item, Path]:
+        return DCP.files_of(target)
+
+    def write(self, target: Target, out: Path, fill: Fill, session: WriteSession | None = None, *,
+              only: Collection[Path] | None = None) -> list[Path]:
+        """The DCP files as the ``dcp`` format writes them, then ``common.pt`` and ``metadata.json``."""
+        out = Path(out)
+        session = session or WriteSession()
+        written = DCP.write(target, out, fill, session, only=only)
+        if only:
+            return written
+        common = dict(target.extra["common"])
+        common["args"] = argparse.Namespace(**common["args"])
+        write_torch_file(out / COMMON, common, {}, open_file=session.open)
+        (out / METADATA_JSON).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                     "common_backend": "torch", "common_backend_version": 1}))
+        return [*written, Path(COMMON), Path(METADATA_JSON)]
+
+
+def _chunk_boxes(whole: Layout, ranks: Layout, topology: Topology) -> dict[tuple[str, tuple[int, ...]], tuple]:
+    """``(global key, offsets) -> (sizes, writing rank)``: where each rank's tensors sit in the global ones.
+
+    Each stored item of the per-rank layout is cut into blocks of fragments
+    whose bounding boxes overlap (QKV's interleaved parts are one block,
+    SwiGLU fc1's stacked halves two, as megatron-core writes them); a block's
+    translation into the global tensor places its chunk. A chunk several
+    ranks hold is written by the lowest rank.
+    """
+    global_of: dict[tuple[str, str], list[Fragment]] = {}
+    for f in whole.fragments:
+        global_of.setdefault((f.tensor, f.state), []).append(f)
+    per_item: dict[Item, list[Fragment]] = {}
+    for f in ranks.fragments:
+        if not f.fill:
+            per_item.setdefault(f.item, []).append(f)
+    out: dict[tuple[str, tuple[int, ...]], tuple] = {}
+    for item, frags in per_item.items():
+        shape = ranks.items[item].shape
+        rank = topology.rank(**{a: c for a, c in item.unit if a in ("tp", "pp", "dp", "cp")})
+        boxes = [_local_box(fr, shape) for fr in frags]
+        for members in _overlapping(boxes):
+            places = {_place(frags[k], shape, whole, global_of) for k in members}
+            if len(places) != 1:
+                raise CheckpointFormatError(f"{item}: parts of one stored block land in the global tensors at "
+                                            f"{sorted(places)}; it cannot be written as one chunk")
+            key, lead_pos, move = places.pop()
+            lo, hi = (0,) * len(shape), shape  # one block: the whole tensor, padding included
+            if len(members) < len(frags):
+                lo = tuple(min(boxes[k][0][d] for k in members) for d in range(len(shape)))
+                hi = tuple(max(boxes[k][1][d] for k in members) for d in range(len(shape)))
+            offsets = tuple(lead_pos) + tuple(m + l for m, l in zip(move, lo))
+            sizes = (1,) * len(lead_pos) + tuple(h - l for l, h in zip(lo, hi))
+            known = out.get((key, offsets))
+            if known is None or rank < known[1]:
+                out[(key, offsets)] = (sizes, rank)
+    return out
+
+
+def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[list[int]]:
+    """Groups of boxes connected by overlap: interleaved parts (QKV) stay one block, stacked halves (fc1) do not."""
+    groups: list[list[int]] = []
+    for k, (lo, hi) in enumerate(boxes):
+        hits = [g for g in groups if any(all(a < d and c < b for a, b, c, d in zip(lo, hi, *boxes[j])) for j in g)]
+        merged = [k] + [j for g in hits for j in g]
+        groups = [g for g in groups if g not in hits] + [sorted(merged)]
+    return groups
+
+
+def _place(fr: Fragment, shape: tuple[int, ...], whole: Layout, global_of) -> tuple:
+    """(global key, its leading stacked index, translation from the rank's tensor into the global one)."""
+    gf = next(g for g in global_of[(fr.tensor, fr.state)]
+              if all(go <= o and o + n <= go + gn for o, n, go, gn
+                     in zip(fr.box.offsets, fr.box.lengths, g.box.offsets, g.box.lengths)))
+    gshape = whole.items[gf.item].shape
+    flat = gf.offset + sum((o - go) * st for o, go, st in zip(fr.box.offsets, gf.box.offsets, gf.strides))
+    pos_g, pos_r = _unravel(flat, gshape), _unravel(fr.offset, shape)
+    lead = len(gshape) - len(shape)
+    return gf.item.key, pos_g[:lead], tuple(a - b for a, b in zip(pos_g[lead:], pos_r))
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for n in reversed(shape):
+        flat, r = divmod(flat, n)
+        out.append(r)
+    return tuple(reversed(out))
+
+
+def _local_box(fr: Fragment, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The bounding box, in the dims of its item, of the elements a fragment covers."""
+    strides = row_major_strides(shape)
+    lo = list(_unravel(fr.offset, shape))
+    hi = [x + 1 for x in lo]
+    for n, st in zip(fr.box.lengths, fr.strides):
+        if n > 1:
+            d = next(d for d in range(len(shape)) if strides[d] <= st and shape[d] > 1)
+            hi[d] += (n - 1) * (st // strides[d])
+    return tuple(lo), tuple(hi)
+
+
+def _extra_states(layers: int) -> list[_Verbatim]:
+    """The per-layer ``_extra_state`` bytes entries megatron-core's linear layers save (``[None]`` without TE)."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save([None], buf)
+    data = buf.getvalue()
+    mods = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+    return [_Verbatim(f"decoder.layers.{m}._extra_state/shard_{i}_{layers}", None, data)
+            for i in range(layers) for m in mods]
+
+
+def _optimizer_state(key: str) -> tuple[str | None, str]:
+    """``(state, model key)`` of a stored key: ``param`` for a weight, the optimizer state for
+    ``optimizer.state.<state>.<model key>`` (the distributed optimizer's ``fully_reshardable``
+    format, whose ``param`` state is the fp32 master copy); ``None`` for other optimizer keys."""
+    if not key.startswith("optimizer."):
+        return "param", key
+    prefix = "optimizer.state."
+    if not key.startswith(prefix):
+        return None, key
+    state, _, model_key = key[len(prefix):].partition(".")
+    if not model_key or state == "fp32_param":  # fp32_param: the old fully_sharded_model_space's flattened ranges
+        return None, key
+    return ("master" if state == "param" else state), model_key
+
+
+def _group_step(common: Mapping[str, Any], where: Path) -> int | None:
+    """Adam's step count, which torch_dist keeps per param group in common.pt (fully_reshardable)."""
+    optimizer = common.get("optimizer")
+    inner = optimizer.get("optimizer") if isinstance(optimizer, Mapping) else None
+    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+    step = groups[0].get("step") if isinstance(groups, list) and groups and isinstance(groups[0], Mapping) else None
+    return None if step is None else expect_step(step, "optimizer param_groups[0]['step']", where)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise CheckpointFormatError(f"{path}: expected a JSON object")
+    return data
+
+
+def _common(path: Path) -> dict[str, Any]:
+    file = path / COMMON
+    if not file.is_file():
+        return {}
+    obj = read_torch_file(file)
+    return obj if isinstance(obj, dict) else {}
+
+
+def _sizes(path: Path, common: Mapping[str, Any], md, given: Mapping[str, int]) -> tuple[dict[str, int], Topology]:
+    from reshard.formats.megatron.args import _sizes_from_args
+
+    embedding = md.tensors.get(_EMBEDDING)
+    if embedding is None or len(embedding.size) != 2:
+        raise CheckpointFormatError(f"{path}: no 2-D '{_EMBEDDING}' in .metadata, so not a GPT checkpoint reshard "
+                                    "reads")
+    tp = len({c.offsets[0] for c in embedding.chunks}) or 1
+    qkv = md.tensors.get("decoder.layers.self_attention.linear_qkv.weight")
+    fc1 = md.tensors.get("decoder.layers.mlp.linear_fc1.weight")
+    stacked = {"layers": qkv.size[0] if qkv is not None and len(qkv.size) == 3 else len(md.tensors)}
+    args = common.get("args")
+    if isinstance(args, argparse.Namespace):
+        args = vars(args)
+    where = f"{path / COMMON}: args"
+    if isinstance(args, Mapping):
+        tp = expect_int(args.get("tensor_model_parallel_size") or tp, "args.tensor_model_parallel_size", where,
+                        lo=1, hi=MAX_COUNT)
+        pp = expect_int(args.get("pipeline_model_parallel_size") or 1, "args.pipeline_model_parallel_size", where,
+                        lo=1, hi=stacked["layers"])  # each stage holds a layer at least
+        topology = Topology(tp=tp, pp=pp)
+        sizes = _sizes_from_args(args, given, topology, where)
+        sizes.pop("vocab_div", None)
+    else:
+        where = f"{path}: .metadata"
+        topology = Topology(tp=tp)
+        sizes = given_sizes(given)
+        sizes.setdefault("h", embedding.size[1])
+        if qkv is not None and len(qkv.size) == 3:
+            sizes.setdefault("layers", qkv.size[0])
+        if fc1 is not None and len(fc1.size) == 3:
+            sizes.setdefault("f", fc1.size[1] // 2)
+        missing = [k for k in LLAMA_SIZES if k not in sizes]
+        if missing:
+            raise CheckpointFormatError(f"{path}: {COMMON} holds no args, so the model sizes {', '.join(missing)} "
+                                        "are unknown; give them as sizes")
+    sizes["vpad"] = embedding.size[0]
+    return check_sizes(sizes, where, counts=stacked), topology
+
+
+FORMAT = McoreDistFormat()

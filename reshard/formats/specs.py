@@ -1,0 +1,310 @@
+"""How each format lays out a model family: the format's rules applied to a family's tensors.
+
+A layout spec is named ``<format>-<family>[-<option>...]`` (``megatron-llama-tied-distopt-torch``,
+``hf-gpt2``, ``dcp-mixtral``) and generated on request from the family (``reshard.models``) and the
+rules below; no format keeps a copy of a family. ``spec_text(name)`` gives the text (what
+``plan --explain`` and error carets show), ``layout_spec(name)`` the parsed spec; a path names a
+user's own spec file instead.
+
+The rules, per format:
+
+- ``hf``: every tensor under its Hugging Face name, unsharded, as Hugging Face stores it.
+- ``deepspeed`` (ZeRO-1/2, ``engine.save_checkpoint``): the module's state dict, and one flat buffer
+  per param group and state: the group's params flattened in registration order, zero-padded to a
+  multiple of ``2 * dp`` (``nccl_start_alignment_factor``) and split into dp equal partitions. Options:
+  ``hf-trainer`` (two param groups, decay and no decay, as transformers' Trainer makes them),
+  ``zero3`` (every param padded and split on its own), and the ``deepspeed-pipe`` prefix for the
+  pipeline engine (``PipelineModule`` of [embedding, decoder layers, norm, head]: params named
+  ``<layer index>.<name in the layer>``, tensor-parallel splits of the family's plan).
+- ``dcp``: FSDP2 (``fully_shard``) over dp and the family's DTensor tensor-parallel plan over tp
+  (``ColwiseParallel`` splits dim 0, ``RowwiseParallel`` dim 1): dim 0 of every tensor chunked over dp
+  with ``torch.chunk`` sizes, after tp where tp splits it too (``_StridedShard``).
+- ``megatron`` (Megatron-core, torch format): the family's Megatron names and fusions, and with
+  ``distopt`` the distributed optimizer's buffers: params in reverse registration order, each at a
+  multiple of 64 elements, closed into buckets, padded for dp; ``-torch`` as ``distrib_optim.pt`` holds
+  them (coalesced per (tp, pp)), without it per dp rank; ``-ep`` gives experts their own buffer. The
+  ``megatron-legacy`` prefix is Megatron-LM's legacy model, ``mcore-dist`` torch_dist's global tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from reshard.core.spec import Spec, parse_spec
+from reshard.errors import CheckpointFormatError, SpecError
+from reshard.models import FAMILIES, Family, get_family
+from reshard.models.catalog import load_spec
+
+__all__ = ["FORMAT_RULES", "layout_spec", "spec_names", "spec_text"]
+
+STATES = "states master exp_avg exp_avg_sq"
+DISTOPT = "reverse | align 64 | buckets bucket_size"
+
+
+def _split_dims(dims: str) -> list[str]:
+    """Top-level terms of a dims text: ``(g qpg hd) h`` -> ``['(g qpg hd)', 'h']``."""
+    out, depth, cur = [], 0, ""
+    for ch in dims.strip():
+        if ch == " " and depth == 0:
+            if cur:
+                out.append(cur)
+            cur = ""
+            continue
+        depth += ch in "([" and 1 or (-1 if ch in ")]" else 0)
+        cur += ch
+    return out + ([cur] if cur else [])
+
+
+def _with(dims: str, at: int, suffix: str) -> str:
+    terms = _split_dims(dims)
+    terms[at] += suffix
+    return " ".join(terms)
+
+
+def _layer_local(name: str) -> str:
+    return name.replace("{i}", "{i/pp}")
+
+
+# --- hf ----------------------------------------------------------------------------------------------
+
+def hf(family: Family, options: tuple[str, ...]) -> str:
+    tied = _flag(options, "tied", family)
+    lines = [family.logical_text(tied), "section model"]
+    lines += [f"{t.name} = {t.hf_dims or t.dims}" for t in _hf_order(family, tied)]
+    return "\n".join(lines) + "\n"
+
+
+def _hf_order(family: Family, tied: bool):
+    stored = {t.alias: t for t in family.stored(tied)}
+    return [stored[a] for a in family.hf_order if a in stored] if family.hf_order else list(stored.values())
+
+
+# --- deepspeed ---------------------------------------------------------------------------------------
+
+def deepspeed(family: Family, options: tuple[str, ...]) -> str:
+    variant = _one_of(options, ("hf-trainer", "zero3"), family, "deepspeed")
+    tensors = family.by_registration(tied=False)
+    lines = [family.logical_text(tied=False), "section model per tp pp"]
+    if variant == "hf-trainer":
+        lines += [f"{_layer_local(t.name)} -> {t.alias} = {t.dims}" for t in tensors if t.decay]
+        lines += ["", "section nodecay per tp pp"]
+        lines += [f"{_layer_local(t.name)} -> {t.alias} = {t.dims}" for t in tensors if not t.decay]
+        lines += ["", f"section optim per tp pp dp {STATES}", "flat optimizer.0.{state} = model | pad 2*dp | split dp",
+                  "flat optimizer.1.{state} = nodecay | pad 2*dp | split dp"]
+    else:
+        lines += [f"{_layer_local(t.name)} -> {t.alias} = {t.dims}" for t in tensors]
+        flat = ("flat fp32_flat_groups.{state} = model | perparam | split dp" if variant == "zero3" else
+                "flat optimizer.{state} = model | pad 2*dp | split dp")
+        lines += ["", f"section optim per tp pp dp {STATES}", flat]
+    return "\n".join(lines) + "\n"
+
+
+def deepspeed_pipe(family: Family, options: tuple[str, ...]) -> str:
+    _one_of(options, (), family, "deepspeed-pipe")
+    tensors = family.by_registration(tied=False)
+    layered = [t for t in tensors if "{i}" in t.name]
+    first = [t for t in tensors[:tensors.index(layered[0])]]
+    last = [t for t in tensors[tensors.index(layered[-1]) + 1:]]
+    prefix = layered[0].name[:layered[0].name.index("{i}")]
+    lines = [family.logical_text(tied=False), "section model per tp pp"]
+    for k, t in enumerate(first):
+        lines.append(f"{k}.{t.name.rsplit('.', 1)[-1]} @first -> {t.alias} = {t.dims}")
+    for t in layered:
+        local = t.name[len(prefix) + len("{i}."):]
+        dims = _with(t.dims, t.tp, "/tp") if t.tp is not None else t.dims
+        lines.append(f"{{i@pp+{len(first)}}}.{local} -> {t.alias} = {dims}")
+    for k, t in enumerate(last):
+        lines.append(f"{{=layers+{len(first) + k}}}.{t.name.rsplit('.', 1)[-1]} @last -> {t.alias} = {t.dims}")
+    lines += ["", f"section optim per tp pp dp {STATES}", "flat optimizer.{state} = model | pad 2*dp | split dp"]
+    return "\n".join(lines) + "\n"
+
+
+# --- dcp ---------------------------------------------------------------------------------------------
+
+def dcp(family: Family, options: tuple[str, ...]) -> str:
+    _one_of(options, (), family, "dcp")
+    lines = [family.logical_text(tied=False), "section model per dp tp"]
+    for t in family.stored(tied=False):
+        dims = t.dims
+        if t.tp is not None:
+            dims = _with(dims, t.tp, "/tp")
+        dims = _with(dims, 0, "/dp:chunk")
+        lines.append(f"model.{t.name} -> {t.alias} = {dims}")
+    return "\n".join(lines) + "\n"
+
+
+# --- megatron ----------------------------------------------------------------------------------------
+
+def megatron(family: Family, options: tuple[str, ...]) -> str:
+    tied = _flag(options, "tied", family)
+    local = "local" in options
+    ep = "ep" in options
+    distopt = "distopt" in options
+    torch_file = "torch" in options
+    _only(options, ("tied", "local", "ep", "distopt", "torch"), family, "megatron")
+    if ep and not (distopt and torch_file) or torch_file and not distopt:
+        raise SpecError(f"megatron-{family.name}-{'-'.join(options)}: -ep needs -distopt-torch, -torch needs -distopt")
+    body = family.megatron(tied=tied, local=local) if family.megatron else None
+    if body is None:
+        raise SpecError(f"megatron-{family.name}-{'-'.join(options)}: Megatron has no layout for {family.name}"
+                        f"{' tied' if tied else ''}{' in local layers' if local else ''}")
+    axes = "tp pp ep" if family.experts else "tp pp"
+    lines = [family.logical_text(tied), f"section model per {axes}", body]
+    if distopt and not torch_file:
+        lines += [f"section optim per {axes} dp {STATES}",
+                  f"flat optimizer.distributed.bucket_{{bucket}}.{{state}} = model | {DISTOPT} | pad lcm(dp, 128) | split dp"]
+    elif distopt and ep:
+        lines += [f"section optim per {axes} {STATES}",
+                  f"flat distrib_optim.{{state}} = model | except *.mlp.experts.* | {DISTOPT} | pad lcm(dp * cp, 128) | coalesce",
+                  "", f"section expert_optim per {axes} {STATES}",
+                  f"flat expert_distrib_optim.{{state}} = model | only *.mlp.experts.* | {DISTOPT} | pad lcm(edp, 128) | coalesce"]
+    elif distopt:
+        lines += [f"section optim per {axes} {STATES}",
+                  f"flat distrib_optim.{{state}} = model | {DISTOPT} | pad lcm(dp * cp, 128) | coalesce"]
+    return "\n".join(lines) + "\n"
+
+
+def megatron_legacy(family: Family, options: tuple[str, ...]) -> str:
+    _one_of(options, (), family, "megatron-legacy")
+    if family.megatron_legacy is None:
+        raise SpecError(f"megatron-legacy-{family.name}: no legacy Megatron-LM layout for {family.name}")
+    return "\n".join([family.logical_text(tied=False), "section model per tp pp", family.megatron_legacy]) + "\n"
+
+
+def torch_dist(family: Family, options: tuple[str, ...]) -> str:
+    _one_of(options, (), family, "mcore-dist")
+    if family.torch_dist is None:
+        raise SpecError(f"mcore-dist-{family.name}: no torch_dist layout for {family.name}")
+    return "\n".join([family.logical_text(tied=False), "section model", family.torch_dist]) + "\n"
+
+
+FORMAT_RULES: dict[str, Callable[[Family, tuple[str, ...]], str]] = {
+    # Longest prefix first: "megatron-legacy-llama" is not "megatron" with family "legacy".
+    "megatron-legacy": megatron_legacy,
+    "deepspeed-pipe": deepspeed_pipe,
+    "mcore-dist": torch_dist,
+    "megatron": megatron,
+    "deepspeed": deepspeed,
+    "hf": hf,
+    "dcp": dcp,
+}
+"""Name prefix -> the rules that lay a family out in that format."""
+
+
+def spec_text(name: str) -> str:
+    """The text of the generated spec ``name`` (``<format>-<family>[-<option>...]``)."""
+    for prefix, rules in FORMAT_RULES.items():
+        if name.startswith(prefix + "-"):
+            rest = name[len(prefix) + 1:].split("-")
+            family = get_family(rest[0]) if rest[0] in FAMILIES else None
+            if family is None:
+                raise SpecError(f"no spec '{name}': '{rest[0]}' is not a model family (families: {', '.join(FAMILIES)})")
+            return rules(family, _options(rest[1:]))
+    raise SpecError(f"no spec '{name}' (a spec is <format>-<family>[-<option>...] with format one of "
+                    f"{', '.join(FORMAT_RULES)} and family one of {', '.join(FAMILIES)}, or a path to a spec file)")
+
+
+def layout_spec(name_or_path: str | Path) -> Spec:
+    """The spec a format lays a checkpoint out with: generated by name, or a user's spec file by path (or a
+    family's logical tensors by the family's name)."""
+    text = str(name_or_path)
+    if isinstance(name_or_path, Path) or "/" in text or text.endswith(".spec") or text in FAMILIES:
+        return load_spec(name_or_path)
+    return parse_spec(spec_text(text), source=f"<{text}>")
+
+
+def spec_names() -> list[str]:
+    """Every generated spec name the families and format rules give, without options."""
+    return [f"{prefix}-{family}" for prefix in FORMAT_RULES for family in FAMILIES]
+
+
+def _options(words: list[str]) -> tuple[str, ...]:
+    out, k = [], 0
+    while k < len(words):  # two-word options
+        if words[k] == "hf" and k + 1 < len(words) and words[k + 1] == "trainer":
+            out.append("hf-trainer")
+            k += 2
+            continue
+        out.append(words[k])
+        k += 1
+    return tuple(out)
+
+
+def _flag(options: tuple[str, ...], flag: str, family: Family) -> bool:
+    if flag == "tied" and family.tied_default:
+        return True
+    if flag in options and not family.can_tie:
+        raise SpecError(f"{family.name} cannot be {flag}")
+    return flag in options
+
+
+def _only(options: tuple[str, ...], allowed: tuple[str, ...], family: Family, prefix: str) -> None:
+    bad = [o for o in options if o not in allowed]
+    if bad:
+        raise SpecError(f"{prefix}-{family.name}: unknown option {bad[0]!r} (options: {', '.join(allowed) or 'none'})")
+
+
+def _one_of(options: tuple[str, ...], allowed: tuple[str, ...], family: Family, prefix: str) -> str | None:
+    _only(options, allowed, family, prefix)
+    if len(options) > 1:
+        raise SpecError(f"{prefix}-{family.name}: at most one of {', '.join(allowed)}")
+    return options[0] if options else None
+
+
+def family_of(spec_name: str) -> Family | None:
+    """The family a generated spec name lays out (``megatron-llama-tied`` -> llama); None for another spec."""
+    for prefix in FORMAT_RULES:
+        if spec_name.startswith(prefix + "-"):
+            name = spec_name[len(prefix) + 1:].split("-")[0]
+            return get_family(name) if name in FAMILIES else None
+    return None
+
+
+def source_family(source) -> Family | None:
+    """The family of an opened checkpoint: the one its layout was generated from, or the one its carried
+    ``config.json`` names; None when the checkpoint records neither (never guessed from tensor names:
+    Llama and Mistral store the same names)."""
+    family = family_of(source.spec_name)
+    config = source.extra.get("config")
+    if family is None and isinstance(config, dict):
+        family = next((get_family(n) for n in FAMILIES if config.get("model_type") in get_family(n).model_types), None)
+    return family
+
+
+def target_config(target, dtypes) -> dict | None:
+    """The Hugging Face ``config.json`` a checkpoint written for ``target`` keeps beside its files (as the
+    transformers Trainer leaves one, so the checkpoint names its own model): the one carried from the
+    source, else one built from the target's family and sizes; None when neither is known."""
+    from reshard.models.config import hf_config
+
+    carried = target.extra.get("config")
+    if isinstance(carried, dict):
+        return carried
+    family = family_of(target.spec_name)
+    if family is None or not all(k in target.sizes for k in family.sizes):
+        return None
+    try:
+        return hf_config(family, target.sizes, dtypes, hints=target.extra.get("config_hints"))
+    except CheckpointFormatError:  # a mixture of experts whose routing nothing records
+        return None
+
+
+def source_config(source, dtypes) -> dict | None:
+    """The Hugging Face config of an opened checkpoint: carried with it, else built from its family and sizes
+    (and hints, such as Megatron's args); None when neither is known. Formats that keep no model identity of
+    their own (UCP, DCP) put it into their target so that it travels on."""
+    from reshard.models.config import hf_config
+
+    carried = source.extra.get("config")
+    if isinstance(carried, dict):
+        return carried
+    family = source_family(source)
+    if family is None or not all(k in source.sizes for k in family.sizes):
+        return None
+    tied = family.tied_default if not family.can_tie else not any(t.untied_only and t.name in source.layout.tensors
+                                                                  for t in family.tensors)
+    try:
+        return hf_config(family, source.sizes, dtypes, hints=source.extra.get("config_hints"), tied=tied)
+    except CheckpointFormatError:  # a mixture of experts whose routing nothing records
+        return None

@@ -1,0 +1,104 @@
+"""What a model family is: its logical tensors with their Hugging Face names, and what each format needs
+to know about them that the names and shapes do not say.
+
+A family is data, declared once in its own module (``reshard/models/llama.py``, ...) and listed in
+the registry (``reshard/models/__init__.py``). The formats derive their layouts from it with their
+own rules: a Hugging Face checkpoint stores every logical tensor under its own name; DeepSpeed
+stores the module's parameters in registration order; DCP splits the columns or rows of the
+tensors a tensor-parallel plan splits; Megatron stores the family's own fused names, which the
+family spells out in the spec language (``megatron``). No format keeps a copy of a family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["COLWISE", "ROWWISE", "Family", "Tensor"]
+
+COLWISE = 0
+"""A tensor-parallel plan splits the tensor's dim 0 (its output features: ``ColwiseParallel``)."""
+ROWWISE = 1
+"""A tensor-parallel plan splits the tensor's dim 1 (its input features: ``RowwiseParallel``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tensor:
+    """One logical tensor of a family."""
+
+    name: str
+    """Its Hugging Face name, with ``{i}`` for the layer and ``{e}`` for the expert."""
+    alias: str
+    """The short name spec rules refer to it by (``q``, ``gate``, ``embed``)."""
+    dims: str
+    """Its dims in the spec language, in the orientation of the logical tensor (``(g qpg hd) h``)."""
+    hf_dims: str | None = None
+    """How Hugging Face stores it when that differs (GPT-2's Conv1D weights are stored transposed)."""
+    tp: int | None = None
+    """The dim a tensor-parallel plan splits (``COLWISE``, ``ROWWISE``), or None: replicated."""
+    decay: bool = True
+    """Whether trainers apply weight decay to it (transformers' Trainer exempts norms and biases)."""
+    untied_only: bool = False
+    """The output projection: stored only when the model does not tie it to the embedding."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Family:
+    """A model family: its tensors, how its config gives their sizes, and how Megatron stores them."""
+
+    name: str
+    model_types: tuple[str, ...]
+    """Hugging Face ``config.model_type`` values that are this family."""
+    architectures: tuple[str, ...]
+    """Hugging Face ``config.architectures`` of this family; the first is what reshard writes."""
+    preamble: str
+    """``let`` and ``index`` lines the tensors' dims and names use."""
+    tensors: tuple[Tensor, ...]
+    """Every logical tensor, in the order a Hugging Face checkpoint of it lists them."""
+    registration: tuple[str, ...]
+    """Aliases in the order ``model.named_parameters()`` registers them (DeepSpeed's flat-buffer order)."""
+    hf_order: tuple[str, ...] = ()
+    """Aliases in the order reshard writes a Hugging Face checkpoint's state dict (empty: ``tensors``' order)."""
+    sizes: tuple[str, ...]
+    """The size variables the dims use (``h``, ``heads``, ...)."""
+    tied_default: bool = False
+    """Whether the family ties its output projection to the embedding unless its config says otherwise."""
+    can_tie: bool = True
+    """Whether the output projection may be tied (False: always stored, or always tied if it is absent)."""
+    sizes_from_config: Callable[[Mapping[str, Any], Path | str], dict[str, int]]
+    """The sizes from a Hugging Face config dict (CheckpointFormatError naming what is missing)."""
+    config_from_sizes: Callable[[Mapping[str, int], Any], dict[str, Any]]
+    """A minimal Hugging Face config dict for the sizes (and the most common of the given dtypes)."""
+    megatron: Callable[..., str | None] | None = None
+    """The body of the Megatron-core model section (names, fusions, tp splits), given ``tied`` and ``local``
+    (Transformer Engine layers or ``--transformer-impl local``); None where Megatron cannot hold it so."""
+    megatron_legacy: str | None = None
+    """The body of the legacy (non-mcore) Megatron-LM model section, where it exists."""
+    torch_dist: str | None = None
+    """The Megatron-core torch_dist global layout's model section body, where it exists."""
+    experts: bool = False
+    """A mixture-of-experts family: expert tensors split over ``ep`` in Megatron."""
+
+    def stored(self, tied: bool) -> tuple[Tensor, ...]:
+        """The tensors a checkpoint of this family stores, with the output projection tied or not."""
+        return tuple(t for t in self.tensors if not (tied and t.untied_only))
+
+    def tensor(self, alias: str) -> Tensor:
+        return next(t for t in self.tensors if t.alias == alias)
+
+    @property
+    def base_text(self) -> str:
+        """What ``include NAME`` gives: the logical tensors, without the output projection where it is optional."""
+        return self.logical_text(tied=self.can_tie)
+
+    def logical_text(self, tied: bool) -> str:
+        """The family's logical tensors in the spec language."""
+        lines = [self.preamble.strip(), ""]
+        lines += [f"logical {t.name} as {t.alias} = {t.dims}" for t in self.stored(tied)]
+        return "\n".join(lines) + "\n"
+
+    def by_registration(self, tied: bool) -> list[Tensor]:
+        stored = {t.alias: t for t in self.stored(tied)}
+        return [stored[a] for a in self.registration if a in stored]

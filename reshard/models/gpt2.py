@@ -1,0 +1,127 @@
+"""GPT-2 (``GPT2LMHeadModel``): learned positions, LayerNorm with bias, biases everywhere, a GELU MLP, and
+the output projection tied to the embedding (never stored).
+
+Sizes: ``h`` (``n_embd``), ``heads``, ``hd`` (``h / heads``), ``f`` (``n_inner``, 4h by default),
+``vocab``, ``positions`` (``n_positions``), ``layers``. Logical tensors are in the ``[out, in]``
+orientation; Hugging Face stores its Conv1D weights transposed, ``[in, out]``.
+
+Megatron-core GPT in GPT-2 style stores q, k and v per head (``(heads/tp three hd)`` rows of
+``linear_qkv``, against the logical ``(three heads hd)``), the position embedding on the first stage,
+and the tied output layer as a copy of the embedding on the last stage.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import CheckpointFormatError
+from reshard.models.config import config_ints
+from reshard.models.family import COLWISE, ROWWISE, Family, Tensor
+
+__all__ = ["FAMILY", "config_from_sizes", "sizes_from_config"]
+
+SIZES = ("h", "heads", "hd", "f", "vocab", "positions", "layers")
+
+
+def _t(name: str, alias: str, dims: str, hf_dims: str | None = None, tp: int | None = None, decay: bool = True):
+    return Tensor(name=f"transformer.{name}", alias=alias, dims=dims, hf_dims=hf_dims, tp=tp, decay=decay)
+
+
+TENSORS = (
+    _t("wte.weight", "wte", "vocab h"),
+    _t("wpe.weight", "wpe", "positions h"),
+    _t("h.{i}.ln_1.weight", "ln1", "h", decay=False),
+    _t("h.{i}.ln_1.bias", "ln1_bias", "h", decay=False),
+    _t("h.{i}.attn.c_attn.weight", "qkv", "(three heads hd) h", "h (three heads hd)", COLWISE),
+    _t("h.{i}.attn.c_attn.bias", "qkv_bias", "(three heads hd)", tp=COLWISE, decay=False),
+    _t("h.{i}.attn.c_proj.weight", "attn_out", "h (heads hd)", "(heads hd) h", ROWWISE),
+    _t("h.{i}.attn.c_proj.bias", "attn_out_bias", "h", decay=False),
+    _t("h.{i}.ln_2.weight", "ln2", "h", decay=False),
+    _t("h.{i}.ln_2.bias", "ln2_bias", "h", decay=False),
+    _t("h.{i}.mlp.c_fc.weight", "fc", "f h", "h f", COLWISE),
+    _t("h.{i}.mlp.c_fc.bias", "fc_bias", "f", tp=COLWISE, decay=False),
+    _t("h.{i}.mlp.c_proj.weight", "mlp_out", "h f", "f h", ROWWISE),
+    _t("h.{i}.mlp.c_proj.bias", "mlp_out_bias", "h", decay=False),
+    _t("ln_f.weight", "ln_f", "h", decay=False),
+    _t("ln_f.bias", "ln_f_bias", "h", decay=False),
+)
+
+REGISTRATION = tuple(t.alias for t in TENSORS)
+
+PREAMBLE = """\
+let three = 3
+index i < layers
+"""
+
+VOCAB = "(vocab~(vocab_div*tp))/tp h"
+
+
+def megatron(*, tied: bool = True, local: bool = False) -> str | None:
+    """Megatron-core GPT in GPT-2 style (``--position-embedding-type learned_absolute``, LayerNorm, biases)."""
+    if not tied or local:
+        return None
+    return f"""\
+embedding.word_embeddings.weight -> wte @first = {VOCAB}
+embedding.position_embeddings.weight -> wpe @first = positions h
+decoder.layers.{{i/pp}}.self_attention.linear_proj.weight -> attn_out = h (heads hd)/tp
+decoder.layers.{{i/pp}}.self_attention.linear_proj.bias -> attn_out_bias = h
+decoder.layers.{{i/pp}}.self_attention.linear_qkv.layer_norm_weight -> ln1 = h
+decoder.layers.{{i/pp}}.self_attention.linear_qkv.layer_norm_bias -> ln1_bias = h
+decoder.layers.{{i/pp}}.self_attention.linear_qkv.weight -> qkv = (heads/tp three hd) h
+decoder.layers.{{i/pp}}.self_attention.linear_qkv.bias -> qkv_bias = (heads/tp three hd)
+decoder.layers.{{i/pp}}.mlp.linear_fc1.layer_norm_weight -> ln2 = h
+decoder.layers.{{i/pp}}.mlp.linear_fc1.layer_norm_bias -> ln2_bias = h
+decoder.layers.{{i/pp}}.mlp.linear_fc1.weight -> fc = f/tp h
+decoder.layers.{{i/pp}}.mlp.linear_fc1.bias -> fc_bias = f/tp
+decoder.layers.{{i/pp}}.mlp.linear_fc2.weight -> mlp_out = h f/tp
+decoder.layers.{{i/pp}}.mlp.linear_fc2.bias -> mlp_out_bias = h
+decoder.final_layernorm.weight -> ln_f @last = h
+decoder.final_layernorm.bias -> ln_f_bias @last = h
+output_layer.weight -> wte @lastonly = {VOCAB}
+"""
+
+
+def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.json") -> dict[str, int]:
+    """h, heads, hd, f, vocab, positions, layers from a ``GPT2Config`` dict."""
+    keys = {"h": "n_embd", "heads": "n_head", "vocab": "vocab_size", "layers": "n_layer", "positions": "n_positions"}
+    sizes = config_ints(config, keys, ("n_inner",), where)
+    sizes["hd"] = sizes["h"] // sizes["heads"]
+    sizes["f"] = int(config.get("n_inner") or 4 * sizes["h"])  # GPT2Config: n_inner None means 4 * n_embd
+    return sizes
+
+
+def config_from_sizes(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, Any]:
+    """A minimal ``GPT2Config`` dict for model ``sizes``; other fields keep transformers' defaults."""
+    missing = [k for k in SIZES if k not in sizes]
+    if missing or sizes["heads"] * sizes["hd"] != sizes["h"]:
+        raise CheckpointFormatError(f"cannot build a GPT-2 config.json from sizes {dict(sizes)}"
+                                    + (f": {', '.join(missing)} unknown" if missing else ": heads * hd != h"))
+    config: dict[str, Any] = {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": sizes["h"], "n_head": sizes["heads"],
+        "n_inner": sizes["f"], "n_layer": sizes["layers"], "n_positions": sizes["positions"],
+        "vocab_size": sizes["vocab"], "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+    }
+    common = Counter(dtypes).most_common(1)
+    if common:
+        config["dtype"] = common[0][0]
+    return config
+
+
+FAMILY = Family(
+    name="gpt2",
+    model_types=("gpt2",),
+    architectures=("GPT2LMHeadModel",),
+    preamble=PREAMBLE,
+    tensors=TENSORS,
+    registration=REGISTRATION,
+    sizes=SIZES,
+    tied_default=True,
+    can_tie=False,
+    megatron=megatron,
+    sizes_from_config=sizes_from_config,
+    config_from_sizes=config_from_sizes,
+)

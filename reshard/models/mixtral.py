@@ -1,0 +1,100 @@
+"""Mixtral (``MixtralForCausalLM``): Llama attention, and in every layer a router and ``experts`` SwiGLU
+experts (``w1`` gate, ``w3`` up, ``w2`` down) in place of the MLP. The output projection is never tied.
+
+Sizes: those of Llama plus ``experts`` (``num_local_experts``); ``f`` is each expert's ffn size.
+
+Megatron-core (``--num-experts E``, SequentialMLP experts, no ``--moe-grouped-gemm``): attention as
+Llama's; an MoE layer's norm is its own ``pre_mlp_layernorm``, then the router (``[experts, h]``,
+replicated over tp) and the rank's local experts, each a SwiGLU MLP split over tp like a dense one.
+Experts are split over ep: rank e holds experts ``e*E/ep .. (e+1)*E/ep - 1`` as ``local_experts.0 ..
+E/ep - 1``; everything else is replicated over ep. With ``--transformer-impl local`` the input norm is
+a module of its own (``input_layernorm``) instead of Transformer Engine's fused ``layer_norm_weight``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from reshard.models import llama
+from reshard.models.config import config_ints
+from reshard.models.family import COLWISE, ROWWISE, Family, Tensor
+
+__all__ = ["FAMILY", "config_from_sizes", "sizes_from_config"]
+
+SIZES = (*llama.SIZES, "experts")
+
+_LLAMA = {t.alias: t for t in llama.TENSORS}
+
+TENSORS = (
+    *(_LLAMA[a] for a in ("embed", "ln1", "q", "k", "v", "o", "ln2")),  # Llama's attention
+    Tensor(name="model.layers.{i}.block_sparse_moe.gate.weight", alias="router", dims="experts h"),
+    Tensor(name="model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", alias="gate", dims="f h", tp=COLWISE),
+    Tensor(name="model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", alias="up", dims="f h", tp=COLWISE),
+    Tensor(name="model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", alias="down", dims="h f", tp=ROWWISE),
+    _LLAMA["norm"],
+    replace(_LLAMA["head"], untied_only=False),  # never tied
+)
+
+# MixtralDecoderLayer registers self_attn, block_sparse_moe (gate, then experts.N: w1, w2, w3), then its norms.
+REGISTRATION = ("embed", "q", "k", "v", "o", "router", "gate", "down", "up", "ln1", "ln2", "norm", "head")
+
+PREAMBLE = """\
+let qpg = heads / g
+index i < layers
+index e < experts
+"""
+
+
+def megatron(*, tied: bool = False, local: bool = False) -> str | None:
+    """Megatron-core GPT with Mixtral-style MoE layers (untied output layer)."""
+    if tied:
+        return None
+    ln1 = ("decoder.layers.{i/pp}.input_layernorm.weight -> ln1 = h" if local else
+           "decoder.layers.{i/pp}.self_attention.linear_qkv.layer_norm_weight -> ln1 = h")
+    first = [ln1, "decoder.layers.{i/pp}.self_attention.linear_proj.weight -> o = h (g qpg hd)/tp"]
+    if not local:  # Transformer Engine's Attention registers linear_proj before the fused norm of linear_qkv
+        first.reverse()
+    return "\n".join([
+        f"embedding.word_embeddings.weight -> embed @first = {llama.VOCAB}",
+        *first,
+        "decoder.layers.{i/pp}.self_attention.linear_qkv.weight = (g/tp [q: qpg hd | k: hd | v: hd]) h",
+        "decoder.layers.{i/pp}.pre_mlp_layernorm.weight -> ln2 = h",
+        "decoder.layers.{i/pp}.mlp.router.weight -> router = experts h",
+        "decoder.layers.{i/pp}.mlp.experts.local_experts.{e/ep}.linear_fc1.weight = [gate: f/tp | up: f/tp] h",
+        "decoder.layers.{i/pp}.mlp.experts.local_experts.{e/ep}.linear_fc2.weight -> down = h f/tp",
+        "decoder.final_layernorm.weight -> norm @last = h",
+        f"output_layer.weight -> head @last = {llama.VOCAB}",
+    ]) + "\n"
+
+
+def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.json") -> dict[str, int]:
+    """Llama's sizes plus ``experts`` (``num_local_experts``) from a ``MixtralConfig`` dict."""
+    return llama.sizes_from_config(config, where) | config_ints(config, {"experts": "num_local_experts"}, (), where)
+
+
+def config_from_sizes(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, Any]:
+    """Llama's config with the experts. The routing (``num_experts_per_tok``) is not in the weights: it comes
+    from the source's config or Megatron's args, never from the sizes."""
+    config = llama.config_from_sizes(sizes, dtypes)
+    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=sizes["experts"])
+    return config
+
+
+FAMILY = Family(
+    name="mixtral",
+    model_types=("mixtral",),
+    architectures=("MixtralForCausalLM",),
+    preamble=PREAMBLE,
+    tensors=TENSORS,
+    registration=REGISTRATION,
+    hf_order=("embed", "q", "k", "v", "o", "router", "gate", "down", "up", "ln1", "ln2", "norm", "head"),
+    sizes=SIZES,
+    can_tie=False,
+    megatron=megatron,
+    experts=True,
+    sizes_from_config=sizes_from_config,
+    config_from_sizes=config_from_sizes,
+)
