@@ -4,7 +4,7 @@ Each target runs in a child process for a fixed time, drawing mutations of a rea
 ``tests/fuzzing.py``) or, for ``spec``, whole specs generated from the grammar and carried through
 resolver, planner and a bit-exact round trip (see ``tests/spec_gen.py``). Anything but reshard's own
 error is a crash: the first of each kind (exception type and the innermost reshard frame) is saved
-under ``tests/fuzz_regressions/<target>/``, where ``tests/test_fuzz.py`` replays it on every test run.
+under ``tests/fuzz_regressions/<target>/``, where ``tests/properties/test_fuzz.py`` replays it on every test run.
 Children run with a memory limit and a per-example alarm, so a size field that drives a huge
 allocation or a loop that never ends is a crash too, not a dead machine.
 

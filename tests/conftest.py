@@ -2,11 +2,14 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+import reshard
+import reshard.formats.base
 from reshard.execution.arrays import apply, gather, scatter
 from reshard.core.layout import Layout
 from reshard.core.resolve import resolve
@@ -16,7 +19,7 @@ from reshard.core.topology import parse_topology
 
 # Hypothesis profiles. ``ci``, the default, is deterministic: derandomized and with no example
 # database, so the same commit gives the same result on every run and machine. ``fuzz`` is for
-# long random runs outside the test command (``pytest tests/test_fuzz.py tests/test_spec_fuzz.py
+# long random runs outside the test command (``pytest tests/properties
 # --hypothesis-profile=fuzz``; ``python bench/fuzz.py`` runs the file readers for minutes each).
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True,
@@ -115,3 +118,26 @@ def save_tiny_mixtral(path, layers: int) -> None:
                                         num_key_value_heads=2, num_hidden_layers=layers, vocab_size=100,
                                         num_local_experts=4, num_experts_per_tok=2)
     transformers.MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(path, max_shard_size="50KB")
+
+
+def stored_bytes(path: Path) -> dict:
+    """Every stored item of a checkpoint by (section, unit, chunk, state, key), as raw bytes."""
+    src = reshard.open_checkpoint(path)
+    out = {}
+    for item, loc in src.where.items():
+        n = src.layout.items[item].numel * np.dtype(f"u{reshard.formats.base.itemsize(loc.dtype)}").itemsize
+        with loc.path.open("rb") as f:
+            f.seek(loc.offset)
+            out[(item.section, item.unit, item.chunk, item.state, item.key)] = f.read(n)
+    return out
+
+
+def assert_same_logits(model_class, before, after, vocab: int) -> None:
+    """``from_pretrained`` of both directories, loaded alike, gives bit-identical logits."""
+    import torch
+
+    ids = torch.arange(48).reshape(2, 24) % vocab
+    with torch.no_grad():
+        want = model_class.from_pretrained(before).eval()(ids).logits
+        got = model_class.from_pretrained(after).eval()(ids).logits
+    assert torch.equal(got, want)

@@ -10,7 +10,7 @@ Everything here is driven by a ``random.Random``: the deterministic test suite d
 generators from hypothesis under the derandomized ``ci`` profile, and the long runs of
 ``bench/fuzz.py`` seed them from the clock. A crash found by a long run is saved under
 ``tests/fuzz_regressions/<target>/`` (the mutated file's bytes and which file of the seed
-they replace) and replayed by ``tests/test_fuzz.py`` from then on.
+they replace) and replayed by ``tests/properties/test_fuzz.py`` from then on.
 """
 
 from __future__ import annotations

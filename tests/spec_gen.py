@@ -14,7 +14,7 @@ axis, a wrong mesh axis, a size that does not divide, a broken bracket, a bad to
 error (a ``SpecError`` with a position quotes its line with a caret under the token), or both layouts
 resolve, both plans validate, and moving arange-valued tensors there and back in memory is bit-exact.
 
-Everything draws from one ``random.Random``, so a seed is a case: ``tests/test_spec_fuzz.py`` and a
+Everything draws from one ``random.Random``, so a seed is a case: ``tests/properties/test_spec_fuzz.py`` and a
 long-running driver share this code path.
 """
 

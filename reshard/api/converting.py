@@ -29,8 +29,8 @@ from reshard.execution.manifest import (
     verify_manifest,
 )
 from reshard.execution.partial import Partial, partial_path
-from reshard.formats import get_format
 from reshard.execution.session import WriteSession
+from reshard.formats import get_format
 from reshard.io.storage import HASH
 
 __all__ = ["ConvertResult", "convert"]

@@ -48,7 +48,7 @@ def _target(source: Source, to: str | Topology | None, format: str | None, spec:
         if target.format != "hf":
             raise ReshardError(f"max_shard_size applies to the hf format (safetensors shards), not {target.format}")
         parse_size(max_shard_size, "max_shard_size")  # a bad size fails before anything is read
-        target.extra["max_shard_size"] = max_shard_size
+        target.max_shard_size = max_shard_size
     return target
 
 def _keys(text: str) -> set[str]:

@@ -13,8 +13,8 @@ from reshard.api.planning import PlanReport, plan
 from reshard.errors import ReshardError
 from reshard.execution.executor import ByteReader, PlanFill
 from reshard.execution.manifest import logical_sources, segments_of, tensor_digests
-from reshard.formats import get_format
 from reshard.execution.session import WriteSession
+from reshard.formats import get_format
 
 __all__ = ["run_workers", "shares"]
 

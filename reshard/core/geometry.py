@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from reshard.errors import PlanError
+
 __all__ = [
     "Box",
     "contains",
@@ -34,9 +36,9 @@ class Box:
 
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.lengths):
-            raise ValueError(f"box rank mismatch: offsets {self.offsets} vs lengths {self.lengths}")
+            raise PlanError(f"box rank mismatch: offsets {self.offsets} vs lengths {self.lengths}")
         if any(n <= 0 for n in self.lengths) or any(o < 0 for o in self.offsets):
-            raise ValueError(f"empty or negative box: offsets {self.offsets}, lengths {self.lengths}")
+            raise PlanError(f"empty or negative box: offsets {self.offsets}, lengths {self.lengths}")
 
     @property
     def ends(self) -> tuple[int, ...]:

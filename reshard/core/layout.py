@@ -23,6 +23,7 @@ from types import MappingProxyType
 
 from reshard.core.geometry import Box, restrict, row_major_strides
 from reshard.core.topology import Topology
+from reshard.errors import PlanError
 
 __all__ = ["Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "chunk_fragments", "common_views", "dims_of", "with_state_alias"]
 
@@ -90,7 +91,7 @@ def dims_of(tensor: LogicalTensor) -> tuple[tuple[int, ...], ...]:
     """Which view axes make up each of the tensor's dims (axis indices, row-major)."""
     counts = tensor.dim_axes or (1,) * len(tensor.shape)
     if len(counts) != len(tensor.shape) or sum(counts) != len(tensor.axes):
-        raise ValueError(f"{tensor.name}: dim_axes {counts} do not fit shape {tensor.shape} and axes {tensor.axes}")
+        raise PlanError(f"{tensor.name}: dim_axes {counts} do not fit shape {tensor.shape} and axes {tensor.axes}")
     out, k = [], 0
     for n in counts:
         out.append(tuple(range(k, k + n)))
@@ -208,7 +209,7 @@ def chunk_fragments(frags: list[Fragment], shape: tuple[int, ...], offsets: tupl
             if n > 1:
                 d = next(d for d in range(len(shape)) if outer[d] <= st and shape[d] > 1)
                 if st % outer[d] or (n - 1) * (st // outer[d]) >= shape[d]:
-                    raise ValueError(f"{f.tensor}: axis {k} (stride {st}) does not lie within one dim of {shape}")
+                    raise PlanError(f"{f.tensor}: axis {k} (stride {st}) does not lie within one dim of {shape}")
                 per_dim.setdefault(d, []).append(k)
         choices = []
         for d in range(len(shape)):

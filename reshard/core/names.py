@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from reshard.core import spec as S
-from reshard.errors import SpecError, TopologyError
 from reshard.core.topology import Topology
+from reshard.errors import SpecError, TopologyError
 
 __all__ = ["MESH_AXES", "Captures"]
 

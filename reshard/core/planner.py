@@ -23,9 +23,9 @@ from types import MappingProxyType
 import networkx as nx
 import numpy as np
 
-from reshard.errors import PlanError
 from reshard.core.geometry import Box, contains, intersect, subtract
 from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
+from reshard.errors import PlanError
 
 __all__ = ["Copy", "Plan", "plan"]
 

@@ -16,12 +16,12 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from reshard.core import spec as S
-from reshard.errors import SpecError
 from reshard.core.geometry import Box, restrict, row_major_strides
 from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
 from reshard.core.names import MESH_AXES, Captures, _layer_name, _stacks_over_pp
 from reshard.core.terms import Ctx, eval_term, flat_layout
 from reshard.core.topology import Topology
+from reshard.errors import SpecError
 
 __all__ = ["BYTES_AXIS", "MESH_AXES", "TOPOLOGY_VARS", "resolve"]
 
@@ -261,7 +261,8 @@ class _Resolver(Captures):
         """Symbolic checks of a stored rule: each target's axes covered once, splits valid."""
         if isinstance(rule, S.Blob):
             return
-        assert isinstance(rule, S.Stored)
+        if not isinstance(rule, S.Stored):
+            raise self.err(f"a section holds stored tensors and blobs, not {type(rule).__name__.lower()} lines", rule.pos)
         for cap in rule.pattern.captures:
             self.index_size(cap)
             if cap.axis is not None and cap.axis not in MESH_AXES:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from reshard.errors import SpecError
 from reshard.core.spec_ast import (
     Axis,
     Blob,
@@ -72,6 +71,7 @@ from reshard.core.spec_ast import (
     Term,
     Var,
 )
+from reshard.errors import SpecError
 
 __all__ = [
     "Axis",

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from reshard.core import spec as S
-from reshard.errors import TopologyError
 from reshard.core.geometry import restrict, row_major_strides, split_range
 from reshard.core.topology import Topology
+from reshard.errors import TopologyError
 
 if TYPE_CHECKING:
     from reshard.core.resolve import _Resolver

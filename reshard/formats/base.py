@@ -30,7 +30,7 @@ from reshard.execution.session import Fill, WriteSession
 from reshard.io.fields import MAX_COUNT, MAX_SIZE, _show, expect_int, expect_shape, expect_step, name_of
 from reshard.io.smallfiles import Located, read_json, read_tag
 
-__all__ = ["LLAMA_SIZES", "MAX_COUNT", "MAX_SIZE", "Fill", "Format", "Located", "Source", "Target",
+__all__ = ["LLAMA_SIZES", "MAX_COUNT", "MAX_SIZE", "Fill", "Format", "Located", "ModelMeta", "Progress", "Source", "Target",
            "check_sizes", "expect_int", "expect_shape", "expect_step", "given_sizes", "itemsize", "name_of",
            "read_json", "read_tag", "require_sizes", "scalar_value"]
 
@@ -72,6 +72,33 @@ def require_sizes(source: Source, keys: tuple[str, ...], target: str) -> None:
 
 
 @dataclass(slots=True, kw_only=True)
+class ModelMeta:
+    """What identifies the model, carried from a source to every target: never guessed from tensor names."""
+
+    family: str | None = None
+    """Its model family (``reshard.models``), when the checkpoint records which it is."""
+    config: dict[str, Any] | None = None
+    """Its Hugging Face ``config.json`` (read from the checkpoint, or built from its family and sizes)."""
+    generation_config: dict[str, Any] | None = None
+    """Its ``generation_config.json``, when the checkpoint has one."""
+    hints: dict[str, Any] = field(default_factory=dict)
+    """Hugging Face config fields a checkpoint of another kind records (Megatron's args: epsilon, rope base,
+    positions, tying, routing), for building a config when none is carried."""
+
+
+@dataclass(slots=True, kw_only=True)
+class Progress:
+    """How far training got, as far as the checkpoint records it."""
+
+    step: int | None = None
+    """The optimizer's step count."""
+    iteration: int | None = None
+    """The trainer's iteration (Megatron's, DeepSpeed's ``global_steps``)."""
+    lr: float | None = None
+    """The learning rate of the first param group."""
+
+
+@dataclass(slots=True, kw_only=True)
 class Source:
     """A checkpoint opened for reading: how it is laid out and where every item is."""
 
@@ -84,8 +111,10 @@ class Source:
     layout: Layout
     where: Mapping[Item, Located]
     """Every item of ``layout`` that holds logical data."""
+    model: ModelMeta = field(default_factory=ModelMeta)
+    progress: Progress = field(default_factory=Progress)
     extra: dict[str, Any] = field(default_factory=dict)
-    """Non-tensor state the format carries to a target of the same format (args, iteration, config, ...)."""
+    """The format's own non-tensor state (args, RNG, optimizer structure), read only by the same format."""
     blob_sizes: dict[str, int] = field(default_factory=dict)
 
     def item_dtype(self, item: Item) -> str:
@@ -103,7 +132,12 @@ class Target:
     sizes: dict[str, int]
     layout: Layout
     dtypes: Mapping[Item, str]
+    model: ModelMeta = field(default_factory=ModelMeta)
+    """The model's identity, written beside the checkpoint where the format keeps it (a ``config.json``)."""
+    max_shard_size: int | str | None = None
+    """hf: the largest safetensors shard (bytes, or ``"5GB"``); None: the format's default."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """The format's own non-tensor state for writing, read only by the same format."""
 
 
 _SCALAR_KINDS = {"float32": "<f4", "float64": "<f8", "int64": "<i8", "int32": "<i4"}

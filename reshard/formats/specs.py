@@ -266,7 +266,7 @@ def source_family(source) -> Family | None:
     ``config.json`` names; None when the checkpoint records neither (never guessed from tensor names:
     Llama and Mistral store the same names)."""
     family = family_of(source.spec_name)
-    config = source.extra.get("config")
+    config = source.model.config
     if family is None and isinstance(config, dict):
         family = next((get_family(n) for n in FAMILIES if config.get("model_type") in get_family(n).model_types), None)
     return family
@@ -278,14 +278,14 @@ def target_config(target, dtypes) -> dict | None:
     source, else one built from the target's family and sizes; None when neither is known."""
     from reshard.models.config import hf_config
 
-    carried = target.extra.get("config")
+    carried = target.model.config
     if isinstance(carried, dict):
         return carried
-    family = family_of(target.spec_name)
+    family = get_family(target.model.family) if target.model.family in FAMILIES else None
     if family is None or not all(k in target.sizes for k in family.sizes):
         return None
     try:
-        return hf_config(family, target.sizes, dtypes, hints=target.extra.get("config_hints"))
+        return hf_config(family, target.sizes, dtypes, hints=target.model.hints)
     except CheckpointFormatError:  # a mixture of experts whose routing nothing records
         return None
 
@@ -296,7 +296,7 @@ def source_config(source, dtypes) -> dict | None:
     their own (UCP, DCP) put it into their target so that it travels on."""
     from reshard.models.config import hf_config
 
-    carried = source.extra.get("config")
+    carried = source.model.config
     if isinstance(carried, dict):
         return carried
     family = source_family(source)
@@ -305,6 +305,6 @@ def source_config(source, dtypes) -> dict | None:
     tied = family.tied_default if not family.can_tie else not any(t.untied_only and t.name in source.layout.tensors
                                                                   for t in family.tensors)
     try:
-        return hf_config(family, source.sizes, dtypes, hints=source.extra.get("config_hints"), tied=tied)
+        return hf_config(family, source.sizes, dtypes, hints=source.model.hints, tied=tied)
     except CheckpointFormatError:  # a mixture of experts whose routing nothing records
         return None

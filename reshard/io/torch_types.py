@@ -161,12 +161,12 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         if self.attrs and self.parameter:
-            raise ValueError(f"tensor {self.key!r}: attributes on a Parameter are not supported")
+            raise CheckpointFormatError(f"tensor {self.key!r}: attributes on a Parameter are not supported")
         if self.dtype not in _ITEMSIZE:
             raise CheckpointFormatError(f"unsupported dtype '{self.dtype}' (supported: {', '.join(_ITEMSIZE)})")
         object.__setattr__(self, "shape", tuple(self.shape))
         if not all(type(n) is int and n >= 0 for n in self.shape):
-            raise ValueError(f"tensor {self.key!r}: shape {self.shape} must be non-negative ints")
+            raise CheckpointFormatError(f"tensor {self.key!r}: shape {self.shape} must be non-negative ints")
 
     @property
     def numel(self) -> int:

@@ -107,9 +107,9 @@ class _Pickler:
         elif isinstance(obj, type) and obj.__module__.split(".")[0] == "numpy":
             self.save_global(_numpy_global(obj))
         elif t is TensorRef:
-            raise TypeError(f"cannot write TensorRef {obj.storage}: replace it with a TensorSpec (see map_tensors)")
+            raise CheckpointFormatError(f"cannot write TensorRef {obj.storage}: replace it with a TensorSpec (see map_tensors)")
         else:
-            raise TypeError(f"reshard cannot write a {t.__module__}.{t.__qualname__} into a torch file")
+            raise CheckpointFormatError(f"reshard cannot write a {t.__module__}.{t.__qualname__} into a torch file")
 
     def save_atom(self, obj: None | bool | int | float | str | bytes) -> None:
         w, t = self.out.write, type(obj)
@@ -172,7 +172,7 @@ class _Pickler:
     def save_tensor(self, spec: TensorSpec) -> None:
         known = self.storages.setdefault(spec.key, (str(len(self.storages)), spec))
         if (known[1].dtype, known[1].shape) != (spec.dtype, spec.shape):
-            raise ValueError(f"tensor key {spec.key!r} names two different tensors")
+            raise CheckpointFormatError(f"tensor key {spec.key!r} names two different tensors")
         wrapped = bool(spec.attrs)  # plain attributes: _rebuild_from_type_v2(func, Tensor, args, attrs)
         if spec.parameter:
             self.save_global(("torch._utils", "_rebuild_parameter"))
@@ -205,7 +205,7 @@ class _Pickler:
 
     def save_opaque(self, o: Opaque) -> None:
         if not (_allowlisted(o.module) or (o.module, o.name) == ("torch", "device")):
-            raise ValueError(f"Opaque {o.module}.{o.name} is outside the allowlist ({', '.join(ALLOWED_PREFIXES)})")
+            raise CheckpointFormatError(f"Opaque {o.module}.{o.name} is outside the allowlist ({', '.join(ALLOWED_PREFIXES)})")
         self.save_global((o.module, o.name))
         if o.args is None:
             return
@@ -223,7 +223,7 @@ class _Pickler:
 def _numpy_global(obj) -> tuple[str, str]:
     module, name = obj.__module__, obj.__qualname__
     if module.split(".")[0] != "numpy":
-        raise TypeError(f"numpy reduced to {module}.{name}, which reshard does not write")
+        raise CheckpointFormatError(f"numpy reduced to {module}.{name}, which reshard does not write")
     return module, name
 
 
@@ -308,7 +308,7 @@ def _lay_out(obj: object, prefix: str):
     order, the end-of-archive records, and where those start).
     """
     if "/" in prefix or not prefix.isascii():
-        raise ValueError(f"archive name {prefix!r} must be ASCII without '/'")
+        raise CheckpointFormatError(f"archive name {prefix!r} must be ASCII without '/'")
     pickler = _Pickler()
     data = pickler.dump(obj)
     head = [("data.pkl", data), (".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")]

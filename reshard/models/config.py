@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointFormatError
+from reshard.io.fields import MAX_COUNT
+from reshard.io.smallfiles import read_json
 from reshard.models.family import Family
 
 __all__ = ["check_counts", "config_ints", "config_near", "hf_config", "require_sizes"]
@@ -38,9 +40,7 @@ def config_near(*dirs: Path, tensors: int | None = None) -> tuple[dict[str, int]
     """Sizes and config from the first ``config.json`` in ``dirs`` whose ``model_type`` is a known family (for
     formats that store none of their own: DCP, DeepSpeed, UCP); ``tensors`` bounds the layer and expert counts
     (each stores one tensor at least)."""
-    from reshard.io.fields import MAX_COUNT
-    from reshard.io.smallfiles import read_json
-    from reshard.models import FAMILIES, get_family
+    from reshard.models import FAMILIES, get_family  # the registry imports this module's users
 
     for d in dirs:
         candidate = Path(d) / "config.json"

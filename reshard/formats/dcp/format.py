@@ -19,6 +19,8 @@ from reshard.execution.session import WriteSession
 from reshard.formats.base import (
     Fill,
     Located,
+    ModelMeta,
+    Progress,
     Source,
     Target,
     expect_step,
@@ -39,7 +41,7 @@ from reshard.formats.dcp.reading import (
     _step_value,
     _Verbatim,
 )
-from reshard.formats.specs import layout_spec, source_family
+from reshard.formats.specs import layout_spec, source_config, source_family
 from reshard.io.dcp_metadata import (
     METADATA_NAME,
     DcpMetadata,
@@ -50,7 +52,7 @@ from reshard.io.dcp_metadata import (
 )
 from reshard.io.torch_types import TensorSpec
 from reshard.io.torch_write import TorchFileWriter
-from reshard.models.config import config_near, hf_config
+from reshard.models.config import config_near
 
 
 class DcpFormat:
@@ -130,12 +132,9 @@ class DcpFormat:
         model_sizes, config = config_near(path, path.parent, tensors=len(md.tensors))
         model_sizes.update(given_sizes(sizes))
         extra: dict[str, Any] = {"dcp": {"naming": naming, "verbatim": verbatim, "planner_data": md.planner_data}}
-        if config is not None:
-            extra["config"] = config
-        if step is not None:
-            extra["step"] = step
         return Source(format=self.name, path=path, spec_name="dcp", spec=parse_spec("", "<dcp>"), topology=topology,
-                      sizes=model_sizes, layout=layout, where=where, extra=extra)
+                      sizes=model_sizes, layout=layout, where=where, model=ModelMeta(config=config),
+                      progress=Progress(step=step), extra=extra)
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """The layout FSDP2 (and DTensor tensor parallelism) give ``source``'s tensors at ``topology``.
@@ -175,20 +174,11 @@ class DcpFormat:
         verbatim = list(src_dcp["verbatim"]) if src_dcp else _synthesized(source, names, naming, opt_states)
         planner = dict(src_dcp["planner_data"]) if src_dcp else {}
         extra = {"chunks": chunks, "verbatim": verbatim, "planner_data": planner, "naming": naming}
-        config = source.extra.get("config")
-        family = source_family(source)
-        if config is None and family is not None and all(k in source.sizes for k in family.sizes):
-            try:  # beside the checkpoint for later conversions; DCP itself never reads it
-                config = hf_config(family, source.sizes, [_dtype_of(source)], hints=source.extra.get("config_hints"),
-                                   tied=not any(t.untied_only and t.name in source.layout.tensors
-                                                for t in family.tensors))
-            except CheckpointFormatError:  # a mixture of experts whose routing the source does not record
-                config = None
-        if config is not None:
-            extra["config"] = config
+        # Beside the checkpoint for later conversions (the model's identity and sizes); DCP itself never reads it.
+        model = ModelMeta(config=source_config(source, [_dtype_of(source)]), hints=dict(source.model.hints))
         return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology,
                       sizes=dict(source.sizes), layout=layout, dtypes=dict.fromkeys(layout.items, "float32"),
-                      extra=extra)
+                      model=model, extra=extra)
 
     def files_of(self, target: Target) -> dict[Item, Path]:
         """Each item's rank file; a chunk several ranks hold is in the file of the rank that writes it."""
@@ -252,8 +242,8 @@ class DcpFormat:
         for key in [*md.tensors, *md.byte_entries]:
             planner.setdefault(key, naming.path(key))
         md.planner_data = {k: planner[k] for k in [*md.tensors, *md.byte_entries]}
-        if "config" in target.extra:  # not DCP's: the model's sizes, for targets that need them (hf, megatron)
-            (out / CONFIG_NAME).write_text(json.dumps(target.extra["config"], indent=2, sort_keys=True) + "\n")
+        if target.model.config is not None:  # not DCP's: the model's identity and sizes, for later conversions
+            (out / CONFIG_NAME).write_text(json.dumps(target.model.config, indent=2, sort_keys=True) + "\n")
             written.append(Path(CONFIG_NAME))
         write_metadata(out, md)  # last: DCP's own commit marker
         written.append(Path(METADATA_NAME))

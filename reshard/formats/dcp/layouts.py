@@ -56,12 +56,12 @@ def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: 
     out: list[_Verbatim] = []
     if not opt_states:
         return out
-    step = float(source.extra.get("step") or source.extra.get("iteration") or 0)
+    step = float(source.progress.step or source.progress.iteration or 0)
     step_bytes = saved(torch.tensor(step, dtype=torch.float32))
     for name in names:
         out.append(_Verbatim(naming.key(name, "step"), DcpTensor("float32", (), (DcpChunk((), ()),)), step_bytes))
     group = dict(_ADAM_GROUP)
-    lr = source.extra.get("lr")
+    lr = source.progress.lr
     if isinstance(lr, int | float):
         group["lr"] = float(lr)
     group["params"] = list(names)

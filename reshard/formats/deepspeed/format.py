@@ -22,6 +22,7 @@ from reshard.formats.base import (
     MAX_COUNT,
     Fill,
     Located,
+    ModelMeta,
     Source,
     Target,
     expect_int,
@@ -73,8 +74,8 @@ from reshard.formats.deepspeed.zero12 import (
     _splits_over,
     _stage,
 )
-from reshard.formats.specs import layout_spec, source_family
-from reshard.formats.specs import target_config
+from reshard.formats.specs import family_of, layout_spec, source_family, target_config
+from reshard.models import get_family
 
 __all__ = ["FORMAT", "DeepSpeedFormat"]
 
@@ -188,8 +189,8 @@ class DeepSpeedFormat:
                                layer_model_axis=not any(t is None for _, t in files.layers))
         config = _hf_config(files)
         return Source(format=self.name, path=files.root, spec_name=spec_name, spec=parsed, topology=topology,
-                      sizes=all_sizes, layout=layout, where=where,
-                      extra={"deepspeed": extra, **({"config": config} if config else {})})
+                      sizes=all_sizes, layout=layout, where=where, model=ModelMeta(config=config or None),
+                      extra={"deepspeed": extra})
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """The DeepSpeed layout of ``source``'s model at ``topology``.
@@ -200,16 +201,17 @@ class DeepSpeedFormat:
         (by default ``deepspeed-pipe-llama``), whose layer files are written too.
         """
         family = source_family(source)
-        if spec is None and (family is None or family.name != "llama"):
-            what = f"a {family.name} model" if family else "a model of no recorded family (no config.json beside it)"
-            raise CheckpointFormatError(f"{source.path}: {what}; the deepspeed format supports Llama-style models "
-                                        "(the llama family) so far")
+        if spec is None and family is not None and family.name != "llama":
+            raise CheckpointFormatError(f"{source.path}: a {family.name} model; the deepspeed format supports "
+                                        "Llama-style models (the llama family) so far")
+        # A source that records no family (a universal checkpoint without config.json) is laid out by the llama
+        # family's names, which its tensors must match exactly; no config.json then claims which model it is.
         if topology.vpp != 1:
             raise TopologyError(f"DeepSpeed's pipeline engine has no virtual stages: vpp({topology.vpp}) must be 1")
         if topology.cp != 1 or topology.ep != 1:
             raise TopologyError(f"DeepSpeed ZeRO checkpoints here have cp=1 and ep=1, got {topology}")
         if spec is None:
-            require_sizes(source, family.sizes, "deepspeed")
+            require_sizes(source, (family or get_family("llama")).sizes, "deepspeed")
         carried = source.extra.get("deepspeed") if source.format == self.name else None
         spec_name = spec or (source.spec_name if carried else DEFAULT_SPEC)
         if spec is None and topology.pp > 1 and not _is_pipeline(layout_spec(spec_name)):
@@ -249,9 +251,9 @@ class DeepSpeedFormat:
             extra = synthesize_extra(groups=len(info.groups), dtype=model_dtype, zero_stage=stage, states=states[1:],
                                      dp=topology.dp)
         dtypes = {it: model_dtype if it.section in info.model_sections else "float32" for it in layout.items}
-        carried_config = {"config": source.extra["config"]} if "config" in source.extra else {}
         return Target(format=self.name, spec_name=spec_name, spec=parsed, topology=topology, sizes=dict(source.sizes),
-                      layout=layout, dtypes=dtypes, extra={"deepspeed": extra, **carried_config})
+                      layout=layout, dtypes=dtypes, model=_model(source, family),
+                      extra={"deepspeed": extra})
 
     def new_target(self, topology: str | Topology, sizes: Mapping[str, int], *, spec: str = DEFAULT_SPEC,
                    dtype: str = "bfloat16", zero_stage: int = 2, states: tuple[str, ...] = ("exp_avg", "exp_avg_sq"),
@@ -269,7 +271,9 @@ class DeepSpeedFormat:
         options.setdefault("dp", topo.dp)
         extra = synthesize_extra(groups=len(info.groups), dtype=dtype, zero_stage=zero_stage, states=states, **options)
         dtypes = {it: dtype if it.section in info.model_sections else "float32" for it in layout.items}
+        family = family_of(spec) if isinstance(spec, str) else None  # a fresh run of a family's model
         return Target(format=self.name, spec_name=spec, spec=parsed, topology=topo, sizes=dict(sizes), layout=layout,
+                      model=ModelMeta(family=family.name if family else None),
                       dtypes=dtypes, extra={"deepspeed": extra})
 
     def write(self, target: Target, out: Path, fill: Fill, session: WriteSession | None = None, *,
@@ -347,3 +351,10 @@ class DeepSpeedFormat:
 
 
 FORMAT = DeepSpeedFormat()
+
+
+def _model(source: Source, family) -> ModelMeta:
+    """The model identity a DeepSpeed target writes beside its files (as the transformers Trainer leaves a
+    config.json): the source's, when it records one."""
+    return ModelMeta(family=family.name if family else None, config=source.model.config,
+                     hints=dict(source.model.hints))

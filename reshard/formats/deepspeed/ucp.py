@@ -62,6 +62,8 @@ from reshard.execution.session import WriteSession
 from reshard.formats.base import (
     Fill,
     Located,
+    ModelMeta,
+    Progress,
     Source,
     Target,
     check_sizes,
@@ -194,17 +196,12 @@ class UcpFormat:
         model_sizes.update(given_sizes(sizes))
         _shape_sizes(model_sizes, {n: t.shape for n, t in tensors.items()}, folder / ZERO)
         model_sizes = check_sizes(model_sizes, folder / ZERO, counts=dict.fromkeys(("layers", "experts"), len(tensors)))
-        extra: dict[str, Any] = {}
         step = step if step is not None else _stage3_step(folder)
-        if step is not None:
-            extra["step"] = expect_step(step, "the optimizer step (step.pt)", folder / ZERO)
-        lr = _lr(folder)
-        if lr is not None:
-            extra["lr"] = lr
-        if config is not None:
-            extra["config"] = config
+        progress = Progress(step=expect_step(step, "the optimizer step (step.pt)", folder / ZERO)
+                            if step is not None else None, lr=_lr(folder))
         return Source(format=self.name, path=folder, spec_name="ucp", spec=parse_spec("", "<ucp>"),
-                      topology=Topology(), sizes=model_sizes, layout=layout, where=where, extra=extra)
+                      topology=Topology(), sizes=model_sizes, layout=layout, where=where,
+                      model=ModelMeta(config=config), progress=progress)
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """Whole tensors, one file per param and state; the weights in the model file.
@@ -252,10 +249,9 @@ class UcpFormat:
         extra = (_extra3(source, tuple(names), model_dtype) if stage3 else
                  _extra(source, tuple(names), model_dtype, tuple(opt_states)))
         dtypes = {it: model_dtype if it.section == MODEL else "float32" for it in items}
-        config = source_config(source, [model_dtype])
-        carried = {"config": config} if config is not None else {}
+        model = ModelMeta(config=source_config(source, [model_dtype]), hints=dict(source.model.hints))
         return Target(format=self.name, spec_name="ucp", spec=parse_spec("", "<ucp>"), topology=Topology(),
-                      sizes=dict(source.sizes), layout=layout, dtypes=dtypes, extra={"ucp": extra, **carried})
+                      sizes=dict(source.sizes), layout=layout, dtypes=dtypes, model=model, extra={"ucp": extra})
 
     def files_of(self, target: Target) -> dict[Item, Path]:
         """The file, relative to the output directory, that holds each item."""
@@ -322,7 +318,7 @@ class UcpFormat:
                 for key in writer.entries:
                     writer.write(key, scalars[key][0].data)
             written.append(rel)
-        config = target.extra.get("config")
+        config = target.model.config
         if config is not None:
             (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (out / "latest_universal").write_text(extra.tag)
@@ -360,7 +356,7 @@ def _extra(source: Source, names: tuple[str, ...], model_dtype: str, opt_states:
         value = expect_step(scalar_value(step.data, step.dtype) or 0, "the optimizer step", source.path) \
             if step is not None else 0
         ds = synthesize_extra(dtype=model_dtype if model_dtype in ("bfloat16", "float32") else "float32",
-                              states=opt_states, global_steps=value, dp=1, lr=float(source.extra.get("lr", 1e-3)))
+                              states=opt_states, global_steps=value, dp=1, lr=float(source.progress.lr if source.progress.lr is not None else 1e-3))
         ds.model_states["param_shapes"] = [OrderedDict((n, TorchSize(source.layout.tensors[n].shape)) for n in names)]
         for group in ds.optim_states["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
             group["step"] = step

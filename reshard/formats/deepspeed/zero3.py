@@ -44,6 +44,8 @@ from reshard.formats.base import (
     MAX_COUNT,
     Fill,
     Located,
+    ModelMeta,
+    Progress,
     Source,
     Target,
     expect_int,
@@ -61,8 +63,7 @@ from reshard.formats.deepspeed.files import (
 )
 from reshard.formats.deepspeed.sizes import _llama_sizes
 from reshard.formats.deepspeed.state import Scalar, _ds_config, _template, _with_scalars, _zero_stage, synthesize_extra
-from reshard.formats.specs import layout_spec
-from reshard.formats.specs import target_config
+from reshard.formats.specs import layout_spec, source_family, target_config
 from reshard.io.bounds import brief
 from reshard.io.torchfile import TensorRef, TensorSpec, TorchSize
 
@@ -144,13 +145,11 @@ def open_zero3(fmt_name: str, root: Path, tag: str, tag_dir: Path, *, spec: str 
                     fragments=tuple(f for f in full.fragments if f.item.section == "optim"))
     config = _hf_config(files)
     steps = first.get("global_steps")
-    extra: dict[str, Any] = {"step": expect_step(steps, "global_steps", first_path)} if steps is not None else {}
+    progress = Progress(step=expect_step(steps, "global_steps", first_path) if steps is not None else None)
     bf16 = optims[(0, 0)].startswith("bf16_")
-    extra["zero3"] = extra_from_files(first, optim_trees[0], first_path, tag_dir / optims[(0, 0)], tag, bf16)
-    if config:
-        extra["config"] = config
+    extra = {"zero3": extra_from_files(first, optim_trees[0], first_path, tag_dir / optims[(0, 0)], tag, bf16)}
     return Source(format=fmt_name, path=root, spec_name=spec_name, spec=parsed, topology=topology, sizes=all_sizes,
-                  layout=layout, where=where, extra=extra)
+                  layout=layout, where=where, model=ModelMeta(config=config or None), progress=progress, extra=extra)
 
 
 def _states_of(tree: Mapping, path: Path) -> dict[str, Any]:
@@ -218,8 +217,7 @@ def extra_from_zero12(source: Source, dtype: str) -> Zero3Extra:
     """ZeRO-3 state for a source that is not ZeRO-3: a DeepSpeed ZeRO-1/2 run's counters and Adam
     hyperparameters when the source has them, DeepSpeed 0.19.8's defaults otherwise."""
     carried = source.extra.get("deepspeed") if source.format == "deepspeed" else None
-    base = carried or synthesize_extra(dtype=dtype, global_steps=int(source.extra.get("step") or
-                                                                     source.extra.get("iteration") or 0))
+    base = carried or synthesize_extra(dtype=dtype, global_steps=int(source.progress.step or source.progress.iteration or 0))
     model_states = {k: v for k, v in base.model_states.items()}
     zero = base.optim_states["optimizer_state_dict"]
     bos = zero.get("base_optimizer_state", {})
@@ -264,8 +262,9 @@ def target_zero3(fmt_name: str, source: Source, topology: Topology, spec: str | 
     extra = carried or extra_from_zero12(source, param_dtype or "float32")
     return Target(format=fmt_name, spec_name=spec_name, spec=parsed, topology=topo, sizes=dict(source.sizes),
                   layout=layout, dtypes=dict.fromkeys(items, "float32"),
-                  extra={"zero3": extra, "param_order": order, **({"config": source.extra["config"]}
-                                                                 if "config" in source.extra else {})})
+                  model=ModelMeta(family=family.name if (family := source_family(source)) else None,
+                                  config=source.model.config, hints=dict(source.model.hints)),
+                  extra={"zero3": extra, "param_order": order})
 
 
 def model_tree3(extra: Zero3Extra, order: list[tuple[str, tuple[int, ...]]], dp: int) -> dict[str, Any]:

@@ -131,7 +131,7 @@ def _shard_plan(target: Target) -> tuple[list[Item], dict[str, Item], dict[Item,
             raise CheckpointFormatError(f"target item {it} has no dtype")
         dtype_of[it] = target.dtypes[it]
     sizes = [(it.key, target.layout.items[it].numel * itemsize(dtype_of[it])) for it in items]
-    return items, by_key, dtype_of, plan_shards(sizes, target.extra.get("max_shard_size", DEFAULT_MAX_SHARD_SIZE))
+    return items, by_key, dtype_of, plan_shards(sizes, target.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
 
 def _check_param_only(layout: Layout, spec_name: str) -> None:
     if layout.states not in ((), ("param",)):

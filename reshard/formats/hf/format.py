@@ -18,6 +18,7 @@ from reshard.execution.session import WriteSession
 from reshard.formats.base import (
     Fill,
     Located,
+    ModelMeta,
     Source,
     Target,
     check_sizes,
@@ -97,20 +98,18 @@ class HFFormat:
         if problems:
             raise CheckpointFormatError(
                 f"{path}: the stored tensors do not match spec '{spec_name}':\n  " + _listing(problems))
-        extra: dict[str, Any] = {"config": config}
         generation = path / GENERATION_CONFIG_NAME
-        if generation.is_file():
-            extra["generation_config"] = read_json(generation)
+        model = ModelMeta(config=config, generation_config=read_json(generation) if generation.is_file() else None)
         return Source(format=self.name, path=path, spec_name=spec_name, spec=spec_obj, topology=Topology(),
-                      sizes=model_sizes, layout=layout, where=where, extra=extra)
+                      sizes=model_sizes, layout=layout, where=where, model=model)
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """The unsharded layout of ``source``'s model, with a ``config.json`` for it.
 
-        ``Target.extra["config"]`` is the source's own config when the source
+        ``Target.model.config`` is the source's own config when the source
         is hf, otherwise a minimal ``LlamaConfig`` built from the sizes (edit
         it before ``write`` to set rope, epsilon or token ids).
-        ``Target.extra["max_shard_size"]`` (bytes, or a string like ``"5GB"``)
+        ``Target.max_shard_size`` (bytes, or a string like ``"5GB"``)
         may be set to change the shard size (default 5GB).
 
         Raises:
@@ -137,14 +136,15 @@ class HFFormat:
         _check_param_only(layout, spec_name)
         dtypes = _target_dtypes(source, layout)
         if from_hf:
-            extra = {k: copy.deepcopy(v) for k, v in source.extra.items() if k in ("config", "generation_config")}
+            config = copy.deepcopy(source.model.config)
         elif family is not None:
-            extra = {"config": hf_config(family, source.sizes, dtypes.values(), carried=source.extra.get("config"),
-                                         hints=source.extra.get("config_hints"), tied=tied)}
+            config = hf_config(family, source.sizes, dtypes.values(), carried=source.model.config,
+                               hints=source.model.hints, tied=tied)
         else:
-            extra = {}
+            config = None
         return Target(format=self.name, spec_name=spec_name, spec=spec_obj, topology=Topology(),
-                      sizes=dict(source.sizes), layout=layout, dtypes=dtypes, extra=extra)
+                      sizes=dict(source.sizes), layout=layout, dtypes=dtypes,
+                      model=ModelMeta(config=config, generation_config=copy.deepcopy(source.model.generation_config)))
 
     def write(self, target: Target, out: Path, fill: Fill, session: WriteSession | None = None, *,
               only: Collection[Path] | None = None) -> list[Path]:
@@ -182,13 +182,13 @@ class HFFormat:
             total_parameters = sum(target.layout.items[it].numel for it in items)
             (out / INDEX_NAME).write_text(shards.index_json(total_parameters), encoding="utf-8")
             written.append(Path(INDEX_NAME))
-        config = target.extra.get("config")
+        config = target.model.config
         if config is None:
             raise CheckpointFormatError(f"{out}: no config.json for this checkpoint (its model family is unknown)")
         (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         written.append(Path(CONFIG_NAME))
-        if "generation_config" in target.extra:
-            text = json.dumps(target.extra["generation_config"], indent=2, sort_keys=True) + "\n"
+        if target.model.generation_config is not None:
+            text = json.dumps(target.model.generation_config, indent=2, sort_keys=True) + "\n"
             (out / GENERATION_CONFIG_NAME).write_text(text, encoding="utf-8")
             written.append(Path(GENERATION_CONFIG_NAME))
         return written

@@ -216,8 +216,8 @@ _HF_ARGS = (("rms_norm_eps", "norm_epsilon"), ("rope_theta", "rotary_base"),
 
 def _moe_args(source: Source, sizes: Mapping[str, int]) -> dict[str, Any]:
     """Megatron's MoE args for a Mixtral-style source: experts, their ffn size, and top-k routing from its config."""
-    config = source.extra.get("config") if isinstance(source.extra.get("config"), Mapping) else {}
-    hints = source.extra.get("config_hints") if isinstance(source.extra.get("config_hints"), Mapping) else {}
+    config = source.model.config or {}
+    hints = source.model.hints
     topk = config.get("num_experts_per_tok", hints.get("num_experts_per_tok"))
     if not isinstance(topk, int):
         raise CheckpointFormatError(f"{source.path}: a mixture-of-experts model without num_experts_per_tok in its "

@@ -16,7 +16,7 @@ from reshard.core.layout import Item
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.execution.session import WriteSession
-from reshard.formats.base import Fill, Source, Target, check_sizes, require_sizes
+from reshard.formats.base import Fill, ModelMeta, Progress, Source, Target, check_sizes, require_sizes
 from reshard.formats.megatron.args import (
     _args_from_config,
     _bucket_size,
@@ -57,8 +57,8 @@ from reshard.formats.megatron.specs import (
 )
 from reshard.formats.megatron.writer import _Writer
 from reshard.formats.specs import layout_spec, source_family
-from reshard.models import get_family
 from reshard.io.bounds import brief
+from reshard.models import get_family
 
 
 class MegatronFormat:
@@ -168,10 +168,10 @@ class MegatronFormat:
             where = reader.map(layout)
         extra = reader.extra(args, layout)
         extra.update(iteration=iteration, release=release,
-                     checkpoint_version=first.get("checkpoint_version", CHECKPOINT_VERSION),
-                     config_hints=config_hints(args))
+                     checkpoint_version=first.get("checkpoint_version", CHECKPOINT_VERSION))
         return Source(format=self.name, path=path, spec_name=name, spec=spec_ast, topology=topo,
-                      sizes=model_sizes, layout=layout, where=where, extra=extra)
+                      sizes=model_sizes, layout=layout, where=where, model=ModelMeta(hints=config_hints(args)),
+                      progress=Progress(iteration=iteration), extra=extra)
 
     def _read_ranks(self, it_dir: Path, topo: Topology, first_path: Path, first: dict,
                     iteration: int | None) -> dict[tuple[int, int, int], _Rank]:
@@ -320,7 +320,7 @@ class MegatronFormat:
             {"model": ("param", *opt_states)}
         args = megatron_args(sizes, topology, base=src_args, tied=tied)
         if not meg and (family is None or family.name != "gpt2"):
-            args.update(_args_from_config(source.extra.get("config")))
+            args.update(_args_from_config(source.model.config))
         if moe and not meg:
             args.update(_moe_args(source, sizes))
         if is_legacy(name) != (meg and is_legacy(source.spec_name)):  # the model class changes

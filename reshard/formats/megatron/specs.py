@@ -22,6 +22,7 @@ from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.models import Family
 
+
 def spec_name(family: Family, *, tied: bool = False, distopt: bool = False, ep: int = 1, local: bool = False,
               legacy: bool = False) -> str:
     """The generated layout (``reshard.formats.specs``) of a Megatron checkpoint of ``family``: Megatron-core

@@ -49,6 +49,7 @@ from reshard.formats.base import (
     MAX_COUNT,
     Fill,
     Located,
+    Progress,
     Source,
     Target,
     check_sizes,
@@ -172,10 +173,9 @@ class McoreDistFormat:
         layout = Layout(topology=topology, tensors=MappingProxyType({n: t for n, t in whole.tensors.items() if n in used}),
                         items=MappingProxyType(items), fragments=tuple(fragments))
         it = common.get("iteration")
-        extra: dict[str, Any] = {"iteration": expect_step(it, "iteration", path / COMMON)} if it is not None else {}
-        step = _group_step(common, path / COMMON)
-        if step is not None:
-            extra["step"] = step
+        progress = Progress(iteration=expect_step(it, "iteration", path / COMMON) if it is not None else None,
+                            step=_group_step(common, path / COMMON))
+        extra: dict[str, Any] = {}
         if isinstance(common.get("args"), argparse.Namespace | Mapping):
             extra["args"] = dict(vars(common["args"]) if isinstance(common["args"], argparse.Namespace) else common["args"])
         # Per-layer _extra_state (Transformer Engine's FP8 metadata, or [None]): keyed by global layer, so
@@ -183,7 +183,7 @@ class McoreDistFormat:
         extra["extra_states"] = [_Verbatim(k, None, _entry_bytes(path, md, k, None)[0])
                                  for k in md.byte_entries if "._extra_state/shard_" in k]
         return Source(format=self.name, path=path, spec_name=spec_name, spec=spec_ast, topology=topology,
-                      sizes=model_sizes, layout=layout, where=where, extra=extra)
+                      sizes=model_sizes, layout=layout, where=where, progress=progress, extra=extra)
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """Megatron-core's torch_dist layout of ``source``'s model weights at ``topology`` (tp, pp, vpp, dp).
@@ -230,8 +230,8 @@ class McoreDistFormat:
         layout = Layout(topology=topology, tensors=MappingProxyType({n: t for n, t in whole.tensors.items() if n in used}),
                         items=MappingProxyType(items), fragments=tuple(fragments))
         args = megatron_args(sizes | {"vocab_div": div}, topology, base=src_args or None,
-                             iteration=int(source.extra.get("iteration") or 0))
-        common = {"args": args, "checkpoint_version": 3.0, "iteration": int(source.extra.get("iteration") or 0)}
+                             iteration=int(source.progress.iteration or 0))
+        common = {"args": args, "checkpoint_version": 3.0, "iteration": int(source.progress.iteration or 0)}
         carried = source.extra.get("extra_states") if source.format == self.name else None
         extra = {"chunks": chunks, "verbatim": carried or _extra_states(sizes["layers"]), "planner_data": {},
                  "naming": _Naming("", "", frozenset()), "common": common}

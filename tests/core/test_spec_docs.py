@@ -38,7 +38,7 @@ from reshard.core.resolve import resolve
 from reshard.core.spec import parse_spec
 from reshard.core.topology import parse_topology
 
-README = Path(__file__).resolve().parent.parent / "specs" / "README.md"
+README = Path(__file__).resolve().parents[2] / "specs" / "README.md"
 FACTS_TESTS = Path(__file__).with_name("test_layout_facts.py")
 _FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 

@@ -172,7 +172,7 @@ def test_fully_reshardable_optimizer_state_is_read_with_the_weights(tmp_path):
                               "param_state_sharding_type": "fully_reshardable"}}, tmp_path / "src" / "common.pt")
     (tmp_path / "src" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     src = reshard.open_checkpoint(tmp_path / "src")
-    assert src.layout.states == ("exp_avg", "exp_avg_sq", "master", "param") and src.extra["step"] == 10
+    assert src.layout.states == ("exp_avg", "exp_avg_sq", "master", "param") and src.progress.step == 10
     reshard.convert(tmp_path / "src", tmp_path / "ds", format="deepspeed", to="dp=3,zero=2")
     check = reshard.verify(tmp_path / "src", tmp_path / "ds")
     assert check.identical and check.compared == 4 * (9 * S["layers"] + 3), check.differences

@@ -599,10 +599,10 @@ def test_exception_inside_the_writer_removes_the_partial_file(tmp_path):
 
 
 @pytest.mark.parametrize("obj, error, message", [
-    ({"w": TensorRef("float32", (1,), (1,), "0", 0, Path("a.pt"), 64, 4)}, TypeError, "replace it with a TensorSpec"),
-    ({"f": print}, TypeError, "cannot write a builtins.builtin_function_or_method"),
-    ({"o": Opaque("builtins", "eval", ("1",))}, ValueError, "Opaque builtins.eval is outside the allowlist"),
-    ([TensorSpec("float32", (2,), key="k"), TensorSpec("float16", (2,), key="k")], ValueError, "names two different"),
+    ({"w": TensorRef("float32", (1,), (1,), "0", 0, Path("a.pt"), 64, 4)}, CheckpointFormatError, "replace it with a TensorSpec"),
+    ({"f": print}, CheckpointFormatError, "cannot write a builtins.builtin_function_or_method"),
+    ({"o": Opaque("builtins", "eval", ("1",))}, CheckpointFormatError, "Opaque builtins.eval is outside the allowlist"),
+    ([TensorSpec("float32", (2,), key="k"), TensorSpec("float16", (2,), key="k")], CheckpointFormatError, "names two different"),
 ])
 def test_trees_reshard_cannot_write_are_refused_before_creating_a_file(tmp_path, obj, error, message):
     with pytest.raises(error, match=message):

@@ -114,27 +114,3 @@ def test_verify_with_one_checkpoint_checks_it_against_its_manifest(ckpt, tmp_pat
     assert lines[-2:] == ["stray.txt: not in the manifest", "checkpoint does not match its manifest (2 files checked against reshard.json)"]
     assert all(line.startswith("  ") for line in lines[1:-2])  # what it says of the file's tensors
     assert runner.invoke(app, ["verify", str(ckpt)]).exit_code == 2  # a fixture has no manifest: a user error
-
-
-def test_sizes_and_shard_size_reach_the_library(tmp_path):
-    """A DeepSpeed checkpoint without config.json needs --sizes; hf output shards at --max-shard-size."""
-    from safetensors.numpy import load_file
-    from test_format_deepspeed import logical_of, write_checkpoint
-
-    write_checkpoint(tmp_path / "ds", "dp=2", dtype="float32")
-    (tmp_path / "ds" / "config.json").unlink()
-    refused = runner.invoke(app, ["convert", str(tmp_path / "ds"), str(tmp_path / "hf"), "--format", "hf"])
-    assert refused.exit_code == 2 and "give sizes heads=N" in refused.stderr
-    result = runner.invoke(app, ["convert", str(tmp_path / "ds"), str(tmp_path / "hf"), "--format", "hf",
-                                 "--sizes", "heads=4", "--max-shard-size", "10KB"])
-    assert result.exit_code == 0, result.output
-    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
-    shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) > 2 and all(s.endswith(f"-of-{len(shards):05d}.safetensors") for s in shards)
-    logical = logical_of(tmp_path / "ds")
-    for shard in shards:
-        for name, value in load_file(tmp_path / "hf" / shard).items():
-            assert index["weight_map"][name] == shard
-            assert value.tobytes() == logical[(name, "param")].tobytes(), name
-    inspect = runner.invoke(app, ["inspect", str(tmp_path / "ds"), "--sizes", "heads=4", "--json"])
-    assert inspect.exit_code == 0 and json.loads(inspect.stdout)["sizes"]["hd"] == 4

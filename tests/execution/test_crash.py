@@ -17,7 +17,7 @@ from reshard.fixtures import make_fixture
 from reshard.execution.partial import HEADER, partial_path
 from reshard.io.storage import JOURNAL, read_journal
 
-JOB = Path(__file__).with_name("crash_job.py")
+JOB = Path(__file__).resolve().parents[1] / "crash_job.py"
 ROOT = JOB.parent.parent
 TO = "tp=1,pp=4"  # four rank files of ~1.1 MiB, some 860 positioned writes in all
 

@@ -68,7 +68,7 @@ def test_transformers_loads_the_converted_gpt2_with_the_fixture_values_and_same_
 
 
 def test_megatron_gpt2_to_hf_equals_an_hf_fixture_written_directly(tmp_path):
-    from test_convert import stored_bytes
+    from conftest import stored_bytes
 
     src, hf, direct = tmp_path / "src", tmp_path / "hf", tmp_path / "direct"
     make_fixture(src, format="megatron", to="tp=2,pp=2", model="tiny-gpt2")
@@ -81,7 +81,7 @@ def test_megatron_gpt2_to_hf_equals_an_hf_fixture_written_directly(tmp_path):
 
 
 def test_distributed_optimizer_gpt2_changes_tp_pp_and_dp(tmp_path):
-    from test_convert import stored_bytes
+    from conftest import stored_bytes
 
     src, dst, direct = tmp_path / "src", tmp_path / "dst", tmp_path / "direct"
     make_fixture(src, format="megatron", to="tp=2,pp=2,dp=2,zero=1", model="tiny-gpt2")

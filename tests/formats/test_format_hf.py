@@ -22,6 +22,7 @@ from reshard.errors import CheckpointFormatError, TopologyError
 from reshard.formats.hf.files import _ordered_items
 from reshard.formats.base import Source, Target, itemsize
 from reshard.execution.session import WriteSession
+from reshard.formats.base import ModelMeta
 from reshard.formats.hf import FORMAT
 from reshard.models.llama import config_from_sizes as llama_config
 from reshard.models.llama import sizes_from_config
@@ -118,7 +119,7 @@ def test_open_locates_every_tensor_at_its_bytes(tmp_path: Path, tiny, sharded: b
     source = FORMAT.open(root)
     assert (source.format, source.spec_name, source.topology) == ("hf", "hf-llama", Topology())
     assert source.sizes == {"h": 8, "heads": 2, "g": 1, "hd": 4, "f": 16, "vocab": 10, "layers": 2}
-    assert source.extra["config"] == TINY
+    assert source.model.config == TINY
     assert {it.key for it in source.where} == set(tiny)
     got = _stored_bytes(source)
     for name, arr in tiny.items():
@@ -243,15 +244,15 @@ def test_target_refuses_a_sharded_topology(tmp_path: Path, tiny) -> None:
 def test_target_of_an_hf_source_keeps_its_config_and_dtypes(tmp_path: Path, tiny) -> None:
     source = FORMAT.open(_make_hf(tmp_path / "ckpt", tiny))
     target = FORMAT.target(source, Topology())
-    assert target.extra == {"config": TINY} and target.extra["config"] is not source.extra["config"]
+    assert target.model.config == TINY and target.model.config is not source.model.config
     assert set(target.dtypes.values()) == {"float32"} and set(target.dtypes) == set(target.layout.items)
 
 
 def test_target_of_another_format_synthesizes_a_llama_config(tmp_path: Path, tiny) -> None:
-    source = dataclasses.replace(FORMAT.open(_make_hf(tmp_path / "ckpt", tiny)), format="megatron", extra={})
+    source = dataclasses.replace(FORMAT.open(_make_hf(tmp_path / "ckpt", tiny)), format="megatron", model=ModelMeta())
     target = FORMAT.target(source, Topology())
     assert target.spec_name == "hf-llama"
-    assert target.extra["config"] == {
+    assert target.model.config == {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "intermediate_size": 16,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "num_hidden_layers": 2, "vocab_size": 10,
         "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "dtype": "float32",
@@ -263,7 +264,7 @@ def test_write_streams_every_tensor_in_bounded_windows(tmp_path: Path, tiny, mon
     source = FORMAT.open(_make_hf(tmp_path / "ckpt", tiny))
     target = FORMAT.target(source, Topology())
     if max_shard_size:
-        target.extra["max_shard_size"] = max_shard_size
+        target.max_shard_size = max_shard_size
     out = tmp_path / "out"
     out.mkdir()
     fill = _span_fill(source)
@@ -369,7 +370,7 @@ def test_round_trip_through_the_adapter_gives_bit_identical_logits(llama, tmp_pa
     source = FORMAT.open(path)
     target = FORMAT.target(source, Topology())
     if max_shard_size:
-        target.extra["max_shard_size"] = max_shard_size
+        target.max_shard_size = max_shard_size
     files = FORMAT.write(target, tmp_path, _span_fill(source))
     assert (Path(INDEX_NAME) in files) == bool(max_shard_size)
     assert (tmp_path / "config.json").read_text() == (path / "config.json").read_text()
@@ -382,7 +383,7 @@ def test_written_shards_are_exactly_what_save_file_writes(llama, tmp_path: Path)
     model, path = llama
     source = FORMAT.open(path)
     target = FORMAT.target(source, Topology())
-    target.extra["max_shard_size"] = "30KB"
+    target.max_shard_size = "30KB"
     (tmp_path / "out").mkdir()
     files = FORMAT.write(target, tmp_path / "out", _span_fill(source))
     state = model.state_dict()
@@ -401,7 +402,7 @@ def test_synthesized_config_loads_in_transformers(llama, tmp_path: Path) -> None
     import transformers
 
     model, path = llama
-    source = dataclasses.replace(FORMAT.open(path), format="megatron", extra={})
+    source = dataclasses.replace(FORMAT.open(path), format="megatron", model=ModelMeta())
     target = FORMAT.target(source, Topology())
     FORMAT.write(target, tmp_path, _span_fill(source))
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
@@ -434,10 +435,10 @@ def test_a_mixtral_resharded_as_fsdp2_and_back_gives_identical_logits(tmp_path: 
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in src.layout.tensors
     reshard.convert(tmp_path / "hf", tmp_path / "dcp", format="dcp", to="dp=3")
     reshard.convert(tmp_path / "dcp", tmp_path / "back", format="hf")
-    from test_hf_megatron import assert_same_logits
+    from conftest import assert_same_logits
 
     assert_same_logits(transformers.MixtralForCausalLM, tmp_path / "hf", tmp_path / "back", 100)
-    (tmp_path / "dcp" / "config.json").unlink()  # the routing (experts per token) is in no tensor
-    with pytest.raises(CheckpointFormatError, match="mixture-of-experts model without its config.json"):
+    (tmp_path / "dcp" / "config.json").unlink()  # the model (and its routing, experts per token) is in no tensor
+    with pytest.raises(CheckpointFormatError, match="which model this is is recorded nowhere"):
         reshard.convert(tmp_path / "dcp", tmp_path / "x", format="hf",
                         sizes={"h": 32, "heads": 4, "g": 2, "hd": 8, "f": 48, "vocab": 100, "layers": 2, "experts": 4})

@@ -117,7 +117,7 @@ def test_a_zero3_source_gets_the_folder_ds_to_universal_writes_for_zero3(tmp_pat
     assert set(after) == {k for k in before if k[1] != "param"}
     for key, value in after.items():
         np.testing.assert_array_equal(value.reshape(-1), before[key].reshape(-1), err_msg=str(key))
-    assert reshard.open_checkpoint(tmp_path / "ucp").extra["step"] == 5
+    assert reshard.open_checkpoint(tmp_path / "ucp").progress.step == 5
     # zero=3 asks for the same folder from a ZeRO-1/2 source
     reshard.convert(tmp_path / "ds", tmp_path / "ucp-from-z2", format="ucp", to="zero=3", sizes={"heads": 4})
     assert (tmp_path / "ucp-from-z2" / "global_step5" / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()

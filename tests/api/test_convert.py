@@ -8,26 +8,13 @@ written directly at the destination topology.
 
 from __future__ import annotations
 
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import reshard
+from conftest import stored_bytes
 from reshard.fixtures import make_fixture
 from reshard.errors import CheckpointFormatError, ReshardError, TopologyError
-
-
-def stored_bytes(path: Path) -> dict:
-    """Every stored item of a checkpoint by (section, unit, chunk, state, key), as raw bytes."""
-    src = reshard.open_checkpoint(path)
-    out = {}
-    for item, loc in src.where.items():
-        n = src.layout.items[item].numel * np.dtype(f"u{reshard.formats.base.itemsize(loc.dtype)}").itemsize
-        with loc.path.open("rb") as f:
-            f.seek(loc.offset)
-            out[(item.section, item.unit, item.chunk, item.state, item.key)] = f.read(n)
-    return out
 
 
 MEGATRON = [

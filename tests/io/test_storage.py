@@ -256,7 +256,7 @@ def test_a_small_filesystem_filling_up_mid_conversion_leaves_nothing(tmp_path):
     make_fixture(tmp_path / "src", to="tp=2,pp=2")
     small = tmp_path / "small"
     small.mkdir()
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     script = (f"mount -t tmpfs -o size=2m tmpfs {small} || exit 77; "
               f"{sys.executable} -m cli.main convert {tmp_path / 'src'} {small / 'dst'} --to tp=1,pp=4; "
               f"echo \"exit=$?\"; ls -A {small}; echo end")

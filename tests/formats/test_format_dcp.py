@@ -102,7 +102,7 @@ def test_a_dcp_written_by_torch_converts_to_hf_and_back_bit_exactly(tmp_path):
 
 
 def test_dcp_through_megatron_and_deepspeed_and_back_is_byte_identical(tmp_path):
-    from test_convert import stored_bytes
+    from conftest import stored_bytes
 
     src = tmp_path / "src"
     make_fixture(src, format="dcp", to="dp=3", states=("master", "exp_avg", "exp_avg_sq"))

@@ -12,20 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import require, save_tiny_mixtral
+from conftest import assert_same_logits, require, save_tiny_mixtral
 
 import reshard
-
-
-def assert_same_logits(model_class, before, after, vocab: int) -> None:
-    """``from_pretrained`` of both directories, loaded alike, gives bit-identical logits."""
-    import torch
-
-    ids = torch.arange(48).reshape(2, 24) % vocab
-    with torch.no_grad():
-        want = model_class.from_pretrained(before).eval()(ids).logits
-        got = model_class.from_pretrained(after).eval()(ids).logits
-    assert torch.equal(got, want)
 
 
 @pytest.mark.interop
