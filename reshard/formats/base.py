@@ -30,12 +30,10 @@ from reshard.execution.session import Fill, WriteSession
 from reshard.io.fields import MAX_COUNT, MAX_SIZE, _show, expect_int, expect_shape, expect_step, name_of
 from reshard.io.smallfiles import Located, read_json, read_tag
 
-__all__ = ["LLAMA_SIZES", "MAX_COUNT", "MAX_SIZE", "Fill", "Format", "Located", "ModelMeta", "Progress", "Source", "Target",
+__all__ = ["MAX_COUNT", "MAX_SIZE", "Fill", "Format", "Located", "ModelMeta", "Progress", "Source", "Target",
            "check_sizes", "expect_int", "expect_shape", "expect_step", "given_sizes", "itemsize", "name_of",
            "read_json", "read_tag", "require_sizes", "scalar_value"]
 
-LLAMA_SIZES = ("h", "heads", "g", "hd", "f", "vocab", "layers")
-"""The sizes a Llama-style model's specs need."""
 
 
 COUNT_SIZES = ("layers", "experts")

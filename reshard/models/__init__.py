@@ -18,7 +18,7 @@ from typing import Any
 from reshard.errors import CheckpointFormatError
 from reshard.models.family import Family
 
-__all__ = ["FAMILIES", "Family", "family_for_config", "get_family"]
+__all__ = ["FAMILIES", "Family", "family_for_config", "family_for_megatron_args", "get_family"]
 
 FAMILIES = {
     "llama": "reshard.models.llama",
@@ -46,3 +46,12 @@ def family_for_config(config: Mapping[str, Any], where: str = "config.json") -> 
     known = ", ".join(t for n in FAMILIES for t in get_family(n).model_types)
     raise CheckpointFormatError(f"{where}: model_type {model_type!r} is not a model family reshard knows "
                                 f"(known: {known}); converting it as another family would change the model")
+
+
+def family_for_megatron_args(args: Mapping[str, Any]) -> Family | None:
+    """The family a Megatron run's args describe (SwiGLU, experts, positions, norm), or None."""
+    for name in FAMILIES:
+        family = get_family(name)
+        if family.is_megatron is not None and family.is_megatron(args):
+            return family
+    return None

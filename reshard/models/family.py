@@ -74,6 +74,17 @@ class Family:
     megatron: Callable[..., str | None] | None = None
     """The body of the Megatron-core model section (names, fusions, tp splits), given ``tied`` and ``local``
     (Transformer Engine layers or ``--transformer-impl local``); None where Megatron cannot hold it so."""
+    megatron_args: Callable[[Mapping[str, int], bool], dict[str, Any]] | None = None
+    """The Megatron args of the model's architecture for ``(sizes, tied)`` (layers, widths, norm, activation,
+    positions, biases): what a Megatron run of this family is started with."""
+    is_megatron: Callable[[Mapping[str, Any]], bool] | None = None
+    """Whether a Megatron run's args describe this family (how a Megatron checkpoint names its model)."""
+    config_hints: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda args: {}
+    """The Hugging Face config fields a Megatron run's args record (epsilon, rope base, tying, routing)."""
+    args_from_config: Callable[[Any], dict[str, Any]] = lambda config: {}
+    """The Megatron args a Hugging Face config implies beyond the sizes (the inverse of ``config_hints``)."""
+    megatron_moe_args: Callable[..., dict[str, Any]] | None = None
+    """Megatron's mixture-of-experts args from the sizes, the config and the hints (MoE families)."""
     megatron_legacy: str | None = None
     """The body of the legacy (non-mcore) Megatron-LM model section, where it exists."""
     torch_dist: str | None = None

@@ -111,6 +111,23 @@ def config_from_sizes(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, A
     return config
 
 
+def megatron_args(sizes: Mapping[str, int], tied: bool) -> dict[str, Any]:
+    """The Megatron args of a GPT-2 of ``sizes``: learned absolute positions, LayerNorm, biases, GELU."""
+    from reshard.models import llama
+
+    return {**llama.megatron_args(dict(sizes) | {"g": sizes["heads"]}, tied),
+            "max_position_embeddings": int(sizes["positions"]), "position_embedding_type": "learned_absolute",
+            "add_position_embedding": True, "use_rotary_position_embeddings": False,
+            "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True, "add_qkv_bias": True,
+            "group_query_attention": False, "num_query_groups": None, "layernorm_epsilon": 1e-5}
+
+
+def is_megatron(args: Mapping[str, Any]) -> bool:
+    """Whether a Megatron run's args describe a GPT-2: LayerNorm, biases, learned absolute positions, no SwiGLU."""
+    return (not args.get("swiglu", False) and args.get("normalization", "LayerNorm") == "LayerNorm"
+            and bool(args.get("add_bias_linear", True)) and args.get("position_embedding_type") == "learned_absolute")
+
+
 FAMILY = Family(
     name="gpt2",
     model_types=("gpt2",),
@@ -124,4 +141,6 @@ FAMILY = Family(
     megatron=megatron,
     sizes_from_config=sizes_from_config,
     config_from_sizes=config_from_sizes,
+    megatron_args=megatron_args,
+    is_megatron=is_megatron,
 )

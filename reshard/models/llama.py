@@ -26,6 +26,10 @@ __all__ = ["FAMILY", "config_from_sizes", "sizes_from_config"]
 
 SIZES = ("h", "heads", "g", "hd", "f", "vocab", "layers")
 
+CONFIG_KEYS = {"h": "hidden_size", "heads": "num_attention_heads", "g": "num_key_value_heads", "hd": "head_dim",
+               "f": "intermediate_size", "vocab": "vocab_size", "layers": "num_hidden_layers"}
+"""Size -> its ``LlamaConfig`` key (``g`` and ``hd`` optional: they default to ``heads`` and ``h // heads``)."""
+
 TENSORS = (
     Tensor(name="model.embed_tokens.weight", alias="embed", dims="vocab h"),
     Tensor(name="model.layers.{i}.input_layernorm.weight", alias="ln1", dims="h", decay=False),
@@ -106,9 +110,8 @@ def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.jso
     ``g`` defaults to ``heads`` (no GQA) and ``hd`` to ``h // heads``, as ``LlamaConfig`` does. Raises
     CheckpointFormatError listing every missing or non-positive key.
     """
-    keys = {"h": "hidden_size", "heads": "num_attention_heads", "f": "intermediate_size",
-            "vocab": "vocab_size", "layers": "num_hidden_layers"}
-    sizes = config_ints(config, keys, ("num_key_value_heads", "head_dim"), where)
+    keys = {k: v for k, v in CONFIG_KEYS.items() if k not in ("g", "hd")}
+    sizes = config_ints(config, keys, (CONFIG_KEYS["g"], CONFIG_KEYS["hd"]), where)
     sizes["g"] = int(config.get("num_key_value_heads") or sizes["heads"])
     sizes["hd"] = int(config.get("head_dim") or sizes["h"] // sizes["heads"])
     return sizes
@@ -141,6 +144,60 @@ def config_from_sizes(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, A
     return config
 
 
+# Hugging Face config keys <-> Megatron args, for what changes the model's outputs.
+HF_MEGATRON = (("rms_norm_eps", "norm_epsilon"), ("rope_theta", "rotary_base"),
+               ("max_position_embeddings", "max_position_embeddings"))
+
+
+def megatron_args(sizes: Mapping[str, int], tied: bool) -> dict[str, Any]:
+    """The Megatron args of a Llama of ``sizes`` (``--swiglu --normalization RMSNorm``, rotary, no biases)."""
+    h, heads = int(sizes["h"]), int(sizes["heads"])
+    g = int(sizes.get("g", heads))
+    return {
+        "num_layers": int(sizes["layers"]), "hidden_size": h, "ffn_hidden_size": int(sizes["f"]),
+        "num_attention_heads": heads, "group_query_attention": g != heads, "num_query_groups": g,
+        "kv_channels": int(sizes.get("hd", h // heads)),
+        "max_position_embeddings": sizes.get("max_position_embeddings"),
+        "position_embedding_type": "rope", "add_position_embedding": False, "use_rotary_position_embeddings": True,
+        "rotary_base": 10000, "norm_epsilon": 1e-5,
+        "rotary_interleaved": False, "normalization": "RMSNorm", "swiglu": True, "squared_relu": False,
+        "add_bias_linear": False, "add_qkv_bias": False, "apply_layernorm_1p": False,
+        "untie_embeddings_and_output_weights": not tied, "vocab_size": int(sizes["vocab"]),
+        "make_vocab_size_divisible_by": int(sizes.get("vocab_div", 128)), "tokenizer_type": None,
+        "num_experts": None, "expert_model_parallel_size": 1,
+    }
+
+
+def is_megatron(args: Mapping[str, Any]) -> bool:
+    """Whether a Megatron run's args describe a Llama: SwiGLU, no experts."""
+    return bool(args.get("swiglu", False)) and not args.get("num_experts")
+
+
+def config_hints(args: Mapping[str, Any]) -> dict[str, Any]:
+    """What a Llama ``config.json`` takes from a Megatron run's args: epsilon, rope base, positions, tying."""
+    hints: dict[str, Any] = {"tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False)}
+    for hf, meg in HF_MEGATRON:
+        value = args.get(meg)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            hints[hf] = value
+    return hints
+
+
+def args_from_config(config: Any) -> dict[str, Any]:
+    """Megatron args for a Llama ``config.json`` (the source's, carried): the inverse of ``config_hints``."""
+    from reshard.errors import CheckpointFormatError
+
+    if not isinstance(config, Mapping):
+        return {}
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
+    if (rope.get("rope_type") or "default") != "default" or config.get("rope_scaling"):
+        raise CheckpointFormatError(f"rope scaling ({rope.get('rope_type') or config.get('rope_scaling')}) has no "
+                                    "Megatron args reshard can write yet; the weights would convert, the model would not")
+    values = {"rms_norm_eps": config.get("rms_norm_eps"), "rope_theta": rope.get("rope_theta", config.get("rope_theta")),
+              "max_position_embeddings": config.get("max_position_embeddings")}
+    return {meg: values[hf] for hf, meg in HF_MEGATRON if isinstance(values[hf], int | float)}
+
+
 FAMILY = Family(
     name="llama",
     model_types=("llama",),
@@ -154,4 +211,8 @@ FAMILY = Family(
     torch_dist=TORCH_DIST,
     sizes_from_config=sizes_from_config,
     config_from_sizes=config_from_sizes,
+    megatron_args=megatron_args,
+    is_megatron=is_megatron,
+    config_hints=config_hints,
+    args_from_config=args_from_config,
 )

@@ -83,6 +83,32 @@ def config_from_sizes(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, A
     return config
 
 
+def is_megatron(args: Mapping[str, Any]) -> bool:
+    """Whether a Megatron run's args describe a Mixtral: SwiGLU experts (``--num-experts``)."""
+    return bool(args.get("swiglu", False)) and bool(args.get("num_experts"))
+
+
+def config_hints(args: Mapping[str, Any]) -> dict[str, Any]:
+    """Llama's, plus the experts and the routing (``--moe-router-topk``)."""
+    return {**llama.config_hints(args), "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": int(args["num_experts"]), "num_experts_per_tok": args.get("moe_router_topk")}
+
+
+def megatron_moe_args(sizes: Mapping[str, int], config: Mapping[str, Any], hints: Mapping[str, Any],
+                      where: Path | str) -> dict[str, Any]:
+    """Megatron's MoE args: experts, their ffn size, and top-k routing from the config (or Megatron's hints)."""
+    from reshard.errors import CheckpointFormatError
+
+    topk = config.get("num_experts_per_tok", hints.get("num_experts_per_tok"))
+    if not isinstance(topk, int):
+        raise CheckpointFormatError(f"{where}: a mixture-of-experts model without num_experts_per_tok in its "
+                                    "config.json; Megatron's args need moe_router_topk")
+    return {"num_experts": int(sizes["experts"]), "moe_router_topk": topk, "moe_ffn_hidden_size": int(sizes["f"]),
+            "ffn_hidden_size": int(sizes["f"]), "moe_grouped_gemm": False,
+            "moe_router_load_balancing_type": "aux_loss",
+            "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0) or 0.0)}
+
+
 FAMILY = Family(
     name="mixtral",
     model_types=("mixtral",),
@@ -97,4 +123,9 @@ FAMILY = Family(
     experts=True,
     sizes_from_config=sizes_from_config,
     config_from_sizes=config_from_sizes,
+    megatron_args=llama.megatron_args,
+    is_megatron=is_megatron,
+    config_hints=config_hints,
+    args_from_config=llama.args_from_config,
+    megatron_moe_args=megatron_moe_args,
 )

@@ -14,7 +14,7 @@ from reshard.core.resolve import resolve
 from reshard.core.topology import parse_topology
 from reshard.errors import CheckpointFormatError, SpecError
 from reshard.formats.specs import FORMAT_RULES, family_of, layout_spec, spec_text
-from reshard.models import FAMILIES, family_for_config, get_family
+from reshard.models import FAMILIES, family_for_config, family_for_megatron_args, get_family
 
 SIZES = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 4, "vocab_div": 8, "positions": 32,
          "experts": 4, "vpad": 128, "bucket_size": 0}
@@ -79,6 +79,25 @@ def test_a_family_recognizes_its_config_and_reads_its_sizes_back(name):
     assert family_for_config(config) is family
     assert config["architectures"] == [family.architectures[0]] and config["dtype"] == "bfloat16"
     assert family.sizes_from_config(config, "config.json") == sizes
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_family_recognizes_the_megatron_args_it_implies_and_reads_its_config_back(name):
+    """The args a Megatron run of the family starts with name that family and no other; the Hugging Face
+    fields they record (config_hints) give back the args a config implies (args_from_config)."""
+    family = get_family(name)
+    if family.megatron_args is None:
+        return
+    sizes = {k: SIZES[k] for k in family.sizes}
+    args = family.megatron_args(sizes, family.tied_default) | ({"num_experts": SIZES["experts"], "moe_router_topk": 2}
+                                                               if family.experts else {})
+    assert family_for_megatron_args(args) is family
+    hints = family.config_hints(args)
+    config = family.config_from_sizes(sizes, ()) | hints
+    assert {k: args[k] for k in family.args_from_config(config)} == family.args_from_config(config)
+    if family.experts:
+        assert hints["num_experts_per_tok"] == 2 and family.megatron_moe_args(sizes, config, {}, "x")[
+            "moe_router_topk"] == 2
 
 
 def test_a_spec_name_of_no_family_or_option_is_a_spec_error():

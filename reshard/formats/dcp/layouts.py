@@ -14,12 +14,12 @@ from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import (
-    LLAMA_SIZES,
     Source,
     Target,
     require_sizes,
 )
 from reshard.formats.dcp.reading import _ADAM_GROUP, SECTION, _Naming, _plain, _rank_file, _Verbatim
+from reshard.formats.specs import family_of
 from reshard.io.dcp_metadata import (
     DcpChunk,
     DcpTensor,
@@ -110,7 +110,9 @@ def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: t
 
 def _spec_layout(source: Source, topology: Topology, spec_ast, spec_name: str, states: tuple[str, ...],
                  model_state: str, naming: _Naming) -> tuple[Layout, dict[Item, _Chunk]]:
-    require_sizes(source, LLAMA_SIZES, f"dcp with spec {spec_name}")
+    family = family_of(spec_name)
+    if family is not None:
+        require_sizes(source, family.sizes, f"dcp with spec {spec_name}")
     layout = resolve(spec_ast, topology, source.sizes, states={s: states for s in _sections(spec_ast)})
     by_item: dict[Item, list[Fragment]] = {}
     for f in layout.fragments:

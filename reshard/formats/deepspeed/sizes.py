@@ -10,10 +10,7 @@ from collections.abc import Mapping
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import check_sizes, given_sizes
 from reshard.formats.deepspeed.files import _config_file, _Files, _hf_config
-
-# Hugging Face config.json keys -> llama.spec size names.
-_HF_CONFIG = {"hidden_size": "h", "num_attention_heads": "heads", "num_key_value_heads": "g", "head_dim": "hd",
-              "intermediate_size": "f", "vocab_size": "vocab", "num_hidden_layers": "layers"}
+from reshard.models import llama
 
 
 def _llama_sizes(files: _Files, shapes: list[list[tuple[str, tuple[int, ...]]]],
@@ -30,7 +27,7 @@ def _llama_sizes(files: _Files, shapes: list[list[tuple[str, tuple[int, ...]]]],
         sizes["f"] = gate[0]
     counts = {"layers": params}  # each layer holds a param at least
     config = _hf_config(files)
-    found = {name: config[key] for key, name in _HF_CONFIG.items() if config.get(key) is not None}
+    found = {name: config[key] for name, key in llama.CONFIG_KEYS.items() if config.get(key) is not None}
     sizes.update(check_sizes(found, _config_file(files), counts=counts) if found else {})
     sizes.update(given_sizes(override))
     q, k = by_name.get("model.layers.0.self_attn.q_proj.weight"), by_name.get("model.layers.0.self_attn.k_proj.weight")

@@ -40,7 +40,6 @@ from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError, SpecError
 from reshard.execution.session import WriteSession
 from reshard.formats.base import (
-    LLAMA_SIZES,
     MAX_COUNT,
     Fill,
     Located,
@@ -66,6 +65,7 @@ from reshard.formats.deepspeed.state import Scalar, _ds_config, _template, _with
 from reshard.formats.specs import layout_spec, source_family, target_config
 from reshard.io.bounds import brief
 from reshard.io.torchfile import TensorRef, TensorSpec, TorchSize
+from reshard.models import llama
 
 SPEC = "deepspeed-llama-zero3"
 MASTER = "master"
@@ -240,7 +240,7 @@ def target_zero3(fmt_name: str, source: Source, topology: Topology, spec: str | 
 
     if topology.tp != 1 or topology.pp != 1 or topology.vpp != 1:
         raise CheckpointFormatError(f"{topology}: the ZeRO-3 target supports dp only (tp=1, pp=1)")
-    require_sizes(source, LLAMA_SIZES, "deepspeed ZeRO-3")
+    require_sizes(source, llama.SIZES, "deepspeed ZeRO-3")
     spec_name = spec or SPEC
     parsed = layout_spec(spec_name)
     src_states = [s for s in dict.fromkeys(it.state for it in source.layout.items) if s not in ("param", MASTER)]

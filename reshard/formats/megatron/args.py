@@ -2,9 +2,9 @@
 
 Reading: the parallel layout, the pipeline's uneven or virtual stages and the model sizes
 a checkpoint's ``args`` record, and its DDP bucket size. Writing: ``megatron_args``
-updates a source's args for a new topology or synthesizes a minimal Llama, GPT-2 or MoE
-set; ``config_hints`` and ``_args_from_config`` carry what a Hugging Face ``config.json``
-shares with them.
+updates a source's args for a new topology or synthesizes a minimal
+set from the model family's own args (``reshard.models``: the architecture, and what a Hugging
+Face ``config.json`` shares with them) and a fresh run's.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import Any
 
 from reshard.core.topology import Topology, parse_topology
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.formats.base import MAX_COUNT, MAX_SIZE, Source, expect_int, given_sizes
+from reshard.formats.base import MAX_COUNT, MAX_SIZE, expect_int, given_sizes
 from reshard.io.torchfile import TorchDtype
+from reshard.models import get_family
 
 DEFAULT_SEED = 1234  # Megatron's --seed default
 
@@ -124,7 +125,7 @@ def _sizes_from_args(args: Mapping[str, Any], given: Mapping[str, int], topo: To
     }
     if args.get("num_experts"):
         sizes["experts"] = _int_arg(args, "num_experts", where)
-    if _is_gpt2(args):
+    if get_family("gpt2").is_megatron(args):
         if sizes["g"] != heads:
             raise CheckpointFormatError(f"{where}: num_query_groups={sizes['g']} with num_attention_heads={heads}; "
                                         "GPT-2-style specs have one key/value head per query head")
@@ -167,19 +168,25 @@ def _bucket_size(args: Mapping[str, Any], topo: Topology) -> int:
 
 
 def megatron_args(sizes: Mapping[str, int], topology: Topology, *, base: Mapping[str, Any] | None = None,
-                  tied: bool = False, iteration: int = 0) -> dict[str, Any]:
+                  tied: bool = False, iteration: int = 0, family: str = "llama") -> dict[str, Any]:
     """Megatron's ``args`` (as a dict) for a checkpoint of the model ``sizes`` at ``topology``.
 
     ``base`` (a source checkpoint's args) is kept and only its parallel layout is
     updated: tensor/pipeline/expert sizes, the virtual pipeline and uneven stages,
     ``data_parallel_size``, ``world_size``, ``padded_vocab_size`` (recomputed for the
     new tp, as ``vocab_size_with_padding`` does) and ``use_distributed_optimizer``.
-    Without ``base``, a minimal Llama-style set is synthesized (GPT-2 style when
-    ``sizes`` has ``positions``, learned position embeddings): what
+    Without ``base``, a minimal set is synthesized: the model ``family``'s own args
+    (``reshard.models``) and a fresh run's: what
     ``load_args_from_checkpoint`` and ``check_checkpoint_args`` read, and what ``open``
     needs (``vocab_size`` included, so the real vocab is never lost).
     """
-    a = dict(base) if base else _default_args(sizes, tied, iteration)
+    if base:
+        a = dict(base)
+    else:
+        model = get_family(family)
+        if model.megatron_args is None:
+            raise CheckpointFormatError(f"Megatron has no args for the {family} family")
+        a = {**model.megatron_args(sizes, tied), **_run_args(sizes, iteration)}
     old_tp = a.get("tensor_model_parallel_size")
     tp, pp, dp, cp = topology.tp, topology.pp, topology.dp, topology.cp
     div = int(a.get("make_vocab_size_divisible_by") or sizes.get("vocab_div", 128))
@@ -203,84 +210,9 @@ def megatron_args(sizes: Mapping[str, int], topology: Topology, *, base: Mapping
     return a
 
 
-def _is_gpt2(args: Mapping[str, Any]) -> bool:
-    """GPT-2 style: LayerNorm, biases, learned absolute positions, no SwiGLU."""
-    return (not args.get("swiglu", False) and args.get("normalization", "LayerNorm") == "LayerNorm"
-            and bool(args.get("add_bias_linear", True)) and args.get("position_embedding_type") == "learned_absolute")
-
-
-# Hugging Face LlamaConfig keys <-> Megatron args, for what changes the model's outputs.
-_HF_ARGS = (("rms_norm_eps", "norm_epsilon"), ("rope_theta", "rotary_base"),
-            ("max_position_embeddings", "max_position_embeddings"))
-
-
-def _moe_args(source: Source, sizes: Mapping[str, int]) -> dict[str, Any]:
-    """Megatron's MoE args for a Mixtral-style source: experts, their ffn size, and top-k routing from its config."""
-    config = source.model.config or {}
-    hints = source.model.hints
-    topk = config.get("num_experts_per_tok", hints.get("num_experts_per_tok"))
-    if not isinstance(topk, int):
-        raise CheckpointFormatError(f"{source.path}: a mixture-of-experts model without num_experts_per_tok in its "
-                                    "config.json; Megatron's args need moe_router_topk")
-    return {"num_experts": int(sizes["experts"]), "moe_router_topk": topk, "moe_ffn_hidden_size": int(sizes["f"]),
-            "ffn_hidden_size": int(sizes["f"]), "moe_grouped_gemm": False,
-            "moe_router_load_balancing_type": "aux_loss",
-            "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0) or 0.0)}
-
-
-def config_hints(args: Mapping[str, Any]) -> dict[str, Any]:
-    """What a Llama ``config.json`` takes from a Megatron run's args: epsilon, rope base, positions, tying."""
-    if _is_gpt2(args):
-        return {}
-    hints: dict[str, Any] = {"tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False)}
-    if args.get("num_experts"):
-        hints.update(model_type="mixtral", architectures=["MixtralForCausalLM"],
-                     num_local_experts=int(args["num_experts"]), num_experts_per_tok=args.get("moe_router_topk"))
-    for hf, meg in _HF_ARGS:
-        value = args.get(meg)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            hints[hf] = value
-    return hints
-
-
-def _args_from_config(config: Any) -> dict[str, Any]:
-    """Megatron args for a Llama ``config.json`` (the source's, carried): the inverse of ``config_hints``."""
-    if not isinstance(config, Mapping):
-        return {}
-    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
-    if (rope.get("rope_type") or "default") != "default" or config.get("rope_scaling"):
-        raise CheckpointFormatError(f"rope scaling ({rope.get('rope_type') or config.get('rope_scaling')}) has no "
-                                    "Megatron args reshard can write yet; the weights would convert, the model would not")
-    values = {"rms_norm_eps": config.get("rms_norm_eps"), "rope_theta": rope.get("rope_theta", config.get("rope_theta")),
-              "max_position_embeddings": config.get("max_position_embeddings")}
-    return {meg: values[hf] for hf, meg in _HF_ARGS if isinstance(values[hf], int | float)}
-
-
-def _default_args(sizes: Mapping[str, int], tied: bool, iteration: int) -> dict[str, Any]:
-    h, heads = int(sizes["h"]), int(sizes["heads"])
-    g = int(sizes.get("g", heads))
-    if "positions" in sizes:  # GPT-2 style
-        return {**_llama_args(sizes, h, heads, g, tied, iteration),
-                "max_position_embeddings": int(sizes["positions"]), "position_embedding_type": "learned_absolute",
-                "add_position_embedding": True, "use_rotary_position_embeddings": False,
-                "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True, "add_qkv_bias": True,
-                "group_query_attention": False, "num_query_groups": None, "layernorm_epsilon": 1e-5}
-    return _llama_args(sizes, h, heads, g, tied, iteration)
-
-
-def _llama_args(sizes: Mapping[str, int], h: int, heads: int, g: int, tied: bool, iteration: int) -> dict[str, Any]:
+def _run_args(sizes: Mapping[str, int], iteration: int) -> dict[str, Any]:
+    """The args of a fresh run that are not the model's: precision, DDP, seed, optimizer, schedule, checkpointing."""
     return {
-        "num_layers": int(sizes["layers"]), "hidden_size": h, "ffn_hidden_size": int(sizes["f"]),
-        "num_attention_heads": heads, "group_query_attention": g != heads, "num_query_groups": g,
-        "kv_channels": int(sizes.get("hd", h // heads)),
-        "max_position_embeddings": sizes.get("max_position_embeddings"),
-        "position_embedding_type": "rope", "add_position_embedding": False, "use_rotary_position_embeddings": True,
-        "rotary_base": 10000, "norm_epsilon": 1e-5,
-        "rotary_interleaved": False, "normalization": "RMSNorm", "swiglu": True, "squared_relu": False,
-        "add_bias_linear": False, "add_qkv_bias": False, "apply_layernorm_1p": False,
-        "untie_embeddings_and_output_weights": not tied, "vocab_size": int(sizes["vocab"]),
-        "make_vocab_size_divisible_by": int(sizes.get("vocab_div", 128)), "tokenizer_type": None,
-        "num_experts": None, "expert_model_parallel_size": 1,
         "bf16": True, "fp16": False, "params_dtype": TorchDtype("bfloat16"), "accumulate_allreduce_grads_in_fp32": True,
         "overlap_grad_reduce": False, "ddp_bucket_size": None, "ddp_num_buckets": None,
         "seed": DEFAULT_SEED, "data_parallel_random_init": False,

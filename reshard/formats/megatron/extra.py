@@ -32,7 +32,7 @@ from reshard.formats.megatron.specs import (
 
 
 def write_fixture_extra(sizes: Mapping[str, int], topology: Topology, *, iteration: int = 0, tied: bool = False,
-                        seed: int = DEFAULT_SEED, optimizer: bool = True) -> dict[str, Any]:
+                        seed: int = DEFAULT_SEED, optimizer: bool = True, family: str = "llama") -> dict[str, Any]:
     """The non-tensor state of a freshly made Megatron checkpoint, as ``MegatronFormat.open`` reports it.
 
     Lets a fixture writer (or ``target`` for a source of another format) produce a
@@ -50,7 +50,7 @@ def write_fixture_extra(sizes: Mapping[str, int], topology: Topology, *, iterati
         >>> extra["args"]["padded_vocab_size"], len(extra["rng_state"])
         (112, 4)
     """
-    args = megatron_args(sizes, topology, tied=tied, iteration=iteration)
+    args = megatron_args(sizes, topology, tied=tied, iteration=iteration, family=family)
     args["seed"] = seed
     groups = _default_param_groups(args) if optimizer else []
     return {
@@ -72,10 +72,10 @@ def write_fixture_extra(sizes: Mapping[str, int], topology: Topology, *, iterati
 
 
 def _target_extra(source: Source, topology: Topology, layout: Layout, args: dict[str, Any],
-                  meg: bool) -> dict[str, Any]:
+                  meg: bool, family: str = "llama") -> dict[str, Any]:
     src = dict(source.extra) if meg else write_fixture_extra(
         source.sizes | {"vocab_div": args["make_vocab_size_divisible_by"]}, source.topology,
-        tied=not args["untie_embeddings_and_output_weights"])
+        tied=not args["untie_embeddings_and_output_weights"], family=family)
     src_topo = source.topology
     opt = dict(src.get("optimizer") or {})
     flat = "optim" in {it.section for it in layout.items}

@@ -18,14 +18,10 @@ from reshard.errors import CheckpointFormatError
 from reshard.execution.session import WriteSession
 from reshard.formats.base import Fill, ModelMeta, Progress, Source, Target, check_sizes, require_sizes
 from reshard.formats.megatron.args import (
-    _args_from_config,
     _bucket_size,
-    _is_gpt2,
-    _moe_args,
     _namespace,
     _sizes_from_args,
     _topology_from_args,
-    config_hints,
     megatron_args,
 )
 from reshard.formats.megatron.extra import _default_dtypes, _target_extra
@@ -58,7 +54,7 @@ from reshard.formats.megatron.specs import (
 from reshard.formats.megatron.writer import _Writer
 from reshard.formats.specs import layout_spec, source_family
 from reshard.io.bounds import brief
-from reshard.models import get_family
+from reshard.models import family_for_megatron_args
 
 
 class MegatronFormat:
@@ -123,31 +119,33 @@ class MegatronFormat:
             topo = replace(topo, zero=1)
         model_sizes = _sizes_from_args(args, sizes or {}, topo, str(first_path))
         tied = not args.get("untie_embeddings_and_output_weights", False)
-        if spec is None and _is_gpt2(args):
+        family = family_for_megatron_args(args)  # what the run's args say the model is
+        if spec is None and family is None:
+            raise CheckpointFormatError(
+                f"{first_path}: the args describe no model family reshard knows (swiglu={args.get('swiglu')}, "
+                f"normalization={args.get('normalization')}, position_embedding_type="
+                f"{args.get('position_embedding_type')}); known: Llama-style (SwiGLU, RMSNorm, no biases), Mixtral-style "
+                "MoE, GPT-2-style (LayerNorm, biases, learned positions). Give a spec for this model")
+        if spec is None and family.name == "gpt2":
             if not tied:
                 raise CheckpointFormatError(
                     f"{first_path}: GPT-2-style models are supported with the output layer tied to the embedding "
                     "(args.untie_embeddings_and_output_weights is True); give a spec for this one")
-            spec = spec_name(get_family("gpt2"), distopt=distopt)
-        if spec is None and not args.get("swiglu", False):
-            raise CheckpointFormatError(
-                f"{first_path}: args.swiglu is False; the shipped megatron specs are Llama-style (SwiGLU, RMSNorm, "
-                "no biases) or GPT-2-style (LayerNorm, biases, learned positions). Give a spec for this model")
-        if spec is None and args.get("num_experts"):
+            spec = spec_name(family, distopt=distopt)
+        if spec is None and family.experts:
             if tied:
                 raise CheckpointFormatError(
-                    f"{first_path}: a mixture-of-experts model with tied embeddings; the mixtral family is "
+                    f"{first_path}: a mixture-of-experts model with tied embeddings; the {family.name} family is "
                     "untied: give a spec for this one")
-            spec = spec_name(get_family("mixtral"), local=args.get("transformer_impl") == "local", distopt=distopt,
-                             ep=topo.ep)
+            spec = spec_name(family, local=args.get("transformer_impl") == "local", distopt=distopt, ep=topo.ep)
         if spec is None and _is_legacy(first):
             if tied or distopt:
                 raise CheckpointFormatError(
                     f"{first_path}: a legacy (non-mcore) model with {'tied embeddings' if tied else ''}"
                     f"{' and ' if tied and distopt else ''}{'the distributed optimizer' if distopt else ''}; the "
                     f"legacy layout is untied with Megatron's plain optimizer: give a spec for this one")
-            spec = spec_name(get_family("llama"), legacy=True)
-        name = spec or spec_name(get_family("llama"), tied=tied, distopt=distopt)
+            spec = spec_name(family, legacy=True)
+        name = spec or spec_name(family, tied=tied, distopt=distopt)
         spec_ast = layout_spec(name)
         per_ep = _per_ep(spec_ast)
         if topo.ep > 1 and not per_ep:
@@ -170,7 +168,8 @@ class MegatronFormat:
         extra.update(iteration=iteration, release=release,
                      checkpoint_version=first.get("checkpoint_version", CHECKPOINT_VERSION))
         return Source(format=self.name, path=path, spec_name=name, spec=spec_ast, topology=topo,
-                      sizes=model_sizes, layout=layout, where=where, model=ModelMeta(hints=config_hints(args)),
+                      sizes=model_sizes, layout=layout, where=where, model=ModelMeta(family=family.name if family else None,
+                                                                           hints=family.config_hints(args) if family else {}),
                       progress=Progress(iteration=iteration), extra=extra)
 
     def _read_ranks(self, it_dir: Path, topo: Topology, first_path: Path, first: dict,
@@ -318,11 +317,11 @@ class MegatronFormat:
                 f"(it has {', '.join(opt_states)})")
         states = {"model": ("param",), "optim": opt_states, "expert_optim": opt_states} if distopt else \
             {"model": ("param", *opt_states)}
-        args = megatron_args(sizes, topology, base=src_args, tied=tied)
-        if not meg and (family is None or family.name != "gpt2"):
-            args.update(_args_from_config(source.model.config))
+        args = megatron_args(sizes, topology, base=src_args, tied=tied, family=family.name if family else "llama")
+        if not meg and family is not None:
+            args.update(family.args_from_config(source.model.config))
         if moe and not meg:
-            args.update(_moe_args(source, sizes))
+            args.update(family.megatron_moe_args(sizes, source.model.config or {}, source.model.hints, source.path))
         if is_legacy(name) != (meg and is_legacy(source.spec_name)):  # the model class changes
             args.update(use_legacy_models=is_legacy(name), use_mcore_models=not is_legacy(name))
         if moe and is_local(name) != local:
@@ -344,7 +343,7 @@ class MegatronFormat:
         _check_registration_order(layout, name, strict=distopt)
         if distopt and tied and topology.pp > 1:
             _check_shared_embedding_bucket(layout)
-        extra = _target_extra(source, topology, layout, args, meg)
+        extra = _target_extra(source, topology, layout, args, meg, family.name if family else "llama")
         dtypes = _default_dtypes(source, layout)
         return Target(format=self.name, spec_name=name, spec=spec_ast, topology=topology, sizes=sizes,
                       layout=layout, dtypes=dtypes, extra=extra)

@@ -45,7 +45,6 @@ from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.execution.session import WriteSession
 from reshard.formats.base import (
-    LLAMA_SIZES,
     MAX_COUNT,
     Fill,
     Located,
@@ -67,6 +66,7 @@ from reshard.io.bounds import brief
 from reshard.io.dcp_metadata import DcpChunk, read_metadata
 from reshard.io.torch_read import read_torch_file
 from reshard.io.torch_write import write_torch_file
+from reshard.models import llama
 
 __all__ = ["FORMAT", "McoreDistFormat"]
 
@@ -204,8 +204,8 @@ class McoreDistFormat:
                                         "supported yet")
         if "transformer.wte.weight" in source.layout.tensors or "lm_head.weight" not in source.layout.tensors:
             raise CheckpointFormatError(f"{source.path}: the mcore-dist target supports untied Llama-style models so far")
-        require_sizes(source, LLAMA_SIZES, "mcore-dist")
-        sizes = {k: int(source.sizes[k]) for k in LLAMA_SIZES}
+        require_sizes(source, llama.SIZES, "mcore-dist")
+        sizes = {k: int(source.sizes[k]) for k in llama.SIZES}
         src_args = dict(source.extra.get("args", {})) if source.format in ("megatron", self.name) else {}
         div = int(src_args.get("make_vocab_size_divisible_by") or source.sizes.get("vocab_div", 128))
         spec_name = spec or SPEC
@@ -423,7 +423,7 @@ def _sizes(path: Path, common: Mapping[str, Any], md, given: Mapping[str, int]) 
             sizes.setdefault("layers", qkv.size[0])
         if fc1 is not None and len(fc1.size) == 3:
             sizes.setdefault("f", fc1.size[1] // 2)
-        missing = [k for k in LLAMA_SIZES if k not in sizes]
+        missing = [k for k in llama.SIZES if k not in sizes]
         if missing:
             raise CheckpointFormatError(f"{path}: {COMMON} holds no args, so the model sizes {', '.join(missing)} "
                                         "are unknown; give them as sizes")
