@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 from reshard.core.dtypes import itemsize
 from reshard.core.layout import Item, Layout
 from reshard.core.spec import Spec
@@ -32,7 +30,7 @@ from reshard.io.smallfiles import Located, read_json, read_tag
 
 __all__ = ["MAX_COUNT", "MAX_SIZE", "Fill", "Format", "Located", "ModelMeta", "Progress", "Source", "Target",
            "check_sizes", "expect_int", "expect_shape", "expect_step", "given_sizes", "itemsize", "name_of",
-           "read_json", "read_tag", "require_sizes", "scalar_value"]
+           "read_json", "read_tag", "require_sizes"]
 
 
 
@@ -136,15 +134,6 @@ class Target:
     """hf: the largest safetensors shard (bytes, or ``"5GB"``); None: the format's default."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The format's own non-tensor state for writing, read only by the same format."""
-
-
-_SCALAR_KINDS = {"float32": "<f4", "float64": "<f8", "int64": "<i8", "int32": "<i4"}
-
-
-def scalar_value(raw: bytes, dtype: str) -> float | None:
-    """The value of a 0-d tensor from its little-endian bytes; None for a dtype that is not a plain number."""
-    kind = _SCALAR_KINDS.get(dtype)
-    return float(np.frombuffer(raw, dtype=kind, count=1)[0]) if kind and len(raw) >= np.dtype(kind).itemsize else None
 
 
 class Format(Protocol):

@@ -13,7 +13,8 @@ from pathlib import Path
 from reshard.core.dtypes import ITEMSIZE
 from reshard.errors import CheckpointFormatError
 
-__all__ = ["ALLOWED_PREFIXES", "Opaque", "TensorRef", "TensorSpec", "TorchDtype", "TorchSize", "map_tensors"]
+__all__ = ["ALLOWED_PREFIXES", "Opaque", "SmallTensor", "TensorRef", "TensorSpec", "TorchDtype", "TorchSize", "map_tensors",
+           "scalar_value"]
 
 # Bytes per element of every dtype a tensor may have here.
 _ITEMSIZE = ITEMSIZE  # bytes per element of every dtype a torch file may name
@@ -211,3 +212,37 @@ def map_tensors(obj: object, fn: Callable[[TensorRef], object]) -> object:
         return out
 
     return walk(obj)
+
+
+_SCALAR_KINDS = {"float32": "<f4", "float64": "<f8", "int64": "<i8", "int32": "<i4"}
+
+
+def scalar_value(raw: bytes, dtype: str) -> float | None:
+    """The value of a 0-d tensor from its little-endian bytes; None for a dtype that is not a plain number."""
+    import numpy as np
+
+    kind = _SCALAR_KINDS.get(dtype)
+    return float(np.frombuffer(raw, dtype=kind, count=1)[0]) if kind and len(raw) >= np.dtype(kind).itemsize else None
+
+
+@dataclass(frozen=True, slots=True)
+class SmallTensor:
+    """A small tensor a checkpoint's non-model state holds, carried by value: an optimizer ``step``, an rng
+    state, a loss scale, Transformer Engine's extra state, a ZeRO-3 placeholder. Never resharded: written back
+    as it was read, as a ``TensorSpec`` leaf whose bytes are ``data``."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes = b""
+
+    @staticmethod
+    def scalar(value: float, dtype: str = "float32") -> SmallTensor:
+        import numpy as np
+
+        return SmallTensor(dtype, (), np.array(value, dtype=dtype).tobytes())
+
+    def value(self) -> float:
+        value = scalar_value(self.data, self.dtype) if self.shape in ((), (1,)) else None
+        if value is None:
+            raise CheckpointFormatError(f"a {self.dtype} {list(self.shape)} tensor where a number (step) was expected")
+        return value

@@ -16,7 +16,7 @@ Conventions the README's fenced blocks follow (this test reads them):
 - ```spec-bad blocks are read as ``bad.spec`` and must fail; the ```text block right
   after one is the exact ``str()`` of the error. Their ``# sizes:`` line comes last so
   the line numbers in the message match the block.
-- The ```ebnf block is the grammar, identical to the one in ``reshard/spec.py``.
+- The ```ebnf block is the grammar, identical to the one in ``reshard/core/spec.py``.
 """
 
 from __future__ import annotations

@@ -121,3 +121,16 @@ def test_a_zero3_source_gets_the_folder_ds_to_universal_writes_for_zero3(tmp_pat
     # zero=3 asks for the same folder from a ZeRO-1/2 source
     reshard.convert(tmp_path / "ds", tmp_path / "ucp-from-z2", format="ucp", to="zero=3", sizes={"heads": 4})
     assert (tmp_path / "ucp-from-z2" / "global_step5" / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()
+
+
+def test_the_optimizer_step_travels_through_a_dcp_checkpoint_and_back(tmp_path):
+    """The step a universal checkpoint records reaches DCP (Adam's per-parameter ``step``) and comes back
+    as the universal folder's ``step.pt``: training progress is carried across formats, never reset."""
+    write_checkpoint(tmp_path / "ds", "dp=2", dtype="bfloat16", global_steps=5)
+    reshard.convert(tmp_path / "ds", tmp_path / "ucp", format="ucp", sizes={"heads": 4})
+    reshard.convert(tmp_path / "ucp", tmp_path / "dcp", format="dcp", to="dp=3")
+    assert reshard.open_checkpoint(tmp_path / "dcp").progress.step == 5
+    reshard.convert(tmp_path / "dcp", tmp_path / "back", format="ucp")
+    assert reshard.open_checkpoint(tmp_path / "back").progress.step == 5
+    step = read_torch_file(next((tmp_path / "back").glob("*/zero/model.norm.weight/step.pt")))
+    assert np.fromfile(step.path, np.float32, 1, offset=step.data_offset)[0] == 5.0

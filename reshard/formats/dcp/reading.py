@@ -12,9 +12,6 @@ from pathlib import Path
 from reshard.core.geometry import row_major_strides
 from reshard.core.layout import LogicalTensor
 from reshard.errors import CheckpointFormatError
-from reshard.formats.base import (
-    scalar_value,
-)
 from reshard.io.dcp_metadata import (
     METADATA_NAME,
     DcpChunk,
@@ -24,7 +21,7 @@ from reshard.io.dcp_metadata import (
 )
 from reshard.io.safetensors_io import read_header
 from reshard.io.torch_read import read_torch_file
-from reshard.io.torch_types import TensorRef
+from reshard.io.torch_types import TensorRef, scalar_value
 
 SECTION = "dcp"
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from reshard.core.layout import Item
 from reshard.errors import CheckpointFormatError, TopologyError
+from reshard.io.torch_types import SmallTensor
 from reshard.io.torchfile import Opaque, TensorRef, TensorSpec
 
 DS_VERSION = "0.19.8"
@@ -31,14 +32,8 @@ _ZERO_STAGE = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
 _LOSS_SCALER = ("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 
 
-@dataclass(frozen=True, slots=True)
-class Scalar:
-    """A 0-d tensor carried by value (Adam's ``step``): its dtype and raw bytes."""
-
-    dtype: str
-    data: bytes
-    shape: tuple[int, ...] = ()
-    """``()``; ``(0,)`` for ZeRO-3's empty module placeholders."""
+Scalar = SmallTensor
+"""A 0-d tensor carried by value (Adam's ``step``); ``(0,)``-shaped for ZeRO-3's empty module placeholders."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -103,7 +98,7 @@ def _template(tree: Mapping, path: Path, drop: tuple[str, ...] = ()) -> dict[str
                 data = f.read(x.nbytes)
             if len(data) != x.nbytes:
                 raise CheckpointFormatError(f"{path}: ends inside a scalar tensor")
-            return Scalar(x.dtype, data)
+            return Scalar(x.dtype, (), data)
         return _map_tree(x, walk)
 
     return {k: walk(v) for k, v in tree.items() if k not in drop}
@@ -221,7 +216,7 @@ def synthesize_extra(*, groups: int = 1, dtype: str = "bfloat16", zero_stage: in
         "dp_world_size": dp, "mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
         "ds_config": ds_config, "ds_version": ds_version,
     }
-    step = Scalar("float32", struct.pack("<f", global_steps))
+    step = Scalar("float32", (), struct.pack("<f", global_steps))
     param_groups = [{"lr": lr, "betas": (0.9, 0.999), "eps": 1e-08, "weight_decay": decay[g], "amsgrad": False,
                      "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
                      "decoupled_weight_decay": False, "params": [g]} for g in range(groups)]

@@ -72,13 +72,12 @@ from reshard.formats.base import (
     given_sizes,
     name_of,
     read_tag,
-    scalar_value,
 )
 from reshard.formats.deepspeed.state import DeepSpeedExtra, Scalar, _with_scalars, synthesize_extra
 from reshard.formats.deepspeed.zero3 import Zero3Extra, extra_from_zero12, model_tree3
 from reshard.formats.specs import source_config
 from reshard.io.torch_read import read_torch_file
-from reshard.io.torch_types import TensorRef, TensorSpec, TorchSize
+from reshard.io.torch_types import TensorRef, TensorSpec, TorchSize, scalar_value
 from reshard.io.torch_write import TorchFileWriter
 
 __all__ = ["FORMAT", "UcpFormat"]
@@ -387,9 +386,9 @@ def _source_step(source: Source):
         for group in inner.get("state", {}).values():
             if isinstance(group.get("step"), Scalar):
                 return group["step"]
-    for key in ("step", "iteration"):
-        if source.extra.get(key):
-            return Scalar("float32", struct.pack("<f", float(source.extra[key])))
+    for value in (source.progress.step, source.progress.iteration):
+        if value:
+            return Scalar("float32", (), struct.pack("<f", float(value)))
     return None
 
 

@@ -271,7 +271,7 @@ def model_tree3(extra: Zero3Extra, order: list[tuple[str, tuple[int, ...]]], dp:
     """A ZeRO-3 model file: empty module placeholders (``Scalar`` leaves of shape ``(0,)``), ``param_shapes``
     in flat order, the world sizes and the ZeRO-3 ds_config; the rest from ``extra``."""
     dtype = "bfloat16" if extra.bf16 else "float32"
-    tree: dict[str, Any] = {"module": OrderedDict((k, Scalar(dtype, b"", shape=(0,))) for k, _ in order),
+    tree: dict[str, Any] = {"module": OrderedDict((k, Scalar(dtype, (0,), b"")) for k, _ in order),
                             **extra.model_states}
     tree["param_shapes"] = [OrderedDict((k, TorchSize(s)) for k, s in order)]
     tree["dp_world_size"], tree["mp_world_size"] = dp, 1

@@ -116,6 +116,6 @@ from reshard.formats.megatron.args import megatron_args
 from reshard.formats.megatron.extra import write_fixture_extra
 from reshard.formats.megatron.format import FORMAT, MegatronFormat
 from reshard.formats.megatron.rng import torch_cpu_rng_state
-from reshard.formats.megatron.small import SmallTensor
+from reshard.io.torch_types import SmallTensor
 
 __all__ = ["FORMAT", "MegatronFormat", "SmallTensor", "megatron_args", "torch_cpu_rng_state", "write_fixture_extra"]

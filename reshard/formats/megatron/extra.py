@@ -19,7 +19,6 @@ from reshard.formats.megatron.args import DEFAULT_SEED, megatron_args
 from reshard.formats.megatron.files import CHECKPOINT_VERSION
 from reshard.formats.megatron.param_groups import _default_param_groups, _group_is_no_wd, _no_wd
 from reshard.formats.megatron.rng import _fresh_rng
-from reshard.formats.megatron.small import SmallTensor
 from reshard.formats.megatron.specs import (
     _EXPERT_NUM,
     _LAYER_KEY,
@@ -29,6 +28,7 @@ from reshard.formats.megatron.specs import (
     _order_name,
     _renumber_expert,
 )
+from reshard.io.torch_types import SmallTensor
 
 
 def write_fixture_extra(sizes: Mapping[str, int], topology: Topology, *, iteration: int = 0, tied: bool = False,

@@ -21,7 +21,7 @@ from reshard.errors import CheckpointFormatError
 from reshard.formats.base import Located, expect_int
 from reshard.formats.megatron.files import _MAIN, DISTOPT_FILE, _chunks, _flat_items, _Rank
 from reshard.formats.megatron.param_groups import _assign_groups
-from reshard.formats.megatron.small import SmallTensor, _capture, _contiguous_offset, _dtype_name, _is_tensor, _small
+from reshard.formats.megatron.small import _capture, _contiguous_offset, _dtype_name, _is_tensor, _small
 from reshard.formats.megatron.specs import (
     _EXPERT_NUM,
     _FLAT_NAMES,
@@ -31,6 +31,7 @@ from reshard.formats.megatron.specs import (
     _renumber_expert,
 )
 from reshard.io.bounds import brief
+from reshard.io.torch_types import SmallTensor
 
 
 class _Reader:

@@ -17,7 +17,7 @@ import numpy as np
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import expect_int
 from reshard.formats.megatron.args import DEFAULT_SEED
-from reshard.formats.megatron.small import SmallTensor
+from reshard.io.torch_types import SmallTensor
 
 # The rng trackers model_parallel_cuda_manual_seed adds, in its order (megatron/core/tensor_parallel/random.py).
 _TRACKERS = ("data-parallel-rng", "model-parallel-rng", "expert-parallel-rng")

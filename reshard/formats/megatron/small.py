@@ -1,6 +1,6 @@
 """Small non-model tensors of a Megatron checkpoint, carried as bytes.
 
-``SmallTensor`` holds an rng state, a per-parameter ``step``, a loss scale or a TE
+``SmallTensor`` (``reshard.io.torch_types``, shared with DeepSpeed's step scalars) holds an rng state, a per-parameter ``step``, a loss scale or a TE
 ``_extra_state`` tensor; ``open`` reads such tensors from a rank file (at most
 ``SMALL_TENSOR_LIMIT`` bytes each, never model or optimizer tensors), and the helpers here
 walk the object trees that hold them.
@@ -12,38 +12,18 @@ import argparse
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from reshard.errors import CheckpointFormatError
-from reshard.formats.base import itemsize, scalar_value
+from reshard.formats.base import itemsize
 from reshard.io.bounds import brief
+from reshard.io.torch_types import SmallTensor
 from reshard.io.torchfile import Opaque, TensorRef, TorchDtype, map_tensors
 
 SMALL_TENSOR_LIMIT = 1 << 20
 """Largest non-model tensor (rng state, step, TE extra state) ``open`` reads, in bytes."""
-
-
-@dataclass(frozen=True, slots=True)
-class SmallTensor:
-    """A small non-model tensor carried as bytes (rng state, step, loss scale, TE extra state)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes = b""
-
-    @staticmethod
-    def scalar(value: float, dtype: str = "float32") -> SmallTensor:
-        return SmallTensor(dtype, (), np.array(value, dtype=dtype).tobytes())
-
-    def value(self) -> float:
-        value = scalar_value(self.data, self.dtype) if self.shape in ((), (1,)) else None
-        if value is None:
-            raise CheckpointFormatError(f"a {self.dtype} {list(self.shape)} tensor where a number (step) was expected")
-        return value
 
 
 def _is_tensor(obj: Any) -> bool:

@@ -21,8 +21,9 @@ from reshard.execution.session import WriteSession
 from reshard.formats.base import Fill, Target
 from reshard.formats.megatron.files import _MAIN, DISTOPT_FILE, MODEL_FILE, TRACKER, _nested, _rank_dir_name
 from reshard.formats.megatron.param_groups import _assign_groups
-from reshard.formats.megatron.small import SmallTensor, _map_small
+from reshard.formats.megatron.small import _map_small
 from reshard.formats.megatron.specs import _FLAT_NAMES, _is_expert
+from reshard.io.torch_types import SmallTensor
 from reshard.io.torchfile import TensorSpec, TorchDtype, TorchFileWriter
 
 WINDOW_BYTES = 8 << 20
