@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "convert": "reshard.api", "inspect": "reshard.api", "load": "reshard.api", "open_checkpoint": "reshard.api",
     "plan": "reshard.api", "verify": "reshard.api",
-    "load_spec": "reshard.models.catalog", "resolve": "reshard.core.resolve",
+    "load_spec": "reshard.formats.specs:layout_spec", "resolve": "reshard.core.resolve",
     "Topology": "reshard.core.topology", "parse_topology": "reshard.core.topology",
 }
 
@@ -52,7 +52,8 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'reshard' has no attribute '{name}'")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    module, _, attr = module.partition(":")
+    return getattr(importlib.import_module(module), attr or name)
 
 
 def __dir__() -> list[str]:
