@@ -31,6 +31,8 @@ from reshard.formats.dcp.reading import (
     _DATA_FILE,
     CONFIG_NAME,
     SECTION,
+    DcpRead,
+    DcpWrite,
     _chunk_cover,
     _chunk_ref,
     _entry_bytes,
@@ -131,7 +133,7 @@ class DcpFormat:
                         fragments=tuple(fragments))
         model_sizes, config = config_near(path, path.parent, tensors=len(md.tensors))
         model_sizes.update(given_sizes(sizes))
-        extra: dict[str, Any] = {"dcp": {"naming": naming, "verbatim": verbatim, "planner_data": md.planner_data}}
+        extra: dict[str, Any] = {"dcp": DcpRead(naming=naming, verbatim=verbatim, planner_data=md.planner_data)}
         return Source(format=self.name, path=path, spec_name="dcp", spec=parse_spec("", "<dcp>"), topology=topology,
                       sizes=model_sizes, layout=layout, where=where, model=ModelMeta(config=config),
                       progress=Progress(step=step), extra=extra)
@@ -155,7 +157,7 @@ class DcpFormat:
         model_state = "master" if "master" in states else "param"
         opt_states = sorted(states - {"param", "master"})
         src_dcp = source.extra.get("dcp") if source.format == self.name else None
-        naming = src_dcp["naming"] if src_dcp else _Naming("model.", "optim.", frozenset())
+        naming = src_dcp.naming if src_dcp else _Naming("model.", "optim.", frozenset())
         names = _tensor_order(source)
         wanted = (model_state, *opt_states)
         if spec is None and topology.tp == 1:
@@ -171,9 +173,9 @@ class DcpFormat:
             spec_name = spec or f"dcp-{family.name}"
             spec_ast = layout_spec(spec_name)
             layout, chunks = _spec_layout(source, topology, spec_ast, spec_name, wanted, model_state, naming)
-        verbatim = list(src_dcp["verbatim"]) if src_dcp else _synthesized(source, names, naming, opt_states)
-        planner = dict(src_dcp["planner_data"]) if src_dcp else {}
-        extra = {"chunks": chunks, "verbatim": verbatim, "planner_data": planner, "naming": naming}
+        verbatim = list(src_dcp.verbatim) if src_dcp else _synthesized(source, names, naming, opt_states)
+        planner = dict(src_dcp.planner_data) if src_dcp else {}
+        extra = {"dcp": DcpWrite(chunks=chunks, verbatim=verbatim, planner_data=planner, naming=naming)}
         # Beside the checkpoint for later conversions (the model's identity and sizes); DCP itself never reads it.
         model = ModelMeta(config=source_config(source, [_dtype_of(source)]), hints=dict(source.model.hints))
         return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology,
@@ -182,7 +184,7 @@ class DcpFormat:
 
     def files_of(self, target: Target) -> dict[Item, Path]:
         """Each item's rank file; a chunk several ranks hold is in the file of the rank that writes it."""
-        chunks = target.extra["chunks"]
+        chunks = target.extra["dcp"].chunks
         return {it: Path(_rank_file(chunks[it].rank)) for it in target.layout.items}
 
     def write(self, target: Target, out: Path, fill: Fill, session: WriteSession | None = None, *,
@@ -224,7 +226,7 @@ class DcpFormat:
         if only:
             return written
         md = DcpMetadata(version="1.0.0")
-        naming: _Naming = target.extra["naming"]
+        naming: _Naming = target.extra["dcp"].naming
         for rel, entries in files.items():
             for e in entries:
                 if e.item is not None:
@@ -238,7 +240,7 @@ class DcpFormat:
                 else:
                     md.byte_entries.append(e.key)
                     md.storage[(e.key, None)] = DcpStorage(rel, e.base, e.length)
-        planner = dict(target.extra.get("planner_data") or {})
+        planner = dict(target.extra["dcp"].planner_data)
         for key in [*md.tensors, *md.byte_entries]:
             planner.setdefault(key, naming.path(key))
         md.planner_data = {k: planner[k] for k in [*md.tensors, *md.byte_entries]}

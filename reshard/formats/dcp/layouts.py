@@ -167,19 +167,19 @@ class _Entry:
 def _file_plan(target: Target) -> dict[str, list[_Entry]]:
     """Every entry of every rank file with its byte offset, computed without writing."""
     per_rank: dict[int, list[Item]] = {}
-    for it, c in target.extra["chunks"].items():
+    for it, c in target.extra["dcp"].chunks.items():
         if c.writer is it:
             per_rank.setdefault(c.rank, []).append(it)
     files: dict[str, list[_Entry]] = {}
     for rank in range(target.topology.world_size):
         base, entries = 0, []
         for it in per_rank.get(rank, []):
-            c = target.extra["chunks"][it]
+            c = target.extra["dcp"].chunks[it]
             length = TorchFileWriter.measure(TensorSpec(target.dtypes[it], c.chunk.sizes, key=0), archive_name="archive")
             entries.append(_Entry(c.key, base, length, item=it, chunk=c.chunk, global_size=c.size))
             base += length
         if rank == 0:
-            for v in target.extra["verbatim"]:
+            for v in target.extra["dcp"].verbatim:
                 entries.append(_Entry(v.key, base, len(v.data), tensor=v.tensor, data=v.data))
                 base += len(v.data)
         if entries:  # a rank with nothing to write (a dp replica, a rank past a short tensor) gets no file

@@ -8,6 +8,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from reshard.core.geometry import row_major_strides
 from reshard.core.layout import LogicalTensor
@@ -47,6 +48,29 @@ class _Verbatim:
     tensor: DcpTensor | None
     """None for a bytes entry."""
     data: bytes
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DcpRead:
+    """What a DCP source carries to a DCP target besides its tensors (``Source.extra["dcp"]``)."""
+
+    naming: _Naming
+    """How the checkpoint spells its keys (``model.``/``optim.`` or torchtitan's bare names)."""
+    verbatim: list[_Verbatim]
+    """0-d tensors (Adam's per-parameter ``step``) and bytes entries (``param_groups``), copied as stored."""
+    planner_data: dict[str, Any]
+    """``.metadata``'s planner data (each key's path in the state dict)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DcpWrite:
+    """What a DCP (or torch_dist) target writes besides its items (``Target.extra["dcp"]``)."""
+
+    chunks: dict[Any, Any]
+    """Each item's chunk: its box of the global tensor and the rank that writes it."""
+    verbatim: list[_Verbatim]
+    planner_data: dict[str, Any]
+    naming: _Naming
+
 
 def _rank_file(rank: int) -> str:
     return f"__{rank}_0.distcp"

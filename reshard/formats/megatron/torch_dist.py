@@ -60,7 +60,7 @@ from reshard.formats.base import (
 )
 from reshard.formats.dcp import FORMAT as DCP
 from reshard.formats.dcp.layouts import _Chunk
-from reshard.formats.dcp.reading import _chunk_cover, _chunk_ref, _entry_bytes, _Naming, _Verbatim
+from reshard.formats.dcp.reading import DcpWrite, _chunk_cover, _chunk_ref, _entry_bytes, _Naming, _Verbatim
 from reshard.formats.specs import layout_spec
 from reshard.io.bounds import brief
 from reshard.io.dcp_metadata import DcpChunk, read_metadata
@@ -233,8 +233,8 @@ class McoreDistFormat:
                              iteration=int(source.progress.iteration or 0))
         common = {"args": args, "checkpoint_version": 3.0, "iteration": int(source.progress.iteration or 0)}
         carried = source.extra.get("extra_states") if source.format == self.name else None
-        extra = {"chunks": chunks, "verbatim": carried or _extra_states(sizes["layers"]), "planner_data": {},
-                 "naming": _Naming("", "", frozenset()), "common": common}
+        extra = {"dcp": DcpWrite(chunks=chunks, verbatim=carried or _extra_states(sizes["layers"]), planner_data={},
+                                 naming=_Naming("", "", frozenset())), "common": common}
         return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology, sizes=dict(source.sizes),
                       layout=layout, dtypes=dict.fromkeys(items, "float32"), extra=extra)
 
