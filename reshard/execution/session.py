@@ -75,16 +75,6 @@ class WriteSession:
         """Create an output file (sized up front if ``size`` is given) whose checksum this session keeps."""
         return OutputFile(path, size, on_close=self._closed)
 
-    def write_bytes(self, path: str | Path, data: bytes) -> None:
-        """A small file (a tracker, a JSON config) written whole through ``open``."""
-        f = self.open(path, len(data) or None)
-        try:
-            f.pwrite(data, 0)
-        except BaseException:
-            f.abort()
-            raise
-        f.close()
-
     def digest(self, path: str | Path) -> str | None:
         """The checksum taken of ``path`` while this session wrote it; None if it did not."""
         with self._lock:

@@ -25,29 +25,13 @@ from reshard.core.spec import Spec
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.execution.session import Fill, WriteSession
-from reshard.io.fields import MAX_COUNT, MAX_SIZE, _show, expect_int, expect_shape, expect_step, name_of
+from reshard.io.fields import MAX_COUNT, MAX_SIZE, _show, check_sizes, expect_int, expect_shape, expect_step, name_of
 from reshard.io.smallfiles import Located, read_json, read_tag
 
 __all__ = ["MAX_COUNT", "MAX_SIZE", "Fill", "Format", "Located", "ModelMeta", "Progress", "Source", "Target",
            "check_sizes", "expect_int", "expect_shape", "expect_step", "given_sizes", "itemsize", "name_of",
            "read_json", "read_tag", "require_sizes"]
 
-
-
-COUNT_SIZES = ("layers", "experts")
-"""Model sizes that count things the spec enumerates one by one (so a huge one is a hang, not a shape)."""
-
-
-def check_sizes(sizes: Mapping[str, Any], where: str | Path, *,
-                counts: Mapping[str, int] | None = None) -> dict[str, int]:
-    """Model sizes read from a checkpoint (or given by a caller), before they resolve a spec: each an
-    integer in ``[1, MAX_SIZE]``, and each of ``COUNT_SIZES`` at most ``counts[name]`` (what the files
-    can hold; ``MAX_COUNT`` when not given). Returns them as plain ints."""
-    out = {}
-    for name, value in sizes.items():
-        hi = (counts or {}).get(name, MAX_COUNT) if name in COUNT_SIZES else MAX_SIZE
-        out[str(name)] = expect_int(value, f"model size '{name}'", where, lo=1, hi=hi)
-    return out
 
 
 def given_sizes(sizes: Mapping[str, Any] | None) -> dict[str, int]:

@@ -33,8 +33,9 @@ from pathlib import Path
 
 from reshard.core.spec import Spec, parse_spec
 from reshard.errors import CheckpointFormatError, SpecError
-from reshard.models import FAMILIES, Family, get_family
+from reshard.models import FAMILIES, Family, get_family, known_family
 from reshard.models.catalog import load_spec
+from reshard.models.config import hf_config
 
 __all__ = ["FORMAT_RULES", "layout_spec", "spec_names", "spec_text"]
 
@@ -51,7 +52,10 @@ def _split_dims(dims: str) -> list[str]:
                 out.append(cur)
             cur = ""
             continue
-        depth += ch in "([" and 1 or (-1 if ch in ")]" else 0)
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
         cur += ch
     return out + ([cur] if cur else [])
 
@@ -104,8 +108,8 @@ def deepspeed_pipe(family: Family, options: tuple[str, ...]) -> str:
     _one_of(options, (), family, "deepspeed-pipe")
     tensors = family.by_registration(tied=False)
     layered = [t for t in tensors if "{i}" in t.name]
-    first = [t for t in tensors[:tensors.index(layered[0])]]
-    last = [t for t in tensors[tensors.index(layered[-1]) + 1:]]
+    first = tensors[:tensors.index(layered[0])]
+    last = tensors[tensors.index(layered[-1]) + 1:]
     prefix = layered[0].name[:layered[0].name.index("{i}")]
     lines = [family.logical_text(tied=False), "section model per tp pp"]
     for k, t in enumerate(first):
@@ -268,7 +272,7 @@ def source_family(source) -> Family | None:
     family = family_of(source.spec_name)
     config = source.model.config
     if family is None and isinstance(config, dict):
-        family = next((get_family(n) for n in FAMILIES if config.get("model_type") in get_family(n).model_types), None)
+        family = known_family(config)
     return family
 
 
@@ -276,35 +280,25 @@ def target_config(target, dtypes) -> dict | None:
     """The Hugging Face ``config.json`` a checkpoint written for ``target`` keeps beside its files (as the
     transformers Trainer leaves one, so the checkpoint names its own model): the one carried from the
     source, else one built from the target's family and sizes; None when neither is known."""
-    from reshard.models.config import hf_config
-
-    carried = target.model.config
-    if isinstance(carried, dict):
-        return carried
     family = get_family(target.model.family) if target.model.family in FAMILIES else None
-    if family is None or not all(k in target.sizes for k in family.sizes):
-        return None
-    try:
-        return hf_config(family, target.sizes, dtypes, hints=target.model.hints)
-    except CheckpointFormatError:  # a mixture of experts whose routing nothing records
-        return None
+    return _config(target.model, family, target.sizes, dtypes, tied=None)
 
 
 def source_config(source, dtypes) -> dict | None:
     """The Hugging Face config of an opened checkpoint: carried with it, else built from its family and sizes
     (and hints, such as Megatron's args); None when neither is known. Formats that keep no model identity of
     their own (UCP, DCP) put it into their target so that it travels on."""
-    from reshard.models.config import hf_config
-
-    carried = source.model.config
-    if isinstance(carried, dict):
-        return carried
     family = source_family(source)
-    if family is None or not all(k in source.sizes for k in family.sizes):
+    tied = family.tied_in(source.layout.tensors) if family else None
+    return _config(source.model, family, source.sizes, dtypes, tied=tied)
+
+
+def _config(model, family: Family | None, sizes, dtypes, *, tied: bool | None) -> dict | None:
+    if isinstance(model.config, dict):
+        return model.config
+    if family is None or not all(k in sizes for k in family.sizes):
         return None
-    tied = family.tied_default if not family.can_tie else not any(t.untied_only and t.name in source.layout.tensors
-                                                                  for t in family.tensors)
     try:
-        return hf_config(family, source.sizes, dtypes, hints=source.model.hints, tied=tied)
+        return hf_config(family, sizes, dtypes, hints=model.hints, tied=tied)
     except CheckpointFormatError:  # a mixture of experts whose routing nothing records
         return None

@@ -4,6 +4,7 @@ dimension, a step) goes through ``expect_int`` before it drives slicing or a loo
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,8 @@ import numpy as np
 from reshard.errors import CheckpointFormatError
 from reshard.io.bounds import brief, show
 
-__all__ = ["MAX_COUNT", "MAX_SIZE", "expect_int", "expect_shape", "expect_step", "name_of"]
+__all__ = ["COUNT_SIZES", "MAX_COUNT", "MAX_SIZE", "check_sizes", "expect_int", "expect_shape", "expect_step",
+           "name_of"]
 
 # --- what a checkpoint may declare ------------------------------------------------------------------
 #
@@ -73,3 +75,19 @@ def expect_step(value: Any, field: str, where: str | Path) -> int:
     if isinstance(value, float | np.floating) and math.isfinite(value) and float(value).is_integer():
         value = int(value)
     return expect_int(value, field, where, hi=1 << 53)
+
+
+COUNT_SIZES = ("layers", "experts")
+"""Model sizes that count things the spec enumerates one by one (so a huge one is a hang, not a shape)."""
+
+
+def check_sizes(sizes: Mapping[str, Any], where: str | Path, *,
+                counts: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Model sizes read from a checkpoint (or given by a caller), before they resolve a spec: each an
+    integer in ``[1, MAX_SIZE]``, and each of ``COUNT_SIZES`` at most ``counts[name]`` (what the files
+    can hold; ``MAX_COUNT`` when not given). Returns them as plain ints."""
+    out = {}
+    for name, value in sizes.items():
+        hi = (counts or {}).get(name, MAX_COUNT) if name in COUNT_SIZES else MAX_SIZE
+        out[str(name)] = expect_int(value, f"model size '{name}'", where, lo=1, hi=hi)
+    return out

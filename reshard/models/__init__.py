@@ -18,7 +18,7 @@ from typing import Any
 from reshard.errors import CheckpointFormatError
 from reshard.models.family import Family
 
-__all__ = ["FAMILIES", "Family", "family_for_config", "family_for_megatron_args", "get_family"]
+__all__ = ["FAMILIES", "Family", "family_for_config", "family_for_megatron_args", "get_family", "known_family"]
 
 FAMILIES = {
     "llama": "reshard.models.llama",
@@ -36,13 +36,18 @@ def get_family(name: str) -> Family:
     return importlib.import_module(module).FAMILY
 
 
+def known_family(config: Mapping[str, Any]) -> Family | None:
+    """The family whose ``model_types`` include the config's ``model_type``, or None."""
+    model_type = config.get("model_type")
+    return next((get_family(n) for n in FAMILIES if model_type in get_family(n).model_types), None)
+
+
 def family_for_config(config: Mapping[str, Any], where: str = "config.json") -> Family:
     """The family whose ``model_types`` include the config's ``model_type``; never the nearest one."""
+    family = known_family(config)
+    if family is not None:
+        return family
     model_type = config.get("model_type")
-    for name in FAMILIES:
-        family = get_family(name)
-        if model_type in family.model_types:
-            return family
     known = ", ".join(t for n in FAMILIES for t in get_family(n).model_types)
     raise CheckpointFormatError(f"{where}: model_type {model_type!r} is not a model family reshard knows "
                                 f"(known: {known}); converting it as another family would change the model")

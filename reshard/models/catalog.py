@@ -27,7 +27,7 @@ def available_specs() -> list[str]:
 
 
 def load_spec(name_or_path: str | Path, _seen: tuple[Path, ...] = ()) -> Spec:
-    """Parse a spec by shipped name or by path, with its includes expanded in place.
+    """Parse a model family's logical tensors by its name, or a spec file by path, with its includes expanded.
 
     Raises:
       SpecError: the file is missing, includes itself, or does not parse.

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import json
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointFormatError
-from reshard.io.fields import MAX_COUNT
+from reshard.io.fields import check_sizes
 from reshard.io.smallfiles import read_json
+from reshard.models import known_family
 from reshard.models.family import Family
 
-__all__ = ["check_counts", "config_ints", "config_near", "hf_config", "require_sizes"]
+__all__ = ["config_ints", "config_near", "hf_config", "require_sizes"]
 
 
 def config_ints(config: Mapping[str, Any], keys: Mapping[str, str], optional: tuple[str, ...],
@@ -40,29 +43,15 @@ def config_near(*dirs: Path, tensors: int | None = None) -> tuple[dict[str, int]
     """Sizes and config from the first ``config.json`` in ``dirs`` whose ``model_type`` is a known family (for
     formats that store none of their own: DCP, DeepSpeed, UCP); ``tensors`` bounds the layer and expert counts
     (each stores one tensor at least)."""
-    from reshard.models import FAMILIES, get_family  # the registry imports this module's users
-
     for d in dirs:
         candidate = Path(d) / "config.json"
         if candidate.is_file():
             config = read_json(candidate)
-            if not isinstance(config, dict):
-                continue
-            family = next((get_family(n) for n in FAMILIES if config.get("model_type") in get_family(n).model_types),
-                          None)
+            family = known_family(config) if isinstance(config, dict) else None
             if family is not None:
-                sizes = family.sizes_from_config(config, candidate)
-                return check_counts(sizes, candidate, MAX_COUNT if tensors is None else tensors), config
+                counts = None if tensors is None else dict.fromkeys(("layers", "experts"), tensors)
+                return check_sizes(family.sizes_from_config(config, candidate), candidate, counts=counts), config
     return {}, None
-
-
-def check_counts(sizes: Mapping[str, int], where: Path | str, most: int) -> dict[str, int]:
-    """The sizes, with ``layers`` and ``experts`` at most ``most``: a config may not declare more layers or
-    experts than the checkpoint has tensors (a huge count would be a hang, not a shape)."""
-    for name in ("layers", "experts"):
-        if name in sizes and sizes[name] > most:
-            raise CheckpointFormatError(f"{where}: model size '{name}' is {sizes[name]}, outside [1, {most}]")
-    return dict(sizes)
 
 
 def hf_config(family: Family, sizes: Mapping[str, int], dtypes: Any = (), *, carried: Any = None,
@@ -70,9 +59,6 @@ def hf_config(family: Family, sizes: Mapping[str, int], dtypes: Any = (), *, car
     """The ``config.json`` of a Hugging Face checkpoint of ``family``: the source's own when it carries one of
     this family (the dtype set to the most common of ``dtypes``), else one built from the sizes and the
     source's ``hints`` (Megatron's args: epsilon, rope base, positions, routing); the tying as written."""
-    import copy
-    from collections import Counter
-
     if isinstance(carried, Mapping) and carried.get("model_type") in family.model_types:
         config = copy.deepcopy(dict(carried))
         common = Counter(dtypes).most_common(1)

@@ -11,7 +11,7 @@ family spells out in the spec language (``megatron``). No format keeps a copy of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,8 +96,11 @@ class Family:
         """The tensors a checkpoint of this family stores, with the output projection tied or not."""
         return tuple(t for t in self.tensors if not (tied and t.untied_only))
 
-    def tensor(self, alias: str) -> Tensor:
-        return next(t for t in self.tensors if t.alias == alias)
+    def tied_in(self, names: Collection[str]) -> bool:
+        """Whether a checkpoint holding tensors ``names`` ties the output projection to the embedding."""
+        if not self.can_tie:
+            return self.tied_default
+        return not any(t.untied_only and t.name in names for t in self.tensors)
 
     @property
     def base_text(self) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointFormatError
+from reshard.models import llama
 from reshard.models.config import config_ints
 from reshard.models.family import COLWISE, ROWWISE, Family, Tensor
 
@@ -113,8 +114,6 @@ def config_from_sizes(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, A
 
 def megatron_args(sizes: Mapping[str, int], tied: bool) -> dict[str, Any]:
     """The Megatron args of a GPT-2 of ``sizes``: learned absolute positions, LayerNorm, biases, GELU."""
-    from reshard.models import llama
-
     return {**llama.megatron_args(dict(sizes) | {"g": sizes["heads"]}, tied),
             "max_position_embeddings": int(sizes["positions"]), "position_embedding_type": "learned_absolute",
             "add_position_embedding": True, "use_rotary_position_embeddings": False,

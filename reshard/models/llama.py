@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from reshard.errors import CheckpointFormatError
 from reshard.models.config import config_ints, require_sizes
 from reshard.models.family import COLWISE, ROWWISE, Family, Tensor
 
@@ -185,8 +186,6 @@ def config_hints(args: Mapping[str, Any]) -> dict[str, Any]:
 
 def args_from_config(config: Any) -> dict[str, Any]:
     """Megatron args for a Llama ``config.json`` (the source's, carried): the inverse of ``config_hints``."""
-    from reshard.errors import CheckpointFormatError
-
     if not isinstance(config, Mapping):
         return {}
     rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from reshard.errors import CheckpointFormatError
 from reshard.models import llama
 from reshard.models.config import config_ints
 from reshard.models.family import COLWISE, ROWWISE, Family, Tensor
@@ -97,8 +98,6 @@ def config_hints(args: Mapping[str, Any]) -> dict[str, Any]:
 def megatron_moe_args(sizes: Mapping[str, int], config: Mapping[str, Any], hints: Mapping[str, Any],
                       where: Path | str) -> dict[str, Any]:
     """Megatron's MoE args: experts, their ffn size, and top-k routing from the config (or Megatron's hints)."""
-    from reshard.errors import CheckpointFormatError
-
     topk = config.get("num_experts_per_tok", hints.get("num_experts_per_tok"))
     if not isinstance(topk, int):
         raise CheckpointFormatError(f"{where}: a mixture-of-experts model without num_experts_per_tok in its "

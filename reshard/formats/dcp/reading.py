@@ -29,7 +29,6 @@ SECTION = "dcp"
 
 CONFIG_NAME = "config.json"
 
-WINDOW_BYTES = 8 << 20
 
 _DATA_FILE = re.compile(r"__([0-9]{1,9})_([0-9]{1,9})\.distcp")
 

@@ -25,8 +25,6 @@ from reshard.formats.deepspeed.state import Scalar, _Sources
 from reshard.io.bounds import brief
 from reshard.io.torchfile import TorchFileWriter, read_torch_file
 
-WINDOW_BYTES = 8 << 20
-"""Largest ``fill`` window, in bytes."""
 
 _MODEL_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 _OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")

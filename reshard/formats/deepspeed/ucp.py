@@ -89,7 +89,6 @@ MODEL_FILE3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 _KNOWN_KEYS = {"param", "cat_dim"}
 _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 """What ``ds_to_universal`` leaves out of ``optimizer_state.pt``: the per-rank partitions."""
-WINDOW_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,8 +25,6 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 """huggingface_hub's default; transformers 5's ``save_pretrained`` defaults to 50GB."""
 
-WINDOW_BYTES = 8 << 20
-"""Most bytes asked of ``fill`` at once."""
 
 _MAX_LISTED = 20  # problems listed in one error before "... and N more"
 

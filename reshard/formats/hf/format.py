@@ -36,7 +36,7 @@ from reshard.formats.hf.files import (
 )
 from reshard.formats.specs import layout_spec, source_family
 from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter
-from reshard.models import Family, family_for_config, get_family
+from reshard.models import Family, family_for_config, known_family
 from reshard.models.config import hf_config
 
 
@@ -65,7 +65,7 @@ class HFFormat:
         config = read_json(config_path)
         if not isinstance(config, dict):
             raise CheckpointFormatError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
-        family = family_for_config(config, str(config_path)) if spec is None else _known_family(config)
+        family = family_for_config(config, str(config_path)) if spec is None else known_family(config)
         spec_name = spec or hf_spec_name(family, config, config_path)
         stored = _stored_tensors(path)
         model_sizes = family.sizes_from_config(config, config_path) if family else {}
@@ -127,8 +127,7 @@ class HFFormat:
                 f"{source.path}: which model this is is recorded nowhere (no config.json beside it, no model family "
                 "in its layout), and a Hugging Face checkpoint needs its config; put the model's config.json beside "
                 "the source")
-        tied = family is not None and family.can_tie and not any(t.untied_only and t.name in source.layout.tensors
-                                                                 for t in family.tensors)
+        tied = family is not None and family.can_tie and family.tied_in(source.layout.tensors)
         spec_name = spec or (source.spec_name if from_hf else hf_spec_name(family, {"tie_word_embeddings": tied},
                                                                             source.path))
         spec_obj = layout_spec(spec_name)
@@ -212,10 +211,3 @@ def hf_spec_name(family: Family | None, config: Mapping[str, Any], where: Path) 
         raise CheckpointFormatError(f"{where}: tied {family.name} checkpoints are not supported yet "
                                     "(tie_word_embeddings is true)")
     return f"hf-{family.name}" + ("-tied" if tied and family.can_tie else "")
-
-
-def _known_family(config: Mapping[str, Any]) -> Family | None:
-    """The config's family when reshard knows it (a spec given by the user may describe another model)."""
-    from reshard.models import FAMILIES
-
-    return next((get_family(n) for n in FAMILIES if config.get("model_type") in get_family(n).model_types), None)

@@ -278,8 +278,7 @@ class MegatronFormat:
         if meg:
             tied = not src_args.get("untie_embeddings_and_output_weights", False)
         else:  # tied when the family's output projection is not stored on its own
-            tied = family is None or (family.tied_default if not family.can_tie else not any(
-                t.untied_only and t.name in source.layout.tensors for t in family.tensors))
+            tied = family is None or family.tied_in(source.layout.tensors)
         if family is not None:
             require_sizes(source, family.sizes, "megatron")
         moe = family is not None and family.experts
@@ -354,8 +353,8 @@ class MegatronFormat:
               only: Collection[Path] | None = None) -> list[Path]:
         """Write every rank's ``model_optim_rng.pt`` (and ``distrib_optim.pt``) and the tracker file.
 
-        Item bytes come from ``fill`` in windows of at most ``window_bytes`` (default
-        ``WINDOW_BYTES``); the files are streamed, never built in memory. With ``only``, just
+        Item bytes come from ``fill`` through ``session`` (its windows, checksums and progress); the files
+        are streamed, never built in memory. With ``only``, just
         those rank files and not the tracker. Returns the files written, relative to ``out``.
         """
         return _Writer(target, Path(out), fill, session or WriteSession(), only).run()

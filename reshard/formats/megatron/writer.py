@@ -26,8 +26,6 @@ from reshard.formats.megatron.specs import _FLAT_NAMES, _is_expert
 from reshard.io.torch_types import SmallTensor
 from reshard.io.torchfile import TensorSpec, TorchDtype, TorchFileWriter
 
-WINDOW_BYTES = 8 << 20
-"""Largest window asked of ``fill`` at once, in bytes."""
 
 
 class _Writer:
