@@ -28,7 +28,7 @@ err = Console(stderr=True, soft_wrap=True)
 
 TopologyOpt = Annotated[str | None, typer.Option("--to", help="destination topology, e.g. tp=2,pp=2,dp=4,zero=1 (also ep=, cp=, vpp=, stages=)")]
 FormatOpt = Annotated[str | None, typer.Option("--format", help="destination format: megatron, deepspeed, hf, dcp, mcore-dist, ucp (default: the source's)")]
-SpecOpt = Annotated[str | None, typer.Option("--spec", help="destination layout spec: a shipped name or a path")]
+SpecOpt = Annotated[str | None, typer.Option("--spec", help="destination layout: a generated name (megatron-llama-tied, hf-gpt2, ...) or a spec file by path")]
 SizesOpt = Annotated[str | None, typer.Option("--sizes", help="model sizes the checkpoint does not tell (no config.json), e.g. heads=32,g=8")]
 ShardOpt = Annotated[str | None, typer.Option("--max-shard-size", help="hf: largest safetensors shard, e.g. 5GB (default), 500MB")]
 VocabPadOpt = Annotated[str | None, typer.Option("--vocab-pad", help="megatron: rows padding the vocab for the target tp: zero or last (copies of the last row); default: the spec's (zeros)")]
