@@ -25,7 +25,17 @@ from reshard.core.geometry import Box, restrict, row_major_strides
 from reshard.core.topology import Topology
 from reshard.errors import PlanError
 
-__all__ = ["Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "chunk_fragments", "common_views", "dims_of", "with_state_alias"]
+__all__ = ["MASTER", "PARAM", "Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "chunk_fragments", "common_views", "dims_of", "with_state_alias"]
+
+PARAM = "param"
+"""The state of an item holding the model's own tensor, as the model holds it (its dtype)."""
+MASTER = "master"
+"""The state of an item holding the optimizer's full-precision (fp32) copy of a parameter.
+
+Every other state name is an optimizer's own (``exp_avg``, ``exp_avg_sq``, ...):
+an open set, read from the checkpoint, so states are strings and only these two
+are named here.
+"""
 
 
 @dataclass(frozen=True, slots=True, order=True, eq=True)
