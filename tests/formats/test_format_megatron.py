@@ -22,7 +22,7 @@ from reshard.formats.specs import layout_spec
 from reshard.errors import CheckpointFormatError
 from reshard.execution.executor import ByteReader, PlanFill
 from reshard.formats.base import Source, itemsize
-from reshard.formats.megatron import FORMAT, SmallTensor, megatron_args, write_fixture_extra
+from reshard.formats.megatron import FORMAT, OptimizerKind, SmallTensor, megatron_args, write_fixture_extra
 from reshard.core.resolve import resolve
 from reshard.core.planner import plan
 from reshard.core.topology import Topology, parse_topology
@@ -307,9 +307,9 @@ def test_bucketed_distributed_optimizer_buckets_only_the_first_stage(tmp_path):
     # after it is bucket-end padding, which coalescing drops.
     torch = _torch()
     topo = parse_topology("tp=2,pp=2,dp=2,zero=1")
-    extra = write_fixture_extra(SIZES, topo)
-    extra["args"].update(overlap_grad_reduce=True, ddp_bucket_size=590)
-    source = replace(fixture_source(), format="megatron", topology=topo, extra=extra)
+    state = write_fixture_extra(SIZES, topo)
+    state.args.update(overlap_grad_reduce=True, ddp_bucket_size=590)
+    source = replace(fixture_source(), format="megatron", topology=topo, extra={"megatron": state})
     target = FORMAT.target(source, topo)
     values = bf16_values()
     target.dtypes = {it: "bfloat16" if it.state == "param" else "float32" for it in target.layout.items}
@@ -345,16 +345,16 @@ def test_args_describe_the_target_pipeline(tmp_path):
 
 def test_fixture_extra_is_a_fresh_run_of_megatron(tmp_path):
     torch = _torch()
-    extra = write_fixture_extra(SIZES, Topology(tp=2, pp=2), iteration=7)
-    assert extra["args"]["padded_vocab_size"] == 112 and extra["iteration"] == 7
-    rng = extra["rng_state"][(1, 1, 0)][0]
+    state = write_fixture_extra(SIZES, Topology(tp=2, pp=2), iteration=7)
+    assert state.args["padded_vocab_size"] == 112 and state.iteration == 7
+    rng = state.rng_state[(1, 1, 0)][0]
     seed = 1234 + 100  # _set_random_seed: seed + 100 * pp_rank
     assert rng["random_rng_state"] == random.Random(seed).getstate()
     np.testing.assert_array_equal(rng["np_rng_state"][1], np.random.RandomState(seed).get_state()[1])
     assert rng["torch_rng_state"].data == torch.Generator().manual_seed(seed).get_state().numpy().tobytes()
     tracker = rng["rng_tracker_states"]["model-parallel-rng"]
     assert np.frombuffer(tracker.data, np.uint64)[0] == seed + 2718 + 1  # model_parallel_cuda_manual_seed
-    assert [g["wd_mult"] for g in extra["optimizer"]["param_groups"]] == [1.0, 0.0]
+    assert [g["wd_mult"] for g in state.optimizer.param_groups] == [1.0, 0.0]
 
 
 # --- checkpoints written by torch.save, read by open -----------------------------------------
@@ -450,16 +450,16 @@ def test_open_reads_a_torch_saved_checkpoint_and_maps_adam_state_by_index(tmp_pa
                                 ("exp_avg_sq", rank["state"][key]["exp_avg_sq"])):
                 got = items[by_key[(key, state, t)]].view(np.float32)
                 np.testing.assert_array_equal(got, want.numpy().ravel(), err_msg=f"{key} {state}")
-    extra = source.extra
-    assert extra["iteration"] == 20 and extra["other"] == {"num_floating_point_operations_so_far": 123}
+    state = source.extra["megatron"]
+    assert state.iteration == 20 and state.other == {"num_floating_point_operations_so_far": 123}
     empty = SmallTensor("uint8", (0,), b"")
-    assert extra["extra_state"]["decoder.layers.3.mlp.linear_fc2._extra_state"] == {0: empty, 1: empty}
-    assert extra["extra_state"]["output_layer._extra_state"] == {0: None, 1: None}
+    assert state.extra_state["decoder.layers.3.mlp.linear_fc2._extra_state"] == {0: empty, 1: empty}
+    assert state.extra_state["output_layer._extra_state"] == {0: None, 1: None}
     step = 1.0
     if distopt:
-        assert all(g["step"] == step for g in extra["optimizer"]["param_groups"])
+        assert all(g["step"] == step for g in state.optimizer.param_groups)
     else:
-        assert extra["optimizer"]["step"].value() == step and extra["optimizer"]["kind"] == "fp16"
+        assert state.optimizer.step.value() == step and state.optimizer.kind is OptimizerKind.FP16
 
 
 def _per_param(source: Source, items: dict) -> dict:
@@ -599,7 +599,7 @@ def test_release_checkpoint_is_read_and_written_as_release(tmp_path):
     (tmp_path / "a" / "iter_0000000").rename(tmp_path / "a" / "release")
     (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("release")
     source = convert(tmp_path / "a", tmp_path / "b", "tp=1")
-    assert source.extra["release"] and source.extra["iteration"] is None
+    assert source.extra["megatron"].release and source.extra["megatron"].iteration is None
     assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text() == "release"
     assert (tmp_path / "b" / "release" / "mp_rank_00" / "model_optim_rng.pt").is_file()
 
@@ -667,7 +667,7 @@ def test_vocab_padding_rows_are_zeros_or_copies_of_the_last_row(tmp_path, worker
     for pad in ("zero", "last"):
         out = tmp_path / pad
         reshard.convert(tmp_path / "hf", out, format="megatron", to="tp=2", vocab_pad=pad, workers=workers)
-        args = reshard.open_checkpoint(out).extra["args"]
+        args = reshard.open_checkpoint(out).extra["megatron"].args
         padded = (args if isinstance(args, dict) else vars(args))["padded_vocab_size"]
         assert padded > vocab
         ref = read_torch_file(out / "iter_0000000" / "mp_rank_01" / "model_optim_rng.pt")["model"][

@@ -32,7 +32,7 @@ def test_hf_to_megatron_and_a_virtual_pipeline_and_back_gives_identical_logits(t
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
 
     reshard.convert(tmp_path / "hf", tmp_path / "m1", format="megatron", to="tp=2,pp=2")
-    args = reshard.open_checkpoint(tmp_path / "m1").extra["args"]
+    args = reshard.open_checkpoint(tmp_path / "m1").extra["megatron"].args
     args = args if isinstance(args, dict) else vars(args)
     assert (args["norm_epsilon"], args["rotary_base"], args["max_position_embeddings"]) == (1e-6, 500000.0, 4096)
     assert args["untie_embeddings_and_output_weights"] is (not tied) and args["padded_vocab_size"] == 1024

@@ -57,7 +57,9 @@ optimizer they are the items of section ``optim``, keys ``distrib_optim.<state>`
 tensor no rule maps is an error naming the file and the key (fail closed), and so is an
 item no file holds.
 
-Non-tensor state goes to ``Source.extra`` (see ``MegatronFormat.open``). Small non-model
+Non-tensor state goes to ``Source.extra["megatron"]``, a ``MegatronState`` (see
+``MegatronFormat.open``; a torch_dist source's is a ``TorchDistState`` under
+``extra["torch_dist"]``, and ``carried_args`` reads either's ``args``). Small non-model
 tensors inside it (rng states, per-parameter ``step``, a loss scale, TE ``_extra_state``)
 are read into ``SmallTensor``s, at most ``SMALL_TENSOR_LIMIT`` bytes each; model and
 optimizer tensors are never read by ``open``.
@@ -100,6 +102,8 @@ The package (imports go downward only, ``format`` at the top):
 - ``format``: ``MegatronFormat`` (``detect``, ``open``, ``target``, ``write``, ``files_of``) and ``FORMAT``;
 - ``reader``: ``_Reader``, rank files' tensors to layout items, and the non-tensor state ``open`` reports;
 - ``writer``: ``_Writer``, the rank files and the tracker streamed to disk;
+- ``state``: the typed non-tensor state (``MegatronState``, ``MegatronOptimizer``, ``OptimizerKind``,
+  ``TorchDistState``) kept in ``Source.extra``/``Target.extra``, and ``carried_args``;
 - ``extra``: the non-tensor state of a target (``Target.extra``) and ``write_fixture_extra``;
 - ``args``: Megatron's ``args`` read (topology, pipeline, sizes) and made for a target (``megatron_args``);
 - ``specs``: spec choice (``SPECS``, ``moe_spec``), ``_resolve``, Megatron's parameter registration order;
@@ -116,6 +120,14 @@ from reshard.formats.megatron.args import megatron_args
 from reshard.formats.megatron.extra import write_fixture_extra
 from reshard.formats.megatron.format import FORMAT, MegatronFormat
 from reshard.formats.megatron.rng import torch_cpu_rng_state
+from reshard.formats.megatron.state import (
+    MegatronOptimizer,
+    MegatronState,
+    OptimizerKind,
+    TorchDistState,
+    carried_args,
+)
 from reshard.io.torch_types import SmallTensor
 
-__all__ = ["FORMAT", "MegatronFormat", "SmallTensor", "megatron_args", "torch_cpu_rng_state", "write_fixture_extra"]
+__all__ = ["FORMAT", "MegatronFormat", "MegatronOptimizer", "MegatronState", "OptimizerKind", "SmallTensor",
+           "TorchDistState", "carried_args", "megatron_args", "torch_cpu_rng_state", "write_fixture_extra"]

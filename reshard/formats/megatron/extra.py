@@ -1,4 +1,4 @@
-"""The non-tensor state a Megatron target writes (``Target.extra``).
+"""The non-tensor state a Megatron target writes (``Target.extra["megatron"]``, a ``MegatronState``).
 
 Carried from a Megatron source, or synthesized for a fresh run (``write_fixture_extra``):
 args, the optimizer's kind, param groups and step, each rank's rng state, each rank's
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from reshard.core.layout import Item, Layout
+from reshard.core.layout import MASTER, PARAM, Item, Layout
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import Source
@@ -28,85 +28,90 @@ from reshard.formats.megatron.specs import (
     _order_name,
     _renumber_expert,
 )
+from reshard.formats.megatron.state import KEY, MegatronOptimizer, MegatronState, OptimizerKind
 from reshard.io.torch_types import SmallTensor
 
 
 def write_fixture_extra(sizes: Mapping[str, int], topology: Topology, *, iteration: int = 0, tied: bool = False,
-                        seed: int = DEFAULT_SEED, optimizer: bool = True, family: str = "llama") -> dict[str, Any]:
+                        seed: int = DEFAULT_SEED, optimizer: bool = True, family: str = "llama") -> MegatronState:
     """The non-tensor state of a freshly made Megatron checkpoint, as ``MegatronFormat.open`` reports it.
 
     Lets a fixture writer (or ``target`` for a source of another format) produce a
-    realistic checkpoint from scratch: put the result in ``Source.extra`` of a
+    realistic checkpoint from scratch: put the result in ``Source.extra["megatron"]`` of a
     ``Source(format="megatron", ...)`` at ``topology`` and call ``target``/``write``.
     It holds ``args`` (``megatron_args``), ``iteration``, ``checkpoint_version`` 3.0,
     ``opt_param_scheduler`` (cosine decay, as ``OptimizerParamScheduler.state_dict``),
     the optimizer's two standard param groups (weight decay and none; torch AdamW keys
     plus Megatron's ``wd_mult``/``lr_mult``/...), a per-parameter ``step`` of
     ``iteration``, and per (tp, pp, ep) rank the rng state a run seeded ``seed`` starts with.
+    The optimizer's ``kind`` is left None: ``target`` chooses it from the layout's states.
 
     Example:
-        >>> extra = write_fixture_extra({"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100,
+        >>> state = write_fixture_extra({"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100,
         ...                              "layers": 4, "vocab_div": 8}, Topology(tp=2, pp=2), iteration=10)
-        >>> extra["args"]["padded_vocab_size"], len(extra["rng_state"])
+        >>> state.args["padded_vocab_size"], len(state.rng_state)
         (112, 4)
     """
     args = megatron_args(sizes, topology, tied=tied, iteration=iteration, family=family)
     args["seed"] = seed
     groups = _default_param_groups(args) if optimizer else []
-    return {
-        "args": args, "iteration": iteration, "release": False, "checkpoint_version": CHECKPOINT_VERSION,
-        "top_keys": [], "other": {"num_floating_point_operations_so_far": 0},
-        "opt_param_scheduler": {
+    return MegatronState(
+        args=args, iteration=iteration, release=False, checkpoint_version=CHECKPOINT_VERSION,
+        top_keys=[], other={"num_floating_point_operations_so_far": 0},
+        opt_param_scheduler={
             "max_lr": args["lr"], "lr_warmup_steps": 0, "num_steps": iteration * args["global_batch_size"],
             "lr_decay_style": args["lr_decay_style"], "lr_decay_steps": args["train_iters"] * args["global_batch_size"],
             "min_lr": args["min_lr"], "start_wd": args["weight_decay"], "end_wd": args["weight_decay"],
             "wd_incr_style": "constant", "wd_incr_steps": args["train_iters"] * args["global_batch_size"],
         },
-        "optimizer": {"kind": None, "param_groups": groups, "grad_scaler": None, "has_grad_scaler": False,
-                      "step": SmallTensor.scalar(float(iteration)) if optimizer else None,
-                      "state_keys": [], "buffer_dtypes": None},
-        "rng_state": {(t, p, e): _fresh_rng(args, t, p, None, e) for t in range(topology.tp)
-                      for p in range(topology.pp) for e in range(topology.ep)},
-        "extra_state": {},
-    }
+        optimizer=MegatronOptimizer(kind=None, param_groups=groups, grad_scaler=None, has_grad_scaler=False,
+                                    step=SmallTensor.scalar(float(iteration)) if optimizer else None,
+                                    state_keys=[], buffer_dtypes=None),
+        rng_state={(t, p, e): _fresh_rng(args, t, p, None, e) for t in range(topology.tp)
+                   for p in range(topology.pp) for e in range(topology.ep)},
+        extra_state={},
+    )
 
 
-def _target_extra(source: Source, topology: Topology, layout: Layout, args: dict[str, Any],
-                  meg: bool, family: str = "llama") -> dict[str, Any]:
-    src = dict(source.extra) if meg else write_fixture_extra(
+def _target_state(source: Source, topology: Topology, layout: Layout, args: dict[str, Any],
+                  meg: bool, family: str = "llama") -> MegatronState:
+    """The ``MegatronState`` a target writes: carried from a Megatron source (``meg``), else a fresh run's."""
+    src: MegatronState = source.extra[KEY] if meg else write_fixture_extra(
         source.sizes | {"vocab_div": args["make_vocab_size_divisible_by"]}, source.topology,
         tied=not args["untie_embeddings_and_output_weights"], family=family)
     src_topo = source.topology
-    opt = dict(src.get("optimizer") or {})
+    opt = src.optimizer
     flat = "optim" in {it.section for it in layout.items}
-    found = {it.state for it in layout.items if it.section == ("optim" if flat else "model")} - {"param"}
-    opt_states = (["master"] if "master" in found else []) + sorted(found - {"master"})
+    found = {it.state for it in layout.items if it.section == ("optim" if flat else "model")} - {PARAM}
+    opt_states = ([MASTER] if MASTER in found else []) + sorted(found - {MASTER})
     kind = None
     if opt_states:
-        kind = "distributed" if flat else "fp16" if "master" in opt_states else "fp32"
-    groups = [dict(g) for g in (opt.get("param_groups") or [])] or (_default_param_groups(args) if kind else [])
+        kind = OptimizerKind.DISTRIBUTED if flat else OptimizerKind.FP16 if MASTER in opt_states else \
+            OptimizerKind.FP32
+    groups = [dict(g) for g in opt.param_groups] or (_default_param_groups(args) if kind else [])
     # Megatron splits expert params into an optimizer of their own only at ep > 1 (they are allreduce
     # params otherwise): optimizer.state_dict() is then [dense, expert] (ChainedOptimizer), and so is
     # distrib_optim.pt.
     expert_keys = [(it.key, info.shape) for it, info in layout.items.items()
-                   if it.section == "model" and it.state == "param" and _is_expert(it.key)]
+                   if it.section == "model" and it.state == PARAM and _is_expert(it.key)]
     chained = kind is not None and topology.ep > 1 and bool(expert_keys)
     expert_groups = None
     if chained:
-        expert_groups = [dict(g) for g in (opt.get("expert_param_groups") or [])]
+        expert_groups = [dict(g) for g in (opt.expert_param_groups or [])]
         if not expert_groups:  # the dense groups as the expert optimizer has them: only those with members
             classes = {_no_wd(k, shape) for k, shape in expert_keys}
             expert_groups = [{**g, "is_expert_parallel": True} for k, g in enumerate(groups)
                              if _group_is_no_wd(g, f"{source.path}: optimizer", k) in classes]
-    elif opt.get("expert_param_groups"):  # back to one optimizer: every param in the dense groups
+    elif opt.expert_param_groups:  # back to one optimizer: every param in the dense groups
         groups = [{**g, "is_expert_parallel": False} for g in groups]
     every_group = groups + (expert_groups or [])
-    step, state_keys = opt.get("step"), list(opt.get("state_keys") or [])
+    step, state_keys = opt.step, list(opt.state_keys)
     group_step = next((g["step"] for g in every_group if "step" in g), None)
-    if kind == "distributed":
+    per_param = kind in (OptimizerKind.FP16, OptimizerKind.FP32)
+    if kind is OptimizerKind.DISTRIBUTED:
         # DistributedOptimizer.state_dict puts the step into every group (a float from torch Adam's tensors).
         value = group_step if group_step is not None else \
-            step.value() if step is not None else float(src.get("iteration") or 0)
+            step.value() if step is not None else float(src.iteration or 0)
         for g in every_group:
             g["step"] = value
     elif kind is not None and step is None and isinstance(group_step, float):
@@ -114,39 +119,37 @@ def _target_extra(source: Source, topology: Topology, layout: Layout, args: dict
         step = SmallTensor.scalar(group_step)
         for g in every_group:
             g.pop("step", None)
-    opt_names = [s for s in opt_states if s != "master"]
-    if kind in ("fp16", "fp32"):
+    opt_names = [s for s in opt_states if s != MASTER]
+    if per_param:
         keys = [k for k in state_keys if k in opt_names or (k == "step" and step is not None)]
         state_keys = (["step"] if step is not None and "step" not in keys else []) + keys
         state_keys += [s for s in opt_names if s not in state_keys]
     same_ranks = (src_topo.tp, src_topo.pp, src_topo.ep) == (topology.tp, topology.pp, topology.ep) and (
         not args.get("data_parallel_random_init") or src_topo.dp == topology.dp)
     rng: dict[tuple[int, int, int], Any] = {}
-    src_rng = src.get("rng_state") or {}
+    src_rng = src.rng_state
     if src_rng or not meg:
         for t in range(topology.tp):
             for p in range(topology.pp):
                 for e in range(topology.ep):
                     rng[(t, p, e)] = src_rng[(t, p, e)] if same_ranks and (t, p, e) in src_rng else \
                         _fresh_rng(args, t, p, next(iter(src_rng.values()), None), e)
-    return {
-        "args": args,
-        "iteration": src.get("iteration") or 0,
-        "release": bool(src.get("release")),
-        "checkpoint_version": src.get("checkpoint_version", CHECKPOINT_VERSION),
-        "top_keys": list(src.get("top_keys") or []),
-        "other": dict(src.get("other") or {}),
-        "opt_param_scheduler": src.get("opt_param_scheduler"),
-        "optimizer": {"kind": kind, "param_groups": groups, "expert_param_groups": expert_groups,
-                      "grad_scaler": opt.get("grad_scaler"),
-                      "has_grad_scaler": bool(opt.get("has_grad_scaler")),
-                      "step": step if kind in ("fp16", "fp32") else None,
-                      "state_keys": state_keys, "opt_states": opt_states,
-                      "grad_dtype": (opt.get("buffer_dtypes") or (None, None))[1]},
-        "rng_state": rng,
-        "model_order": _model_order(layout, topology, src.get("extra_state") or {}, src_topo.tp,
-                                    int(args["num_layers"]), int(source.sizes.get("experts", 0))),
-    }
+    return MegatronState(
+        args=args,
+        iteration=src.iteration or 0,
+        release=bool(src.release),
+        checkpoint_version=src.checkpoint_version,
+        top_keys=list(src.top_keys),
+        other=dict(src.other),
+        opt_param_scheduler=src.opt_param_scheduler,
+        optimizer=MegatronOptimizer(kind=kind, param_groups=groups, expert_param_groups=expert_groups,
+                                    grad_scaler=opt.grad_scaler, has_grad_scaler=bool(opt.has_grad_scaler),
+                                    step=step if per_param else None, state_keys=state_keys,
+                                    buffer_dtypes=opt.buffer_dtypes, opt_states=opt_states),
+        rng_state=rng,
+        model_order=_model_order(layout, topology, src.extra_state, src_topo.tp,
+                                 int(args["num_layers"]), int(source.sizes.get("experts", 0))),
+    )
 
 
 def _model_order(layout: Layout, topology: Topology, extra_state: Mapping[str, Mapping[int, Any]], src_tp: int,
@@ -158,7 +161,7 @@ def _model_order(layout: Layout, topology: Topology, extra_state: Mapping[str, M
     """
     out: dict[tuple[int, int, int, int], list[tuple[str, Any]]] = {}
     for it in layout.items:
-        if it.section == "model" and it.state == "param":
+        if it.section == "model" and it.state == PARAM:
             u = dict(it.unit)
             out.setdefault((u["tp"], u["pp"], u.get("ep", 0), it.chunk), []).append((it.key, it))
     local_experts = experts // topology.ep if experts else 0
@@ -218,4 +221,4 @@ def _default_dtypes(source: Source, layout: Layout) -> dict[Item, str]:
     by_state: dict[str, str] = {}
     for it, loc in source.where.items():
         by_state.setdefault(it.state, loc.dtype)
-    return {it: by_state.get(it.state, "bfloat16" if it.state == "param" else "float32") for it in layout.items}
+    return {it: by_state.get(it.state, "bfloat16" if it.state == PARAM else "float32") for it in layout.items}

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reshard.core.layout import MASTER
 from reshard.errors import CheckpointFormatError, ReshardError
 from reshard.formats.base import read_tag
 from reshard.io.bounds import brief
@@ -26,8 +27,19 @@ MODEL_FILE = "model_optim_rng.pt"
 DISTOPT_FILE = "distrib_optim.pt"
 CHECKPOINT_VERSION = 3.0
 
-# Megatron's file key for the fp32 main params in distrib_optim.pt, and our state name for them.
-_MAIN = ("param", "master")
+DISTOPT_MAIN = "param"
+"""``distrib_optim.pt``'s key for the fp32 main params in each buffer: reshard's state ``MASTER`` (not ``PARAM``,
+the model's own weights, which live in ``model_optim_rng.pt``)."""
+
+
+def _buffer_key(state: str) -> str:
+    """The ``distrib_optim.pt`` buffer key of an optimizer item state."""
+    return DISTOPT_MAIN if state == MASTER else state
+
+
+def _buffer_state(key: str) -> str:
+    """The optimizer item state of a ``distrib_optim.pt`` buffer key."""
+    return MASTER if key == DISTOPT_MAIN else key
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from reshard.core.layout import Item
+from reshard.core.layout import MASTER, PARAM, Item
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.execution.session import WriteSession
@@ -24,7 +24,7 @@ from reshard.formats.megatron.args import (
     _topology_from_args,
     megatron_args,
 )
-from reshard.formats.megatron.extra import _default_dtypes, _target_extra
+from reshard.formats.megatron.extra import _default_dtypes, _target_state
 from reshard.formats.megatron.files import (
     CHECKPOINT_VERSION,
     DISTOPT_FILE,
@@ -51,6 +51,7 @@ from reshard.formats.megatron.specs import (
     is_local,
     spec_name,
 )
+from reshard.formats.megatron.state import KEY, MegatronState, carried_args, state_of
 from reshard.formats.megatron.writer import _Writer
 from reshard.formats.specs import layout_spec, source_family
 from reshard.io.bounds import brief
@@ -74,7 +75,7 @@ class MegatronFormat:
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
         """Read every rank file's pickle (no tensor data) and map each tensor to a layout item.
 
-        ``Source.extra`` holds:
+        ``Source.extra["megatron"]`` is a ``MegatronState`` (``reshard.formats.megatron.state``):
 
         - ``args``: the ``argparse.Namespace`` attributes of rank (tp 0, pp 0), as a dict;
         - ``iteration``, ``release``, ``checkpoint_version``;
@@ -82,10 +83,11 @@ class MegatronFormat:
         - ``other``: other top-level entries (``num_floating_point_operations_so_far``,
           ``rerun_state_machine``, …) of rank (0, 0), tensors as ``SmallTensor``;
         - ``opt_param_scheduler``;
-        - ``optimizer``: ``kind`` (``fp16``, ``fp32``, ``distributed`` or None),
-          ``param_groups`` (without ``params``), ``grad_scaler``, ``step`` (the per-parameter
-          ``step`` all parameters share, or None), ``state_keys`` (per-parameter state key
-          order), ``buffer_dtypes`` (distributed: ``(param_dtype, grad_dtype)`` names);
+        - ``optimizer``, a ``MegatronOptimizer``: ``kind`` (an ``OptimizerKind``, ``fp16``,
+          ``fp32``, ``distributed``, or None), ``param_groups`` (without ``params``),
+          ``grad_scaler``, ``step`` (the per-parameter ``step`` all parameters share, or None),
+          ``state_keys`` (per-parameter state key order), ``buffer_dtypes`` (distributed:
+          ``(param_dtype, grad_dtype)`` names);
         - ``rng_state``: per ``(tp, pp, ep)``, the file's ``rng_state`` tree;
         - ``extra_state``: per ``_extra_state`` key with global layer and expert numbers, per tp rank,
           its value.
@@ -156,21 +158,21 @@ class MegatronFormat:
         model_sizes = check_sizes(model_sizes, f"{first_path}: args", counts={"layers": stored, "experts": stored})
         model_sizes["bucket_size"] = _bucket_size(args, topo) if distopt else 0
         # Weights first, so an unknown tensor is named before the optimizer's structure is judged.
-        layout = _resolve(spec_ast, topo, model_sizes, {"model": ("param",), "optim": (), "expert_optim": ()})
+        layout = _resolve(spec_ast, topo, model_sizes, {"model": (PARAM,), "optim": (), "expert_optim": ()})
         where = reader.map(layout)
         opt_states = reader.optimizer_states()
         if opt_states:
-            states = {"model": ("param", *opt_states)} if not distopt else \
-                {"model": ("param",), "optim": opt_states, "expert_optim": opt_states}
+            states = {"model": (PARAM, *opt_states)} if not distopt else \
+                {"model": (PARAM,), "optim": opt_states, "expert_optim": opt_states}
             layout = _resolve(spec_ast, topo, model_sizes, states)
             where = reader.map(layout)
-        extra = reader.extra(args, layout)
-        extra.update(iteration=iteration, release=release,
-                     checkpoint_version=first.get("checkpoint_version", CHECKPOINT_VERSION))
+        state = reader.extra(args, layout)
+        state.iteration, state.release = iteration, release
+        state.checkpoint_version = first.get("checkpoint_version", CHECKPOINT_VERSION)
         return Source(format=self.name, path=path, spec_name=name, spec=spec_ast, topology=topo,
                       sizes=model_sizes, layout=layout, where=where, model=ModelMeta(family=family.name if family else None,
                                                                            hints=family.config_hints(args) if family else {}),
-                      progress=Progress(iteration=iteration), extra=extra)
+                      progress=Progress(iteration=iteration), extra={KEY: state})
 
     def _read_ranks(self, it_dir: Path, topo: Topology, first_path: Path, first: dict,
                     iteration: int | None) -> dict[tuple[int, int, int], _Rank]:
@@ -244,8 +246,8 @@ class MegatronFormat:
         None keeps the spec's own pad policy (the shipped specs pad with zeros).
 
         The distributed optimizer is used when ``topology.zero`` is 1 (``zero=1`` in a
-        topology string) or ``spec`` names a ``-distopt`` spec. ``Target.extra`` holds what
-        ``write`` needs besides item bytes: ``args`` (updated for the topology),
+        topology string) or ``spec`` names a ``-distopt`` spec. ``Target.extra["megatron"]`` is the
+        ``MegatronState`` ``write`` needs besides item bytes: ``args`` (updated for the topology),
         ``iteration``, ``checkpoint_version``, ``opt_param_scheduler``, ``optimizer``,
         per-(tp, pp, ep) ``rng_state``, per-(tp, pp, ep, chunk) ``model_order`` (keys, with
         ``_extra_state`` values), ``other`` and ``top_keys``. A mixture-of-experts target at
@@ -265,8 +267,8 @@ class MegatronFormat:
             raise CheckpointFormatError(f"zero={topology.zero}: Megatron's distributed optimizer is ZeRO-1 (zero=1)")
         if topology.cp > 1:
             raise CheckpointFormatError(f"{topology}: the megatron format does not support cp > 1 yet")
-        meg = source.format == self.name and "args" in source.extra  # else: synthesize Megatron's state
-        src_args = dict(source.extra.get("args", {})) if meg else {}
+        meg = source.format == self.name and isinstance(source.extra.get(KEY), MegatronState)
+        src_args = carried_args(source) if meg else {}  # not meg: Megatron's state is synthesized
         sizes = {k: v for k, v in source.sizes.items() if k != "bucket_size"}
         sizes.setdefault("vocab_div", src_args.get("make_vocab_size_divisible_by") or 128)
         family = source_family(source)
@@ -308,14 +310,14 @@ class MegatronFormat:
             raise CheckpointFormatError("zero=1: the legacy Megatron-LM layout has no distributed optimizer; "
                                         "give a spec for the legacy model's buckets")
         topology = replace(topology, zero=1 if distopt else 0)
-        src_states = [s for s in source.layout.states if s != "param"]
-        opt_states = (("master",) if "master" in src_states else ()) + tuple(sorted(set(src_states) - {"master"}))
-        if distopt and opt_states and "master" not in opt_states:
+        src_states = [s for s in source.layout.states if s != PARAM]
+        opt_states = ((MASTER,) if MASTER in src_states else ()) + tuple(sorted(set(src_states) - {MASTER}))
+        if distopt and opt_states and MASTER not in opt_states:
             raise CheckpointFormatError(
-                f"the distributed optimizer stores fp32 main params (state 'master'), which {source.path} lacks "
+                f"the distributed optimizer stores fp32 main params (state '{MASTER}'), which {source.path} lacks "
                 f"(it has {', '.join(opt_states)})")
-        states = {"model": ("param",), "optim": opt_states, "expert_optim": opt_states} if distopt else \
-            {"model": ("param", *opt_states)}
+        states = {"model": (PARAM,), "optim": opt_states, "expert_optim": opt_states} if distopt else \
+            {"model": (PARAM, *opt_states)}
         args = megatron_args(sizes, topology, base=src_args, tied=tied, family=family.name if family else "llama")
         if not meg and family is not None:
             args.update(family.args_from_config(source.model.config))
@@ -342,10 +344,10 @@ class MegatronFormat:
         _check_registration_order(layout, name, strict=distopt)
         if distopt and tied and topology.pp > 1:
             _check_shared_embedding_bucket(layout)
-        extra = _target_extra(source, topology, layout, args, meg, family.name if family else "llama")
+        state = _target_state(source, topology, layout, args, meg, family.name if family else "llama")
         dtypes = _default_dtypes(source, layout)
         return Target(format=self.name, spec_name=name, spec=spec_ast, topology=topology, sizes=sizes,
-                      layout=layout, dtypes=dtypes, extra=extra)
+                      layout=layout, dtypes=dtypes, extra={KEY: state})
 
     # -- write
 
@@ -361,7 +363,8 @@ class MegatronFormat:
 
     def files_of(self, target: Target) -> dict[Item, Path]:
         """The file, relative to the checkpoint directory, that holds each item of ``target``."""
-        it_dir = "release" if target.extra.get("release") else f"iter_{int(target.extra['iteration']):07d}"
+        state = state_of(target)
+        it_dir = "release" if state.release else f"iter_{int(state.iteration or 0):07d}"
         out = {}
         for item in target.layout.items:
             u = dict(item.unit)

@@ -3,7 +3,7 @@
 It reads each rank's model state dicts, its per-parameter optimizer state (fp16, fp32,
 or the dense + expert pair) or its ``distrib_optim.pt`` buffers, maps every tensor to an
 item and every item to a tensor (fail closed both ways), and gathers the non-tensor state
-``MegatronFormat.open`` reports in ``Source.extra``.
+``MegatronFormat.open`` reports in ``Source.extra`` (a ``MegatronState``).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from reshard.core.dtypes import SUPPORTED
-from reshard.core.layout import Item, Layout
+from reshard.core.layout import MASTER, PARAM, Item, Layout
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import Located, expect_int
-from reshard.formats.megatron.files import _MAIN, DISTOPT_FILE, _chunks, _flat_items, _Rank
+from reshard.formats.megatron.files import DISTOPT_FILE, _buffer_key, _buffer_state, _chunks, _flat_items, _Rank
 from reshard.formats.megatron.param_groups import _assign_groups
 from reshard.formats.megatron.small import _capture, _contiguous_offset, _dtype_name, _is_tensor, _small
 from reshard.formats.megatron.specs import (
@@ -30,6 +30,7 @@ from reshard.formats.megatron.specs import (
     _order_name,
     _renumber_expert,
 )
+from reshard.formats.megatron.state import MegatronOptimizer, MegatronState, OptimizerKind
 from reshard.io.bounds import brief
 from reshard.io.torch_types import SmallTensor
 
@@ -60,7 +61,7 @@ class _Reader:
                     else:
                         raise CheckpointFormatError(f"{r.path}: '{key}' is a {type(value).__name__}, not a tensor")
             self.params[rk], self.extras[rk] = ps, xs
-        self.kind: str | None = None
+        self.kind: OptimizerKind | None = None
         self.chained = False  # a ChainedOptimizer of a dense and an expert optimizer (MoE at ep > 1)
         self.state_keys: list[str] = []
         self.step: SmallTensor | None = None
@@ -78,13 +79,14 @@ class _Reader:
         states: tuple[str, ...] | None = None
         for _, r in sorted(self.ranks.items()):
             opt = r.obj.get("optimizer")
+            kind: OptimizerKind | None
             if opt is None:
                 found: tuple[str, ...] = ()
                 kind = None
             elif isinstance(opt, list):
                 kind, found = self._chained(r, opt)
             elif r.distopt is not None:
-                kind, found = "distributed", self._distributed(r)
+                kind, found = OptimizerKind.DISTRIBUTED, self._distributed(r)
             else:
                 kind, found = self._one(r, opt, None, "'optimizer'")
             if states is None:
@@ -95,19 +97,20 @@ class _Reader:
                     f"but other ranks have {self.kind} with {brief(list(states))}")
         return states or ()
 
-    def _one(self, r: _Rank, opt: Any, which: Callable[[str], bool] | None, shown: str) -> tuple[str, tuple[str, ...]]:
+    def _one(self, r: _Rank, opt: Any, which: Callable[[str], bool] | None,
+             shown: str) -> tuple[OptimizerKind, tuple[str, ...]]:
         """One fp16 or fp32 optimizer's kind and state names, over the params ``which`` selects."""
         if not isinstance(opt, Mapping):
             raise CheckpointFormatError(f"{r.path}: {shown} is a {type(opt).__name__}, expected a Megatron optimizer "
                                         "state dict")
         if "fp32_from_fp16_params" in opt:
-            return "fp16", self._per_param(r, opt.get("optimizer"), opt["fp32_from_fp16_params"], which)
+            return OptimizerKind.FP16, self._per_param(r, opt.get("optimizer"), opt["fp32_from_fp16_params"], which)
         if "state" in opt and "param_groups" in opt:
-            return "fp32", self._per_param(r, opt, None, which)
+            return OptimizerKind.FP32, self._per_param(r, opt, None, which)
         raise CheckpointFormatError(
             f"{r.path}: {shown} has keys {brief(list(opt))}; expected a Megatron optimizer state dict")
 
-    def _chained(self, r: _Rank, opts: list) -> tuple[str, tuple[str, ...]]:
+    def _chained(self, r: _Rank, opts: list) -> tuple[OptimizerKind, tuple[str, ...]]:
         """``ChainedOptimizer.state_dict()``: the dense optimizer's, then the expert optimizer's (MoE at ep > 1)."""
         experts = any(_is_expert(key) for _, key, _ in self.params[(r.tp, r.pp, r.ep)])
         if len(opts) != 2 or not experts:
@@ -118,7 +121,7 @@ class _Reader:
         if r.distopt is not None:
             if not all(isinstance(o, Mapping) and isinstance(o.get("optimizer"), Mapping) for o in opts):
                 raise CheckpointFormatError(f"{r.path}: 'optimizer' is not two DistributedOptimizer state dicts")
-            return "distributed", self._distributed(r)
+            return OptimizerKind.DISTRIBUTED, self._distributed(r)
         dense = self._one(r, opts[0], lambda k: not _is_expert(k), "'optimizer'[0] (dense)")
         expert = self._one(r, opts[1], _is_expert, "'optimizer'[1] (experts)")
         if dense != expert:
@@ -166,7 +169,7 @@ class _Reader:
                     if not _is_tensor(m) or tuple(m.shape) != tuple(ref.shape):
                         raise CheckpointFormatError(
                             f"{where}: fp32_from_fp16_params[{g}][{j}] does not have its shape {tuple(ref.shape)}")
-                    found["master"] = m
+                    found[MASTER] = m
                 per = state.get(indices[i], {})
                 for name, value in per.items():
                     if not isinstance(name, str):
@@ -177,7 +180,7 @@ class _Reader:
                             raise CheckpointFormatError(f"{where}: step {step.data.hex()} ({step.dtype}) differs from "
                                                         f"another parameter's {self.step.data.hex()}")
                         self.step = step
-                    elif _is_tensor(value) and tuple(value.shape) == tuple(ref.shape) and name not in _MAIN:
+                    elif _is_tensor(value) and tuple(value.shape) == tuple(ref.shape) and name not in (PARAM, MASTER):
                         found[name] = value
                     else:
                         shape = tuple(value.shape) if _is_tensor(value) else type(value).__name__
@@ -253,7 +256,7 @@ class _Reader:
                 if not isinstance(name, str) or not _is_tensor(value) or len(value.shape) != 1:
                     raise CheckpointFormatError(f"{path}: buffer {gbuf} entry {brief(name, 40)} is not a 1-D tensor "
                                                 "under a state name")
-                found[_MAIN[1] if name == _MAIN[0] else name] = value
+                found[_buffer_state(name)] = value
             n = tensors.get("numel_unpadded")
             n = None if n is None else expect_int(n, f"buffer {gbuf} numel_unpadded", path)
             for name, value in found.items():
@@ -267,9 +270,9 @@ class _Reader:
                 raise CheckpointFormatError(f"{path}: buffer {gbuf} holds {list(got)}, others {list(names)}")
             out[(chunks[gbuf], section)] = found
         self.per_param.setdefault((r.tp, r.pp, r.ep), {}).update(out)
-        if names and "master" not in names:
-            raise CheckpointFormatError(f"{path}: no 'param' (fp32 main params) in the buffers")
-        return (("master",) + tuple(n for n in names if n != "master")) if names else ()
+        if names and MASTER not in names:
+            raise CheckpointFormatError(f"{path}: no '{_buffer_key(MASTER)}' (fp32 main params) in the buffers")
+        return ((MASTER,) + tuple(n for n in names if n != MASTER)) if names else ()
 
     def _chunk_keys(self, r: _Rank) -> set[int]:
         return set(_chunks(r.obj, self.topo.vpp, str(r.path)))
@@ -298,11 +301,11 @@ class _Reader:
 
         for rk, r in self.ranks.items():
             for chunk, key, ref in self.params[rk]:
-                place("model", rk, chunk, "param", key, ref, r.path, key)
+                place("model", rk, chunk, PARAM, key, ref, r.path, key)
             for (chunk, key), states in self.per_param.get(rk, {}).items():
                 if r.distopt is not None:
                     for state, ref in states.items():
-                        name = _MAIN[0] if state == _MAIN[1] else state
+                        name = _buffer_key(state)
                         shown = f"[{chunk}][{_dtype_pair_text(self.buffer_dtypes)}]['{name}']"
                         if self.chained:
                             shown = f"[{0 if key == 'optim' else 1}]{shown}"
@@ -343,7 +346,8 @@ class _Reader:
 
     # -- non-tensor state
 
-    def extra(self, args: dict, layout: Layout) -> dict[str, Any]:
+    def extra(self, args: dict, layout: Layout) -> MegatronState:
+        """The non-tensor state of rank (0, 0, 0) (rng states of every rank); ``open`` adds iteration and release."""
         r0 = self.ranks[(0, 0, 0)]
         obj = r0.obj
         known = {"args", "checkpoint_version", "iteration", "optimizer", "opt_param_scheduler", "rng_state"}
@@ -354,7 +358,7 @@ class _Reader:
         scaler = None
 
         def groups_of(one: Any) -> list[dict]:
-            inner = one if self.kind == "fp32" else one.get("optimizer", {})
+            inner = one if self.kind is OptimizerKind.FP32 else one.get("optimizer", {})
             return [{k: v for k, v in g.items() if k != "params"} for g in self._groups(r0, inner)]
 
         if isinstance(opt, list) and self.chained:
@@ -389,20 +393,22 @@ class _Reader:
                         f"{where}: differs from the same entry of another expert-parallel rank; cannot tell "
                         "which to carry")
                 per_tp[t] = value
-        return {
-            "args": args,
-            "top_keys": [str(k) for k in obj],
-            "other": {k: _capture(v, f"{r0.path}: {k}") for k, v in obj.items() if k not in known},
-            "opt_param_scheduler": _capture(obj.get("opt_param_scheduler"), f"{r0.path}: opt_param_scheduler"),
-            "optimizer": {"kind": self.kind, "param_groups": _capture(groups, f"{r0.path}: param_groups"),
-                          "expert_param_groups": None if expert_groups is None else
-                          _capture(expert_groups, f"{r0.path}: param_groups of the expert optimizer"),
-                          "grad_scaler": scaler, "has_grad_scaler": isinstance(opt, Mapping) and "grad_scaler" in opt,
-                          "step": self.step, "state_keys": list(self.state_keys), "buffer_dtypes": self.buffer_dtypes},
-            "rng_state": {rk: _capture(r.obj["rng_state"], f"{r.path}: rng_state")
-                          for rk, r in self.ranks.items() if "rng_state" in r.obj},
-            "extra_state": extra_state,
-        }
+        optimizer = MegatronOptimizer(
+            kind=self.kind, param_groups=_capture(groups, f"{r0.path}: param_groups"),
+            expert_param_groups=None if expert_groups is None else
+            _capture(expert_groups, f"{r0.path}: param_groups of the expert optimizer"),
+            grad_scaler=scaler, has_grad_scaler=isinstance(opt, Mapping) and "grad_scaler" in opt,
+            step=self.step, state_keys=list(self.state_keys), buffer_dtypes=self.buffer_dtypes)
+        return MegatronState(
+            args=args,
+            top_keys=[str(k) for k in obj],
+            other={k: _capture(v, f"{r0.path}: {k}") for k, v in obj.items() if k not in known},
+            opt_param_scheduler=_capture(obj.get("opt_param_scheduler"), f"{r0.path}: opt_param_scheduler"),
+            optimizer=optimizer,
+            rng_state={rk: _capture(r.obj["rng_state"], f"{r.path}: rng_state")
+                       for rk, r in self.ranks.items() if "rng_state" in r.obj},
+            extra_state=extra_state,
+        )
 
 
 def _dtype_pair_text(pair: tuple[str, str] | None) -> str:

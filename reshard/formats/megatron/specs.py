@@ -15,7 +15,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from reshard.core.layout import Item, Layout
+from reshard.core.layout import PARAM, Item, Layout
 from reshard.core.resolve import resolve
 from reshard.core.spec import Flat, Section, Spec
 from reshard.core.topology import Topology
@@ -173,7 +173,7 @@ def _check_registration_order(layout: Layout, spec_name: str, *, strict: bool) -
 
 def _check_shared_embedding_bucket(layout: Layout) -> None:
     for it, info in layout.items.items():
-        if it.key == "output_layer.weight" and it.state == "param" and info.numel % 64:
+        if it.key == "output_layer.weight" and it.state == PARAM and info.numel % 64:
             raise CheckpointFormatError(
                 f"{it}: with tied embeddings and pp > 1 Megatron gives the output layer a bucket of its own, which "
                 f"moves the next parameter when its {info.numel} elements are not a multiple of 64; not supported yet")

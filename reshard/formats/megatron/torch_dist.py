@@ -39,7 +39,7 @@ from typing import Any
 
 from reshard.core.dtypes import SUPPORTED
 from reshard.core.geometry import row_major_strides
-from reshard.core.layout import Fragment, Item, ItemInfo, Layout, chunk_fragments
+from reshard.core.layout import MASTER, PARAM, Fragment, Item, ItemInfo, Layout, chunk_fragments
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
@@ -61,6 +61,7 @@ from reshard.formats.base import (
 from reshard.formats.dcp import FORMAT as DCP
 from reshard.formats.dcp.layouts import _Chunk
 from reshard.formats.dcp.reading import DcpWrite, _chunk_cover, _chunk_ref, _entry_bytes, _Naming, _Verbatim
+from reshard.formats.megatron.state import TORCH_DIST_KEY, TorchDistState, carried_args
 from reshard.formats.specs import layout_spec
 from reshard.io.bounds import brief
 from reshard.io.dcp_metadata import DcpChunk, read_metadata
@@ -75,6 +76,9 @@ RANK_SPEC = "megatron-llama"
 """Where each rank's tensors are: the torch format's per-rank spec."""
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
+_MAIN_STATE = "param"
+"""The ``fully_reshardable`` format's state name for the fp32 main params (``optimizer.state.param.<key>``):
+reshard's state ``MASTER``."""
 _EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -175,15 +179,17 @@ class McoreDistFormat:
         it = common.get("iteration")
         progress = Progress(iteration=expect_step(it, "iteration", path / COMMON) if it is not None else None,
                             step=_group_step(common, path / COMMON))
-        extra: dict[str, Any] = {}
-        if isinstance(common.get("args"), argparse.Namespace | Mapping):
-            extra["args"] = dict(vars(common["args"]) if isinstance(common["args"], argparse.Namespace) else common["args"])
-        # Per-layer _extra_state (Transformer Engine's FP8 metadata, or [None]): keyed by global layer, so
-        # a torch_dist target at any tp/pp takes them as they are.
-        extra["extra_states"] = [_Verbatim(k, None, _entry_bytes(path, md, k, None)[0])
-                                 for k in md.byte_entries if "._extra_state/shard_" in k]
+        args = common.get("args")
+        state = TorchDistState(
+            args=dict(vars(args) if isinstance(args, argparse.Namespace) else args)
+            if isinstance(args, argparse.Namespace | Mapping) else {},
+            iteration=progress.iteration,
+            # Per-layer _extra_state (Transformer Engine's FP8 metadata, or [None]): keyed by global layer, so
+            # a torch_dist target at any tp/pp takes them as they are.
+            extra_states=[_Verbatim(k, None, _entry_bytes(path, md, k, None)[0])
+                          for k in md.byte_entries if "._extra_state/shard_" in k])
         return Source(format=self.name, path=path, spec_name=spec_name, spec=spec_ast, topology=topology,
-                      sizes=model_sizes, layout=layout, where=where, progress=progress, extra=extra)
+                      sizes=model_sizes, layout=layout, where=where, progress=progress, extra={TORCH_DIST_KEY: state})
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """Megatron-core's torch_dist layout of ``source``'s model weights at ``topology`` (tp, pp, vpp, dp).
@@ -206,7 +212,7 @@ class McoreDistFormat:
             raise CheckpointFormatError(f"{source.path}: the mcore-dist target supports untied Llama-style models so far")
         require_sizes(source, llama.SIZES, "mcore-dist")
         sizes = {k: int(source.sizes[k]) for k in llama.SIZES}
-        src_args = dict(source.extra.get("args", {})) if source.format in ("megatron", self.name) else {}
+        src_args = carried_args(source)
         div = int(src_args.get("make_vocab_size_divisible_by") or source.sizes.get("vocab_div", 128))
         spec_name = spec or SPEC
         spec_ast = layout_spec(spec_name)
@@ -221,7 +227,7 @@ class McoreDistFormat:
         fragments: list[Fragment] = []
         chunks: dict[Item, Any] = {}
         for (key, offsets), (sizes_, rank) in sorted(boxes.items(), key=lambda kv: (kv[1][1], kv[0])):
-            item = Item("model", (("rank", rank),), 0, "param", f"{key}@{','.join(map(str, offsets))}")
+            item = Item("model", (("rank", rank),), 0, PARAM, f"{key}@{','.join(map(str, offsets))}")
             mine = chunk_fragments(frags_of[key], shapes[key], offsets, sizes_, item)
             items[item] = ItemInfo(shape=sizes_, mapped=sum(math.prod(f.box.lengths) for f in mine), rule=key)
             fragments.extend(mine)
@@ -231,10 +237,11 @@ class McoreDistFormat:
                         items=MappingProxyType(items), fragments=tuple(fragments))
         args = megatron_args(sizes | {"vocab_div": div}, topology, base=src_args or None,
                              iteration=int(source.progress.iteration or 0))
-        common = {"args": args, "checkpoint_version": 3.0, "iteration": int(source.progress.iteration or 0)}
-        carried = source.extra.get("extra_states") if source.format == self.name else None
-        extra = {"dcp": DcpWrite(chunks=chunks, verbatim=carried or _extra_states(sizes["layers"]), planner_data={},
-                                 naming=_Naming("", "", frozenset())), "common": common}
+        carried = source.extra.get(TORCH_DIST_KEY) if source.format == self.name else None
+        verbatim = carried.extra_states if isinstance(carried, TorchDistState) else None
+        state = TorchDistState(args=args, iteration=int(source.progress.iteration or 0))
+        extra = {"dcp": DcpWrite(chunks=chunks, verbatim=verbatim or _extra_states(sizes["layers"]), planner_data={},
+                                 naming=_Naming("", "", frozenset())), TORCH_DIST_KEY: state}
         return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology, sizes=dict(source.sizes),
                       layout=layout, dtypes=dict.fromkeys(items, "float32"), extra=extra)
 
@@ -249,8 +256,9 @@ class McoreDistFormat:
         written = DCP.write(target, out, fill, session, only=only)
         if only:
             return written
-        common = dict(target.extra["common"])
-        common["args"] = argparse.Namespace(**common["args"])
+        state: TorchDistState = target.extra[TORCH_DIST_KEY]
+        common = {"args": argparse.Namespace(**state.args), "checkpoint_version": state.checkpoint_version,
+                  "iteration": state.iteration}
         write_torch_file(out / COMMON, common, {}, open_file=session.open)
         (out / METADATA_JSON).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                      "common_backend": "torch", "common_backend_version": 1}))
@@ -357,14 +365,14 @@ def _optimizer_state(key: str) -> tuple[str | None, str]:
     ``optimizer.state.<state>.<model key>`` (the distributed optimizer's ``fully_reshardable``
     format, whose ``param`` state is the fp32 master copy); ``None`` for other optimizer keys."""
     if not key.startswith("optimizer."):
-        return "param", key
+        return PARAM, key
     prefix = "optimizer.state."
     if not key.startswith(prefix):
         return None, key
     state, _, model_key = key[len(prefix):].partition(".")
     if not model_key or state == "fp32_param":  # fp32_param: the old fully_sharded_model_space's flattened ranges
         return None, key
-    return ("master" if state == "param" else state), model_key
+    return (MASTER if state == _MAIN_STATE else state), model_key
 
 
 def _group_step(common: Mapping[str, Any], where: Path) -> int | None:
