@@ -20,6 +20,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 import reshard
+from reshard.core.layout import PARAM
 from reshard.errors import ReshardError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Change a training checkpoint's parallel layout, bit-exactly.")
@@ -229,7 +230,7 @@ def demo(
         table.add_row("convert", f"{first.report.source.topology} -> {first.report.target.topology}", str(len(first.files)),
                       _bytes(first.bytes_written), f"{first.seconds:.2f}", "identical" if check else "DIFFERENT")
         second = reshard.convert(dst, hf, format="hf")
-        check2 = reshard.verify(src, hf, states=("param",))
+        check2 = reshard.verify(src, hf, states=(PARAM,))
         table.add_row("to hf", f"{second.report.source.topology} -> hf", str(len(second.files)),
                       _bytes(second.bytes_written), f"{second.seconds:.2f}", "identical" if check2 else "DIFFERENT")
         out.print(table)

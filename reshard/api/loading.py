@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.api.planning import plan
-from reshard.core.layout import Item
+from reshard.core.layout import PARAM, Item
 from reshard.core.topology import Topology
 from reshard.errors import ReshardError
 from reshard.execution.executor import ByteReader, PlanFill
@@ -25,7 +25,7 @@ class RankState:
     tensors: dict[Item, Any]
     bytes_read: int
 
-    def state_dict(self, state: str = "param", *, section: str | None = None, chunk: int = 0) -> dict[str, Any]:
+    def state_dict(self, state: str = PARAM, *, section: str | None = None, chunk: int = 0) -> dict[str, Any]:
         """The items of one state (and section, chunk) by key, e.g. the model's state dict."""
         return {it.key: t for it, t in self.tensors.items()
                 if it.state == state and it.chunk == chunk and (section is None or it.section == section)}

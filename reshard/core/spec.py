@@ -41,6 +41,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from reshard.core.layout import PARAM
 from reshard.core.spec_ast import (
     Axis,
     Blob,
@@ -268,7 +269,7 @@ def _statement(ln: _Line) -> Statement:
                 states.append(ln.next().text)
             if not states:
                 raise ln.fail(f"expected state names after 'states', found {_describe(ln.peek())}")
-        return Section(name.text, tuple(axes), tuple(states) or ("param",), ln.pos(name), tuple(axes_pos))
+        return Section(name.text, tuple(axes), tuple(states) or (PARAM,), ln.pos(name), tuple(axes_pos))
     if kw == "blob":
         ln.next()
         pattern = _pattern(ln, ln.word("a blob name"))

@@ -30,7 +30,7 @@ from reshard.formats.specs import layout_spec, spec_text
 from reshard.errors import CheckpointFormatError, TopologyError
 from reshard.execution.executor import ByteReader, PlanFill
 from reshard.formats.base import Source
-from reshard.formats.deepspeed import FORMAT, synthesize_extra
+from reshard.formats.deepspeed import FORMAT, DsOptimizer, synthesize_extra
 from reshard.core.resolve import resolve
 from reshard.core.planner import plan
 from reshard.core.topology import parse_topology
@@ -468,14 +468,15 @@ def test_bf16_optimizer_files_keep_the_master_whole_and_count_padding_on_the_las
     osd = extra.optim_states["optimizer_state_dict"]
     for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "zero_stage", "param_alignment_paddings"):
         del osd[key]
-    src.extra["deepspeed"] = dataclasses.replace(extra, optimizer="bf16")
+    src.extra["deepspeed"] = dataclasses.replace(extra, optimizer=DsOptimizer.BF16)
     reshard(src, FORMAT.target(src, parse_topology("dp=3")), tmp_path / "b")
     osd = read_torch_file(tmp_path / "b" / optim_name(2, bf16=True))["optimizer_state_dict"]
     assert list(osd) == ["clip_grad", "base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings",
                          "partition_count", "ds_version", "param_slice_mappings"]
     assert osd["group_paddings"] == [2] and osd["single_partition_of_fp32_groups"][0].shape == (2374,)
     back = FORMAT.open(tmp_path / "b", sizes=SIZES)
-    assert back.extra["deepspeed"].optimizer == "bf16"
+    assert back.extra["deepspeed"].optimizer is DsOptimizer.BF16
+    assert f"{DsOptimizer.BF16}" == str(DsOptimizer.BF16) == "bf16"  # the value, on every Python
 
 
 def test_megatron_distributed_optimizer_state_plans_into_deepspeed(tmp_path):

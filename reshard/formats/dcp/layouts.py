@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from reshard.core.geometry import row_major_strides
-from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments, dims_of
+from reshard.core.layout import PARAM, Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments, dims_of
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
@@ -35,7 +35,7 @@ def _torch_chunks(n: int, parts: int) -> list[tuple[int, int]]:
 
 def _dtype_of(source: Source) -> str:
     for f in source.layout.fragments:
-        if f.state == "param" and f.item in source.where:
+        if f.state == PARAM and f.item in source.where:
             return source.where[f.item].dtype
     return "float32"
 
@@ -94,7 +94,7 @@ def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: t
         for state in states:
             if (name, state) not in held:
                 continue
-            key = naming.key(name, "param" if state == model_state else state)
+            key = naming.key(name, PARAM if state == model_state else state)
             for rank, (lo, n) in enumerate(_torch_chunks(t.shape[0], topology.dp)):
                 if n == 0:
                     continue
@@ -130,7 +130,7 @@ def _spec_layout(source: Source, topology: Topology, spec_ast, spec_name: str, s
         if sizes != layout.items[it].shape:
             raise CheckpointFormatError(f"spec {spec_name}: {it} stores shape {list(layout.items[it].shape)}, which "
                                         f"is not one box of '{t.name}' (it spans {list(sizes)} at {list(offs)})")
-        key = naming.key(t.name, "param" if it.state == model_state else it.state)
+        key = naming.key(t.name, PARAM if it.state == model_state else it.state)
         writer = first.setdefault((key, offs), it)
         rank = topology.rank(**dict(writer.unit))
         chunks[it] = _Chunk(key, DcpChunk(offs, sizes), t.shape, rank, writer)

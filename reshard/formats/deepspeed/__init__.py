@@ -41,6 +41,6 @@ The modules, each importing only modules listed above it::
 from __future__ import annotations
 
 from reshard.formats.deepspeed.format import FORMAT, DeepSpeedFormat
-from reshard.formats.deepspeed.state import DeepSpeedExtra, Scalar, synthesize_extra
+from reshard.formats.deepspeed.state import DeepSpeedExtra, DsOptimizer, Scalar, synthesize_extra
 
-__all__ = ["FORMAT", "DeepSpeedExtra", "DeepSpeedFormat", "Scalar", "synthesize_extra"]
+__all__ = ["FORMAT", "DeepSpeedExtra", "DeepSpeedFormat", "DsOptimizer", "Scalar", "synthesize_extra"]

@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from reshard.core.layout import Item
+from reshard.core.layout import MASTER, PARAM, Item
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology, parse_topology
 from reshard.errors import CheckpointFormatError, SpecError, TopologyError
@@ -53,6 +53,7 @@ from reshard.formats.deepspeed.pipe import (
 from reshard.formats.deepspeed.sizes import _llama_sizes
 from reshard.formats.deepspeed.state import (
     DeepSpeedExtra,
+    DsOptimizer,
     _carry,
     _ds_config,
     _optim_template,
@@ -62,8 +63,6 @@ from reshard.formats.deepspeed.state import (
 from reshard.formats.deepspeed.write import _model_tree, _optim_tree, _write_extra
 from reshard.formats.deepspeed.zero3 import files_of_zero3, is_zero3, open_zero3, target_zero3, write_zero3
 from reshard.formats.deepspeed.zero12 import (
-    MASTER,
-    PARAM,
     _check_model,
     _check_optim,
     _flat_states,
@@ -136,8 +135,8 @@ class DeepSpeedFormat:
                     raise CheckpointFormatError(f"{want}: missing (dp_world_size={dp})")
         optims = [[_read(p) for p in row] for row in files.optim]
         osd0 = _get(optims[0][0], "optimizer_state_dict", files.optim[0][0], Mapping)
-        optimizer = "zero" if "zero_stage" in osd0 else "bf16"
-        stage = _stage(osd0["zero_stage"], files.optim[0][0]) if optimizer == "zero" else 1
+        optimizer = DsOptimizer.ZERO if "zero_stage" in osd0 else DsOptimizer.BF16
+        stage = _stage(osd0["zero_stage"], files.optim[0][0]) if optimizer == DsOptimizer.ZERO else 1
         _refuse_options(first, files.model[0])
         shapes = [_param_shapes(tree, p) for tree, p in zip(models, files.model, strict=True)]
         spec_name = spec or (PIPE_SPEC_BY_GROUPS if pipeline else SPEC_BY_GROUPS).get(len(shapes[0]))

@@ -17,6 +17,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,20 @@ Scalar = SmallTensor
 """A 0-d tensor carried by value (Adam's ``step``); ``(0,)``-shaped for ZeRO-3's empty module placeholders."""
 
 
+class DsOptimizer(str, Enum):
+    """The DeepSpeed optimizer that saved a ZeRO-1/2 checkpoint: each lays out its flat partitions its own way."""
+
+    ZERO = "zero"
+    """DeepSpeedZeroOptimizer (``stage_1_and_2.py``): its state dict names a ``zero_stage``; the master
+    partition is saved without its padding, which is counted on each partition it falls in."""
+    BF16 = "bf16"
+    """BF16_Optimizer (``bf16_optimizer.py``, bf16 ZeRO-1 with fp32 gradient accumulation): no stage, the
+    master partition saved whole, all padding counted on the last rank."""
+
+    def __str__(self) -> str:  # the value, as a plain str would print (3.12 prints the member's name otherwise)
+        return self.value
+
+
 @dataclass(slots=True, kw_only=True)
 class DeepSpeedExtra:
     """Everything in the files but the resharded tensors: what ``write`` needs besides ``fill``.
@@ -50,8 +65,8 @@ class DeepSpeedExtra:
     """The tag directory's name, and the content of ``latest``."""
     zero_stage: int
     """1 or 2."""
-    optimizer: str
-    """``zero`` (DeepSpeedZeroOptimizer) or ``bf16`` (BF16_Optimizer)."""
+    optimizer: DsOptimizer
+    """DeepSpeedZeroOptimizer or BF16_Optimizer."""
     bf16_names: bool
     """Optimizer files are named ``bf16_zero_pp_rank_*`` (the engine had bf16 enabled)."""
     elastic: bool
@@ -128,7 +143,7 @@ def _carry(extra: DeepSpeedExtra, stage: int, groups: int, spec_name: str) -> De
                                     f"had {had}; their hyperparameters cannot be carried (use the source's spec)")
     if stage == extra.zero_stage:
         return extra
-    if extra.optimizer == "bf16":
+    if extra.optimizer == DsOptimizer.BF16:
         raise TopologyError("a BF16_Optimizer checkpoint (bf16 ZeRO-1, fp32 gradient accumulation) "
                             f"cannot become ZeRO stage {stage}")
     model_states, optim_states = copy.deepcopy(extra.model_states), copy.deepcopy(extra.optim_states)
@@ -228,7 +243,7 @@ def synthesize_extra(*, groups: int = 1, dtype: str = "bfloat16", zero_stage: in
         "single_partition_of_fp32_groups": [], "zero_stage": _zero_stage(zero_stage), "group_paddings": [],
         "param_alignment_paddings": [], "partition_count": [], "ds_version": ds_version, "param_slice_mappings": [],
     }
-    return DeepSpeedExtra(tag=tag or f"global_step{global_steps}", zero_stage=zero_stage, optimizer="zero",
+    return DeepSpeedExtra(tag=tag or f"global_step{global_steps}", zero_stage=zero_stage, optimizer=DsOptimizer.ZERO,
                           bf16_names=bf16, elastic=False, model_states=model_states, synthesized=True,
                           optim_states={"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": ds_version})
 

@@ -11,17 +11,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from reshard.core.layout import Item
+from reshard.core.layout import MASTER, Item
 from reshard.formats.base import Target
 from reshard.formats.deepspeed.state import (
     DeepSpeedExtra,
+    DsOptimizer,
     _fragment_address,
     _Sources,
     _with_bf16,
     _with_scalars,
     synthesize_extra,
 )
-from reshard.formats.deepspeed.zero12 import MASTER, Rank, _Group, _SpecInfo, _unit
+from reshard.formats.deepspeed.zero12 import Rank, _Group, _SpecInfo, _unit
 from reshard.io.torchfile import TensorSpec, TorchSize
 
 
@@ -70,7 +71,7 @@ def _optim_tree(extra: DeepSpeedExtra, info: _SpecInfo, groups: list[_Group], pt
     for g, group in enumerate(groups):
         specs = {}
         for state in flat_states:  # as _flat_tensors reads them: the master without padding unless BF16_Optimizer
-            whole = extra.optimizer == "bf16" or (state != MASTER and not extra.elastic)
+            whole = extra.optimizer == DsOptimizer.BF16 or (state != MASTER and not extra.elastic)
             n = group.share if whole else group.share - pads[g]
             item = Item(info.optim_section, _unit(pt, dp), 0, state, info.flat_key(g, state))
             specs[state] = TensorSpec(target.dtypes[item], (n,), ("flat", state, g))

@@ -36,17 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reshard.core.layout import Item, Layout
+from reshard.core.layout import MASTER, PARAM, Item, Layout
 from reshard.core.spec import Concat, Flat, Pad, Pattern, Product, Section, Spec, Split, Stored, Term
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import MAX_COUNT, Located, expect_int, itemsize, name_of
 from reshard.formats.deepspeed.files import _Files, _get, _zero_config
-from reshard.formats.deepspeed.state import _FRAGMENT, _ZERO_STAGE, _is_flat
+from reshard.formats.deepspeed.state import _FRAGMENT, _ZERO_STAGE, DsOptimizer, _is_flat
 from reshard.io.bounds import brief
 from reshard.io.torchfile import Opaque, TensorRef
-
-PARAM, MASTER = "param", "master"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +135,9 @@ class _Group:
         pieces = [(key, max(s, lo), min(s + n, hi)) for key, s, n in self.params]
         return [(key, b - a, a - lo) for key, a, b in pieces if b > a]
 
-    def padding(self, rank: int, optimizer: str) -> int:
+    def padding(self, rank: int, optimizer: DsOptimizer) -> int:
         """``group_paddings[g]`` of ``rank``: its partition's padding (BF16_Optimizer: all of it, on the last rank)."""
-        if optimizer == "bf16":
+        if optimizer == DsOptimizer.BF16:
             return self.share * self.dp - sum(n for _, _, n in self.params) if rank == self.dp - 1 else 0
         return min(self.share, max(0, (rank + 1) * self.share - self.end))
 
@@ -293,7 +291,8 @@ def _show(entry: tuple[str, tuple[int, ...]] | None) -> str:
 
 
 def _check_optim(layout: Layout, info: _SpecInfo, tree: Any, path: Path, pt: Rank, dp: int, groups: list[_Group],
-                 optimizer: str, flat_states: tuple[str, ...], spec_name: str, where: dict[Item, Located]) -> None:
+                 optimizer: DsOptimizer, flat_states: tuple[str, ...], spec_name: str,
+                 where: dict[Item, Located]) -> None:
     osd = _get(tree, "optimizer_state_dict", path, Mapping)
     for key in ("single_partition_of_fp32_groups", "group_paddings", "partition_count", "param_slice_mappings"):
         if not isinstance(value := _get(osd, key, path), list) or len(value) != len(groups):
@@ -335,7 +334,7 @@ def _check_optim(layout: Layout, info: _SpecInfo, tree: Any, path: Path, pt: Ran
             where[item] = _located(ref, path, f"{state} of param group {g}")
 
 
-def _flat_tensors(osd: Mapping, g: int, optimizer: str, flat_states: tuple[str, ...], share: int, lean: int,
+def _flat_tensors(osd: Mapping, g: int, optimizer: DsOptimizer, flat_states: tuple[str, ...], share: int, lean: int,
                   path: Path) -> Iterator[tuple[str, Any, int]]:
     """(state, tensor, its expected numel) of param group ``g``'s flat tensors.
 
@@ -344,7 +343,7 @@ def _flat_tensors(osd: Mapping, g: int, optimizer: str, flat_states: tuple[str, 
     elastic checkpoint; BF16_Optimizer saves everything whole. The padding is never
     mapped, so an item's ``Located`` span may end ``share - lean`` elements early.
     """
-    yield MASTER, osd["single_partition_of_fp32_groups"][g], share if optimizer == "bf16" else lean
+    yield MASTER, osd["single_partition_of_fp32_groups"][g], share if optimizer == DsOptimizer.BF16 else lean
     base = osd["base_optimizer_state"]
     rigid = isinstance(base, Mapping)  # the torch optimizer's state_dict: its state is keyed by param id = group
     if not rigid and g >= len(base):

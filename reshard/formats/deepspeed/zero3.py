@@ -34,7 +34,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from reshard.core.layout import Item, Layout
+from reshard.core.layout import MASTER, PARAM, Item, Layout
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError, SpecError
@@ -68,7 +68,8 @@ from reshard.io.torchfile import TensorRef, TensorSpec, TorchSize
 from reshard.models import llama
 
 SPEC = "deepspeed-llama-zero3"
-MASTER = "master"
+MODEL, OPTIM = "model", "optim"
+"""The spec's sections: the params in flat order (``param_shapes``), and the flat partitions the files hold."""
 MODEL_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 
@@ -111,13 +112,13 @@ def open_zero3(fmt_name: str, root: Path, tag: str, tag_dir: Path, *, spec: str 
     osd = [_get(tree, "optimizer_state_dict", tag_dir / optims[(0, d)], Mapping) for d, tree in enumerate(optim_trees)]
     states = _states(osd[0], tag_dir / optims[(0, 0)])
     try:
-        full = resolve(parsed, topology, all_sizes, states={"optim": (MASTER, *states)})
+        full = resolve(parsed, topology, all_sizes, states={OPTIM: (MASTER, *states)})
     except SpecError as e:
         known = ", ".join(f"{k}={v}" for k, v in sorted(all_sizes.items()))
         raise CheckpointFormatError(f"{tag_dir}: spec '{spec_name}' does not resolve with the sizes known ({known}); "
                                     f"give the others with sizes, or a config.json\n{e}") from None
     _check_order(full, shapes[0], first_path, spec_name)
-    items = {it: info for it, info in full.items.items() if it.section == "optim"}
+    items = {it: info for it, info in full.items.items() if it.section == OPTIM}
     where: dict[Item, Located] = {}
     for d in range(dp):
         path = tag_dir / optims[(0, d)]
@@ -142,7 +143,7 @@ def open_zero3(fmt_name: str, root: Path, tag: str, tag_dir: Path, *, spec: str 
                                             f"'{spec_name}' gives this rank {list(items[it].shape)}")
             where[it] = Located(ref.path, ref.data_offset, ref.dtype)
     layout = Layout(topology=topology, tensors=full.tensors, items=MappingProxyType(items),
-                    fragments=tuple(f for f in full.fragments if f.item.section == "optim"))
+                    fragments=tuple(f for f in full.fragments if f.item.section == OPTIM))
     config = _hf_config(files)
     steps = first.get("global_steps")
     progress = Progress(step=expect_step(steps, "global_steps", first_path) if steps is not None else None)
@@ -168,7 +169,7 @@ def _states(tree: Mapping, path: Path) -> tuple[str, ...]:
 
 def _check_order(layout: Layout, shapes: list[tuple[str, tuple[int, ...]]], path: Path, spec_name: str) -> None:
     """``param_shapes`` (the flat order) must be the spec's model section, name by name and shape by shape."""
-    want = [(it.key, info.shape) for it, info in layout.items.items() if it.section == "model"]
+    want = [(it.key, info.shape) for it, info in layout.items.items() if it.section == MODEL]
     have = [(k, tuple(s)) for k, s in shapes]
     if have != want:
         first = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
@@ -243,19 +244,19 @@ def target_zero3(fmt_name: str, source: Source, topology: Topology, spec: str | 
     require_sizes(source, llama.SIZES, "deepspeed ZeRO-3")
     spec_name = spec or SPEC
     parsed = layout_spec(spec_name)
-    src_states = [s for s in dict.fromkeys(it.state for it in source.layout.items) if s not in ("param", MASTER)]
+    src_states = [s for s in dict.fromkeys(it.state for it in source.layout.items) if s not in (PARAM, MASTER)]
     has_master = MASTER in source.layout.states
-    fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == "param")
-    if not has_master and not (fp32 and "param" in source.layout.states):
+    fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == PARAM)
+    if not has_master and not (fp32 and PARAM in source.layout.states):
         raise CheckpointFormatError(f"a ZeRO-3 checkpoint needs fp32 master weights; {source.path} has "
                                     f"{', '.join(source.layout.states)} (bf16 weights alone cannot be cast bit-exactly)")
     topo = Topology(dp=topology.dp, zero=3)
-    full = resolve(parsed, topo, source.sizes, states={"optim": (MASTER, *src_states)})
-    items = {it: info for it, info in full.items.items() if it.section == "optim"}
-    order = [(it.key, info.shape) for it, info in full.items.items() if it.section == "model"]
+    full = resolve(parsed, topo, source.sizes, states={OPTIM: (MASTER, *src_states)})
+    items = {it: info for it, info in full.items.items() if it.section == OPTIM}
+    order = [(it.key, info.shape) for it, info in full.items.items() if it.section == MODEL]
     layout = Layout(topology=topo, tensors=full.tensors, items=MappingProxyType(items),
-                    fragments=tuple(f for f in full.fragments if f.item.section == "optim"))
-    param_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == "param"), None)
+                    fragments=tuple(f for f in full.fragments if f.item.section == OPTIM))
+    param_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == PARAM), None)
     carried = source.extra.get("zero3") if source.format == fmt_name else None
     # The training dtype: the source's weights', else float32 (a source with only fp32 masters, such as a
     # universal checkpoint, does not say).
