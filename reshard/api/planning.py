@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from reshard.core.dtypes import itemsize
-from reshard.core.layout import Item, common_views, with_state_alias
+from reshard.core.layout import MASTER, PARAM, Item, common_views, with_state_alias
 from reshard.core.planner import Plan
 from reshard.core.planner import plan as make_plan
 from reshard.core.topology import Topology, parse_topology
 from reshard.core.units import parse_size
-from reshard.errors import ReshardError
+from reshard.errors import PlanError, ReshardError
 from reshard.execution.executor import destination_dtypes
 from reshard.formats import detect_format, get_format
 from reshard.formats.base import Source, Target
@@ -103,6 +103,25 @@ class PlanReport:
             "work_units": [{"sources": s, "destinations": d} for s, d in self.work_units()],
         }
 
+def _nothing_lost(source: Source, target: Target) -> None:
+    """Fail closed when the target has no place for a tensor the source holds (in a state the target keeps):
+    a conversion never drops a tensor silently (an adapter, a value head, an unknown buffer)."""
+    kept = set(target.layout.states)
+    placed = {(f.tensor, f.state) for f in target.layout.fragments}
+    lost: dict[tuple[str, str], Item] = {}
+    for f in source.layout.fragments:
+        if not f.fill and f.state in kept and f.item in source.where and (f.tensor, f.state) not in placed \
+                and not source.layout.tensors[f.tensor].blob:
+            lost.setdefault((f.tensor, f.state), f.item)
+    if lost:
+        shown = [f"'{name}' [{state}] in {source.where[item].path}" for (name, state), item in list(lost.items())[:10]]
+        more = f"\n  ... and {len(lost) - 10} more" if len(lost) > 10 else ""
+        raise PlanError(f"the {target.format} layout '{target.spec_name}' has no place for {len(lost)} tensor(s) of the "
+                        f"source, which would be lost:\n  " + "\n  ".join(shown) + more +
+                        "\n(a tensor outside the model family's layout: convert to a format that keeps every "
+                        "tensor by name, or give a spec that places it)")
+
+
 def plan(src: str | Path, *, to: str | Topology | None = None, format: str | None = None, spec: str | None = None,
          sizes: Mapping[str, int] | None = None, max_shard_size: int | str | None = None,
          vocab_pad: str | None = None) -> PlanReport:
@@ -115,13 +134,14 @@ def plan(src: str | Path, *, to: str | Topology | None = None, format: str | Non
     target = _target(source, to, format, spec, max_shard_size, vocab_pad)
     held = set(source.layout.states)
     source.layout, target.layout = common_views(source.layout, target.layout)
-    if "master" in target.layout.states and "master" not in source.layout.states and all(
-            loc.dtype == "float32" for it, loc in source.where.items() if it.state == "param"):
+    if MASTER in target.layout.states and MASTER not in source.layout.states and all(
+            loc.dtype == "float32" for it, loc in source.where.items() if it.state == PARAM):
         # fp32 weights with no separate master copy (FSDP2, fp32 runs) are the master copy.
-        source.layout = with_state_alias(source.layout, "param", "master")
-    elif "param" in target.layout.states and "param" not in source.layout.states and "master" in source.layout.states:
+        source.layout = with_state_alias(source.layout, PARAM, MASTER)
+    elif PARAM in target.layout.states and PARAM not in source.layout.states and MASTER in source.layout.states:
         # Only fp32 master weights stored (DeepSpeed ZeRO-3): they are the weights, as zero_to_fp32 reads them.
-        source.layout = with_state_alias(source.layout, "master", "param")
+        source.layout = with_state_alias(source.layout, MASTER, PARAM)
+    _nothing_lost(source, target)
     p = make_plan(source.layout, target.layout)
     p.validate()
     target.dtypes = destination_dtypes(p, source.where)

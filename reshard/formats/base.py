@@ -61,6 +61,8 @@ class ModelMeta:
     """Its Hugging Face ``config.json`` (read from the checkpoint, or built from its family and sizes)."""
     generation_config: dict[str, Any] | None = None
     """Its ``generation_config.json``, when the checkpoint has one."""
+    files: dict[str, bytes] = field(default_factory=dict)
+    """Its tokenizer files (``tokenizer.json``, ...) by name, carried verbatim (``reshard.formats.identity``)."""
     hints: dict[str, Any] = field(default_factory=dict)
     """Hugging Face config fields a checkpoint of another kind records (Megatron's args: epsilon, rope base,
     positions, tying, routing), for building a config when none is carried."""

@@ -37,7 +37,7 @@ from reshard.models import FAMILIES, Family, get_family, known_family
 from reshard.models.catalog import load_spec
 from reshard.models.config import hf_config
 
-__all__ = ["FORMAT_RULES", "layout_spec", "spec_names", "spec_text"]
+__all__ = ["FORMAT_RULES", "layout_spec", "require_family", "spec_names", "spec_text"]
 
 STATES = "states master exp_avg exp_avg_sq"
 DISTOPT = "reverse | align 64 | buckets bucket_size"
@@ -274,6 +274,25 @@ def source_family(source) -> Family | None:
     if family is None and isinstance(config, dict):
         family = known_family(config)
     return family
+
+
+def require_family(source, needs: str) -> Family:
+    """The source's family, for a target that cannot be laid out without one (``needs`` says why:
+    "Megatron stores each family's tensors its own way"); a CheckpointFormatError otherwise, naming the
+    model the source records, if any. Never a guess: converting a model as another family changes it."""
+    family = source_family(source)
+    if family is not None:
+        return family
+    config = source.model.config
+    if isinstance(config, dict):
+        raise CheckpointFormatError(
+            f"{source.path}: the model is model_type {config.get('model_type')!r} (its config.json), which no model "
+            f"family reshard knows describes (known: {', '.join(FAMILIES)}); {needs}, and converting it as another "
+            "family would change the model: give a spec, or convert to a format that keeps every tensor by name "
+            "(hf, dcp, deepspeed)")
+    raise CheckpointFormatError(
+        f"{source.path}: which model this is is recorded nowhere (no config.json beside it, no model family in its "
+        f"layout); {needs}: put the model's config.json beside the source, or give a spec")
 
 
 def target_config(target, dtypes) -> dict | None:

@@ -11,11 +11,10 @@ from typing import Any
 
 from reshard.errors import CheckpointFormatError
 from reshard.io.fields import check_sizes
-from reshard.io.smallfiles import read_json
 from reshard.models import known_family
 from reshard.models.family import Family
 
-__all__ = ["config_ints", "config_near", "hf_config", "require_sizes"]
+__all__ = ["config_ints", "config_sizes", "hf_config", "require_sizes"]
 
 
 def config_ints(config: Mapping[str, Any], keys: Mapping[str, str], optional: tuple[str, ...],
@@ -39,19 +38,15 @@ def require_sizes(sizes: Mapping[str, int], keys: tuple[str, ...], what: str) ->
         raise CheckpointFormatError(f"cannot build {what}: model sizes {', '.join(missing)} are unknown")
 
 
-def config_near(*dirs: Path, tensors: int | None = None) -> tuple[dict[str, int], dict[str, Any] | None]:
-    """Sizes and config from the first ``config.json`` in ``dirs`` whose ``model_type`` is a known family (for
-    formats that store none of their own: DCP, DeepSpeed, UCP); ``tensors`` bounds the layer and expert counts
-    (each stores one tensor at least)."""
-    for d in dirs:
-        candidate = Path(d) / "config.json"
-        if candidate.is_file():
-            config = read_json(candidate)
-            family = known_family(config) if isinstance(config, dict) else None
-            if family is not None:
-                counts = None if tensors is None else dict.fromkeys(("layers", "experts"), tensors)
-                return check_sizes(family.sizes_from_config(config, candidate), candidate, counts=counts), config
-    return {}, None
+def config_sizes(config: Any, where: Path | str, *, tensors: int | None = None) -> dict[str, int]:
+    """The model sizes a ``config.json`` gives when a known family claims it, else none (a config of another
+    model is still carried, for its identity, by ``reshard.formats.identity``); ``tensors`` bounds the layer
+    and expert counts (each stores one tensor at least)."""
+    family = known_family(config) if isinstance(config, dict) else None
+    if family is None:
+        return {}
+    counts = None if tensors is None else dict.fromkeys(("layers", "experts"), tensors)
+    return check_sizes(family.sizes_from_config(config, where), where, counts=counts)
 
 
 def hf_config(family: Family, sizes: Mapping[str, int], dtypes: Any = (), *, carried: Any = None,

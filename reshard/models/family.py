@@ -11,6 +11,8 @@ family spells out in the spec language (``megatron``). No format keeps a copy of
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +114,11 @@ class Family:
         lines = [self.preamble.strip(), ""]
         lines += [f"logical {t.name} as {t.alias} = {t.dims}" for t in self.stored(tied)]
         return "\n".join(lines) + "\n"
+
+    def names(self, name: str) -> bool:
+        """Whether ``name`` is one of the family's tensor names (any layer, any expert; tied or not)."""
+        return any(re.fullmatch(re.escape(t.name).replace(r"\{i\}", "[0-9]+").replace(r"\{e\}", "[0-9]+"), name)
+                   for t in self.tensors)
 
     def by_registration(self, tied: bool) -> list[Tensor]:
         stored = {t.alias: t for t in self.stored(tied)}

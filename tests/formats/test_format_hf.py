@@ -127,13 +127,26 @@ def test_open_locates_every_tensor_at_its_bytes(tmp_path: Path, tiny, sharded: b
     assert all(loc.dtype == "float32" for loc in source.where.values())
 
 
-def test_unknown_stored_tensor_fails_closed(tmp_path: Path, tiny) -> None:
-    root = _make_hf(tmp_path / "ckpt", {**tiny, "model.layers.0.self_attn.q_proj.bias": np.zeros(8, np.float32)})
-    with pytest.raises(CheckpointFormatError) as e:
-        FORMAT.open(root)
-    assert str(e.value) == (f"{root}: the stored tensors do not match spec 'hf-llama':\n"
-                            f"  {root / WEIGHTS_NAME}: tensor 'model.layers.0.self_attn.q_proj.bias' "
-                            "matches no item of spec 'hf-llama'")
+def test_a_tensor_the_family_does_not_name_is_carried_or_refused_by_name(tmp_path: Path, tiny) -> None:
+    import reshard
+    from reshard.errors import PlanError
+    from reshard.io.safetensors_io import read_header
+
+    extra = "model.layers.0.self_attn.q_proj.bias"
+    root = _make_hf(tmp_path / "ckpt", {**tiny, extra: np.arange(8, dtype=np.float32)})
+    source = FORMAT.open(root)
+    assert source.spec_name == "hf-llama" and extra in source.layout.tensors
+    reshard.convert(root, tmp_path / "dcp", format="dcp", to="dp=3")
+    reshard.convert(tmp_path / "dcp", tmp_path / "back", format="hf")
+    header = read_header(tmp_path / "back" / WEIGHTS_NAME)
+    data = (tmp_path / "back" / WEIGHTS_NAME).read_bytes()
+    t = header.tensors[extra]
+    assert data[t.data_offset:t.data_offset + 32] == np.arange(8, dtype=np.float32).tobytes()
+    assert set(header.tensors) == {*tiny, extra}
+    with pytest.raises(PlanError) as e:  # Megatron's layout of a Llama has no place for a q_proj bias
+        reshard.convert(root, tmp_path / "meg", format="megatron", to="pp=2")
+    assert f"'{extra}' [param] in {root / WEIGHTS_NAME}" in str(e.value) and "would be lost" in str(e.value)
+    assert not (tmp_path / "meg").exists()
 
 
 def test_missing_and_misshapen_tensors_are_all_listed(tmp_path: Path, tiny) -> None:
@@ -149,14 +162,29 @@ def test_missing_and_misshapen_tensors_are_all_listed(tmp_path: Path, tiny) -> N
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2", None])
-def test_a_model_type_no_family_claims_is_refused_never_read_as_llama(tmp_path: Path, tiny, model_type) -> None:
-    """Mistral stores exactly Llama's tensor names; reading it as Llama would drop its sliding window."""
-    root = _make_hf(tmp_path / "ckpt", tiny, config={**TINY, "model_type": model_type})
+def test_a_model_type_no_family_claims_is_never_read_as_llama(tmp_path: Path, tiny, model_type) -> None:
+    """Mistral stores exactly Llama's tensor names; reading it as Llama would drop its sliding window.
+
+    Its tensors are read under their own names (a derived layout) and its config travels; a format that
+    needs the family refuses it by model type."""
+    import reshard
+
+    config = {**TINY, "model_type": model_type, "sliding_window": 4096}
+    root = _make_hf(tmp_path / "ckpt", tiny, config=config)
+    source = FORMAT.open(root)
+    assert source.spec_name == "hf-derived" and source.model.config == config
+    assert set(source.layout.tensors) == set(tiny) and source.sizes == {}
+    reshard.convert(root, tmp_path / "dcp", format="dcp", to="dp=2")
+    reshard.convert(tmp_path / "dcp", tmp_path / "back", format="hf")
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == config
+    assert (tmp_path / "back" / WEIGHTS_NAME).read_bytes() == (root / WEIGHTS_NAME).read_bytes()
     with pytest.raises(CheckpointFormatError) as e:
-        FORMAT.open(root)
-    assert str(e.value) == (f"{root / 'config.json'}: model_type {model_type!r} is not a model family reshard "
-                            "knows (known: llama, mixtral, gpt2); converting it as another family would change "
-                            "the model")
+        reshard.convert(root, tmp_path / "meg", format="megatron", to="pp=2")
+    assert str(e.value) == (f"{root}: the model is model_type {model_type!r} (its config.json), which no model family "
+                            "reshard knows describes (known: llama, mixtral, gpt2); Megatron stores each family's "
+                            "tensors its own way, and converting it as another family would change the model: give "
+                            "a spec, or convert to a format that keeps every tensor by name (hf, dcp, deepspeed)")
+    assert not (tmp_path / "meg").exists()
 
 
 def test_tied_checkpoint_opens_with_the_tied_spec_and_has_no_lm_head(tmp_path: Path, tiny) -> None:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from reshard.core.dtypes import SUPPORTED
 from reshard.core.geometry import row_major_strides
-from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
+from reshard.core.layout import MASTER, PARAM, Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
 from reshard.core.spec import parse_spec
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError, TopologyError
@@ -19,7 +19,6 @@ from reshard.execution.session import WriteSession
 from reshard.formats.base import (
     Fill,
     Located,
-    ModelMeta,
     Progress,
     Source,
     Target,
@@ -29,7 +28,8 @@ from reshard.formats.base import (
 from reshard.formats.dcp.layouts import _dtype_of, _file_plan, _fsdp_layout, _spec_layout, _synthesized, _tensor_order
 from reshard.formats.dcp.reading import (
     _DATA_FILE,
-    CONFIG_NAME,
+    _MODEL_PREFIX,
+    _OPTIM_PREFIXES,
     SECTION,
     DcpRead,
     DcpWrite,
@@ -43,7 +43,8 @@ from reshard.formats.dcp.reading import (
     _step_value,
     _Verbatim,
 )
-from reshard.formats.specs import layout_spec, source_config, source_family
+from reshard.formats.identity import CONFIG_NAME, read_identity, write_identity
+from reshard.formats.specs import layout_spec, require_family, source_config
 from reshard.io.dcp_metadata import (
     METADATA_NAME,
     DcpMetadata,
@@ -54,7 +55,7 @@ from reshard.io.dcp_metadata import (
 )
 from reshard.io.torch_types import TensorSpec
 from reshard.io.torch_write import TorchFileWriter
-from reshard.models.config import config_near
+from reshard.models.config import config_sizes
 
 
 class DcpFormat:
@@ -131,11 +132,12 @@ class DcpFormat:
         topology = Topology(dp=max(len(ranks), 1))
         layout = Layout(topology=topology, tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                         fragments=tuple(fragments))
-        model_sizes, config = config_near(path, path.parent, tensors=len(md.tensors))
+        model = read_identity(path, path.parent)
+        model_sizes = config_sizes(model.config, path / CONFIG_NAME, tensors=len(md.tensors))
         model_sizes.update(given_sizes(sizes))
         extra: dict[str, Any] = {"dcp": DcpRead(naming=naming, verbatim=verbatim, planner_data=md.planner_data)}
         return Source(format=self.name, path=path, spec_name="dcp", spec=parse_spec("", "<dcp>"), topology=topology,
-                      sizes=model_sizes, layout=layout, where=where, model=ModelMeta(config=config),
+                      sizes=model_sizes, layout=layout, where=where, model=model,
                       progress=Progress(step=step), extra=extra)
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
@@ -154,30 +156,24 @@ class DcpFormat:
                                 f"{', '.join(others)}")
         topology = Topology(dp=topology.dp, tp=topology.tp)
         states = set(source.layout.states)
-        model_state = "master" if "master" in states else "param"
-        opt_states = sorted(states - {"param", "master"})
+        model_state = MASTER if MASTER in states else PARAM
+        opt_states = sorted(states - {PARAM, MASTER})
         src_dcp = source.extra.get("dcp") if source.format == self.name else None
-        naming = src_dcp.naming if src_dcp else _Naming("model.", "optim.", frozenset())
+        naming = src_dcp.naming if src_dcp else _Naming(_MODEL_PREFIX, _OPTIM_PREFIXES[0], frozenset())
         names = _tensor_order(source)
         wanted = (model_state, *opt_states)
         if spec is None and topology.tp == 1:
             layout, chunks = _fsdp_layout(source, topology, names, wanted, model_state, naming)
             spec_name, spec_ast = "dcp", parse_spec("", "<dcp>")
         else:
-            family = source_family(source)
-            if spec is None and family is None:
-                raise CheckpointFormatError(
-                    f"{source.path}: a tensor-parallel DCP target needs the model's tensor-parallel plan, and the "
-                    "source records no model family (no config.json beside it); put its config.json there, or "
-                    "give a spec")
-            spec_name = spec or f"dcp-{family.name}"
+            spec_name = spec or f"dcp-{require_family(source, 'a tensor-parallel DCP target needs its tensor-parallel plan').name}"
             spec_ast = layout_spec(spec_name)
             layout, chunks = _spec_layout(source, topology, spec_ast, spec_name, wanted, model_state, naming)
         verbatim = list(src_dcp.verbatim) if src_dcp else _synthesized(source, names, naming, opt_states)
         planner = dict(src_dcp.planner_data) if src_dcp else {}
         extra = {"dcp": DcpWrite(chunks=chunks, verbatim=verbatim, planner_data=planner, naming=naming)}
         # Beside the checkpoint for later conversions (the model's identity and sizes); DCP itself never reads it.
-        model = ModelMeta(config=source_config(source, [_dtype_of(source)]), hints=dict(source.model.hints))
+        model = replace(source.model, config=source_config(source, [_dtype_of(source)]))
         return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology,
                       sizes=dict(source.sizes), layout=layout, dtypes=dict.fromkeys(layout.items, "float32"),
                       model=model, extra=extra)
@@ -244,9 +240,7 @@ class DcpFormat:
         for key in [*md.tensors, *md.byte_entries]:
             planner.setdefault(key, naming.path(key))
         md.planner_data = {k: planner[k] for k in [*md.tensors, *md.byte_entries]}
-        if target.model.config is not None:  # not DCP's: the model's identity and sizes, for later conversions
-            (out / CONFIG_NAME).write_text(json.dumps(target.model.config, indent=2, sort_keys=True) + "\n")
-            written.append(Path(CONFIG_NAME))
+        written += write_identity(out, target.model)  # not DCP's: the model's identity, for later conversions
         write_metadata(out, md)  # last: DCP's own commit marker
         written.append(Path(METADATA_NAME))
         return written

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.core.geometry import row_major_strides
-from reshard.core.layout import LogicalTensor
+from reshard.core.layout import PARAM, LogicalTensor
 from reshard.errors import CheckpointFormatError
 from reshard.io.dcp_metadata import (
     METADATA_NAME,
@@ -27,12 +27,14 @@ from reshard.io.torch_types import TensorRef, scalar_value
 SECTION = "dcp"
 
 
-CONFIG_NAME = "config.json"
 
 
 _DATA_FILE = re.compile(r"__([0-9]{1,9})_([0-9]{1,9})\.distcp")
 
+_MODEL_PREFIX = "model."
+"""The parameters' key prefix ``get_state_dict`` gives a model saved as ``{"model": ...}`` (torchtitan has none)."""
 _OPTIM_PREFIXES = ("optim.", "optimizer.")
+"""The optimizer's key prefixes seen in checkpoints; the first is the one a new checkpoint gets."""
 
 _ADAM_GROUP = {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-08, "weight_decay": 0, "amsgrad": False,
                "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
@@ -93,11 +95,11 @@ class _Naming:
             fqn, _, state = key[len(state_prefix):].rpartition(".")
             return (fqn, state) if fqn in self.fqns else None
         if key.startswith(self.model) and key[len(self.model):] in self.fqns:
-            return key[len(self.model):], "param"
+            return key[len(self.model):], PARAM
         return None
 
     def key(self, fqn: str, state: str) -> str:
-        return f"{self.model}{fqn}" if state == "param" else f"{self.optim}state.{fqn}.{state}"
+        return f"{self.model}{fqn}" if state == PARAM else f"{self.optim}state.{fqn}.{state}"
 
     def path(self, key: str) -> tuple:
         """``planner_data``: where ``key`` sits in the nested state dict ``dcp.save`` was given."""
@@ -117,9 +119,9 @@ class _Naming:
 def _naming(md: DcpMetadata, path: Path) -> _Naming:
     optim = next((p for p in _OPTIM_PREFIXES if any(k.startswith(p) for k in [*md.tensors, *md.byte_entries])), "")
     model_keys = [k for k, t in md.tensors.items() if not (optim and k.startswith(optim)) and t.size != ()]
-    prefix = "model." if model_keys and all(k.startswith("model.") for k in model_keys) else ""
+    prefix = _MODEL_PREFIX if model_keys and all(k.startswith(_MODEL_PREFIX) for k in model_keys) else ""
     for k in model_keys:
-        if prefix == "" and k.startswith(("model.", optim or "\0")):
+        if prefix == "" and k.startswith((_MODEL_PREFIX, optim or "\0")):
             raise CheckpointFormatError(f"{path}: key '{k}' mixes prefixed and bare parameter names")
     return _Naming(prefix, optim, frozenset(k[len(prefix):] for k in model_keys))
 

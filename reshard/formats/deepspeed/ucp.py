@@ -44,17 +44,16 @@ universal folder has no topology: the loading job's is used).
 
 from __future__ import annotations
 
-import json
 import math
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from reshard.core.geometry import row_major_strides
-from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
+from reshard.core.layout import MASTER, PARAM, Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
 from reshard.core.spec import parse_spec
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError, TopologyError
@@ -62,7 +61,6 @@ from reshard.execution.session import WriteSession
 from reshard.formats.base import (
     Fill,
     Located,
-    ModelMeta,
     Progress,
     Source,
     Target,
@@ -75,7 +73,9 @@ from reshard.formats.base import (
 )
 from reshard.formats.deepspeed.state import DeepSpeedExtra, Scalar, _with_scalars, synthesize_extra
 from reshard.formats.deepspeed.zero3 import Zero3Extra, extra_from_zero12, model_tree3
+from reshard.formats.identity import read_identity, write_identity
 from reshard.formats.specs import source_config
+from reshard.models.config import config_sizes
 from reshard.io.torch_read import read_torch_file
 from reshard.io.torch_types import TensorRef, TensorSpec, TorchSize, scalar_value
 from reshard.io.torch_write import TorchFileWriter
@@ -86,7 +86,11 @@ ZERO = "zero"
 MODEL = "model"
 MODEL_FILE = "mp_rank_00_model_states.pt"
 MODEL_FILE3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"
-_KNOWN_KEYS = {"param", "cat_dim"}
+_TENSOR_KEY, _CAT_DIM_KEY = "param", "cat_dim"
+"""The keys of a ZeRO-1/2 folder's per-state file (``{"param": tensor, "cat_dim": 0}``); on disk, not state names."""
+_KNOWN_KEYS = {_TENSOR_KEY, _CAT_DIM_KEY}
+_MASTER_STEM = "fp32"
+"""The file stem of state ``master`` (``fp32.pt``); every other state's file is named for the state."""
 _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 """What ``ds_to_universal`` leaves out of ``optimizer_state.pt``: the per-rank partitions."""
 
@@ -149,11 +153,11 @@ class UcpFormat:
                     problems.append(f"{file}: a bare tensor of {obj.numel} elements, and no param_shapes entry of "
                                     f"that size for '{name}' in a model file of {folder}")
                     continue
-                elif not isinstance(obj, dict) or not isinstance(obj.get("param"), TensorRef):
+                elif not isinstance(obj, dict) or not isinstance(obj.get(_TENSOR_KEY), TensorRef):
                     problems.append(f"{file}: expected {{'param': tensor, ...}}, found {type(obj).__name__}")
                     continue
                 else:
-                    ref = obj["param"]
+                    ref = obj[_TENSOR_KEY]
                     shape = ref.shape
                     if name in shapes and shapes[name] != shape:
                         problems.append(f"{file}: '{name}' is {list(shape)}, but the model file's param_shapes "
@@ -166,7 +170,7 @@ class UcpFormat:
                 if not ref.is_contiguous:
                     problems.append(f"{file}: '{name}' is stored non-contiguous (stride {list(ref.stride)})")
                     continue
-                state = "master" if file.stem == "fp32" else file.stem
+                state = MASTER if file.stem == _MASTER_STEM else file.stem
                 t = tensors.setdefault(name, LogicalTensor(name=name, shape=shape,
                                                            axes=tuple(f"d{k}" for k in range(len(shape))),
                                                            view=shape, dim_axes=(1,) * len(shape)))
@@ -183,14 +187,13 @@ class UcpFormat:
             problems.append(f"{folder / ZERO}: no parameter folders")
         if problems:
             raise CheckpointFormatError(f"{folder}: cannot read this universal checkpoint:\n  " + "\n  ".join(problems[:20]))
-        missing = sorted(n for n in tensors if Item(ZERO, (), 0, "master", n) not in items)
+        missing = sorted(n for n in tensors if Item(ZERO, (), 0, MASTER, n) not in items)
         if missing:
             raise CheckpointFormatError(f"{folder / ZERO}: no fp32.pt for {', '.join(missing[:5])}")
         layout = Layout(topology=Topology(), tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                         fragments=tuple(fragments))
-        from reshard.models.config import config_near
-
-        model_sizes, config = config_near(folder, folder.parent, folder.parent.parent, tensors=len(tensors))
+        model = read_identity(folder, folder.parent, folder.parent.parent)
+        model_sizes = config_sizes(model.config, folder, tensors=len(tensors))
         model_sizes.update(given_sizes(sizes))
         _shape_sizes(model_sizes, {n: t.shape for n, t in tensors.items()}, folder / ZERO)
         model_sizes = check_sizes(model_sizes, folder / ZERO, counts=dict.fromkeys(("layers", "experts"), len(tensors)))
@@ -199,7 +202,7 @@ class UcpFormat:
                             if step is not None else None, lr=_lr(folder))
         return Source(format=self.name, path=folder, spec_name="ucp", spec=parse_spec("", "<ucp>"),
                       topology=Topology(), sizes=model_sizes, layout=layout, where=where,
-                      model=ModelMeta(config=config), progress=progress)
+                      model=model, progress=progress)
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """Whole tensors, one file per param and state; the weights in the model file.
@@ -220,12 +223,12 @@ class UcpFormat:
         names = [n for n, t in source.layout.tensors.items()
                  if not t.blob and t.shape and any((n, s) in held for s in source.layout.states)]
         states = set(source.layout.states)
-        fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == "param")
-        if "master" not in states and not ("param" in states and fp32):
+        fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == PARAM)
+        if MASTER not in states and not (PARAM in states and fp32):
             raise CheckpointFormatError(f"{source.path}: a universal checkpoint needs the fp32 master weights "
                                         f"(fp32.pt); the source has {', '.join(sorted(states))}, and its weights are "
                                         "not float32")
-        opt_states = [s for s in dict.fromkeys(it.state for it in source.layout.items) if s not in ("param", "master")]
+        opt_states = [s for s in dict.fromkeys(it.state for it in source.layout.items) if s not in (PARAM, MASTER)]
         tensors: dict[str, LogicalTensor] = {}
         items: dict[Item, ItemInfo] = {}
         fragments: list[Fragment] = []
@@ -233,8 +236,8 @@ class UcpFormat:
             shape = source.layout.tensors[name].shape
             t = tensors[name] = LogicalTensor(name=name, shape=shape, axes=tuple(f"d{k}" for k in range(len(shape))),
                                               view=shape, dim_axes=(1,) * len(shape))
-            kinds = ((ZERO, "master"), *((ZERO, s) for s in opt_states))
-            for section, state in kinds if stage3 else ((MODEL, "param"), *kinds):
+            kinds = ((ZERO, MASTER), *((ZERO, s) for s in opt_states))
+            for section, state in kinds if stage3 else ((MODEL, PARAM), *kinds):
                 item = Item(section, (), 0, state, name)
                 # ZeRO-3's folders hold each state flat (ds_to_universal's merge_zero3_slices)
                 items[item] = ItemInfo(shape=(math.prod(shape),) if stage3 else shape, mapped=math.prod(shape),
@@ -243,11 +246,11 @@ class UcpFormat:
                     fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
         layout = Layout(topology=Topology(), tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                         fragments=tuple(fragments))
-        model_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == "param"), "float32")
+        model_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == PARAM), "float32")
         extra = (_extra3(source, tuple(names), model_dtype) if stage3 else
                  _extra(source, tuple(names), model_dtype, tuple(opt_states)))
         dtypes = {it: model_dtype if it.section == MODEL else "float32" for it in items}
-        model = ModelMeta(config=source_config(source, [model_dtype]), hints=dict(source.model.hints))
+        model = replace(source.model, config=source_config(source, [model_dtype]))
         return Target(format=self.name, spec_name="ucp", spec=parse_spec("", "<ucp>"), topology=Topology(),
                       sizes=dict(source.sizes), layout=layout, dtypes=dtypes, model=model, extra={"ucp": extra})
 
@@ -290,7 +293,7 @@ class UcpFormat:
             else:
                 (it,) = its
                 spec = TensorSpec("float32", target.layout.items[it].shape, ("item", it.key))
-                tree = spec if extra.stage3 else {"cat_dim": 0, "param": spec}
+                tree = spec if extra.stage3 else {_CAT_DIM_KEY: 0, _TENSOR_KEY: spec}
                 sources[("item", it.key)] = (it, target.layout.items[it].numel)
             with TorchFileWriter(out / rel, tree, open_file=session.open) as writer:
                 for key in writer.entries:
@@ -316,11 +319,9 @@ class UcpFormat:
                 for key in writer.entries:
                     writer.write(key, scalars[key][0].data)
             written.append(rel)
-        config = target.model.config
-        if config is not None:
-            (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        written += write_identity(out, target.model)
         (out / "latest_universal").write_text(extra.tag)
-        return [*written, *([Path("config.json")] if config is not None else []), Path("latest_universal")]
+        return [*written, Path("latest_universal")]
 
 
 def _extra3(source: Source, names: tuple[str, ...], model_dtype: str) -> UcpExtra:
@@ -340,7 +341,7 @@ def _extra3(source: Source, names: tuple[str, ...], model_dtype: str) -> UcpExtr
 
 
 def _file_stem(state: str) -> str:
-    return "fp32" if state == "master" else state
+    return _MASTER_STEM if state == MASTER else state
 
 
 def _extra(source: Source, names: tuple[str, ...], model_dtype: str, opt_states: tuple[str, ...]) -> UcpExtra:
@@ -396,7 +397,7 @@ def _folder(path: Path) -> Path | None:
     if marker.is_file():
         path = path / read_tag(marker)
     zero = path / ZERO
-    if zero.is_dir() and any((p / "fp32.pt").is_file() for p in zero.iterdir() if p.is_dir()):
+    if zero.is_dir() and any((p / f"{_MASTER_STEM}.pt").is_file() for p in zero.iterdir() if p.is_dir()):
         return path
     return None
 

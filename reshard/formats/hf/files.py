@@ -8,7 +8,7 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from reshard.core.layout import Item, Layout
+from reshard.core.layout import PARAM, Item, Layout
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import (
     Source,
@@ -17,10 +17,6 @@ from reshard.formats.base import (
     read_json,
 )
 from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, TensorInfo, plan_shards, read_header
-
-CONFIG_NAME = "config.json"
-
-GENERATION_CONFIG_NAME = "generation_config.json"
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 """huggingface_hub's default; transformers 5's ``save_pretrained`` defaults to 50GB."""
@@ -85,7 +81,7 @@ def _target_dtypes(source: Source, layout: Layout) -> dict[Item, str]:
     """Each target item's dtype: that of the source item holding its tensor's weights (float32 if none)."""
     by_tensor: dict[str, str] = {}
     for f in source.layout.fragments:
-        if f.state == "param" and not f.fill and f.item in source.where:
+        if f.state == PARAM and not f.fill and f.item in source.where:
             by_tensor.setdefault(f.tensor, source.where[f.item].dtype)
     out: dict[Item, str] = {}
     for f in layout.fragments:
@@ -113,7 +109,7 @@ def _ordered_items(layout: Layout) -> list[Item]:
 
 def _shard_plan(target: Target) -> tuple[list[Item], dict[str, Item], dict[Item, str], Any]:
     """The target's items in state-dict order, by key, their dtypes, and how they split into shards."""
-    others = sorted({it.state for it in target.layout.items} - {"param"})
+    others = sorted({it.state for it in target.layout.items} - {PARAM})
     if others:
         raise CheckpointFormatError(
             f"hf checkpoints hold model weights only; the target layout also has states {', '.join(others)}")
@@ -132,7 +128,7 @@ def _shard_plan(target: Target) -> tuple[list[Item], dict[str, Item], dict[Item,
     return items, by_key, dtype_of, plan_shards(sizes, target.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
 
 def _check_param_only(layout: Layout, spec_name: str) -> None:
-    if layout.states not in ((), ("param",)):
+    if layout.states not in ((), (PARAM,)):
         raise CheckpointFormatError(
             f"spec '{spec_name}' declares states {', '.join(layout.states)}; "
             "hf checkpoints hold model weights (param) only")

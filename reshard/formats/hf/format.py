@@ -4,39 +4,33 @@ family's layout, and write shards, index and configs."""
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from reshard.core.dtypes import SUPPORTED
 from reshard.core.layout import Item
 from reshard.core.resolve import resolve
+from reshard.core.spec import Spec, parse_spec
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError, TopologyError
 from reshard.execution.session import WriteSession
-from reshard.formats.base import (
-    Fill,
-    Located,
-    ModelMeta,
-    Source,
-    Target,
-    check_sizes,
-    given_sizes,
-    read_json,
+from reshard.formats.base import Fill, Located, Source, Target, check_sizes, given_sizes
+from reshard.formats.derived import (
+    Recorded,
+    derived_spec,
+    derived_spec_name,
+    is_derived,
+    logical_lines,
+    recorded_of,
+    stored_line,
 )
-from reshard.formats.hf.files import (
-    CONFIG_NAME,
-    GENERATION_CONFIG_NAME,
-    _check_param_only,
-    _listing,
-    _shard_plan,
-    _stored_tensors,
-    _target_dtypes,
-)
-from reshard.formats.specs import layout_spec, source_family
+from reshard.formats.hf.files import _check_param_only, _listing, _shard_plan, _stored_tensors, _target_dtypes
+from reshard.formats.identity import CONFIG_NAME, read_identity, write_identity
+from reshard.formats.specs import layout_spec, source_family, spec_text
 from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter
-from reshard.models import Family, family_for_config, known_family
+from reshard.models import Family, known_family
 from reshard.models.config import hf_config
 
 
@@ -52,8 +46,10 @@ class HFFormat:
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
         """Read ``config.json`` and the safetensors headers, and match every stored tensor to the spec.
 
-        ``Source.extra["config"]`` is the parsed ``config.json``
-        (``extra["generation_config"]`` too when the directory has one).
+        The layout is the model family's when a family claims the config's ``model_type`` (tensors the
+        family does not name, such as adapters or a value head, are added under their own names), else
+        derived from the safetensors headers alone. ``Source.model`` carries ``config.json``,
+        ``generation_config.json`` and the tokenizer files.
 
         Raises:
           CheckpointFormatError: a file is missing or malformed, the model is
@@ -62,17 +58,29 @@ class HFFormat:
         """
         path = Path(path)
         config_path = path / CONFIG_NAME
-        config = read_json(config_path)
-        if not isinstance(config, dict):
-            raise CheckpointFormatError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
-        family = family_for_config(config, str(config_path)) if spec is None else known_family(config)
-        spec_name = spec or hf_spec_name(family, config, config_path)
+        model = read_identity(path)
+        config = model.config or {}
         stored = _stored_tensors(path)
+        family = known_family(config)
+        if spec is not None:
+            spec_name, spec_obj = spec, layout_spec(spec)
+        elif family is None:  # a model no family describes: every tensor under its own name, as stored
+            spec_name = derived_spec_name(self.name)
+            spec_obj = derived_spec(hf_text([Recorded(n, t.shape) for n, (_, t) in stored.items()], path),
+                                    self.name, path)
+        else:
+            spec_name = hf_spec_name(family, config, config_path)
+            spec_obj = layout_spec(spec_name)
         model_sizes = family.sizes_from_config(config, config_path) if family else {}
         model_sizes = check_sizes(model_sizes, config_path, counts=dict.fromkeys(("layers", "experts"), len(stored)))
         model_sizes.update(given_sizes(sizes))
-        spec_obj = layout_spec(spec_name)
         layout = resolve(spec_obj, Topology(), model_sizes)
+        if spec is None and family is not None:  # tensors the family does not name (adapters, a value head)
+            keys = {it.key for it in layout.items}
+            extras = [Recorded(n, t.shape) for n, (_, t) in stored.items() if n not in keys and not family.names(n)]
+            if extras:
+                spec_obj = with_extras(spec_name, extras, path)
+                layout = resolve(spec_obj, Topology(), model_sizes)
         _check_param_only(layout, spec_name)
         where: dict[Item, Located] = {}
         problems: list[str] = []
@@ -98,8 +106,6 @@ class HFFormat:
         if problems:
             raise CheckpointFormatError(
                 f"{path}: the stored tensors do not match spec '{spec_name}':\n  " + _listing(problems))
-        generation = path / GENERATION_CONFIG_NAME
-        model = ModelMeta(config=config, generation_config=read_json(generation) if generation.is_file() else None)
         return Source(format=self.name, path=path, spec_name=spec_name, spec=spec_obj, topology=Topology(),
                       sizes=model_sizes, layout=layout, where=where, model=model)
 
@@ -122,28 +128,39 @@ class HFFormat:
             raise TopologyError(f"hf checkpoints are unsharded: cannot write {', '.join(sharded)} (use tp=1,pp=1,dp=1)")
         from_hf = source.format == self.name
         family = source_family(source)
-        if spec is None and family is None:
+        config_known = isinstance(source.model.config, dict)
+        if spec is not None:
+            spec_name, spec_obj = spec, layout_spec(spec)
+        elif from_hf:
+            spec_name, spec_obj = source.spec_name, source.spec
+        elif family is not None and not is_derived(source.spec_name):
+            tied = family.can_tie and family.tied_in(source.layout.tensors)
+            spec_name = hf_spec_name(family, {"tie_word_embeddings": tied}, source.path)
+            spec_obj = layout_spec(spec_name)
+            family_tensors = resolve(spec_obj, Topology(), source.sizes).tensors
+            extras = [t for t in recorded_of(source.layout) if t.name not in family_tensors]
+            if extras:
+                spec_obj = with_extras(spec_name, extras, source.path)
+        elif config_known:  # no family's layout in the source: every tensor under its own name
+            spec_name = derived_spec_name(self.name)
+            spec_obj = derived_spec(hf_text(recorded_of(source.layout)), self.name, source.path)
+        else:
             raise CheckpointFormatError(
                 f"{source.path}: which model this is is recorded nowhere (no config.json beside it, no model family "
                 "in its layout), and a Hugging Face checkpoint needs its config; put the model's config.json beside "
                 "the source")
-        tied = family is not None and family.can_tie and family.tied_in(source.layout.tensors)
-        spec_name = spec or (source.spec_name if from_hf else hf_spec_name(family, {"tie_word_embeddings": tied},
-                                                                            source.path))
-        spec_obj = layout_spec(spec_name)
         layout = resolve(spec_obj, Topology(), source.sizes)
         _check_param_only(layout, spec_name)
         dtypes = _target_dtypes(source, layout)
-        if from_hf:
+        if from_hf or family is None or is_derived(spec_name):
             config = copy.deepcopy(source.model.config)
-        elif family is not None:
+        else:
+            tied = family.tied_in(layout.tensors)
             config = hf_config(family, source.sizes, dtypes.values(), carried=source.model.config,
                                hints=source.model.hints, tied=tied)
-        else:
-            config = None
+        model = replace(source.model, config=config, generation_config=copy.deepcopy(source.model.generation_config))
         return Target(format=self.name, spec_name=spec_name, spec=spec_obj, topology=Topology(),
-                      sizes=dict(source.sizes), layout=layout, dtypes=dtypes,
-                      model=ModelMeta(config=config, generation_config=copy.deepcopy(source.model.generation_config)))
+                      sizes=dict(source.sizes), layout=layout, dtypes=dtypes, model=model)
 
     def write(self, target: Target, out: Path, fill: Fill, session: WriteSession | None = None, *,
               only: Collection[Path] | None = None) -> list[Path]:
@@ -181,15 +198,9 @@ class HFFormat:
             total_parameters = sum(target.layout.items[it].numel for it in items)
             (out / INDEX_NAME).write_text(shards.index_json(total_parameters), encoding="utf-8")
             written.append(Path(INDEX_NAME))
-        config = target.model.config
-        if config is None:
+        if target.model.config is None:
             raise CheckpointFormatError(f"{out}: no config.json for this checkpoint (its model family is unknown)")
-        (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        written.append(Path(CONFIG_NAME))
-        if target.model.generation_config is not None:
-            text = json.dumps(target.model.generation_config, indent=2, sort_keys=True) + "\n"
-            (out / GENERATION_CONFIG_NAME).write_text(text, encoding="utf-8")
-            written.append(Path(GENERATION_CONFIG_NAME))
+        written += write_identity(out, target.model)
         return written
 
     def files_of(self, target: Target) -> dict[Item, Path]:
@@ -211,3 +222,16 @@ def hf_spec_name(family: Family | None, config: Mapping[str, Any], where: Path) 
         raise CheckpointFormatError(f"{where}: tied {family.name} checkpoints are not supported yet "
                                     "(tie_word_embeddings is true)")
     return f"hf-{family.name}" + ("-tied" if tied and family.can_tie else "")
+
+
+def hf_text(tensors: list[Recorded], where: Path | str = "") -> str:
+    """A derived Hugging Face layout: every tensor unsharded under its own name."""
+    return "\n".join([*logical_lines(tensors, where), "section model", *map(stored_line, tensors)]) + "\n"
+
+
+def with_extras(spec_name: str, extras: list[Recorded], where: Path) -> Spec:
+    """The family's layout ``spec_name`` plus ``extras``, tensors it does not name (LoRA adapters, a value
+    head), each unsharded under its own name."""
+    text = "\n".join([spec_text(spec_name), *logical_lines(extras, where), "section extras",
+                      *map(stored_line, extras)]) + "\n"
+    return parse_spec(text, source=f"<{spec_name} with {len(extras)} tensors of {where}>")

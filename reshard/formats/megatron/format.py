@@ -53,7 +53,7 @@ from reshard.formats.megatron.specs import (
 )
 from reshard.formats.megatron.state import KEY, MegatronState, carried_args, state_of
 from reshard.formats.megatron.writer import _Writer
-from reshard.formats.specs import layout_spec, source_family
+from reshard.formats.specs import layout_spec, require_family, source_family
 from reshard.io.bounds import brief
 from reshard.models import family_for_megatron_args
 
@@ -271,12 +271,8 @@ class MegatronFormat:
         src_args = carried_args(source) if meg else {}  # not meg: Megatron's state is synthesized
         sizes = {k: v for k, v in source.sizes.items() if k != "bucket_size"}
         sizes.setdefault("vocab_div", src_args.get("make_vocab_size_divisible_by") or 128)
-        family = source_family(source)
-        if family is None and spec is None:
-            raise CheckpointFormatError(
-                f"{source.path}: which model this is is recorded nowhere (no config.json beside it, no model family "
-                "in its layout), and Megatron stores each family's tensors its own way; put the model's config.json "
-                "beside the source, or give a spec")
+        family = source_family(source) if spec is not None else \
+            require_family(source, "Megatron stores each family's tensors its own way")
         if meg:
             tied = not src_args.get("untie_embeddings_and_output_weights", False)
         else:  # tied when the family's output projection is not stored on its own

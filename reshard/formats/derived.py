@@ -1,0 +1,101 @@
+"""Layouts derived from what a checkpoint records: every tensor's name and shape, in order.
+
+Most checkpoints are of models reshard has no family for, and most formats need none: a
+safetensors header, DeepSpeed's ``param_shapes``, DCP's and torch_dist's metadata and UCP's
+folders record each tensor's name and global shape. Each recorded tensor is then its own
+logical tensor, and the format's rules place it (whole, flattened into a ZeRO partition,
+chunked over dp). The layout is written in the spec language, as a family's is, so
+resolving, planning, executing, ``verify`` and ``plan --explain`` see no difference, and
+``inspect --spec`` prints it as the start of a user's own spec.
+
+Axes are named by position and extent (``d0_896 d1_4864``), each declared once with ``let``,
+so the text stands alone and two tensors of one shape share their axes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from reshard.core.layout import Layout
+from reshard.core.spec import Spec, parse_spec
+from reshard.errors import CheckpointFormatError
+
+__all__ = ["DERIVED", "Recorded", "derived_spec", "derived_spec_name", "is_derived", "logical_lines",
+           "recorded_of", "stored_line"]
+
+DERIVED = "derived"
+"""The family part of a derived layout's name (``hf-derived``): no model family, the checkpoint's own tensors."""
+
+_SAFE = re.compile(r"[^\s{}#]+")
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """One tensor as a checkpoint records it: its name and its global (unsharded) shape."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Its axis names in a derived spec: ``d<dim>_<extent>``."""
+        return tuple(f"d{k}_{n}" for k, n in enumerate(self.shape))
+
+    @property
+    def dims(self) -> str:
+        """Its dims in the spec language (``scalar`` for a 0-d tensor)."""
+        return " ".join(self.axes) or "scalar"
+
+
+def derived_spec_name(format_name: str) -> str:
+    """The name a derived layout goes by: ``<format>-derived``. It names no family and cannot be generated
+    by name: the ``Spec`` lives on the ``Source`` or ``Target`` it was derived for."""
+    return f"{format_name}-{DERIVED}"
+
+
+def is_derived(spec_name: str) -> bool:
+    """Whether ``spec_name`` is a layout derived from a checkpoint (not a family's, not a user's file)."""
+    return spec_name.endswith(f"-{DERIVED}")
+
+
+def check_names(tensors: Iterable[Recorded], where: Path | str) -> None:
+    """Fail closed on a tensor name the spec language cannot spell (whitespace, braces, ``#``)."""
+    for t in tensors:
+        if not _SAFE.fullmatch(t.name):
+            raise CheckpointFormatError(f"{where}: tensor name {t.name!r} has whitespace, a brace or '#', which a "
+                                        "layout cannot name; reshard cannot convert this checkpoint")
+        if any(n < 0 for n in t.shape):
+            raise CheckpointFormatError(f"{where}: tensor '{t.name}' has a negative extent in shape {list(t.shape)}")
+
+
+def logical_lines(tensors: Sequence[Recorded], where: Path | str) -> list[str]:
+    """``let`` lines for every axis the tensors use, then one ``logical`` line per tensor."""
+    check_names(tensors, where)
+    sizes: dict[str, int] = {}
+    for t in tensors:
+        for axis, n in zip(t.axes, t.shape, strict=True):
+            sizes.setdefault(axis, n)
+    lines = [f"let {axis} = {n}" for axis, n in sorted(sizes.items(), key=lambda kv: (kv[1], kv[0]))]
+    lines.append("")
+    lines += [f"logical {t.name} = {t.dims}" for t in tensors]
+    return lines
+
+
+def stored_line(t: Recorded, key: str | None = None) -> str:
+    """A stored rule holding ``t`` whole, under its own name or under ``key``."""
+    return f"{t.name} = {t.dims}" if key is None or key == t.name else f"{key} -> {t.name} = {t.dims}"
+
+
+def derived_spec(text: str, format_name: str, where: Path | str) -> Spec:
+    """The parsed derived layout, its errors pointing at the checkpoint it was derived from."""
+    return parse_spec(text, source=f"<{derived_spec_name(format_name)}: {where}>")
+
+
+def recorded_of(layout: Layout) -> list[Recorded]:
+    """The tensors of an opened checkpoint's layout, in its order, as a derived layout of another format
+    records them (blobs left out: they are the format's own state)."""
+    held = {f.tensor for f in layout.fragments}
+    return [Recorded(n, t.shape) for n, t in layout.tensors.items() if not t.blob and n in held]
