@@ -16,6 +16,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -54,7 +55,7 @@ def _user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except ReshardError as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(code=2) from None
 
     return run
