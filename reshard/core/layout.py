@@ -119,6 +119,8 @@ def box_fragments(tensor: LogicalTensor, offsets: tuple[int, ...], lengths: tupl
     view boxes ``restrict`` cuts it into. Returns ``(box, item offset, strides
     per view axis)`` for each: what a ``Fragment`` needs.
     """
+    if len(tensor.axes) == len(tensor.shape):  # one axis per dim: the box is the view box itself
+        return [(Box(tuple(offsets), tuple(lengths)), base, tuple(strides))]
     per_dim = []
     for group, o, n, st in zip(dims_of(tensor), offsets, lengths, strides):
         sizes = tuple(tensor.view[k] for k in group)

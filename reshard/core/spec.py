@@ -115,6 +115,8 @@ FUNCTIONS = ("cdiv", "roundup", "lcm", "min", "max")
 
 _TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<int>[0-9]+)|(?P<punct>->|//|[()\[\]{}|:/~=,*+\-@<])|(?P<bad>\S))")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SPACE = re.compile(r"\s*")
+_WORD = re.compile(r"\S*")
 
 
 @dataclass(slots=True)
@@ -125,7 +127,11 @@ class _Tok:
 
 
 class _Line:
-    """Tokens of one line, with a cursor; errors point into the line."""
+    """Tokens of one line, read as the parser asks for them, with a cursor; errors point into the line.
+
+    Lexing is lazy: a tensor name is read as one whitespace-free word (``word``), so
+    the characters of a long name are never split into tokens first.
+    """
 
     def __init__(self, spec_source: str, lineno: int, text: str) -> None:
         self.source = spec_source
@@ -133,6 +139,10 @@ class _Line:
         self.text = text
         self.toks: list[_Tok] = []
         self.i = 0
+        self._scan = 0
+        self._done = False
+        self.end = len(text)
+        """Where lexing stops (an expression inside a name's braces ends before the line does)."""
 
     def fail(self, message: str, tok: _Tok | None = None) -> SpecError:
         tok = tok or self.peek()
@@ -142,10 +152,16 @@ class _Line:
         return Pos(self.lineno, tok.col, max(1, len(tok.text)), self.source)
 
     def peek(self, ahead: int = 0) -> _Tok:
-        return self.toks[min(self.i + ahead, len(self.toks) - 1)]
+        j = self.i + ahead
+        if j < len(self.toks):
+            return self.toks[j]
+        while len(self.toks) <= j and not self._done:
+            self.toks.append(self._lex())
+        return self.toks[min(j, len(self.toks) - 1)]
 
     def next(self) -> _Tok:
         tok = self.peek()
+        self.peek(1)
         self.i = min(self.i + 1, len(self.toks) - 1)
         return tok
 
@@ -171,28 +187,24 @@ class _Line:
         if tok.kind == "end":
             raise self.fail(f"expected {what}, found end of line")
         start = tok.col - 1
-        end = start
-        while end < len(self.text) and not self.text[end].isspace():
-            end += 1
-        # Re-tokenize after the word.
-        self._tokenize(end)
+        end = _WORD.match(self.text, start).end()
+        self._tokenize(end)  # lex again after the word
         return _Tok("word", self.text[start:end], start + 1)
 
     def _tokenize(self, start: int) -> None:
-        toks: list[_Tok] = []
-        pos = start
-        text = self.text
-        while True:
-            m = _TOKEN.match(text, pos)
-            if m is None or m.end() == m.start() or text[m.start() :].strip() == "" or text[m.start() :].lstrip().startswith("#"):
-                break
-            kind = m.lastgroup or "bad"
-            toks.append(_Tok(kind, m.group(kind), m.start(kind) + 1))
-            pos = m.end()
-        end_col = len(text.split("#", 1)[0].rstrip()) + 1
-        toks.append(_Tok("end", "", end_col))
-        self.toks = toks
-        self.i = 0
+        """Forget the tokens read so far and lex from column ``start`` (0-based) on."""
+        self.toks, self.i, self._scan, self._done = [], 0, start, False
+
+    def _lex(self) -> _Tok:
+        text, end = self.text, self.end
+        pos = _SPACE.match(text, self._scan, end).end()
+        if pos >= end or text[pos] == "#":
+            self._done = True
+            return _Tok("end", "", len(text[:end].split("#", 1)[0].rstrip()) + 1)
+        m = _TOKEN.match(text, pos, end)  # always matches: 'bad' takes any other character
+        kind = m.lastgroup or "bad"
+        self._scan = m.end()
+        return _Tok(kind, m.group(kind), m.start(kind) + 1)
 
 
 def _describe(tok: _Tok) -> str:
@@ -359,9 +371,9 @@ _CAPTURE = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<sep>[/@])(?P<axis
 
 def _sub_expr(ln: _Line, text: str, col: int) -> Expr:
     """An expression written inside a name's braces, parsed on its own; errors point into the line."""
-    sub = _Line(ln.source, ln.lineno, ln.text[: col - 1 + len(text)])
+    sub = _Line(ln.source, ln.lineno, ln.text)  # errors show the whole line
+    sub.end = col - 1 + len(text)
     sub._tokenize(col - 1)
-    sub.text = ln.text  # errors show the whole line
     e = _expr(sub)
     if sub.peek().kind != "end":
         raise sub.fail(f"unexpected '{sub.peek().text}' in '{text}'")

@@ -181,7 +181,8 @@ class DcpFormat:
     def files_of(self, target: Target) -> dict[Item, Path]:
         """Each item's rank file; a chunk several ranks hold is in the file of the rank that writes it."""
         chunks = target.extra["dcp"].chunks
-        return {it: Path(_rank_file(chunks[it].rank)) for it in target.layout.items}
+        files = {r: Path(_rank_file(r)) for r in {c.rank for c in chunks.values()}}
+        return {it: files[chunks[it].rank] for it in target.layout.items}
 
     def write(self, target: Target, out: Path, fill: Fill, session: WriteSession | None = None, *,
               only: Collection[Path] | None = None) -> list[Path]:
