@@ -18,9 +18,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
+from rich.table import Column, Table
+from rich.text import Text
 
 import reshard
+from reshard.api.inspecting import inspect_spec
 from reshard.core.layout import PARAM
 from reshard.errors import ReshardError
 
@@ -157,20 +159,64 @@ def inspect(
     src: Annotated[Path, typer.Argument(help="checkpoint directory")],
     sizes: SizesOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print as JSON")] = False,
+    as_spec: Annotated[bool, typer.Option("--spec", help="print the checkpoint's layout in the spec language, "
+                                          "the start of a spec of your own")] = False,
 ) -> None:
-    """Detected format, topology, model sizes, tensors, dtypes and sizes."""
+    """Format, topology, model, progress, optimizer states, and every tensor with its dtypes and sizes."""
+    if as_json and as_spec:
+        raise ReshardError("--json and --spec each print the checkpoint whole: give one of them")
+    if as_spec:
+        typer.echo(inspect_spec(src, sizes=_sizes(sizes)), nl=False)
+        return
     info = reshard.inspect(src, sizes=_sizes(sizes))
     if as_json:
         out.print_json(json.dumps(info))
         return
-    out.print(f"{info['path']}: {info['format']} ({info['spec']}), {info['topology']}, {len(info['files'])} files, "
-              f"{_bytes(info['bytes'])}", highlight=False)
-    out.print("sizes: " + ", ".join(f"{k}={v}" for k, v in sorted(info["sizes"].items())), highlight=False)
-    table = Table("tensor", "shape", *info["states"])
-    for name, row in info["tensors"].items():
-        cells = [f"{row['states'][s]['dtype']} {_bytes(row['states'][s]['bytes'])}" if s in row["states"] else "" for s in info["states"]]
-        table.add_row(name, "x".join(map(str, row["shape"])) or "scalar", *cells)
-    out.print(table)
+    for line in _summary(info):
+        typer.echo(line)
+    header = ("tensor", "shape", *info["states"])
+    rows = [(name, "x".join(map(str, row["shape"])) or "scalar",
+             *(f"{row['states'][s]['dtype']} {_bytes(row['states'][s]['bytes'])}" if s in row["states"] else "-"
+               for s in info["states"]))
+            for name, row in info["tensors"].items()]
+    _print_table(header, rows)
+
+
+def _summary(info: dict) -> list[str]:
+    """The lines above ``inspect``'s table: what the checkpoint is, then what it holds."""
+    model, progress = info["model"], info["progress"]
+    identity = [f"family {model['family']}"] if model["family"] else []
+    if model["model_type"] is not None:
+        identity.append(f"model_type {model['model_type']}")
+    archs = model["architectures"]
+    if archs:
+        identity.append(", ".join(map(str, archs)) if isinstance(archs, list) else str(archs))
+    done = [f"{k} {progress[k]}" for k in ("iteration", "step", "lr") if progress[k] is not None]
+    optim = info["optimizer_states"]
+    return [
+        f"{info['path']}: {info['format']} ({info['spec']}), {info['topology']}, {len(info['files'])} "
+        f"file{'' if len(info['files']) == 1 else 's'}, {_bytes(info['bytes'])}",
+        "model: " + ("; ".join(identity) if identity else "not recorded"),
+        "progress: " + (", ".join(done) if done else "not recorded"),
+        "sizes: " + (", ".join(f"{k}={v}" for k, v in sorted(info["sizes"].items())) or "none recorded"),
+        f"tensors: {info['tensor_count']}, {sum(info['dtypes'].values())} tensor states: "
+        + ", ".join(f"{n} {d}" for d, n in info["dtypes"].items()),
+        "optimizer state: " + (", ".join(optim) if optim else "none (weights only)"),
+    ]
+
+
+def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A table in a terminal (long tensor names folded, never cut short); plain aligned lines otherwise,
+    one row a line, so a pipe or a file gets every name whole."""
+    if out.is_terminal:
+        table = Table(*(Column(Text(h), overflow="fold") for h in header))
+        for row in rows:
+            table.add_row(*map(Text, row))
+        out.print(table)
+        return
+    widths = [max(len(r[k]) for r in (header, *rows)) for k in range(len(header))]
+    for row in (header, *rows):
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 @app.command()
