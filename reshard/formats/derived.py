@@ -24,7 +24,7 @@ from reshard.core.spec import Spec, parse_spec
 from reshard.errors import CheckpointFormatError
 
 __all__ = ["DERIVED", "Recorded", "derived_spec", "derived_spec_name", "is_derived", "logical_lines",
-           "recorded_of", "stored_line"]
+           "recorded_of", "refuse_empty", "stored_line"]
 
 DERIVED = "derived"
 """The family part of a derived layout's name (``hf-derived``): no model family, the checkpoint's own tensors."""
@@ -99,3 +99,12 @@ def recorded_of(layout: Layout) -> list[Recorded]:
     records them (blobs left out: they are the format's own state)."""
     held = {f.tensor for f in layout.fragments}
     return [Recorded(n, t.shape) for n, t in layout.tensors.items() if not t.blob and n in held]
+
+
+def refuse_empty(layout: Layout, where: Path | str, target: str) -> None:
+    """Fail closed on a tensor with no elements: it has no fragments, so no plan carries it, and a target
+    would silently lack it (or hold it in a guessed dtype)."""
+    for name, t in layout.tensors.items():
+        if not t.blob and 0 in t.shape:
+            raise CheckpointFormatError(f"{where}: tensor '{name}' has no elements (shape {list(t.shape)}); reshard "
+                                        f"cannot carry an empty tensor to a {target} checkpoint yet")

@@ -43,6 +43,7 @@ from reshard.formats.dcp.reading import (
     _step_value,
     _Verbatim,
 )
+from reshard.formats.derived import refuse_empty
 from reshard.formats.identity import CONFIG_NAME, read_identity, write_identity
 from reshard.formats.specs import layout_spec, require_family, source_config
 from reshard.io.dcp_metadata import (
@@ -91,7 +92,7 @@ class DcpFormat:
         archives: dict[str, Any] = {}
         for key, t in md.tensors.items():
             role = naming.role(key)
-            if t.size == () or role is None:
+            if role is None or (t.size == () and role[1] != PARAM):  # a 0-d model tensor is a tensor
                 if t.size != ():
                     problems.append(f"'{key}' is neither a parameter ('{naming.model}<fqn>') nor an optimizer state")
                     continue
@@ -154,6 +155,7 @@ class DcpFormat:
         if others:
             raise TopologyError(f"the dcp target shards over dp (FSDP2) and tp (DTensor) only; cannot write "
                                 f"{', '.join(others)}")
+        refuse_empty(source.layout, source.path, self.name)
         topology = Topology(dp=topology.dp, tp=topology.tp)
         states = set(source.layout.states)
         model_state = MASTER if MASTER in states else PARAM

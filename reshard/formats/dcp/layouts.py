@@ -40,9 +40,9 @@ def _dtype_of(source: Source) -> str:
     return "float32"
 
 def _tensor_order(source: Source) -> list[str]:
-    """The source's stored, non-blob, non-scalar tensors in its own order (embedding, layers, ...)."""
+    """The source's stored, non-blob tensors in its own order (embedding, layers, ...)."""
     held = {f.tensor for f in source.layout.fragments}
-    return [n for n, t in source.layout.tensors.items() if not t.blob and t.shape and n in held]
+    return [n for n, t in source.layout.tensors.items() if not t.blob and n in held]
 
 def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: list[str]) -> list[_Verbatim]:
     """Adam's per-parameter ``step`` and one ``param_groups`` entry, for a source that is not DCP."""
@@ -56,6 +56,8 @@ def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: 
     out: list[_Verbatim] = []
     if not opt_states:
         return out
+    optimized = {f.tensor for f in source.layout.fragments if f.state in opt_states}
+    names = [n for n in names if n in optimized]  # the optimizer's parameters: never a buffer
     step = float(source.progress.step or source.progress.iteration or 0)
     step_bytes = saved(torch.tensor(step, dtype=torch.float32))
     for name in names:
@@ -95,10 +97,11 @@ def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: t
             if (name, state) not in held:
                 continue
             key = naming.key(name, PARAM if state == model_state else state)
-            for rank, (lo, n) in enumerate(_torch_chunks(t.shape[0], topology.dp)):
+            # A 0-d tensor (a buffer FSDP2 leaves unsharded) is one chunk, rank 0's, as DCP deduplicates it.
+            for rank, (lo, n) in enumerate(_torch_chunks(t.shape[0], topology.dp) if t.shape else [(0, 1)]):
                 if n == 0:
                     continue
-                offs, sizes = (lo,) + (0,) * (len(t.shape) - 1), (n, *t.shape[1:])
+                offs, sizes = ((lo,) + (0,) * (len(t.shape) - 1), (n, *t.shape[1:])) if t.shape else ((), ())
                 item = Item(SECTION, (("dp", rank),), 0, state, key)
                 items[item] = ItemInfo(shape=sizes, mapped=math.prod(sizes), rule="FSDP2 Shard(0)")
                 chunks[item] = _Chunk(key, DcpChunk(offs, sizes), t.shape, rank, item)

@@ -123,7 +123,10 @@ def _naming(md: DcpMetadata, path: Path) -> _Naming:
     for k in model_keys:
         if prefix == "" and k.startswith((_MODEL_PREFIX, optim or "\0")):
             raise CheckpointFormatError(f"{path}: key '{k}' mixes prefixed and bare parameter names")
-    return _Naming(prefix, optim, frozenset(k[len(prefix):] for k in model_keys))
+    # A 0-d entry under the model's prefix is the model's (BatchNorm's num_batches_tracked); a bare one could
+    # be anyone's (torchtitan's train_state.step), so it stays an entry carried verbatim.
+    scalars = [k for k, t in md.tensors.items() if prefix and t.size == () and k.startswith(prefix)]
+    return _Naming(prefix, optim, frozenset(k[len(prefix):] for k in [*model_keys, *scalars]))
 
 def _storage(path: Path, md: DcpMetadata, key: str, offsets: tuple[int, ...] | None) -> DcpStorage:
     s = md.storage.get((key, offsets))

@@ -24,6 +24,7 @@ from reshard.formats.derived import (
     is_derived,
     logical_lines,
     recorded_of,
+    refuse_empty,
     stored_line,
 )
 from reshard.formats.hf.files import _check_param_only, _listing, _shard_plan, _stored_tensors, _target_dtypes
@@ -126,6 +127,7 @@ class HFFormat:
         sharded = [f"{a}({topology.degree(a)})" for a in axes if topology.degree(a) > 1]
         if sharded:
             raise TopologyError(f"hf checkpoints are unsharded: cannot write {', '.join(sharded)} (use tp=1,pp=1,dp=1)")
+        refuse_empty(source.layout, source.path, self.name)
         from_hf = source.format == self.name
         family = source_family(source)
         config_known = isinstance(source.model.config, dict)
