@@ -236,3 +236,142 @@ def test_reshard_written_torch_dist_loads_in_megatron_core_at_a_new_layout(tmp_p
         assert got.keys() == want.keys()
         for k, v in want.items():
             assert torch.equal(got[k], v), (pp, k)
+
+
+# --- a model no family describes: laid out from .metadata alone -------------------------------------------------
+
+
+def no_family_args(tp: int = 2):
+    args = mcore_jobs._args(tp, 1)
+    args.swiglu = False  # no SwiGLU, RMSNorm, rotary: no family reshard knows
+    return args
+
+
+def no_family_checkpoint(path) -> dict:
+    """The synthetic layout with fully_reshardable optimizer state, a bytes entry and a 0-d tensor, whose args
+    describe no family: everything dcp.save was given, by key."""
+    ref = synthetic(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    saved = {**ref, **{f"optimizer.state.{state}.{k}": torch.randn(v.shape, generator=gen) for k, v in ref.items()
+                       for state in ("param", "exp_avg", "exp_avg_sq")},
+             "rng_state/shard_0.0_1.1": [{"random_rng_state": (3, (1, 2, 3), None), "seed": 1234}],
+             "grad_scale": torch.tensor(2.0**16)}
+    shutil.rmtree(path)
+    dcp.save(dict(saved), checkpoint_id=path)
+    torch.save({"args": no_family_args(), "iteration": 10, "checkpoint_version": 3.0,
+                "optimizer": {"optimizer": {"param_groups": [{"lr": 1e-3, "step": 10.0, "wd_mult": 1.0}]},
+                              "param_state_sharding_type": "fully_reshardable"}}, path / "common.pt")
+    (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    return saved
+
+
+def flat(path, tmp_path, name: str) -> dict:
+    dcp_to_torch_save(path, tmp_path / f"{name}.pt")
+    return torch.load(tmp_path / f"{name}.pt", weights_only=False)
+
+
+def test_a_torch_dist_model_of_no_known_family_converts_by_name_to_torch_dist_and_dcp(tmp_path):
+    saved = no_family_checkpoint(tmp_path / "src")
+    src = reshard.open_checkpoint(tmp_path / "src")
+    weights = {k: v for k, v in saved.items() if torch.is_tensor(v) and v.dim() and not k.startswith("optimizer.")}
+    assert src.spec_name == "mcore-dist-derived" and (src.topology.tp, src.topology.pp) == (2, 1)
+    assert {n: t.shape for n, t in src.layout.tensors.items()} == {k: tuple(v.shape) for k, v in weights.items()}
+    assert src.layout.states == ("exp_avg", "exp_avg_sq", "master", "param") and src.progress.step == 10
+
+    reshard.convert(tmp_path / "src", tmp_path / "dist", format="mcore-dist", to="tp=2,dp=3")  # same names, new dp
+    back = flat(tmp_path / "dist", tmp_path, "dist")
+    assert back.keys() == saved.keys()
+    for k, v in saved.items():
+        assert (torch.equal(back[k], v) and back[k].dtype == v.dtype) if torch.is_tensor(v) else back[k] == v, k
+    common = torch.load(tmp_path / "dist" / "common.pt", weights_only=False)
+    assert vars(common["args"]) == vars(no_family_args()) and common["iteration"] == 10
+    assert common["optimizer"]["optimizer"]["param_groups"] == [{"lr": 1e-3, "step": 10.0, "wd_mult": 1.0}]
+    assert reshard.open_checkpoint(tmp_path / "dist").spec_name == "mcore-dist-derived"
+    check = reshard.verify(tmp_path / "src", tmp_path / "dist")
+    assert check.identical and check.compared == 4 * len(weights), check.differences
+
+    reshard.convert(tmp_path / "src", tmp_path / "dcp", format="dcp", to="dp=2")  # names kept, under DCP's prefixes
+    got = dcp_jobs_flat(tmp_path / "dcp", tmp_path)
+    for k in weights:
+        assert torch.equal(got[f"model.{k}"], saved[f"optimizer.state.param.{k}"]), k  # FSDP2 keeps fp32 masters
+        for state in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[f"optim.state.{k}.{state}"], saved[f"optimizer.state.{state}.{k}"]), (k, state)
+
+
+def test_a_torch_dist_model_of_no_known_family_keeps_its_recorded_chunks_and_refuses_what_needs_the_family(tmp_path):
+    from reshard.fixtures import make_fixture
+    from reshard.io.dcp_metadata import read_metadata
+
+    src = tmp_path / "src"
+    make_fixture(src, format="mcore-dist", to="tp=2")  # megatron-core's chunks: per layer and tp rank
+    common = torch.load(src / "common.pt", weights_only=False)
+    common["args"].swiglu = False
+    torch.save(common, src / "common.pt")
+    source = reshard.open_checkpoint(src)
+    md = read_metadata(src)
+    assert source.spec_name == "mcore-dist-derived" and len(source.where) == sum(len(t.chunks) for t in md.tensors.values())
+    reshard.convert(src, tmp_path / "dist", format="mcore-dist", to="tp=2,dp=2")
+    out = read_metadata(tmp_path / "dist")
+    assert out.tensors.keys() == md.tensors.keys() and sorted(out.byte_entries) == sorted(md.byte_entries)
+    for key, t in md.tensors.items():
+        assert sorted((c.offsets, c.sizes) for c in out.tensors[key].chunks) == sorted((c.offsets, c.sizes) for c in t.chunks)
+        assert {out.storage[(key, c.offsets)].relative_path for c in t.chunks} == \
+            {md.storage[(key, c.offsets)].relative_path for c in t.chunks}, key  # each by the rank that wrote it
+    want, got = flat(src, tmp_path, "src"), flat(tmp_path / "dist", tmp_path, "out")
+    assert want.keys() == got.keys() and all(torch.equal(got[k], v) for k, v in want.items() if torch.is_tensor(v))
+
+    with pytest.raises(CheckpointFormatError) as e:
+        reshard.convert(src, tmp_path / "meg", format="megatron")
+    assert str(e.value) == (f"{src}: which model this is is recorded nowhere (no config.json beside it, no model "
+                            "family in its layout); Megatron stores each family's tensors its own way: put the model's "
+                            "config.json beside the source, or give a spec")
+    with pytest.raises(CheckpointFormatError, match=r"which model this is is recorded nowhere .* mcore-dist stores "
+                                                    r"them under its own fused names"):
+        reshard.convert(src, tmp_path / "hf", format="hf")
+    (src / "config.json").write_text('{"model_type": "qwen2"}')  # a model no family describes: still refused
+    with pytest.raises(CheckpointFormatError, match=r"the model is model_type 'qwen2' .* no model family"):
+        reshard.convert(src, tmp_path / "hf", format="hf")
+    assert not (tmp_path / "hf").exists()
+    (src / "config.json").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        reshard.convert(src, tmp_path / "tp1", format="mcore-dist", to="tp=1")
+    assert str(e.value) == (f"{src}: its layout is derived from the checkpoint alone (no model family), which keeps "
+                            "the chunks as stored, those of tp=2, pp=1; writing tp=1, pp=1 needs to know how the model "
+                            "splits each tensor: put the model's config.json of a known family beside the source, or "
+                            "give a spec")
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "hidden_size": S["h"]}))
+    with pytest.raises(CheckpointFormatError) as e:
+        reshard.convert(src, tmp_path / "meg", format="megatron")
+    assert str(e.value) == (
+        f"{src}: the model is model_type 'qwen3_next' (its config.json), which no model family reshard knows "
+        "describes (known: llama, mixtral, gpt2); Megatron stores each family's tensors its own way, and converting "
+        "it as another family would change the model: give a spec, or convert to a format that keeps every tensor by "
+        "name (hf, dcp, deepspeed)")
+
+
+@pytest.mark.interop
+def test_a_derived_torch_dist_checkpoint_loads_in_megatron_core_at_another_dp(tmp_path):
+    """A real checkpoint whose args name no family: reshard keeps its chunks, megatron-core loads what it wrote."""
+    require("megatron.core")
+    mcore_jobs.save(tmp_path / "src", 2, 1)
+    reshard.convert(tmp_path / "src", tmp_path / "torch", format="megatron", to="tp=2")  # the reference: per rank
+    common = torch.load(tmp_path / "src" / "common.pt", weights_only=False)
+    common["args"].swiglu = False
+    torch.save(common, tmp_path / "src" / "common.pt")
+    assert reshard.open_checkpoint(tmp_path / "src").spec_name == "mcore-dist-derived"
+    reshard.convert(tmp_path / "src", tmp_path / "dist", format="mcore-dist", to="tp=2,dp=2")
+    mcore_jobs.load(tmp_path / "dist", 2, 1, tmp_path / "dump")
+    stored = flat(tmp_path / "src", tmp_path, "src")
+    names = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    rows = mcore_jobs.padded_vocab(2) // 2
+    for tp in range(2):
+        got = torch.load(tmp_path / "dump" / f"rank{tp}.pt", weights_only=True)
+        got = {next((k.replace(a, b) for a, b in names.items() if k.endswith(a)), k): v for k, v in got.items()}
+        rank_file = next((tmp_path / "torch").glob(f"iter_*/mp_rank_{tp:02d}/model_optim_rng.pt"))
+        want = {k: v for k, v in torch.load(rank_file, weights_only=False)["model"].items() if torch.is_tensor(v)}
+        for k in ("embedding.word_embeddings.weight", "output_layer.weight"):  # the padding rows too, as stored
+            want[k] = stored[k][tp * rows:(tp + 1) * rows]
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (tp, k)

@@ -594,6 +594,63 @@ def test_missing_vocab_size_asks_for_it(tmp_path):
     assert FORMAT.open(tmp_path, sizes={"vocab": 100}).sizes["vocab"] == 100
 
 
+def no_family(tmp_path: Path, topo: str) -> tuple[Path, dict]:
+    """A checkpoint whose args describe no family reshard knows (no SwiGLU, RMSNorm, rotary): rank (0, 0)'s file
+    and the items written that hold data, by item."""
+    target, items, _, _ = write(tmp_path, topo)
+    set_swiglu(tmp_path, False)
+    first = next(tmp_path.glob("iter_0000000/mp_rank_00*/model_optim_rng.pt"))
+    return first, {it: arr for it, arr in items.items() if target.layout.items[it].mapped}
+
+
+def set_swiglu(root: Path, value: bool) -> None:
+    torch = _torch()
+    for path in sorted(root.glob("iter_0000000/mp_rank_*/model_optim_rng.pt")):
+        sd = torch.load(path, weights_only=False)
+        sd["args"].swiglu = value
+        torch.save(sd, path)
+
+
+@pytest.mark.parametrize("topo", ["tp=2", "tp=1"])
+def test_a_model_no_family_describes_names_its_first_ambiguous_tensor_and_what_to_pass(tmp_path, topo):
+    first, _ = no_family(tmp_path, topo)
+    tp = int(topo[3])
+    with pytest.raises(CheckpointFormatError) as e:
+        FORMAT.open(tmp_path)
+    assert str(e.value) == (
+        f"{first}: the args describe no model family reshard knows (swiglu=False, normalization=RMSNorm, "
+        "position_embedding_type=rope, num_experts=None), and Megatron's torch format stores tensor-parallel shards "
+        "without their split dimensions: which dimension of 'embedding.word_embeddings.weight' "
+        f"([{padded_vocab(tp) // tp}, 16] in this file, at tensor_model_parallel_size={tp}) the tensor-parallel "
+        "ranks split, if any, is recorded nowhere. Pass --spec <file> with this model's layout, or put the model's "
+        "Hugging Face config.json of a known family (llama, mixtral, gpt2) beside the checkpoint")
+
+
+def test_a_config_json_of_a_known_family_says_what_the_args_do_not(tmp_path):
+    import json
+
+    from reshard.models.llama import FAMILY as LLAMA
+
+    first, items = no_family(tmp_path, "tp=2")
+    config = LLAMA.config_from_sizes(SIZES, ["bfloat16"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    source = FORMAT.open(tmp_path)
+    assert source.spec_name == "megatron-llama" and source.model.config == config
+    got = read_items(source)  # every byte where the llama layout put it
+    assert got.keys() == items.keys()
+    for it, arr in got.items():
+        assert arr.tobytes() == items[it].tobytes(), it
+    set_swiglu(tmp_path, True)  # the args of a llama, beside a config of another family
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mixtral"}))
+    with pytest.raises(CheckpointFormatError) as e:
+        FORMAT.open(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path / 'config.json'}: model_type 'mixtral' names the mixtral family, but the args in {first} describe "
+        "a llama model (swiglu=True, normalization=RMSNorm, position_embedding_type=rope, num_experts=None); which "
+        "one this checkpoint holds is not reshard's guess to make: remove the config.json of the other model, or "
+        "give a spec")
+
+
 def test_release_checkpoint_is_read_and_written_as_release(tmp_path):
     write(tmp_path / "a", "tp=2")
     (tmp_path / "a" / "iter_0000000").rename(tmp_path / "a" / "release")

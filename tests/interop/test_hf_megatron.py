@@ -43,6 +43,8 @@ def test_hf_to_megatron_and_a_virtual_pipeline_and_back_gives_identical_logits(t
 
     written = json.loads((tmp_path / "back" / "config.json").read_text())
     assert written["tie_word_embeddings"] is tied and written["rms_norm_eps"] == 1e-6
+    for name in ("config.json", "generation_config.json"):  # through both Megatron stages as transformers wrote them
+        assert json.loads((tmp_path / "back" / name).read_text()) == json.loads((tmp_path / "hf" / name).read_text())
     ids = torch.arange(48).reshape(2, 24) % 1000
     with torch.no_grad():  # both loaded alike (a model cast in memory keeps a bf16 rope buffer a loaded one has not)
         before = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits

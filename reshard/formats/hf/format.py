@@ -29,10 +29,14 @@ from reshard.formats.derived import (
 )
 from reshard.formats.hf.files import _check_param_only, _listing, _shard_plan, _stored_tensors, _target_dtypes
 from reshard.formats.identity import CONFIG_NAME, read_identity, write_identity
-from reshard.formats.specs import layout_spec, source_family, spec_text
+from reshard.formats.specs import layout_spec, require_family, source_family, spec_text
 from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter
 from reshard.models import Family, known_family
 from reshard.models.config import hf_config
+
+
+_OWN_NAMES = ("megatron", "mcore-dist")
+"""Formats whose tensor names are the framework's (stacked, fused), not the model's: no family, no hf."""
 
 
 class HFFormat:
@@ -143,6 +147,11 @@ class HFFormat:
             extras = [t for t in recorded_of(source.layout) if t.name not in family_tensors]
             if extras:
                 spec_obj = with_extras(spec_name, extras, source.path)
+        elif source.format in _OWN_NAMES:  # Megatron's stacked, fused names are not the model's
+            require_family(source, "a Hugging Face checkpoint names its tensors as the model does, and "
+                           f"{source.format} stores them under its own fused names")  # raises naming the model
+            raise CheckpointFormatError(f"{source.path}: read as '{source.spec_name}' ({source.format}'s own stacked, "
+                                        "fused names), which Hugging Face names cannot be derived from; give a spec")
         elif config_known:  # no family's layout in the source: every tensor under its own name
             spec_name = derived_spec_name(self.name)
             spec_obj = derived_spec(hf_text(recorded_of(source.layout)), self.name, source.path)

@@ -64,6 +64,14 @@ tensors inside it (rng states, per-parameter ``step``, a loss scale, TE ``_extra
 are read into ``SmallTensor``s, at most ``SMALL_TENSOR_LIMIT`` bytes each; model and
 optimizer tensors are never read by ``open``.
 
+Identity. Megatron keeps no Hugging Face config; the ``config.json``, ``generation_config.json``
+and tokenizer files a source carried are written beside the tracker (``reshard.formats.identity``)
+and read back from the save directory or its parent into ``Source.model``. The family is the one
+the args describe; a carried config must name it (one that names another model is an error, never
+a choice), and where the args describe no family a config of a known family says which it is.
+Without either, a torch-format checkpoint cannot be laid out: its tensor-parallel shards do not
+record which dimension tp split, and the error names the first such tensor and what to pass.
+
 Use::
 
     source = FORMAT.open("ckpt/")                        # pickles only, no tensor data
@@ -111,7 +119,10 @@ The package (imports go downward only, ``format`` at the top):
 - ``rng``: the rng state of a rank at the start of a run (``torch_cpu_rng_state``);
 - ``small``: ``SmallTensor`` and reading small non-model tensors;
 - ``files``: the tracker, directories and rank files on disk, and reading a rank file's object tree;
-- ``torch_dist``: the ``mcore-dist`` format, megatron-core's ``torch_dist`` checkpoints (``FORMAT`` of its own).
+- ``identity``: which model a checkpoint holds (its args' family, which a carried ``config.json`` must agree
+  with), the identity a target carries, and the error for a model no family describes;
+- ``torch_dist``: the ``mcore-dist`` format, megatron-core's ``torch_dist`` checkpoints (``FORMAT`` of its own);
+- ``dist_derived``: a ``torch_dist`` checkpoint of a model no family describes, laid out from ``.metadata`` alone.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from reshard.core.layout import MASTER, PARAM, Item
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.execution.session import WriteSession
-from reshard.formats.base import Fill, ModelMeta, Progress, Source, Target, check_sizes, require_sizes
+from reshard.formats.base import Fill, Progress, Source, Target, check_sizes, require_sizes
+from reshard.formats.identity import write_identity
 from reshard.formats.megatron.args import (
     _bucket_size,
     _namespace,
@@ -30,6 +31,8 @@ from reshard.formats.megatron.files import (
     DISTOPT_FILE,
     MODEL_FILE,
     TRACKER,
+    _chunks,
+    _flat_items,
     _is_legacy,
     _iteration_dir,
     _Rank,
@@ -37,7 +40,9 @@ from reshard.formats.megatron.files import (
     _rank_dir_name,
     _read,
 )
+from reshard.formats.megatron.identity import agreed_family, carried_identity, read_carried, unknown_model
 from reshard.formats.megatron.reader import _Reader
+from reshard.formats.megatron.small import _is_tensor
 from reshard.formats.megatron.specs import (
     _FLAT_NAMES,
     _check_registration_order,
@@ -55,7 +60,6 @@ from reshard.formats.megatron.state import KEY, MegatronState, carried_args, sta
 from reshard.formats.megatron.writer import _Writer
 from reshard.formats.specs import layout_spec, require_family, source_family
 from reshard.io.bounds import brief
-from reshard.models import family_for_megatron_args
 
 
 class MegatronFormat:
@@ -121,13 +125,12 @@ class MegatronFormat:
             topo = replace(topo, zero=1)
         model_sizes = _sizes_from_args(args, sizes or {}, topo, str(first_path))
         tied = not args.get("untie_embeddings_and_output_weights", False)
-        family = family_for_megatron_args(args)  # what the run's args say the model is
+        save_dir = path if (path / TRACKER).is_file() else it_dir.parent
+        carried, config_path = read_carried(save_dir, save_dir.parent)
+        family = agreed_family(args, carried, first_path, config_path, spec=spec)  # what the args (or config) say
         if spec is None and family is None:
-            raise CheckpointFormatError(
-                f"{first_path}: the args describe no model family reshard knows (swiglu={args.get('swiglu')}, "
-                f"normalization={args.get('normalization')}, position_embedding_type="
-                f"{args.get('position_embedding_type')}); known: Llama-style (SwiGLU, RMSNorm, no biases), Mixtral-style "
-                "MoE, GPT-2-style (LayerNorm, biases, learned positions). Give a spec for this model")
+            first_tensor = _first_tensor(first, topo, first_path)
+            raise CheckpointFormatError(unknown_model(first_path, args, topo.tp, first_tensor))
         if spec is None and family.name == "gpt2":
             if not tied:
                 raise CheckpointFormatError(
@@ -170,8 +173,9 @@ class MegatronFormat:
         state.iteration, state.release = iteration, release
         state.checkpoint_version = first.get("checkpoint_version", CHECKPOINT_VERSION)
         return Source(format=self.name, path=path, spec_name=name, spec=spec_ast, topology=topo,
-                      sizes=model_sizes, layout=layout, where=where, model=ModelMeta(family=family.name if family else None,
-                                                                           hints=family.config_hints(args) if family else {}),
+                      sizes=model_sizes, layout=layout, where=where,
+                      model=replace(carried, family=family.name if family else None,
+                                    hints=family.config_hints(args) if family else {}),
                       progress=Progress(iteration=iteration), extra={KEY: state})
 
     def _read_ranks(self, it_dir: Path, topo: Topology, first_path: Path, first: dict,
@@ -343,7 +347,7 @@ class MegatronFormat:
         state = _target_state(source, topology, layout, args, meg, family.name if family else "llama")
         dtypes = _default_dtypes(source, layout)
         return Target(format=self.name, spec_name=name, spec=spec_ast, topology=topology, sizes=sizes,
-                      layout=layout, dtypes=dtypes, extra={KEY: state})
+                      layout=layout, dtypes=dtypes, model=carried_identity(source, family), extra={KEY: state})
 
     # -- write
 
@@ -355,7 +359,10 @@ class MegatronFormat:
         are streamed, never built in memory. With ``only``, just
         those rank files and not the tracker. Returns the files written, relative to ``out``.
         """
-        return _Writer(target, Path(out), fill, session or WriteSession(), only).run()
+        written = _Writer(target, Path(out), fill, session or WriteSession(), only).run()
+        if not only:  # beside the tracker: the model's identity as the source carried it, for later conversions
+            written += write_identity(Path(out), target.model)
+        return written
 
     def files_of(self, target: Target) -> dict[Item, Path]:
         """The file, relative to the checkpoint directory, that holds each item of ``target``."""
@@ -368,6 +375,15 @@ class MegatronFormat:
             out[item] = Path(it_dir) / _rank_dir_name(u.get("tp", 0), u.get("pp", 0), target.topology.pp,
                                                       u.get("ep", 0), target.topology.ep) / name
         return out
+
+
+def _first_tensor(first: dict, topo: Topology, where: Path) -> tuple[str, tuple[int, ...]] | None:
+    """The first model tensor of a rank file (its key and shape), as the state dict lists it."""
+    for sd in _chunks(first, topo.vpp, str(where)).values():
+        for key, value in _flat_items(sd, where) if isinstance(sd, Mapping) else ():
+            if _is_tensor(value) and not key.endswith("_extra_state"):
+                return key, tuple(int(n) for n in value.shape)
+    return None
 
 
 FORMAT = MegatronFormat()

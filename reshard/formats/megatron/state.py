@@ -124,7 +124,14 @@ class TorchDistState:
     checkpoint_version: Any = CHECKPOINT_VERSION
     """Target: ``common.pt``'s ``checkpoint_version``."""
     extra_states: list[_Verbatim] = field(default_factory=list)
-    """Source: the per-layer ``_extra_state`` bytes entries (keyed by global layer), carried as stored."""
+    """Source: the per-layer ``_extra_state`` bytes entries (keyed by global layer), carried as stored (with a
+    derived layout: every bytes entry and 0-d tensor)."""
+    common: dict[str, Any] | None = None
+    """Derived layout: ``common.pt`` without its args (small tensors as ``SmallTensor``), written back whole."""
+    chunks: dict[Any, tuple[str, tuple[int, ...], tuple[int, ...], int]] = field(default_factory=dict)
+    """Derived source: per item, its stored key, chunk offsets, the key's global size and the rank that wrote it."""
+    planner_data: dict[str, Any] = field(default_factory=dict)
+    """Derived source: ``.metadata``'s planner data, carried to a derived target."""
 
 
 def carried_args(source: Source) -> dict[str, Any]:

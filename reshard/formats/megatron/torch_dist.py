@@ -24,6 +24,14 @@ default ``dp_reshardable`` bucket space (``optimizer.distributed.*``) is
 refused with a message. Writing lays the same global weights out as
 megatron-core's ranks would at the target tp/pp (see
 ``McoreDistFormat.target``); optimizer state is not written yet, nor MoE.
+
+A checkpoint whose args describe no family with a torch_dist layout (and no
+``config.json`` beside it names one) is laid out from ``.metadata`` alone,
+every key under its own name (``mcore-dist-derived``, ``dist_derived``): it
+converts to dcp, and to torch_dist at its own tp and pp and any dp with every
+state, bytes entry and ``common.pt`` entry carried. The model's identity
+(``config.json`` and the rest) is read from the checkpoint directory or its
+parent and written beside a torch_dist target.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from typing import Any
 
 from reshard.core.dtypes import SUPPORTED
 from reshard.core.geometry import row_major_strides
-from reshard.core.layout import MASTER, PARAM, Fragment, Item, ItemInfo, Layout, chunk_fragments
+from reshard.core.layout import PARAM, Fragment, Item, ItemInfo, Layout, chunk_fragments
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
@@ -60,13 +68,31 @@ from reshard.formats.base import (
 )
 from reshard.formats.dcp import FORMAT as DCP
 from reshard.formats.dcp.layouts import _Chunk
-from reshard.formats.dcp.reading import DcpWrite, _chunk_cover, _chunk_ref, _entry_bytes, _Naming, _Verbatim
+from reshard.formats.dcp.reading import (
+    _DATA_FILE,
+    DcpWrite,
+    _chunk_cover,
+    _chunk_ref,
+    _entry_bytes,
+    _Naming,
+    _Verbatim,
+)
+from reshard.formats.derived import derived_spec, is_derived
+from reshard.formats.identity import write_identity
+from reshard.formats.megatron.dist_derived import (
+    DERIVED_SPEC,
+    carried_common,
+    derived_target,
+    derived_text,
+    write_common,
+)
+from reshard.formats.megatron.dist_derived import optimizer_state as _optimizer_state
+from reshard.formats.megatron.identity import agreed_family, carried_identity, read_carried
 from reshard.formats.megatron.state import TORCH_DIST_KEY, TorchDistState, carried_args
-from reshard.formats.specs import layout_spec
+from reshard.formats.specs import layout_spec, require_family
 from reshard.io.bounds import brief
 from reshard.io.dcp_metadata import DcpChunk, read_metadata
 from reshard.io.torch_read import read_torch_file
-from reshard.io.torch_write import write_torch_file
 from reshard.models import llama
 
 __all__ = ["FORMAT", "McoreDistFormat"]
@@ -76,9 +102,6 @@ RANK_SPEC = "megatron-llama"
 """Where each rank's tensors are: the torch format's per-rank spec."""
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
-_MAIN_STATE = "param"
-"""The ``fully_reshardable`` format's state name for the fp32 main params (``optimizer.state.param.<key>``):
-reshard's state ``MASTER``."""
 _EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -100,6 +123,11 @@ class McoreDistFormat:
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
         """Read ``metadata.json``, ``common.pt`` and DCP's ``.metadata``; match every stored key to the spec.
 
+        The spec is the model family's (``mcore-dist-llama``) when ``common.pt``'s args describe one (or,
+        without args, a ``config.json`` beside the checkpoint or its parent names one); otherwise the layout
+        is derived from ``.metadata`` alone (``mcore-dist-derived``, see ``dist_derived``).
+        ``Source.model`` carries that ``config.json``, ``generation_config.json`` and tokenizer files.
+
         Raises:
           CheckpointFormatError: another backend, missing model sizes, a stored
             key the spec does not know (or the reverse), a global shape that
@@ -113,9 +141,20 @@ class McoreDistFormat:
                                         "'torch_dist' (zarr and others are not supported)")
         common = _common(path)
         md = read_metadata(path)
-        spec_name = spec or SPEC
-        spec_ast = layout_spec(spec_name)
-        model_sizes, topology = _sizes(path, common, md, sizes or {})
+        carried, config_path = read_carried(path, path.parent)
+        args = _args_of(common)
+        family = agreed_family(args, carried, path / COMMON, config_path, spec=spec)
+        derived = spec is None and (family is None or family.torch_dist is None)
+        if derived:  # a model no family describes: every stored tensor under its own name
+            spec_name = DERIVED_SPEC
+            spec_ast = derived_spec(derived_text(md, path), self.name, path)
+            model_sizes, topology = given_sizes(sizes), _parallel(args, path / COMMON, MAX_COUNT)
+        else:
+            spec_name = spec or f"mcore-dist-{family.name}"
+            spec_ast = layout_spec(spec_name)
+            from_config = family.sizes_from_config(carried.config, config_path) \
+                if family and carried.config and args is None else {}  # args, when there are, give the sizes
+            model_sizes, topology = _sizes(path, common, md, {**from_config, **dict(sizes or {})})
         whole = resolve(spec_ast, Topology(), model_sizes)
         by_key = {it.key: it for it in whole.items}
         frags_of: dict[Item, list[Fragment]] = {}
@@ -131,8 +170,13 @@ class McoreDistFormat:
                             f"'{bucket[0]}', sharding type dp_reshardable) is not read yet; save with "
                             "--dist-ckpt-optim-fully-reshardable, or convert the weights alone")
         archives: dict[str, Any] = {}
+        verbatim: list[_Verbatim] = []
+        chunks: dict[Item, tuple] = {}
         for key, t in md.tensors.items():
             if key.startswith("optimizer.distributed."):
+                continue
+            if derived and t.size == ():
+                verbatim.append(_Verbatim(key, t, _entry_bytes(path, md, key, ())[0]))
                 continue
             state, model_key = _optimizer_state(key)
             if state is None:
@@ -166,6 +210,8 @@ class McoreDistFormat:
                                        rule=whole.items[whole_item].rule)
                 fragments.extend(mine)
                 where[item] = Located(ref.path, ref.data_offset, ref.dtype)
+                rank = _DATA_FILE.fullmatch(md.storage[(key, c.offsets)].relative_path)
+                chunks[item] = (key, c.offsets, t.size, int(rank.group(1)) if rank else 0)
         stored = {_optimizer_state(k)[1] for k in md.tensors}
         for key in by_key:
             if key not in stored:
@@ -179,17 +225,19 @@ class McoreDistFormat:
         it = common.get("iteration")
         progress = Progress(iteration=expect_step(it, "iteration", path / COMMON) if it is not None else None,
                             step=_group_step(common, path / COMMON))
-        args = common.get("args")
-        state = TorchDistState(
-            args=dict(vars(args) if isinstance(args, argparse.Namespace) else args)
-            if isinstance(args, argparse.Namespace | Mapping) else {},
-            iteration=progress.iteration,
-            # Per-layer _extra_state (Transformer Engine's FP8 metadata, or [None]): keyed by global layer, so
-            # a torch_dist target at any tp/pp takes them as they are.
-            extra_states=[_Verbatim(k, None, _entry_bytes(path, md, k, None)[0])
-                          for k in md.byte_entries if "._extra_state/shard_" in k])
+        # Per-layer _extra_state (Transformer Engine's FP8 metadata, or [None]): keyed by global layer, so a
+        # torch_dist target at any tp/pp takes them as they are. A derived layout carries every bytes entry.
+        verbatim += [_Verbatim(k, None, _entry_bytes(path, md, k, None)[0]) for k in md.byte_entries
+                     if derived or "._extra_state/shard_" in k]
+        state = TorchDistState(args=args or {}, iteration=progress.iteration, extra_states=verbatim)
+        if derived:
+            state.common, state.chunks = carried_common(common, path / COMMON), chunks
+            state.planner_data = dict(md.planner_data)
+        model = replace(carried, family=family.name if family else None,
+                        hints=family.config_hints(args) if family and args and family.config_hints else {})
         return Source(format=self.name, path=path, spec_name=spec_name, spec=spec_ast, topology=topology,
-                      sizes=model_sizes, layout=layout, where=where, progress=progress, extra={TORCH_DIST_KEY: state})
+                      sizes=model_sizes, layout=layout, where=where, model=model, progress=progress,
+                      extra={TORCH_DIST_KEY: state})
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """Megatron-core's torch_dist layout of ``source``'s model weights at ``topology`` (tp, pp, vpp, dp).
@@ -204,10 +252,14 @@ class McoreDistFormat:
         """
         from reshard.formats.megatron.args import _padded_vocab, megatron_args
 
+        if spec is None and source.format == self.name and is_derived(source.spec_name):
+            return derived_target(source, topology)
         bad = [f"{a}({topology.degree(a)})" for a in ("cp", "ep") if topology.degree(a) > 1]
         if bad:
             raise CheckpointFormatError(f"the mcore-dist target writes tp, pp, vpp and dp; {', '.join(bad)} is not "
                                         "supported yet")
+        family = require_family(source, "torch_dist stores each family's tensors its own way (layers stacked, "
+                                "attention fused)") if spec is None else None
         if "transformer.wte.weight" in source.layout.tensors or "lm_head.weight" not in source.layout.tensors:
             raise CheckpointFormatError(f"{source.path}: the mcore-dist target supports untied Llama-style models so far")
         require_sizes(source, llama.SIZES, "mcore-dist")
@@ -243,7 +295,8 @@ class McoreDistFormat:
         extra = {"dcp": DcpWrite(chunks=chunks, verbatim=verbatim or _extra_states(sizes["layers"]), planner_data={},
                                  naming=_Naming("", "", frozenset())), TORCH_DIST_KEY: state}
         return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology, sizes=dict(source.sizes),
-                      layout=layout, dtypes=dict.fromkeys(items, "float32"), extra=extra)
+                      layout=layout, dtypes=dict.fromkeys(items, "float32"), model=carried_identity(source, family),
+                      extra=extra)
 
     def files_of(self, target: Target) -> dict[Item, Path]:
         return DCP.files_of(target)
@@ -256,13 +309,13 @@ class McoreDistFormat:
         written = DCP.write(target, out, fill, session, only=only)
         if only:
             return written
-        state: TorchDistState = target.extra[TORCH_DIST_KEY]
-        common = {"args": argparse.Namespace(**state.args), "checkpoint_version": state.checkpoint_version,
-                  "iteration": state.iteration}
-        write_torch_file(out / COMMON, common, {}, open_file=session.open)
+        write_common(out / COMMON, target.extra[TORCH_DIST_KEY], session.open)
         (out / METADATA_JSON).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                      "common_backend": "torch", "common_backend_version": 1}))
-        return [*written, Path(COMMON), Path(METADATA_JSON)]
+        # Not Megatron's: the model's identity as the source carried it, for later conversions (the dcp writer
+        # may have written it already; writing it again is harmless, listing it twice is not).
+        identity = [p for p in write_identity(out, target.model) if p not in written]
+        return [*written, Path(COMMON), Path(METADATA_JSON), *identity]
 
 
 def _chunk_boxes(whole: Layout, ranks: Layout, topology: Topology) -> dict[tuple[str, tuple[int, ...]], tuple]:
@@ -360,21 +413,6 @@ def _extra_states(layers: int) -> list[_Verbatim]:
             for i in range(layers) for m in mods]
 
 
-def _optimizer_state(key: str) -> tuple[str | None, str]:
-    """``(state, model key)`` of a stored key: ``param`` for a weight, the optimizer state for
-    ``optimizer.state.<state>.<model key>`` (the distributed optimizer's ``fully_reshardable``
-    format, whose ``param`` state is the fp32 master copy); ``None`` for other optimizer keys."""
-    if not key.startswith("optimizer."):
-        return PARAM, key
-    prefix = "optimizer.state."
-    if not key.startswith(prefix):
-        return None, key
-    state, _, model_key = key[len(prefix):].partition(".")
-    if not model_key or state == "fp32_param":  # fp32_param: the old fully_sharded_model_space's flattened ranges
-        return None, key
-    return (MASTER if state == _MAIN_STATE else state), model_key
-
-
 def _group_step(common: Mapping[str, Any], where: Path) -> int | None:
     """Adam's step count, which torch_dist keeps per param group in common.pt (fully_reshardable)."""
     optimizer = common.get("optimizer")
@@ -410,16 +448,10 @@ def _sizes(path: Path, common: Mapping[str, Any], md, given: Mapping[str, int]) 
     qkv = md.tensors.get("decoder.layers.self_attention.linear_qkv.weight")
     fc1 = md.tensors.get("decoder.layers.mlp.linear_fc1.weight")
     stacked = {"layers": qkv.size[0] if qkv is not None and len(qkv.size) == 3 else len(md.tensors)}
-    args = common.get("args")
-    if isinstance(args, argparse.Namespace):
-        args = vars(args)
+    args = _args_of(common)
     where = f"{path / COMMON}: args"
-    if isinstance(args, Mapping):
-        tp = expect_int(args.get("tensor_model_parallel_size") or tp, "args.tensor_model_parallel_size", where,
-                        lo=1, hi=MAX_COUNT)
-        pp = expect_int(args.get("pipeline_model_parallel_size") or 1, "args.pipeline_model_parallel_size", where,
-                        lo=1, hi=stacked["layers"])  # each stage holds a layer at least
-        topology = Topology(tp=tp, pp=pp)
+    if args is not None:
+        topology = _parallel(args, path / COMMON, stacked["layers"], tp)  # each stage holds a layer at least
         sizes = _sizes_from_args(args, given, topology, where)
         sizes.pop("vocab_div", None)
     else:
@@ -437,6 +469,26 @@ def _sizes(path: Path, common: Mapping[str, Any], md, given: Mapping[str, int]) 
                                         "are unknown; give them as sizes")
     sizes["vpad"] = embedding.size[0]
     return check_sizes(sizes, where, counts=stacked), topology
+
+
+def _args_of(common: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``common.pt``'s ``args`` as a dict, None when it has none."""
+    args = common.get("args")
+    if isinstance(args, argparse.Namespace):
+        return dict(vars(args))
+    return dict(args) if isinstance(args, Mapping) else None
+
+
+def _parallel(args: Mapping[str, Any] | None, where: Path, pp_hi: int, tp: int = 1) -> Topology:
+    """The tp and pp the args record (``tp`` and 1 where they say nothing), each bounded."""
+    if args is None:
+        return Topology(tp=tp)
+    where_ = f"{where}: args"
+    tp = expect_int(args.get("tensor_model_parallel_size") or tp, "args.tensor_model_parallel_size", where_,
+                    lo=1, hi=MAX_COUNT)
+    pp = expect_int(args.get("pipeline_model_parallel_size") or 1, "args.pipeline_model_parallel_size", where_,
+                    lo=1, hi=pp_hi)
+    return Topology(tp=tp, pp=pp)
 
 
 FORMAT = McoreDistFormat()
