@@ -7,7 +7,9 @@
   (where deepspeed is installed);
 - ``dcp_load.py``: one rank's share of a PyTorch DCP checkpoint, ``reshard.load`` against
   ``dcp.load`` (where torch is installed);
-- ``plan_405b.py``: planning a Llama-405B-shaped checkpoint from metadata alone.
+- ``plan_405b.py``: planning a Llama-405B-shaped checkpoint from metadata alone;
+- ``any_model.py``: a model no family describes: 100,000 tensors planned from a derived layout, and a
+  Qwen2-shaped model to DCP and back against ``cp -r``.
 
     python bench/run.py            # the README's tables (several minutes, about 12 GB of disk)
     python bench/run.py --tiny     # a smoke test of the same scripts on checkpoints of a few MiB
@@ -38,6 +40,7 @@ def main() -> None:
         ("Megatron conversion", ["convert_memory.py", *small, *([] if args.tiny else ["--rss-scale", "2"])]),
         ("DeepSpeed conversion", ["convert_memory.py", "--source", "deepspeed", *small]),
         ("Planning a 405B-shaped checkpoint", ["plan_405b.py", "--validate"]),
+        ("Models no family describes", ["any_model.py", *(["--tiny"] if args.tiny else [])]),
     ]
     if not args.tiny and importable("deepspeed"):
         steps.append(("DeepSpeed ZeRO-2 against ds_to_universal", ["deepspeed_universal.py"]))

@@ -28,3 +28,4 @@ def test_the_benchmark_runs_and_reads_each_needed_byte_once():
         assert float(rows["reshard convert --workers 1"][5]) <= 1.1, title  # the output written once
         assert float(rows[load_row][4]) <= 1.1, title  # a rank reads its share
     assert "**total (resolve + plan)**" in sections["Planning a 405B-shaped checkpoint"]
+    assert "round trip byte-identical: True" in sections["Models no family describes"]
