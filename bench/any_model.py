@@ -98,7 +98,7 @@ def main() -> None:
         write_hf(src, {"model_type": "custom", "architectures": ["CustomModel"]}, many_tensors(args.tensors), "float32")
         t_open, source = timed(lambda: reshard.open_checkpoint(src))
         t_plan, report = timed(lambda: reshard.plan(src, format="dcp", to="dp=8"))
-        print(f"### A derived layout of {args.tensors:,} tensors (no family, no spec)\n")
+        print(f"**A derived layout of {args.tensors:,} tensors (no family, no spec)**\n")
         print("| step | seconds | detail |\n|---|---:|---|")
         print(f"| open (header -> derived layout, resolved) | {t_open:.2f} | {len(source.layout.tensors):,} tensors |")
         print(f"| plan to DCP dp=8 (open, derive target, resolve, plan, validate) | {t_plan:.2f} | "
@@ -112,7 +112,7 @@ def main() -> None:
         t_to, _ = timed(lambda: reshard.convert(src, tmp / "dcp", format="dcp", to="dp=4"))
         t_back, _ = timed(lambda: reshard.convert(tmp / "dcp", tmp / "back", format="hf"))
         same = (tmp / "back" / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
-        print(f"### A Qwen2-shaped model, {size / 2**30:.2f} GiB bf16 (no family: every tensor by its own name)\n")
+        print(f"**A Qwen2-shaped model, {size / 2**30:.2f} GiB bf16 (no family: every tensor by its own name)**\n")
         print("| run | wall s | vs cp -r |\n|---|---:|---:|")
         print(f"| cp -r | {t_cp:.2f} | 1.00 |")
         print(f"| hf -> dcp dp=4 | {t_to:.2f} | {t_to / t_cp:.2f} |")

@@ -108,6 +108,8 @@ def _nothing_lost(source: Source, target: Target) -> None:
     a conversion never drops a tensor silently (an adapter, a value head, an unknown buffer)."""
     kept = set(target.layout.states)
     placed = {(f.tensor, f.state) for f in target.layout.fragments}
+    # A target that keeps a tensor's fp32 master but not its weights (ZeRO-3) makes the weights from the master.
+    placed |= {(t, PARAM) for t, s in placed if s == MASTER}
     lost: dict[tuple[str, str], Item] = {}
     for f in source.layout.fragments:
         if not f.fill and f.state in kept and f.item in source.where and (f.tensor, f.state) not in placed \
@@ -138,8 +140,9 @@ def plan(src: str | Path, *, to: str | Topology | None = None, format: str | Non
             loc.dtype == "float32" for it, loc in source.where.items() if it.state == PARAM):
         # fp32 weights with no separate master copy (FSDP2, fp32 runs) are the master copy.
         source.layout = with_state_alias(source.layout, PARAM, MASTER)
-    elif PARAM in target.layout.states and PARAM not in source.layout.states and MASTER in source.layout.states:
-        # Only fp32 master weights stored (DeepSpeed ZeRO-3): they are the weights, as zero_to_fp32 reads them.
+    elif PARAM in target.layout.states and MASTER in source.layout.states:
+        # Trained params stored only as fp32 masters (DeepSpeed ZeRO-3, beside frozen params' weights): the
+        # masters are their weights, as zero_to_fp32 reads them.
         source.layout = with_state_alias(source.layout, MASTER, PARAM)
     _nothing_lost(source, target)
     p = make_plan(source.layout, target.layout)

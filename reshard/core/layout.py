@@ -252,9 +252,12 @@ def chunk_fragments(frags: list[Fragment], shape: tuple[int, ...], offsets: tupl
 
 
 def with_state_alias(layout: Layout, state: str, alias: str) -> Layout:
-    """``layout`` with every fragment of ``state`` also offered as ``alias`` (same items, same bytes)."""
+    """``layout`` with every fragment of ``state`` also offered as ``alias`` (same items, same bytes), for the
+    tensors that hold no ``alias`` of their own (a frozen parameter keeps its weights; a trained one stored
+    only as its fp32 master offers the master as its weights)."""
+    own = {f.tensor for f in layout.fragments if f.state == alias}
     extra = tuple(Fragment(tensor=f.tensor, state=alias, box=f.box, item=f.item, offset=f.offset, strides=f.strides,
-                           fill=f.fill) for f in layout.fragments if f.state == state)
+                           fill=f.fill) for f in layout.fragments if f.state == state and f.tensor not in own)
     return Layout(topology=layout.topology, tensors=layout.tensors, items=layout.items,
                   fragments=layout.fragments + extra, order=layout.order)
 

@@ -166,7 +166,8 @@ def test_frozen_param_shapes_of_any_shape_is_refused_with_its_value(zero2, tmp_p
 
 def test_a_config_json_size_that_is_not_a_positive_integer_is_named(zero2, tmp_path):
     edit_json(zero2 / "config.json", lambda c: {**c, "num_attention_heads": 0})
-    refused(lambda: convert(zero2, tmp_path, to="dp=3"), r"config\.json: model size 'heads' is 0, outside \[1, ")
+    refused(lambda: convert(zero2, tmp_path, to="dp=3"), r"config\.json: 'num_attention_heads' must be a positive "
+                                                         r"integer, got 0")
 
 
 def test_a_layer_count_beyond_what_param_shapes_can_hold_is_refused_before_resolving(zero2, tmp_path):

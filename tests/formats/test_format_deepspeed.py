@@ -190,10 +190,30 @@ def test_flat_partitions_equal_an_independent_numpy_construction(tmp_path, dp):
 # --- reading ---------------------------------------------------------------------------------
 
 
+def logical_read(src: Source) -> dict:
+    """Every logical tensor and state of an opened checkpoint, read from its files."""
+    items = {item: read(loc, loc.dtype, src.layout.items[item].numel) for item, loc in src.where.items()}
+    return gather(src.layout, items)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_open_derives_the_layout_from_what_the_files_record(tmp_path, dtype):
+    _, values, _, _ = write_checkpoint(tmp_path, "dp=3", dtype=dtype)
+    src = FORMAT.open(tmp_path)
+    assert (src.spec_name, str(src.topology)) == ("deepspeed-derived", "tp=1,pp=1,dp=3,zero=2")
+    assert src.sizes == SIZES  # from the config.json beside it, which names a llama: nothing told by shapes
+    assert src.model.config["model_type"] == "llama"
+    assert list(src.layout.tensors) == hf_order()  # the module's order
+    logical = logical_read(src)
+    assert logical.keys() == values.keys()
+    for key, value in values.items():
+        np.testing.assert_array_equal(logical[key].reshape(value.shape), value, err_msg=str(key))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_open_locates_every_item_bit_exactly(tmp_path, dtype):
     target, _, items, _ = write_checkpoint(tmp_path, "dp=3", dtype=dtype)
-    src = FORMAT.open(tmp_path, sizes=SIZES)
+    src = FORMAT.open(tmp_path, spec="deepspeed-llama", sizes=SIZES)
     assert (src.spec_name, str(src.topology), src.sizes) == ("deepspeed-llama", "tp=1,pp=1,dp=3,zero=2", SIZES)
     assert dict(src.layout.items) == dict(target.layout.items)
     assert set(src.where) == set(target.layout.items)
@@ -249,7 +269,13 @@ def test_hf_trainer_spec_keeps_norms_in_their_own_param_group(tmp_path):
         ref = osd["base_optimizer_state"]["state"][g]["exp_avg"]
         want = zero_partitions(values, "exp_avg", names, 2)[1]
         np.testing.assert_array_equal(read(ref, "float32", ref.numel), want)
-    assert FORMAT.open(tmp_path, sizes=SIZES).spec_name == "deepspeed-llama-hf-trainer"
+    assert FORMAT.open(tmp_path, spec="deepspeed-llama-hf-trainer", sizes=SIZES).spec_name == "deepspeed-llama-hf-trainer"
+    src = FORMAT.open(tmp_path)  # derived: its two groups, as param_shapes records them
+    assert [[it.key for it in src.layout.items if it.section == g and it.state == "param"]
+            for g in ("group0", "group1")] == [rest, norms]
+    logical = logical_read(src)
+    for key, value in values.items():
+        np.testing.assert_array_equal(logical[key].reshape(value.shape), value, err_msg=str(key))
 
 
 def test_ranks_holding_only_padding_have_empty_mappings_and_no_master_elements(tmp_path):
@@ -272,16 +298,19 @@ def test_sizes_come_from_a_config_json_next_to_the_checkpoint(tmp_path):
     write_checkpoint(tmp_path, "dp=2")
     assert FORMAT.open(tmp_path).sizes == SIZES  # from the config.json the writer leaves
     (tmp_path / "config.json").unlink()
-    with pytest.raises(CheckpointFormatError) as e:
-        FORMAT.open(tmp_path)
+    assert FORMAT.open(tmp_path).sizes == {}  # a derived layout needs none, and none is guessed from the shapes
+    with pytest.raises(CheckpointFormatError) as e:  # a family's spec needs them
+        FORMAT.open(tmp_path, spec="deepspeed-llama")
     assert str(e.value) == (
         f"{tmp_path / 'global_step1'}: the attention head layout cannot be told from tensor shapes alone "
         f"(q_proj has 16 rows, k_proj 8): give sizes heads=N (and hd, g if not hidden/heads), "
         f"or put the model's config.json in one of: {tmp_path / 'global_step1'}, {tmp_path}, {tmp_path.parent}")
-    assert FORMAT.open(tmp_path, sizes={"heads": 4}).sizes == SIZES
+    assert FORMAT.open(tmp_path, spec="deepspeed-llama", sizes={"heads": 4}).sizes == SIZES
     config = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 24,
               "vocab_size": 100, "num_hidden_layers": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))
+    assert FORMAT.open(tmp_path, spec="deepspeed-llama").sizes == SIZES
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     assert FORMAT.open(tmp_path).sizes == SIZES
 
 
@@ -373,6 +402,20 @@ def test_pipeline_layer_files_without_a_model_axis_are_read_and_their_naming_kep
         np.testing.assert_array_equal(before[key], after[key], err_msg=str(key))
 
 
+def test_a_pipeline_checkpoint_without_a_family_config_needs_one_or_a_spec(tmp_path):
+    """The pipeline engine's layer list is the model's own: which layers a stage holds is laid out by the family."""
+    write_checkpoint(tmp_path, "pp=2,dp=1", spec="deepspeed-pipe-llama", zero_stage=1)
+    assert FORMAT.open(tmp_path).spec_name == "deepspeed-pipe-llama"  # the family its config.json names
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        FORMAT.open(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path / 'global_step1'}: a pipeline-engine checkpoint (layer_*-model_states.pt), whose layers are laid "
+        "out by the model's family, and no config.json naming a family reshard knows beside it (in the tag dir, the "
+        "save dir or its parent): put the model's config.json there, or give a spec (deepspeed-pipe-<family>)")
+    assert FORMAT.open(tmp_path, spec="deepspeed-pipe-llama", sizes=SIZES).topology.pp == 2
+
+
 def test_a_pipeline_checkpoint_missing_a_layer_file_names_it(tmp_path):
     write_checkpoint(tmp_path, "pp=2,dp=1", spec="deepspeed-pipe-llama", zero_stage=1)
     (tmp_path / "global_step1" / "layer_03-model_00-model_states.pt").unlink()
@@ -443,7 +486,12 @@ def test_tensor_parallel_files_with_a_spec_that_splits_over_tp(tmp_path):
         got = read(ref["state"][0]["exp_avg_sq"], "float32", 2374)
         np.testing.assert_array_equal(got, zero_partitions(values, "exp_avg_sq", hf_order(), 3)[d])
     with pytest.raises(CheckpointFormatError, match=r"mp_world_size=2 but spec 'deepspeed-llama' splits nothing"):
-        FORMAT.open(tmp_path / "a", sizes=SIZES)
+        FORMAT.open(tmp_path / "a", spec="deepspeed-llama", sizes=SIZES)
+    with pytest.raises(CheckpointFormatError) as e:  # nothing records how tp split the tensors
+        FORMAT.open(tmp_path / "a")
+    assert str(e.value) == (f"{tmp_path / 'a/global_step1/mp_rank_00_model_states.pt'}: mp_world_size=2, and "
+                            "DeepSpeed does not record how tensor parallelism split its tensors "
+                            "('model.embed_tokens.weight' is [50, 16] on this rank): give a spec that says so")
 
 
 def test_a_new_zero_stage_and_dp_rewrite_the_stage_and_the_batch_size(tmp_path):
@@ -783,6 +831,13 @@ os._exit(0)  # gloo's threads sometimes abort at interpreter exit, after all the
 '''
 
 
+def llama_config(layers: int) -> dict:
+    """The config.json of the runs' tiny Llama, as the transformers Trainer leaves one beside its checkpoints."""
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 16, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 24, "vocab_size": 100, "num_hidden_layers": layers,
+            "tie_word_embeddings": False}
+
+
 def run_deepspeed(tmp_path, nproc: int, *args: str, stage: int = 2, bf16: bool = True, universal: bool = False,
                   script: str = DEEPSPEED_RUN, env: dict | None = None) -> None:
     from jobs import run_job
@@ -833,6 +888,7 @@ def ds_saved(tmp_path_factory):
         if (stage, bf16) not in cache:
             root = tmp_path_factory.mktemp(f"ds-z{stage}-{'bf16' if bf16 else 'fp32'}")
             run_deepspeed(root, 2, "save", str(root / "ckpt"), "-", stage=stage, bf16=bf16)
+            (root / "ckpt" / "config.json").write_text(json.dumps(llama_config(2)))
             cache[(stage, bf16)] = root / "ckpt"
         return cache[(stage, bf16)]
 
@@ -1042,6 +1098,7 @@ def pipe_saved(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"ds-pipe-{'bf16' if bf16 else 'fp32'}")
             run_deepspeed(root, 2, "save", str(root / "ckpt"), "-", bf16=bf16, script=PIPELINE_RUN,
                           env={"RESHARD_PP": "2", "RESHARD_DP": "1", "RESHARD_DS_LAYERS": "4"})
+            (root / "ckpt" / "config.json").write_text(json.dumps(llama_config(4)))
             cache[bf16] = root / "ckpt"
         return cache[bf16]
 
@@ -1122,11 +1179,11 @@ def test_tensor_parallel_pipeline_checkpoints_change_tp_bit_exactly(pipe_saved, 
     run_deepspeed(tmp_path, 2, "save", str(tmp_path / "tp2"), str(tmp_path / "saved.npz"), bf16=False,
                   script=PIPELINE_RUN, env={**tp2, "RESHARD_DS_LAYERS": "2"})
     assert (tmp_path / "tp2" / "global_step2" / "layer_01-model_01-model_states.pt").is_file()
+    with pytest.raises(CheckpointFormatError, match="no config.json naming a family reshard knows"):
+        reshard.open_checkpoint(tmp_path / "tp2", sizes={"heads": 4})  # a pipeline's layers are its family's
     with pytest.raises(CheckpointFormatError, match="does not resolve with the sizes known"):
-        reshard.open_checkpoint(tmp_path / "tp2", sizes={"heads": 4})  # tp shards do not tell the model's sizes
-    (tmp_path / "tp2" / "config.json").write_text(json.dumps(  # as the transformers Trainer leaves it
-        {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 24,
-         "vocab_size": 100, "num_hidden_layers": 2}))
+        reshard.open_checkpoint(tmp_path / "tp2", spec="deepspeed-pipe-llama", sizes={"heads": 4})  # tp shards
+    (tmp_path / "tp2" / "config.json").write_text(json.dumps(llama_config(2)))  # as the Trainer leaves it
     src = reshard.open_checkpoint(tmp_path / "tp2")
     assert (src.topology.tp, src.topology.pp, src.spec_name) == (2, 1, "deepspeed-pipe-llama")
     logical = logical_of(tmp_path / "tp2")
@@ -1153,11 +1210,14 @@ def test_sizes_and_shard_size_reach_the_library(tmp_path):
     runner = CliRunner()
 
     write_checkpoint(tmp_path / "ds", "dp=2", dtype="float32")
+    config = (tmp_path / "ds" / "config.json").read_text()
     (tmp_path / "ds" / "config.json").unlink()
-    refused = runner.invoke(app, ["convert", str(tmp_path / "ds"), str(tmp_path / "hf"), "--format", "hf"])
-    assert refused.exit_code == 2 and "give sizes heads=N" in refused.stderr
+    refused = runner.invoke(app, ["convert", str(tmp_path / "ds"), str(tmp_path / "hf"), "--format", "hf",
+                                  "--sizes", "heads=4"])
+    assert refused.exit_code == 2 and "put the model's config.json beside" in refused.stderr  # never guessed
+    (tmp_path / "ds" / "config.json").write_text(config)
     result = runner.invoke(app, ["convert", str(tmp_path / "ds"), str(tmp_path / "hf"), "--format", "hf",
-                                 "--sizes", "heads=4", "--max-shard-size", "10KB"])
+                                 "--max-shard-size", "10KB"])
     assert result.exit_code == 0, result.output
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -1167,5 +1227,5 @@ def test_sizes_and_shard_size_reach_the_library(tmp_path):
         for name, value in load_file(tmp_path / "hf" / shard).items():
             assert index["weight_map"][name] == shard
             assert value.tobytes() == logical[(name, "param")].tobytes(), name
-    inspect = runner.invoke(app, ["inspect", str(tmp_path / "ds"), "--sizes", "heads=4", "--json"])
+    inspect = runner.invoke(app, ["inspect", str(tmp_path / "ds"), "--json"])
     assert inspect.exit_code == 0 and json.loads(inspect.stdout)["sizes"]["hd"] == 4

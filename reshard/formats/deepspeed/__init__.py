@@ -17,18 +17,30 @@ States: model weights ``param``; fp32 master ``master``; every tensor the torch 
 keeps per flat param (``exp_avg``, ``exp_avg_sq``, ...) under its own name, laid out like
 ``master``. Scalars (``step``) and all other non-tensor state are carried, never resharded.
 
+Layouts: without a spec, derived from what the files record (``derive``): ``param_shapes`` (the param
+groups, each param under its own name in its group's flat buffer), ``frozen_param_shapes``,
+``buffer_names``, ``shared_params`` and the module's state dict, so a checkpoint of any model, of a family
+reshard knows or of none, is read and written alike, with any number of param groups, frozen parameters,
+persistent buffers and tied weights. A spec (``deepspeed-llama``, a user's file) lays it out instead, and
+is needed where DeepSpeed records too little: tensor parallelism (how tp split each tensor) and the
+pipeline engine (``deepspeed-pipe-<family>``, its family taken from the ``config.json`` beside it).
+
 ZeRO stage 3 checkpoints are read and written by ``reshard.formats.deepspeed.zero3``; universal
 folders by ``reshard.formats.deepspeed.ucp``; the pipeline engine's layer files by
 ``reshard.formats.deepspeed.pipe``.
 
 Not supported, each refused with a message: MoE expert files, tied pipeline modules
-(``tied_modules.*``), ``round_robin_gradients``, ``parameter_alignment``, frozen parameters,
-persistent buffers, tied weights, and tp > 1 with a spec that splits nothing over tp.
+(``tied_modules.*``), ``round_robin_gradients``, ``parameter_alignment``, tp > 1 without a spec that
+splits over tp, and (until the planner can take the weights of some tensors from their fp32 masters
+and of others as stored) conversions between ZeRO-3 and ZeRO-1/2 of a model with frozen parameters or
+persistent buffers.
 
 The modules, each importing only modules listed above it::
 
     state    the non-tensor state: carried from a source, synthesized, put back into a file's tree
     files    the files: names, finding them under a save dir or tag dir, reading and writing one
+    derive   the layouts derived from what a checkpoint records (``DsModel``), for any model
+    sources  what a target takes from a source of any format: layout, training dtype, identity
     sizes    the model sizes: given, from a config.json, or from the param shapes
     zero12   ZeRO-1/2: the flat-partition layout, and the checks of the files against it
     pipe     the pipeline engine: its layer files, read and written
@@ -40,7 +52,8 @@ The modules, each importing only modules listed above it::
 
 from __future__ import annotations
 
+from reshard.formats.deepspeed.derive import DsModel
 from reshard.formats.deepspeed.format import FORMAT, DeepSpeedFormat
 from reshard.formats.deepspeed.state import DeepSpeedExtra, DsOptimizer, Scalar, synthesize_extra
 
-__all__ = ["FORMAT", "DeepSpeedExtra", "DeepSpeedFormat", "DsOptimizer", "Scalar", "synthesize_extra"]
+__all__ = ["FORMAT", "DeepSpeedExtra", "DeepSpeedFormat", "DsModel", "DsOptimizer", "Scalar", "synthesize_extra"]

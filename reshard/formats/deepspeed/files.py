@@ -25,7 +25,6 @@ from reshard.formats.deepspeed.state import Scalar, _Sources
 from reshard.io.bounds import brief
 from reshard.io.torchfile import TorchFileWriter, read_torch_file
 
-
 _MODEL_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 _OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _LAYER_FILE = re.compile(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt")
@@ -166,6 +165,13 @@ def _write_file(path: Path, tree: Any, sources: _Sources, fill: Fill, target: Ta
 
 def _config_file(files: _Files) -> Path | None:
     return next((p for d in (files.tag_dir, files.root, files.root.parent) if (p := d / "config.json").is_file()), None)
+
+
+def config_path(tag_dir: Path, root: Path) -> Path:
+    """The ``config.json`` a checkpoint's identity is read from (``read_identity(tag_dir, root, root.parent)``), or
+    where it would be: named in messages about it."""
+    found = (p for d in (tag_dir, root, root.parent) if (p := d / "config.json").is_file())
+    return next(found, tag_dir / "config.json")
 
 
 def _hf_config(files: _Files) -> dict[str, Any]:

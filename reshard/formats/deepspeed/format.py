@@ -8,7 +8,7 @@ files) and ``write`` (file trees).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,21 +23,25 @@ from reshard.formats.base import (
     Fill,
     Located,
     ModelMeta,
+    Progress,
     Source,
     Target,
     expect_int,
+    expect_step,
+    given_sizes,
     name_of,
-    require_sizes,
 )
+from reshard.formats.deepspeed.derive import DsModel, derived, model_of_source, recorded_model, zero12_text
 from reshard.formats.deepspeed.files import (
     _OPTIM_FILE,
+    _Files,
     _find_files,
     _get,
-    _hf_config,
     _locate,
     _param_shapes,
     _read,
     _write_file,
+    config_path,
     model_file,
     optim_file,
 )
@@ -51,6 +55,7 @@ from reshard.formats.deepspeed.pipe import (
     _pipeline_stages,
 )
 from reshard.formats.deepspeed.sizes import _llama_sizes
+from reshard.formats.deepspeed.sources import derivable, family_spec, target_model, weights_dtype
 from reshard.formats.deepspeed.state import (
     DeepSpeedExtra,
     DsOptimizer,
@@ -58,10 +63,18 @@ from reshard.formats.deepspeed.state import (
     _ds_config,
     _optim_template,
     _template,
+    _without_fragments,
     synthesize_extra,
 )
 from reshard.formats.deepspeed.write import _model_tree, _optim_tree, _write_extra
-from reshard.formats.deepspeed.zero3 import files_of_zero3, is_zero3, open_zero3, target_zero3, write_zero3
+from reshard.formats.deepspeed.zero3 import (
+    extra_for_zero12,
+    files_of_zero3,
+    is_zero3,
+    open_zero3,
+    target_zero3,
+    write_zero3,
+)
 from reshard.formats.deepspeed.zero12 import (
     _check_model,
     _check_optim,
@@ -73,16 +86,16 @@ from reshard.formats.deepspeed.zero12 import (
     _splits_over,
     _stage,
 )
-from reshard.formats.specs import family_of, layout_spec, source_family, target_config
-from reshard.models import get_family
+from reshard.formats.derived import derived_spec_name, is_derived
+from reshard.formats.identity import read_identity, write_identity
+from reshard.formats.specs import family_of, layout_spec, target_config
+from reshard.models import known_family
+from reshard.models.config import config_sizes
 
 __all__ = ["FORMAT", "DeepSpeedFormat"]
 
 DEFAULT_SPEC = "deepspeed-llama"
-SPEC_BY_GROUPS = {1: "deepspeed-llama", 2: "deepspeed-llama-hf-trainer"}
-"""The shipped spec for a checkpoint with this many param groups."""
-PIPE_SPEC_BY_GROUPS = {1: "deepspeed-pipe-llama"}
-"""The same for a pipeline-engine checkpoint."""
+"""``new_target``'s spec: a fresh run of the llama family."""
 
 
 class DeepSpeedFormat:
@@ -102,20 +115,24 @@ class DeepSpeedFormat:
             return False
 
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
-        """Read a ZeRO-1/2 checkpoint's metadata, resolve its layout and prove the layout against every file.
+        """Read a ZeRO checkpoint's metadata, lay it out and prove the layout against every file.
 
-        ``path`` is the save dir (with ``latest``) or a tag dir. The spec defaults to the
-        shipped one for the number of param groups. Sizes come from ``sizes``, else a Hugging
-        Face ``config.json`` in the tag dir, the save dir or its parent, else the shapes
-        (at tp=1), which cannot tell heads from head dim.
+        ``path`` is the save dir (with ``latest``) or a tag dir. Without ``spec`` the layout is derived
+        from what the files record (``derive``): every param under its own name in its param group's flat
+        buffer, frozen params, persistent buffers and tied copies in the module, so a model of any family,
+        or of none, reads alike; a pipeline-engine checkpoint is laid out by the family its ``config.json``
+        names. ``Source.model`` holds the ``config.json``, generation config and tokenizer files found in
+        the tag dir, the save dir or its parent; the sizes come from that config (when a model family
+        claims it) and ``sizes``; with a ``spec``, also from the Llama tensor shapes.
 
         Raises:
           CheckpointFormatError: naming the file and what disagrees (rank files missing or
             beyond ``dp_world_size``, a param placed elsewhere than the spec says, ...).
         """
         root, tag, tag_dir = _locate(Path(path))
+        identity = read_identity(tag_dir, root, root.parent)
         if is_zero3([p.name for p in tag_dir.iterdir()]):
-            return open_zero3(self.name, root, tag, tag_dir, spec=spec, sizes=sizes)
+            return open_zero3(self.name, root, tag, tag_dir, spec=spec, sizes=sizes, identity=identity)
         files = _find_files(Path(path))
         models = [_read(p) for p in files.model]
         first = models[0]
@@ -139,11 +156,21 @@ class DeepSpeedFormat:
         stage = _stage(osd0["zero_stage"], files.optim[0][0]) if optimizer == DsOptimizer.ZERO else 1
         _refuse_options(first, files.model[0])
         shapes = [_param_shapes(tree, p) for tree, p in zip(models, files.model, strict=True)]
-        spec_name = spec or (PIPE_SPEC_BY_GROUPS if pipeline else SPEC_BY_GROUPS).get(len(shapes[0]))
-        if spec_name is None:
-            raise CheckpointFormatError(f"{files.model[0]}: {len(shapes[0])} param groups, and no shipped spec "
-                                        "has that many; give a spec")
-        parsed = layout_spec(spec_name)
+        ds_model = None
+        if spec is not None:
+            spec_name, parsed = spec, layout_spec(spec)
+        elif pipeline:
+            spec_name = _pipeline_spec(identity, files, len(shapes[0]))
+            parsed = layout_spec(spec_name)
+        else:
+            if tp > 1:
+                name, shape = next(((n, s) for g in shapes[0] for n, s in g), ("?", ()))
+                raise CheckpointFormatError(
+                    f"{files.model[0]}: mp_world_size={tp}, and DeepSpeed does not record how tensor parallelism "
+                    f"split its tensors ('{name}' is {list(shape)} on this rank): give a spec that says so")
+            ds_model = recorded_model(first, files.model[0], shapes[0])
+            spec_name = derived_spec_name(self.name)
+            parsed = derived(zero12_text(ds_model, stage, files.tag_dir), files.tag_dir)
         info = _spec_info(parsed, spec_name)
         for path, groups in zip(files.model, shapes, strict=True):
             if len(info.groups) != len(groups):
@@ -155,8 +182,14 @@ class DeepSpeedFormat:
         if pipeline != _is_pipeline(parsed):
             raise CheckpointFormatError(f"{files.tag_dir}: {'a' if pipeline else 'not a'} pipeline-engine checkpoint, "
                                         f"but spec '{spec_name}' describes {'no' if pipeline else 'a'} pipeline")
-        named = _pipeline_names([g for tree in shapes for g in tree]) if pipeline else shapes[0]
-        all_sizes = _llama_sizes(files, named if tp == 1 else [], sizes, sum(len(g) for tree in shapes for g in tree))
+        count = sum(len(g) for tree in shapes for g in tree)
+        if ds_model is not None:  # nothing is told from the shapes: the config's sizes, and the caller's
+            all_sizes = config_sizes(identity.config, config_path(files.tag_dir, files.root),
+                                     tensors=len(ds_model.tensors))
+            all_sizes.update(given_sizes(sizes))
+        else:
+            named = _pipeline_names([g for tree in shapes for g in tree]) if pipeline else shapes[0]
+            all_sizes = _llama_sizes(files, named if tp == 1 else [], sizes, count)
         stages = _pipeline_stages(shapes, all_sizes.get("layers"), pp) if pipeline else None
         try:
             topology = Topology(tp=tp, pp=pp, dp=dp, zero=stage, stages=stages)
@@ -182,43 +215,39 @@ class DeepSpeedFormat:
             _check_layers(layout, info, files, spec_name, where)
         elastic = not isinstance(osd0["base_optimizer_state"], Mapping)
         extra = DeepSpeedExtra(tag=files.tag, zero_stage=stage, optimizer=optimizer, bf16_names=files.bf16_names,
-                               elastic=elastic, model_states=_template(first, files.model[0], drop=("module",)),
+                               elastic=elastic, model_states=_template(_without_fragments(first), files.model[0],
+                                                                       drop=("module",)),
                                optim_states=_optim_template(optims[0][0], files.optim[0][0]),
                                module_order=tuple(name_of(k) for k in first["module"] or ()),
                                layer_model_axis=not any(t is None for _, t in files.layers))
-        config = _hf_config(files)
+        steps = first.get("global_steps")
+        progress = Progress(iteration=expect_step(steps, "global_steps", files.model[0]) if steps is not None else None)
         return Source(format=self.name, path=files.root, spec_name=spec_name, spec=parsed, topology=topology,
-                      sizes=all_sizes, layout=layout, where=where, model=ModelMeta(config=config or None),
-                      extra={"deepspeed": extra})
+                      sizes=all_sizes, layout=layout, where=where, model=identity, progress=progress,
+                      extra={"deepspeed": extra, **({"ds_model": ds_model} if ds_model else {})})
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """The DeepSpeed layout of ``source``'s model at ``topology``.
 
-        ``topology.zero`` picks the stage (0: the source's, or 2; 1 under a pipeline). A
-        DeepSpeed source's non-tensor state is carried; any other source gets
-        ``synthesize_extra``'s. ``pp`` > 1 means the pipeline engine: a pipeline spec
-        (by default ``deepspeed-pipe-llama``), whose layer files are written too.
+        ``topology.zero`` picks the stage (0: the source's, or 2; 1 under a pipeline). Without ``spec``,
+        at tp = pp = 1, the layout is derived (``derive``): a DeepSpeed source's own param groups, frozen
+        params, buffers and tied weights; any other source's tensors in the order it records them, in one
+        param group. A source laid out by a model family's spec (a Hugging Face Llama, a Megatron
+        checkpoint) keeps that family's layout, in ``named_parameters()`` order; tp or pp > 1 needs the
+        family (``pp`` > 1 is the pipeline engine: ``deepspeed-pipe-<family>``, whose layer files are
+        written too). A DeepSpeed source's non-tensor state is carried; any other source gets
+        ``synthesize_extra``'s.
         """
-        family = source_family(source)
-        if spec is None and family is not None and family.name != "llama":
-            raise CheckpointFormatError(f"{source.path}: a {family.name} model; the deepspeed format supports "
-                                        "Llama-style models (the llama family) so far")
-        # A source that records no family (a universal checkpoint without config.json) is laid out by the llama
-        # family's names, which its tensors must match exactly; no config.json then claims which model it is.
         if topology.vpp != 1:
             raise TopologyError(f"DeepSpeed's pipeline engine has no virtual stages: vpp({topology.vpp}) must be 1")
         if topology.cp != 1 or topology.ep != 1:
             raise TopologyError(f"DeepSpeed ZeRO checkpoints here have cp=1 and ep=1, got {topology}")
-        if spec is None:
-            require_sizes(source, (family or get_family("llama")).sizes, "deepspeed")
         carried = source.extra.get("deepspeed") if source.format == self.name else None
-        spec_name = spec or (source.spec_name if carried else DEFAULT_SPEC)
-        if spec is None and topology.pp > 1 and not _is_pipeline(layout_spec(spec_name)):
-            spec_name = PIPE_SPEC_BY_GROUPS[1]
-        pipeline = _is_pipeline(layout_spec(spec_name))
+        spec_name = _target_spec(source, topology, spec, carried is not None)
+        pipeline = spec_name is not None and _is_pipeline(layout_spec(spec_name))
         if topology.pp != 1 and not pipeline:
-            raise TopologyError(f"spec '{spec_name}' describes DeepSpeed's engine without a pipeline: pp({topology.pp}) "
-                                "must be 1 (give a pipeline spec, such as deepspeed-pipe-llama)")
+            raise TopologyError(f"spec '{spec_name}' describes DeepSpeed's engine without a pipeline: "
+                                f"pp({topology.pp}) must be 1 (give a pipeline spec, such as deepspeed-pipe-llama)")
         default = carried.zero_stage if carried else 3 if "zero3" in source.extra else 2
         stage = topology.zero or (min(default, 1) if pipeline else default)
         if pipeline and stage > 1:
@@ -226,54 +255,59 @@ class DeepSpeedFormat:
         if stage == 3:
             return target_zero3(self.name, source, topology, spec)
         if stage not in (1, 2):
-            raise TopologyError(f"DeepSpeed target: writing ZeRO stage {stage} is not supported yet (only 1 and 2); "
-                                "give zero=1 or zero=2 in the topology")
-        parsed = layout_spec(spec_name)
+            raise TopologyError(f"DeepSpeed target: writing ZeRO stage {stage} is not supported yet (only 1, 2 and 3); "
+                                "give zero=1, zero=2 or zero=3 in the topology")
+        ds_model = model_of_source(source) if spec_name is None else None
+        if ds_model is not None:
+            spec_name = derived_spec_name(self.name)
+            parsed = derived(zero12_text(ds_model, stage, source.path), source.path)
+        else:
+            parsed = layout_spec(spec_name)
         info = _spec_info(parsed, spec_name)
         if topology.tp > 1 and not _splits_over(parsed, "tp"):
             raise TopologyError(f"spec '{spec_name}' splits nothing over tp; DeepSpeed at tp({topology.tp}) "
                                 "needs a spec that does")
-        # The source's order of states: a DeepSpeed source's is its optimizer's key order.
-        src_states = list(dict.fromkeys(it.state for it in source.layout.items if it.state != PARAM))
-        fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == PARAM)
-        if MASTER not in src_states and fp32 and any(it.state == PARAM for it in source.where):
-            src_states.insert(0, MASTER)  # fp32 training: the weights are the master copy (reshard.api aliases them)
-        if MASTER not in src_states:
-            raise CheckpointFormatError(f"a DeepSpeed checkpoint needs the fp32 master weights (state '{MASTER}'); "
-                                        f"the source has: {', '.join(source.layout.states)}")
-        states = (MASTER, *[s for s in src_states if s != MASTER])
+        states = _target_states(source)
         layout = resolve(parsed, topology, source.sizes, states={info.optim_section: states})
-        model_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == PARAM), "float32")
+        model_dtype = weights_dtype(source) or "float32"
         if carried is not None:
             extra = _carry(carried, stage, len(info.groups), spec_name)
         else:
-            extra = synthesize_extra(groups=len(info.groups), dtype=model_dtype, zero_stage=stage, states=states[1:],
-                                     dp=topology.dp)
+            extra = extra_for_zero12(source, stage, len(info.groups), model_dtype, states[1:], topology.dp)
+        if ds_model is not None:
+            extra = dataclasses.replace(extra, module_order=tuple(k for k, _ in ds_model.module))
         dtypes = {it: model_dtype if it.section in info.model_sections else "float32" for it in layout.items}
         return Target(format=self.name, spec_name=spec_name, spec=parsed, topology=topology, sizes=dict(source.sizes),
-                      layout=layout, dtypes=dtypes, model=_model(source, family),
-                      extra={"deepspeed": extra})
+                      layout=layout, dtypes=dtypes, model=target_model(source),
+                      extra={"deepspeed": extra, **({"ds_model": ds_model} if ds_model else {})})
 
     def new_target(self, topology: str | Topology, sizes: Mapping[str, int], *, spec: str = DEFAULT_SPEC,
-                   dtype: str = "bfloat16", zero_stage: int = 2, states: tuple[str, ...] = ("exp_avg", "exp_avg_sq"),
-                   **options: Any) -> Target:
-        """A target from scratch with synthesized non-tensor state (``synthesize_extra(**options)``), for fixtures.
+                   model: DsModel | None = None, dtype: str = "bfloat16", zero_stage: int = 2,
+                   states: tuple[str, ...] = ("exp_avg", "exp_avg_sq"), **options: Any) -> Target:
+        """A target from scratch with synthesized non-tensor state (``synthesize_extra(**options)``), for fixtures:
+        laid out by ``spec``, or, given a ``model``, derived from it (``derive``).
 
         >>> t = FORMAT.new_target("dp=2", {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 2})
         >>> t.layout.states
         ('exp_avg', 'exp_avg_sq', 'master', 'param')
         """
         topo = parse_topology(topology) if isinstance(topology, str) else topology
-        parsed = layout_spec(spec)
+        if model is not None:
+            spec = derived_spec_name(self.name)
+            parsed = derived(zero12_text(model, zero_stage, "new_target"), "new_target")
+        else:
+            parsed = layout_spec(spec)
         info = _spec_info(parsed, spec)
         layout = resolve(parsed, topo, sizes, states={info.optim_section: (MASTER, *states)})
         options.setdefault("dp", topo.dp)
         extra = synthesize_extra(groups=len(info.groups), dtype=dtype, zero_stage=zero_stage, states=states, **options)
+        if model is not None:
+            extra = dataclasses.replace(extra, module_order=tuple(k for k, _ in model.module))
         dtypes = {it: dtype if it.section in info.model_sections else "float32" for it in layout.items}
-        family = family_of(spec) if isinstance(spec, str) else None  # a fresh run of a family's model
+        family = family_of(spec) if model is None else None  # a fresh run of a family's model
         return Target(format=self.name, spec_name=spec, spec=parsed, topology=topo, sizes=dict(sizes), layout=layout,
-                      model=ModelMeta(family=family.name if family else None),
-                      dtypes=dtypes, extra={"deepspeed": extra})
+                      model=ModelMeta(family=family.name if family else None), dtypes=dtypes,
+                      extra={"deepspeed": extra, **({"ds_model": model} if model else {})})
 
     def write(self, target: Target, out: Path, fill: Fill, session: WriteSession | None = None, *,
               only: Collection[Path] | None = None) -> list[Path]:
@@ -322,14 +356,11 @@ class DeepSpeedFormat:
                     written.append(rel)
         if keep:  # a worker's share: the files holding no items are written by the call with only=()
             return written
-        # As the transformers Trainer leaves it: the model's config.json beside the tag
-        # directory, so the checkpoint names its own attention layout.
-        config = target_config(target, [dtype])
-        if config is not None:
-            (Path(out) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        # As the transformers Trainer leaves them: the model's config.json (and tokenizer files) beside the tag
+        # directory, so the checkpoint names its own model.
+        identity = write_identity(Path(out), target.model, target_config(target, [dtype]))
         (Path(out) / "latest").write_text(extra.tag)
-        return [*written, *([Path("config.json")] if config is not None else []), Path("latest")]
-
+        return [*written, *identity, Path("latest")]
 
     def files_of(self, target: Target) -> dict[Item, Path]:
         """The file, relative to the checkpoint directory, that holds each item of ``target``."""
@@ -352,8 +383,42 @@ class DeepSpeedFormat:
 FORMAT = DeepSpeedFormat()
 
 
-def _model(source: Source, family) -> ModelMeta:
-    """The model identity a DeepSpeed target writes beside its files (as the transformers Trainer leaves a
-    config.json): the source's, when it records one."""
-    return ModelMeta(family=family.name if family else None, config=source.model.config,
-                     hints=dict(source.model.hints))
+def _target_spec(source: Source, topology: Topology, spec: str | None, carried: bool) -> str | None:
+    """The spec a DeepSpeed target of ``source`` is laid out by; None: derived from the source (``derive``)."""
+    if spec is not None:
+        return spec
+    if carried and not is_derived(source.spec_name) and (topology.pp == 1 or _is_pipeline(source.spec)):
+        return source.spec_name  # a DeepSpeed source laid out by a family's spec or a user's keeps it
+    if topology.tp == 1 and topology.pp == 1 and derivable(source):
+        return None
+    needs = ("DeepSpeed does not record how tensor parallelism splits a tensor" if topology.tp > 1 else
+             "the pipeline engine's layers are laid out by the model's family" if topology.pp > 1 else
+             "a family's flat buffers follow its registration order")
+    return family_spec(source, needs, prefix="deepspeed-pipe" if topology.pp > 1 else "deepspeed")
+
+
+def _target_states(source: Source) -> tuple[str, ...]:
+    """The flat buffers' states: the fp32 master first, then the source's optimizer states in its order."""
+    src_states = list(dict.fromkeys(it.state for it in source.layout.items if it.state != PARAM))
+    fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == PARAM)
+    if MASTER not in src_states and fp32 and any(it.state == PARAM for it in source.where):
+        src_states.insert(0, MASTER)  # fp32 training: the weights are the master copy (reshard.api aliases them)
+    if MASTER not in src_states:
+        raise CheckpointFormatError(f"a DeepSpeed checkpoint needs the fp32 master weights (state '{MASTER}'); "
+                                    f"the source has: {', '.join(source.layout.states)}")
+    return (MASTER, *[s for s in src_states if s != MASTER])
+
+
+def _pipeline_spec(identity: ModelMeta, files: _Files, groups: int) -> str:
+    """The spec of a pipeline-engine checkpoint: the family's its config.json names."""
+    family = known_family(identity.config) if isinstance(identity.config, dict) else None
+    if family is None:
+        raise CheckpointFormatError(
+            f"{files.tag_dir}: a pipeline-engine checkpoint (layer_*-model_states.pt), whose layers are laid out by "
+            "the model's family, and no config.json naming a family reshard knows beside it (in the tag dir, "
+            "the save dir or its parent): put the model's config.json there, or give a spec "
+            "(deepspeed-pipe-<family>)")
+    if groups != 1:
+        raise CheckpointFormatError(f"{files.model[0]}: {groups} param groups; a pipeline-engine layout has one: "
+                                    "give a spec")
+    return f"deepspeed-pipe-{family.name}"

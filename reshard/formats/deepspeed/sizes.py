@@ -11,6 +11,7 @@ from reshard.errors import CheckpointFormatError
 from reshard.formats.base import check_sizes, given_sizes
 from reshard.formats.deepspeed.files import _config_file, _Files, _hf_config
 from reshard.models import llama
+from reshard.models.config import config_sizes
 
 
 def _llama_sizes(files: _Files, shapes: list[list[tuple[str, tuple[int, ...]]]],
@@ -27,7 +28,9 @@ def _llama_sizes(files: _Files, shapes: list[list[tuple[str, tuple[int, ...]]]],
         sizes["f"] = gate[0]
     counts = {"layers": params}  # each layer holds a param at least
     config = _hf_config(files)
-    found = {name: config[key] for name, key in llama.CONFIG_KEYS.items() if config.get(key) is not None}
+    found = config_sizes(config, _config_file(files) or files.tag_dir, tensors=params)  # a family's config
+    if not found:  # a config without a model_type: read as a Llama's
+        found = {name: config[key] for name, key in llama.CONFIG_KEYS.items() if config.get(key) is not None}
     sizes.update(check_sizes(found, _config_file(files), counts=counts) if found else {})
     sizes.update(given_sizes(override))
     q, k = by_name.get("model.layers.0.self_attn.q_proj.weight"), by_name.get("model.layers.0.self_attn.k_proj.weight")

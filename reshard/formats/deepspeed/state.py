@@ -119,6 +119,15 @@ def _template(tree: Mapping, path: Path, drop: tuple[str, ...] = ()) -> dict[str
     return {k: walk(v) for k, v in tree.items() if k not in drop}
 
 
+def _without_fragments(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """A model file's tree with ``frozen_param_fragments`` emptied (the key kept in place: the order is the
+    file's); a write refills it from the target's layout."""
+    out = dict(tree)
+    if isinstance(out.get("frozen_param_fragments"), Mapping):
+        out["frozen_param_fragments"] = OrderedDict()
+    return out
+
+
 def _optim_template(tree: Mapping, path: Path) -> dict[str, Any]:
     """An optimizer file's tree with its flat tensors taken out (``write`` puts each rank's back)."""
 
@@ -176,7 +185,7 @@ def _fragment_address(numel: int, start: int) -> Opaque:
     return Opaque(*_FRAGMENT, (), {"numel": numel, "start": start}, newobj=True)
 
 
-_Sources = dict[Any, tuple["Item | Scalar", int]]
+_Sources = dict[Any, tuple[Item | Scalar, int]]
 """Per ``TensorSpec`` key: the item (or scalar) that fills it, and how many elements."""
 
 

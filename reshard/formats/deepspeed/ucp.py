@@ -71,14 +71,16 @@ from reshard.formats.base import (
     name_of,
     read_tag,
 )
+from reshard.formats.deepspeed.derive import DsModel, model_of_source
 from reshard.formats.deepspeed.state import DeepSpeedExtra, Scalar, _with_scalars, synthesize_extra
 from reshard.formats.deepspeed.zero3 import Zero3Extra, extra_from_zero12, model_tree3
+from reshard.formats.derived import Recorded
 from reshard.formats.identity import read_identity, write_identity
 from reshard.formats.specs import source_config
-from reshard.models.config import config_sizes
 from reshard.io.torch_read import read_torch_file
 from reshard.io.torch_types import TensorRef, TensorSpec, TorchSize, scalar_value
 from reshard.io.torch_write import TorchFileWriter
+from reshard.models.config import config_sizes
 
 __all__ = ["FORMAT", "UcpFormat"]
 
@@ -107,7 +109,9 @@ class UcpExtra:
     step: Any
     """``step.pt`` of every param (a ``Scalar``), or None when the optimizer keeps no step."""
     names: tuple[str, ...]
-    """The params, in the model's order."""
+    """The trained params (a folder each), in the model's order."""
+    module: tuple[str, ...] = ()
+    """The model file's module keys in order (frozen params, buffers, tied copies too); empty: ``names``."""
     stage3: bool = False
     """For a ZeRO-3 engine: flat per-param tensors, no ``step.pt``, a stage-3 ``optimizer_state.pt`` and
     ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (module placeholders, ``model_states`` whole) as the model file."""
@@ -186,10 +190,15 @@ class UcpFormat:
         if not tensors:
             problems.append(f"{folder / ZERO}: no parameter folders")
         if problems:
-            raise CheckpointFormatError(f"{folder}: cannot read this universal checkpoint:\n  " + "\n  ".join(problems[:20]))
+            raise CheckpointFormatError(f"{folder}: cannot read this universal checkpoint:\n  "
+                                        + "\n  ".join(problems[:20]))
         missing = sorted(n for n in tensors if Item(ZERO, (), 0, MASTER, n) not in items)
         if missing:
             raise CheckpointFormatError(f"{folder / ZERO}: no fp32.pt for {', '.join(missing[:5])}")
+        groups = _param_groups(folder)
+        # The model's order (its model file's param_shapes, as ds_to_universal copies it), not the folders'.
+        order = [n for g in groups for n in g if n in tensors]
+        tensors = {n: tensors[n] for n in [*order, *(n for n in tensors if n not in set(order))]}
         layout = Layout(topology=Topology(), tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                         fragments=tuple(fragments))
         model = read_identity(folder, folder.parent, folder.parent.parent)
@@ -200,9 +209,16 @@ class UcpFormat:
         step = step if step is not None else _stage3_step(folder)
         progress = Progress(step=expect_step(step, "the optimizer step (step.pt)", folder / ZERO)
                             if step is not None else None, lr=_lr(folder))
+        # The param groups DeepSpeed's flat buffers follow, when the model file records them and they hold every
+        # param: a DeepSpeed target lays them out again.
+        known = [tuple(n for n in g if n in tensors) for g in groups]
+        extra = {}
+        if groups and sum(map(len, known)) == len(tensors):
+            extra["ds_model"] = DsModel(tensors=tuple(Recorded(n, t.shape) for n, t in tensors.items()),
+                                        groups=tuple(g for g in known if g), module=tuple((n, n) for n in tensors))
         return Source(format=self.name, path=folder, spec_name="ucp", spec=parse_spec("", "<ucp>"),
                       topology=Topology(), sizes=model_sizes, layout=layout, where=where,
-                      model=model, progress=progress)
+                      model=model, progress=progress, extra=extra)
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """Whole tensors, one file per param and state; the weights in the model file.
@@ -220,8 +236,17 @@ class UcpFormat:
             raise TopologyError(f"zero={topology.zero}: a universal folder is for ZeRO stage 1, 2 or 3")
         stage3 = topology.zero == 3 or (topology.zero == 0 and "zero3" in source.extra)
         held = {(f.tensor, f.state) for f in source.layout.fragments}
-        names = [n for n, t in source.layout.tensors.items()
-                 if not t.blob and t.shape and any((n, s) in held for s in source.layout.states)]
+        kept = {n for n, t in source.layout.tensors.items()
+                if not t.blob and t.shape and any((n, s) in held for s in source.layout.states)}
+        # Folders for the trained params (the optimizer's); the module holds frozen params, buffers and tied
+        # copies too, as the model's DeepSpeed layout says.
+        ds_model = model_of_source(source)
+        module = [(k, n) for k, n in ds_model.module if n in kept]
+        trained = {n for g in ds_model.groups for n in g}
+        names = [n for n in dict.fromkeys(n for _, n in module) if n in trained] or sorted(kept)
+        if stage3 and (ds_model.frozen or ds_model.buffers):
+            raise CheckpointFormatError(f"{source.path}: a universal folder for ZeRO-3 of a model with frozen "
+                                        "parameters or persistent buffers is not supported; use zero=1 or zero=2")
         states = set(source.layout.states)
         fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == PARAM)
         if MASTER not in states and not (PARAM in states and fp32):
@@ -232,23 +257,29 @@ class UcpFormat:
         tensors: dict[str, LogicalTensor] = {}
         items: dict[Item, ItemInfo] = {}
         fragments: list[Fragment] = []
-        for name in names:
+        for name in dict.fromkeys([*(n for _, n in module), *names]):
             shape = source.layout.tensors[name].shape
-            t = tensors[name] = LogicalTensor(name=name, shape=shape, axes=tuple(f"d{k}" for k in range(len(shape))),
-                                              view=shape, dim_axes=(1,) * len(shape))
-            kinds = ((ZERO, MASTER), *((ZERO, s) for s in opt_states))
-            for section, state in kinds if stage3 else ((MODEL, PARAM), *kinds):
-                item = Item(section, (), 0, state, name)
-                # ZeRO-3's folders hold each state flat (ds_to_universal's merge_zero3_slices)
-                items[item] = ItemInfo(shape=(math.prod(shape),) if stage3 else shape, mapped=math.prod(shape),
-                                       rule="ucp")
-                for box, off, st in box_fragments(t, (0,) * len(shape), shape, row_major_strides(shape), 0):
-                    fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
+            tensors[name] = LogicalTensor(name=name, shape=shape, axes=tuple(f"d{k}" for k in range(len(shape))),
+                                          view=shape, dim_axes=(1,) * len(shape))
+        places = [] if stage3 else [(MODEL, PARAM, key, name) for key, name in module]
+        for name in names:
+            places += [(ZERO, state, name, name) for state in (MASTER, *opt_states)]
+        for section, state, key, name in places:
+            t, shape = tensors[name], tensors[name].shape
+            item = Item(section, (), 0, state, key)
+            # ZeRO-3's folders hold each state flat (ds_to_universal's merge_zero3_slices)
+            items[item] = ItemInfo(shape=(math.prod(shape),) if stage3 else shape, mapped=math.prod(shape),
+                                   rule="ucp")
+            for box, off, st in box_fragments(t, (0,) * len(shape), shape, row_major_strides(shape), 0):
+                fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
         layout = Layout(topology=Topology(), tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                         fragments=tuple(fragments))
         model_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == PARAM), "float32")
-        extra = (_extra3(source, tuple(names), model_dtype) if stage3 else
-                 _extra(source, tuple(names), model_dtype, tuple(opt_states)))
+        if stage3:
+            extra = _extra3(source, tuple(names), model_dtype)
+        else:
+            extra = replace(_extra(source, tuple(names), model_dtype, tuple(opt_states)),
+                            module=tuple(k for k, _ in module))
         dtypes = {it: model_dtype if it.section == MODEL else "float32" for it in items}
         model = replace(source.model, config=source_config(source, [model_dtype]))
         return Target(format=self.name, spec_name="ucp", spec=parse_spec("", "<ucp>"), topology=Topology(),
@@ -257,7 +288,8 @@ class UcpFormat:
     def files_of(self, target: Target) -> dict[Item, Path]:
         """The file, relative to the output directory, that holds each item."""
         tag = target.extra["ucp"].tag
-        return {it: Path(tag) / (MODEL_FILE if it.section == MODEL else Path(ZERO, it.key, _file_stem(it.state) + ".pt"))
+        return {it: Path(tag) / (MODEL_FILE if it.section == MODEL
+                                 else Path(ZERO, it.key, _file_stem(it.state) + ".pt"))
                 for it in target.layout.items}
 
     def write(self, target: Target, out: Path, fill: Fill, session: WriteSession | None = None, *,
@@ -285,7 +317,7 @@ class UcpFormat:
             if rel.name == MODEL_FILE:
                 by_key = {it.key: it for it in its}
                 module = OrderedDict()
-                for name in extra.names:
+                for name in extra.module or extra.names:
                     module[name] = TensorSpec(target.dtypes[by_key[name]], target.layout.items[by_key[name]].shape,
                                               ("item", name))
                     sources[("item", name)] = (by_key[name], target.layout.items[by_key[name]].numel)
@@ -336,7 +368,8 @@ def _extra3(source: Source, names: tuple[str, ...], model_dtype: str) -> UcpExtr
     carried = [str(k) for g in z3.model_states.get("param_shapes") or () if isinstance(g, Mapping) for k in g]
     names = tuple([n for n in carried if n in names] + [n for n in names if n not in carried])
     dp = source.topology.dp if "zero3" in source.extra else 1  # ds_to_universal copies the source's rank 0 file
-    model_file = model_tree3(z3, [(n, source.layout.tensors[n].shape) for n in names], dp)
+    shapes = tuple(Recorded(n, source.layout.tensors[n].shape) for n in names)
+    model_file = model_tree3(z3, DsModel(tensors=shapes, groups=(names,), module=tuple((n, n) for n in names)), dp)
     return UcpExtra(tag=z3.tag, model_states=model_file, optimizer_state=osd, step=None, names=names, stage3=True)
 
 
@@ -355,7 +388,8 @@ def _extra(source: Source, names: tuple[str, ...], model_dtype: str, opt_states:
         value = expect_step(scalar_value(step.data, step.dtype) or 0, "the optimizer step", source.path) \
             if step is not None else 0
         ds = synthesize_extra(dtype=model_dtype if model_dtype in ("bfloat16", "float32") else "float32",
-                              states=opt_states, global_steps=value, dp=1, lr=float(source.progress.lr if source.progress.lr is not None else 1e-3))
+                              states=opt_states, global_steps=value, dp=1,
+                              lr=float(source.progress.lr if source.progress.lr is not None else 1e-3))
         ds.model_states["param_shapes"] = [OrderedDict((n, TorchSize(source.layout.tensors[n].shape)) for n in names)]
         for group in ds.optim_states["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
             group["step"] = step
@@ -402,6 +436,17 @@ def _folder(path: Path) -> Path | None:
     return None
 
 
+def _param_groups(folder: Path) -> list[list[str]]:
+    """The param groups (names in flat order) of the folder's model file's ``param_shapes``; empty without one."""
+    for name in (MODEL_FILE3, MODEL_FILE):
+        if (folder / name).is_file():
+            tree = read_torch_file(folder / name)
+            groups = tree.get("param_shapes") if isinstance(tree, dict) else None
+            if isinstance(groups, list):
+                return [[name_of(k) for k in g] for g in groups if isinstance(g, Mapping)]
+    return []
+
+
 def _param_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape from the folder's model file (ZeRO-3's first, then ZeRO-1/2's); empty without one."""
     for name in (MODEL_FILE3, MODEL_FILE):
@@ -415,7 +460,7 @@ def _param_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _scalar(file: Path, ref: TensorRef) -> float | None:
-    with open(file, "rb") as f:
+    with file.open("rb") as f:
         f.seek(ref.data_offset)
         return scalar_value(f.read(ref.itemsize), ref.dtype)
 

@@ -39,9 +39,11 @@ def _write_extra(target: Target, info: Any) -> tuple[DeepSpeedExtra, str]:
 
 def _model_tree(extra: DeepSpeedExtra, info: _SpecInfo, groups: list[_Group], pt: Rank, target: Target,
                 ds_config: Any, pipeline: bool = False) -> tuple[dict[str, Any], _Sources]:
-    """A model file: ``module`` (None under a pipeline, whose weights are in layer files) and the engine state."""
+    """A model file: ``module`` (None under a pipeline, whose weights are in layer files) and the engine state,
+    with ``frozen_param_shapes`` and ``frozen_param_fragments`` (from stage 2 on) and, for a derived layout,
+    ``buffer_names`` and ``shared_params`` as the target's model records them."""
     layout, topo = target.layout, target.topology
-    items = {it.key: it for it in layout.items if it.section in info.model_sections and it.unit == _unit(pt)}
+    items = {it.key: it for it in layout.items if it.section in info.module_sections and it.unit == _unit(pt)}
     order = [k for k in extra.module_order if k in items] + [k for k in items if k not in extra.module_order]
     sources: _Sources = {}
     module: OrderedDict | None = None
@@ -53,6 +55,19 @@ def _model_tree(extra: DeepSpeedExtra, info: _SpecInfo, groups: list[_Group], pt
     tree = {"module": module, **_with_scalars(extra.model_states, sources)}
     tree["param_shapes"] = [OrderedDict((k, TorchSize(layout.items[items[k]].shape)) for k, _, _ in g.params)
                             for g in groups]
+    ds_model = target.extra.get("ds_model")
+    if ds_model is not None:
+        tree["buffer_names"] = list(ds_model.buffers)
+        if tree.get("shared_params") is not None or ds_model.shared:
+            tree["shared_params"] = ds_model.shared
+    if tree.get("frozen_param_shapes") is not None:  # saved from stage 2 on
+        kept = [it for it in layout.items if it.section == info.fragments and it.unit == _unit(pt)]
+        tree["frozen_param_shapes"] = OrderedDict((it.key, TorchSize(layout.items[it].shape)) for it in kept)
+        fragments = OrderedDict()
+        for it in kept:
+            fragments[it.key] = TensorSpec(target.dtypes[it], layout.items[it].shape, ("fragment", it.key))
+            sources[("fragment", it.key)] = (it, layout.items[it].numel)
+        tree["frozen_param_fragments"] = fragments
     tree["dp_world_size"], tree["mp_world_size"] = topo.dp, topo.pp * topo.tp
     if "checkpoint_parallel_dimensions" in tree:
         tree["checkpoint_parallel_dimensions"] = {"pp_degree": topo.pp, "tp_degree": topo.tp}

@@ -18,10 +18,12 @@ Flat layout (``stage_1_and_2.py``: ``flatten_dense_tensors_aligned``,
 ``align_dense_tensors``, ``get_data_parallel_partitions``;
 ``mixed_precision_linkage._init_lp_to_hp_mapping``): a group's params, flattened and
 concatenated in order, zero-padded to a multiple of ``nccl_start_alignment_factor (2) *
-dp``, split into ``dp`` equal contiguous partitions. The shipped specs say so (``flat ... =
-model | pad 2*dp | split dp``), and ``open`` proves it file by file: ``param_shapes``,
-``param_slice_mappings``, ``group_paddings`` and ``param_alignment_paddings`` must equal
-what the resolved layout implies.
+dp``, split into ``dp`` equal contiguous partitions. The derived layouts and the families' specs say
+so (``flat ... = <group> | pad 2*dp | split dp``), and ``open`` proves it file by file:
+``param_shapes``, ``param_slice_mappings``, ``group_paddings`` and ``param_alignment_paddings``
+must equal what the resolved layout implies, ``module`` must hold exactly the layout's module
+tensors (the groups' params, frozen params, buffers, tied copies) and ``frozen_param_shapes`` and
+``frozen_param_fragments`` its frozen params.
 
 Here: the param groups a spec describes (``_spec_info``), each group's flat geometry at a
 model-parallel rank, read off a resolved layout (``_groups``), and the checks ``open`` runs
@@ -40,7 +42,8 @@ from reshard.core.layout import MASTER, PARAM, Item, Layout
 from reshard.core.spec import Concat, Flat, Pad, Pattern, Product, Section, Spec, Split, Stored, Term
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
-from reshard.formats.base import MAX_COUNT, Located, expect_int, itemsize, name_of
+from reshard.formats.base import MAX_COUNT, Located, expect_int, expect_shape, itemsize, name_of
+from reshard.formats.deepspeed.derive import FRAGMENTS
 from reshard.formats.deepspeed.files import _Files, _get, _zero_config
 from reshard.formats.deepspeed.state import _FRAGMENT, _ZERO_STAGE, DsOptimizer, _is_flat
 from reshard.io.bounds import brief
@@ -50,17 +53,24 @@ from reshard.io.torchfile import Opaque, TensorRef
 @dataclass(frozen=True, slots=True)
 class _SpecInfo:
     model_sections: tuple[str, ...]
-    """Sections whose tensors are in ``module``."""
+    """Sections whose tensors are in the model files: ``module_sections`` and ``fragments``."""
     optim_section: str
     groups: tuple[tuple[str, Pattern], ...]
     """Per param group: (the section its flat buffer is built from, the flat buffer's key pattern)."""
+    module_sections: tuple[str, ...] = ()
+    """Sections whose tensors are in ``module``: the groups' and those outside every group (frozen params,
+    buffers, tied copies)."""
+    fragments: str | None = None
+    """The section of ``frozen_param_fragments`` (the frozen params again, from ZeRO stage 2 on), if any."""
 
     def flat_key(self, group: int, state: str) -> str:
         return self.groups[group][1].format({"state": state})
 
 
-def _spec_info(spec: Spec, name: str) -> _SpecInfo:
-    """The param groups of a DeepSpeed spec: one flat buffer per group, in group order, in one section."""
+def _spec_info(spec: Spec, name: str, zero3: bool = False) -> _SpecInfo:
+    """The param groups of a DeepSpeed spec: one flat buffer per group, in group order, in one section. Other
+    sections of stored tensors are the module's tensors outside every group, except ``frozen_param_fragments``.
+    ``zero3``: the flat buffers are ZeRO-3's, each param split on its own (``perparam``)."""
     sections: list[tuple[Section, list]] = []
     for st in spec.statements:
         if isinstance(st, Section):
@@ -74,17 +84,24 @@ def _spec_info(spec: Spec, name: str) -> _SpecInfo:
     sec, flats = optim[0]
     for fl in flats:
         captures = {c.name for c in fl.pattern.captures}
-        if any(op.op not in ("pad", "split", "align") for op in fl.ops) or captures != {"state"}:
-            raise CheckpointFormatError(f"spec '{name}': flat buffer '{fl.pattern.text}' is not a ZeRO-1/2 partition "
-                                        "(expected 'flat <name with {state}> = <section> | pad 2*dp | split dp')")
+        ops = {op.op for op in fl.ops}
+        partition = "perparam" in ops and ops <= {"pad", "split", "perparam"} if zero3 else \
+            ops <= {"pad", "split", "align"}
+        if not partition or captures != {"state"}:
+            expected = "perparam | split dp" if zero3 else "pad 2*dp | split dp"
+            raise CheckpointFormatError(f"spec '{name}': flat buffer '{fl.pattern.text}' is not a ZeRO-"
+                                        f"{3 if zero3 else '1/2'} partition (expected 'flat <name with {{state}}> = "
+                                        f"<section> | {expected}')")
     model = tuple(s.name for s, rules in sections if s is not sec and any(isinstance(r, Stored) for r in rules))
     used = [fl.source for fl in flats]
-    if sorted(used) != sorted(model):
-        raise CheckpointFormatError(f"spec '{name}': each model section must feed exactly one flat buffer "
-                                    f"(a param group); model sections: {', '.join(model)}; "
+    if len(set(used)) != len(used) or not set(used) <= set(model) or FRAGMENTS in used:
+        raise CheckpointFormatError(f"spec '{name}': each param group's flat buffer must be built from a model "
+                                    f"section of its own; model sections: {', '.join(model)}; "
                                     f"flat buffers built from: {', '.join(used)}")
     groups = tuple((fl.source, fl.pattern) for fl in flats)
-    return _SpecInfo(model_sections=model, optim_section=sec.name, groups=groups)
+    return _SpecInfo(model_sections=model, optim_section=sec.name, groups=groups,
+                     module_sections=tuple(s for s in model if s != FRAGMENTS),
+                     fragments=FRAGMENTS if FRAGMENTS in model else None)
 
 
 def _splits_over(spec: Spec, axis: str) -> bool:
@@ -193,9 +210,6 @@ def _refuse_options(model_states: Mapping, where: Path) -> None:
         if value is not None and not isinstance(value, Mapping | list | tuple):
             raise CheckpointFormatError(f"{where}: {key} is {brief(value, 80)}, expected a mapping or a list "
                                         "of names")
-        if value:
-            raise CheckpointFormatError(f"{where}: {key} is not empty ({_few([name_of(k) for k in value])}); "
-                                        "frozen parameters and persistent buffers are not supported")
     zero = _zero_config(model_states, where)
     for key in ("round_robin_gradients", "parameter_alignment"):
         if zero.get(key):
@@ -244,10 +258,26 @@ def _flat_states(optims: list[list[Any]], files: _Files) -> tuple[str, ...]:
 
 def _check_model(layout: Layout, info: _SpecInfo, tree: Any, path: Path, pt: Rank, groups: list[_Group],
                  shapes: list[list[tuple[str, tuple[int, ...]]]], spec_name: str, where: dict[Item, Located]) -> None:
-    """A model file against the layout: its param_shapes, and its module unless a pipeline keeps that in layer files."""
+    """A model file against the layout: its param_shapes, frozen params, and its module unless a pipeline keeps
+    that in layer files."""
     module = _get(tree, "module", path, (Mapping, type(None)))
-    items = {it.key: it for it in layout.items if it.section in info.model_sections and it.unit == _unit(pt)}
+    items = {it.key: it for it in layout.items if it.section in info.module_sections and it.unit == _unit(pt)}
     _check_param_shapes(layout, items, tree, path, groups, shapes, spec_name)
+    grouped = {key for group in groups for key, _, _ in group.params}
+    frozen = tree.get("frozen_param_shapes")
+    for key, shape in (frozen.items() if isinstance(frozen, Mapping) else ()):
+        it = items.get(key)
+        want = layout.items[it].shape if it is not None and key not in grouped else None
+        if want != expect_shape(shape, f"frozen_param_shapes['{name_of(key)}']", path):
+            placed = "does not store it outside the param groups" if want is None else f"stores {list(want)}"
+            raise CheckpointFormatError(f"{path}: frozen_param_shapes['{name_of(key)}'] is {list(shape)}, but spec "
+                                        f"'{spec_name}' {placed}")
+    fragments = tree.get("frozen_param_fragments")
+    if fragments is not None and not isinstance(fragments, Mapping):
+        raise CheckpointFormatError(f"{path}: frozen_param_fragments is {brief(fragments, 60)}, not a mapping")
+    kept = {it.key: it for it in layout.items if it.section == info.fragments and it.unit == _unit(pt)}
+    if fragments or kept:
+        _state_dict_tensors(layout, fragments or {}, kept, path, "frozen_param_fragments", spec_name, where)
     if module is None:  # a pipeline's: the weights are in its layer files
         return
     _state_dict_tensors(layout, module, items, path, "module", spec_name, where)
