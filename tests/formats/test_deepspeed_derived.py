@@ -307,3 +307,21 @@ def test_a_universal_folder_keeps_frozen_params_buffers_and_ties_in_its_model_fi
         for state in ("master", "exp_avg", "exp_avg_sq"):
             np.testing.assert_array_equal(back[(name, state)].reshape(values[(name, state)].shape),
                                           values[(name, state)], err_msg=name)
+
+
+def test_a_model_no_family_describes_goes_to_hugging_face_with_its_config(tmp_path):
+    """What zero_to_fp32 does, for any module: every weight, frozen params and buffers too, under its own name,
+    and the config the Trainer left beside the checkpoint."""
+    from safetensors.numpy import load_file
+
+    values = write_custom(tmp_path / "a", "dp=2")
+    reshard.convert(tmp_path / "a", tmp_path / "hf", format="hf")
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(got) == {t.name for t in TENSORS}
+    for name, array in got.items():
+        np.testing.assert_array_equal(array, values[(name, "param")].reshape(array.shape), err_msg=name)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == CONFIG
+    (tmp_path / "a" / "config.json").unlink()  # no config: the model is recorded nowhere, nothing written
+    with pytest.raises(CheckpointFormatError, match="which model this is is recorded nowhere"):
+        reshard.convert(tmp_path / "a", tmp_path / "hf2", format="hf")
+    assert not (tmp_path / "hf2").exists()
