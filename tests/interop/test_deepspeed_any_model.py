@@ -94,7 +94,6 @@ def resume(tmp_path, src, to: str, *, stage: int, dtype: str, groups: int, **mod
 CASES = [
     # (saved at dp=2: stage, dtype, param groups; resharded to)
     (2, "bf16", 2, "dp=4"),  # HF-Trainer-style groups, bf16 weights, frozen params, buffers, a tied head
-    (1, "fp32", 1, "dp=4,zero=2"),  # and a new stage
     (3, "bf16", 2, "dp=4"),  # ZeRO-3: per-param partitions, frozen fragments, buffers in every rank's file
     (1, "bf16acc", 2, "dp=4"),  # BF16_Optimizer: the master partitions whole, all padding on the last rank
 ]
