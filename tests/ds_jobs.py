@@ -13,7 +13,11 @@ buffer, a persistent int64 buffer and a non-persistent buffer. Options (environm
 - ``RESHARD_DS_GROUPS``: ``1`` (one param group) or ``2`` (as transformers' Trainer makes them: weight
   decay on weights, none on biases and norms);
 - ``RESHARD_DS_FROZEN``: ``1`` freezes the ``frozen`` Linear;
-- ``RESHARD_DS_BUFFERS``: ``1`` makes ``scale`` and ``seen`` persistent (in the checkpoint), ``0`` not.
+- ``RESHARD_DS_BUFFERS``: ``1`` makes ``scale`` and ``seen`` persistent (in the checkpoint), ``0`` not;
+- ``RESHARD_DS_CLIP``: ``gradient_clipping`` in the config when set (unset: DeepSpeed's default, 1.0).
+
+``custom_module`` gives the model's class to other jobs (``fsdp_any_jobs.py`` trains the same module with
+FSDP2), and ``batch`` the batch of step ``n``: the same ids at every rank and in every framework.
 
 Every rank trains on the same batch, so the averaged gradient is the same at every dp that is a power of two,
 and a run resumed at another dp continues bit-exactly as the uninterrupted run does.
@@ -39,7 +43,7 @@ V, H, F = 40, 8, 12
 
 
 def run(tmp_path: Path, nproc: int, mode: str, ckpt: Path, out: Path, *, stage: int = 2, dtype: str = "fp32",
-        groups: int = 1, frozen: bool = True, buffers: bool = True) -> None:
+        groups: int = 1, frozen: bool = True, buffers: bool = True, clip: float | None = None) -> None:
     """Run this script under torchrun with ``nproc`` ranks; fails the test with the job's output."""
     from jobs import run_job
 
@@ -49,6 +53,8 @@ def run(tmp_path: Path, nproc: int, mode: str, ckpt: Path, out: Path, *, stage: 
            "RESHARD_DS_STAGE": str(stage), "RESHARD_DS_DTYPE": dtype, "RESHARD_DS_GROUPS": str(groups),
            "RESHARD_DS_FROZEN": "1" if frozen else "0", "RESHARD_DS_BUFFERS": "1" if buffers else "0",
            "TORCH_EXTENSIONS_DIR": str(session / "torch-extensions")}
+    if clip is not None:
+        env["RESHARD_DS_CLIP"] = str(clip)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
            mode, str(ckpt), str(out)]
     code, output = run_job(cmd, env)
@@ -56,11 +62,10 @@ def run(tmp_path: Path, nproc: int, mode: str, ckpt: Path, out: Path, *, stage: 
         raise AssertionError(f"deepspeed job {mode} at {nproc} ranks failed ({code}):\n{output[-6000:]}")
 
 
-def _main() -> None:  # pragma: no cover - runs in the job's processes
-    import deepspeed
-    import numpy as np
+def custom_module(persistent: bool = True):
+    """The model's class (defined in a function: importing this file loads no torch); ``persistent``: the
+    ``scale`` and ``seen`` buffers are in the state dict."""
     import torch
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from torch import nn
 
     class Custom(nn.Module):
@@ -73,7 +78,6 @@ def _main() -> None:  # pragma: no cover - runs in the job's processes
             self.out = nn.Linear(F, H)
             self.head = nn.Linear(H, V, bias=False)
             self.head.weight = self.embed.weight  # tied
-            persistent = os.environ["RESHARD_DS_BUFFERS"] == "1"
             self.register_buffer("scale", torch.linspace(0.5, 1.5, F), persistent=persistent)
             self.register_buffer("seen", torch.arange(3), persistent=persistent)
             self.register_buffer("cache", torch.zeros(5), persistent=False)
@@ -82,31 +86,58 @@ def _main() -> None:  # pragma: no cover - runs in the job's processes
             x = self.norm(self.proj(self.embed(ids))) * self.scale.to(self.proj.weight.dtype)
             return self.head(self.out(torch.tanh(self.frozen(x))))
 
+    return Custom
+
+
+def param_groups(model, groups: int) -> list:
+    """The trained params as the optimizer gets them: one group, or two as transformers' Trainer makes them
+    (weight decay 0.1 on weights, none on biases and norms)."""
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if groups == 2:
+        no_decay = [p for n, p in trained if n.endswith("bias") or n.startswith("norm.")]
+        decay = [p for n, p in trained if not (n.endswith("bias") or n.startswith("norm."))]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return [p for _, p in trained]
+
+
+def batch(n: int):
+    """Step ``n``'s batch: the same token ids at every rank."""
+    import torch
+
+    gen = torch.Generator().manual_seed(n)
+    return torch.randint(0, V, (2, 5), generator=gen)
+
+
+def loss_of(logits):
+    return logits.float().pow(2).mean()
+
+
+def _main() -> None:  # pragma: no cover - runs in the job's processes
+    import deepspeed
+    import numpy as np
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     mode, ckpt, out = sys.argv[1:4]
     stage, bf16 = int(os.environ["RESHARD_DS_STAGE"]), os.environ["RESHARD_DS_DTYPE"].startswith("bf16")
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = Custom()
+    model = custom_module(os.environ["RESHARD_DS_BUFFERS"] == "1")()
     if os.environ["RESHARD_DS_FROZEN"] == "1":
         model.frozen.requires_grad_(False)
-    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if os.environ["RESHARD_DS_GROUPS"] == "2":  # transformers' Trainer: no decay on biases and norms
-        no_decay = [p for n, p in trained if n.endswith("bias") or n.startswith("norm.")]
-        decay = [p for n, p in trained if not (n.endswith("bias") or n.startswith("norm."))]
-        params = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    else:
-        params = [p for _, p in trained]
+    params = param_groups(model, int(os.environ["RESHARD_DS_GROUPS"]))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": bf16}}
     if os.environ["RESHARD_DS_DTYPE"] == "bf16acc":
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if "RESHARD_DS_CLIP" in os.environ:
+        config["gradient_clipping"] = float(os.environ["RESHARD_DS_CLIP"])
     adam = torch.optim.AdamW(params, lr=1e-2)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adam, config=config)
 
     def step(n: int) -> float:
-        gen = torch.Generator().manual_seed(n)  # the same batch on every rank
-        loss = engine(torch.randint(0, V, (2, 5), generator=gen)).float().pow(2).mean()
+        loss = loss_of(engine(batch(n)))  # the same batch on every rank
         engine.backward(loss)
         engine.step()
         return loss.item()

@@ -11,10 +11,17 @@ in order, at one world size:
   dtype per group) and fp32 parameters, an output layer tied to the embedding, a persistent buffer
   and a non-persistent one, and a BatchNorm (running statistics; ``num_batches_tracked``, a 0-d int64
   buffer).
+- ``ds``, ``ds2``: the DeepSpeed jobs' module (``ds_jobs.custom_module``: a tied head, biases, a
+  LayerNorm, a frozen Linear, persistent float and int64 buffers), fp32, ``fully_shard`` on the root,
+  trained as ``ds_jobs.py`` trains it: the same initial weights, the same batch at every rank,
+  ``torch.optim.AdamW`` (lr 1e-2) over the trained params in one param group (``ds``) or two (``ds2``:
+  weight decay on weights only), no gradient clipping. Its step ``s`` here is DeepSpeed's step ``s + 1``.
 
-- ``save(model, ckpt, dump)``: the model (seed 0) trained two Adam steps, then ``dcp.save({"model": msd,
-  "optim": osd})`` of ``get_state_dict``; rank 0 writes every entry in full (``full_tensor()``) under
-  DCP's flat keys to ``dump``.
+- ``save(model, ckpt, dump)``: the model (seed 0) trained two Adam steps (AdamW for ``ds``), then
+  ``dcp.save({"model": msd, "optim": osd})`` of ``get_state_dict``; rank 0 writes every entry in full
+  (``full_tensor()``) under DCP's flat keys to ``dump``.
+- ``train(model, ckpt, dump)``: as ``save``, then one more step: ``dump`` gets ``{"saved", "stepped",
+  "loss"}`` (the uninterrupted run's state at the save, after the next step, and that step's loss).
 - ``load(model, dump, ckpts)``: for each checkpoint in turn, the model freshly built with another seed,
   ``dcp.load`` into ``get_state_dict``'s dicts (DCP reshards at load time) and ``set_state_dict``;
   rank 0 dumps the state as loaded (``loaded``), then one more Adam step runs on fixed data and the
@@ -37,12 +44,19 @@ BERT_CONFIG = {
     "type_vocab_size": 2, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
 }
 VOCAB = {"bert": BERT_CONFIG["vocab_size"], "custom": 50}
+DS_MODELS = {"ds": 1, "ds2": 2}
+"""The DeepSpeed jobs' module, by its number of param groups."""
 STEPS = 2
 
 
 def save(model: str, ckpt: Path, dump: Path) -> str:
     """The task that writes a real FSDP2 checkpoint of ``model`` at ``ckpt``, its full state to ``dump``."""
     return f"save:{model}:{dump}:{ckpt}"
+
+
+def train(model: str, ckpt: Path, dump: Path) -> str:
+    """The task that saves as ``save`` does, then takes one more step (the uninterrupted run)."""
+    return f"train:{model}:{dump}:{ckpt}"
 
 
 def load(model: str, dump: Path, ckpts: list[Path]) -> str:
@@ -109,7 +123,23 @@ def _model(name: str, seed: int):
         return BertForMaskedLM(config).float()
     if name == "custom":
         return custom_module()()
+    if name in DS_MODELS:
+        import ds_jobs
+
+        model = ds_jobs.custom_module()()
+        model.frozen.requires_grad_(False)
+        return model
     raise ValueError(f"unknown model {name}")
+
+
+def _optimizer(model, name: str):
+    import torch
+
+    if name in DS_MODELS:
+        import ds_jobs
+
+        return torch.optim.AdamW(ds_jobs.param_groups(model, DS_MODELS[name]), lr=1e-2)
+    return torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
 def _shard(model, name: str, world: int):
@@ -117,7 +147,7 @@ def _shard(model, name: str, world: int):
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    for part in (model.bert.encoder.layer if name == "bert" else [model.block]):
+    for part in (model.bert.encoder.layer if name == "bert" else [model.block] if name == "custom" else []):
         fully_shard(part, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -126,6 +156,14 @@ def _shard(model, name: str, world: int):
 def _step(model, opt, name: str, step: int) -> float:
     import torch
 
+    if name in DS_MODELS:
+        import ds_jobs
+
+        loss = ds_jobs.loss_of(model(ds_jobs.batch(step + 1)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
     gen = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, VOCAB[name], (2, 12), generator=gen)
     if name == "bert":
@@ -150,18 +188,21 @@ def _full(model, opt) -> dict:
     return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in flat.items()}
 
 
-def _save(name: str, world: int, rank: int, ckpt: str, dump: str) -> None:
+def _save(name: str, world: int, rank: int, ckpt: str, dump: str, *, then_step: bool = False) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model = _shard(_model(name, 0), name, world)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = _optimizer(model, name)
     for step in range(STEPS):
         _step(model, opt, name, step)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
     full = _full(model, opt)
+    if then_step:
+        loss = _step(model, opt, name, STEPS)
+        full = {"saved": full, "stepped": _full(model, opt), "loss": loss}
     if rank == 0:
         torch.save(full, dump)
 
@@ -174,7 +215,7 @@ def _load(name: str, world: int, rank: int, ckpts: list[str], dump: str) -> None
     out = {}
     for ckpt in ckpts:
         model = _shard(_model(name, 1234), name, world)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        opt = _optimizer(model, name)
         msd, osd = get_state_dict(model, opt)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
@@ -193,8 +234,8 @@ def _rank(rank: int, world: int, port: int, tasks: list[str]) -> None:
     try:
         for task in tasks:
             action, name, dump, where = task.split(":", 3)
-            if action == "save":
-                _save(name, world, rank, where, dump)
+            if action in ("save", "train"):
+                _save(name, world, rank, where, dump, then_step=action == "train")
             else:
                 _load(name, world, rank, where.split(","), dump)
             dist.barrier()

@@ -136,10 +136,15 @@ def plan(src: str | Path, *, to: str | Topology | None = None, format: str | Non
     target = _target(source, to, format, spec, max_shard_size, vocab_pad)
     held = set(source.layout.states)
     source.layout, target.layout = common_views(source.layout, target.layout)
+    trained = {f.tensor for f in source.layout.fragments if f.state not in (PARAM, MASTER)}
+    weights = {f.item for f in source.layout.fragments if f.state == PARAM and (not trained or f.tensor in trained)}
     if MASTER in target.layout.states and MASTER not in source.layout.states and all(
-            loc.dtype == "float32" for it, loc in source.where.items() if it.state == PARAM):
-        # fp32 weights with no separate master copy (FSDP2, fp32 runs) are the master copy.
-        source.layout = with_state_alias(source.layout, PARAM, MASTER)
+            source.where[it].dtype == "float32" for it in weights if it in source.where):
+        # fp32 weights with no separate master copy (FSDP2, fp32 runs) are the master copy: of the trained
+        # params (those with optimizer state; all, when none has), not of frozen params or buffers.
+        aliased = with_state_alias(source.layout, PARAM, MASTER)
+        source.layout = dataclasses.replace(aliased, fragments=tuple(f for f in aliased.fragments if f.state != MASTER
+                                                                     or not trained or f.tensor in trained))
     elif PARAM in target.layout.states and MASTER in source.layout.states:
         # Trained params stored only as fp32 masters (DeepSpeed ZeRO-3, beside frozen params' weights): the
         # masters are their weights, as zero_to_fp32 reads them.

@@ -325,3 +325,25 @@ def test_a_model_no_family_describes_goes_to_hugging_face_with_its_config(tmp_pa
     with pytest.raises(CheckpointFormatError, match="which model this is is recorded nowhere"):
         reshard.convert(tmp_path / "a", tmp_path / "hf2", format="hf")
     assert not (tmp_path / "hf2").exists()
+
+
+def test_zero3_from_dcp_refuses_to_guess_which_untrained_tensors_are_buffers(tmp_path):
+    """DCP records no optimizer state for a frozen param or a buffer alike; ZeRO-3 partitions one and keeps the
+    other whole, so DeepSpeed would refuse either guess. ZeRO-1/2 hold both alike and take it bit-exactly."""
+    values = write_custom(tmp_path / "a", "dp=2")
+    reshard.convert(tmp_path / "a", tmp_path / "dcp", format="dcp", to="dp=2")
+    with pytest.raises(CheckpointFormatError) as e:
+        reshard.convert(tmp_path / "dcp", tmp_path / "z3", format="deepspeed", to="dp=2,zero=3")
+    assert str(e.value) == (f"{tmp_path / 'dcp'}: 'scale' has no optimizer state, and the dcp checkpoint does not "
+                            "record whether it is a frozen parameter or a buffer, which ZeRO-3 stores differently; "
+                            "convert to ZeRO-1/2 (zero=2), whose files hold both alike")
+    assert not (tmp_path / "z3").exists()
+    reshard.convert(tmp_path / "dcp", tmp_path / "z2", format="deepspeed", to="dp=3,zero=2")
+    got = logical_read(FORMAT.open(tmp_path / "z2"))
+    for name in TRAINED:
+        for state in ("master", "exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(got[(name, state)].reshape(values[(name, state)].shape),
+                                          values[(name, state)], err_msg=f"{name} {state}")
+    for name in ("scale", "frozen.weight"):
+        np.testing.assert_array_equal(got[(name, "param")].reshape(values[(name, "param")].shape),
+                                      values[(name, "param")], err_msg=name)

@@ -37,8 +37,17 @@ FSDP2 keeps fp32 sharded parameters; optimizer states go to
 ``step`` (0-d float32, from the source's step or iteration count) for each
 tensor with optimizer state (never a buffer) and one Adam ``param_groups``
 entry (``lr`` from the source when known, torch's defaults otherwise).
+A DeepSpeed source tells more, and all of it is carried: its param groups
+(each group's hyperparameters, its params by fqn, its Adam ``step``), its
+frozen params and persistent buffers (``model.<fqn>``, from their weights:
+they have no master; a buffer whole, one chunk, as FSDP2 leaves it), and its
+tied weights (``shared_params``), which ``get_state_dict`` holds under both
+names: the ``.metadata`` FSDP2 itself writes for the same module.
+``optimizer_groups`` gives a DCP source's param groups to another format's
+target in the same terms.
 """
 
-from reshard.formats.dcp.format import FORMAT, DcpFormat
+from reshard.formats.dcp.format import FORMAT, DcpFormat, optimizer_groups
+from reshard.formats.dcp.reading import ParamGroup
 
-__all__ = ["FORMAT", "DcpFormat"]
+__all__ = ["FORMAT", "DcpFormat", "ParamGroup", "optimizer_groups"]

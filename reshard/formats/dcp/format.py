@@ -25,7 +25,15 @@ from reshard.formats.base import (
     expect_step,
     given_sizes,
 )
-from reshard.formats.dcp.layouts import _dtype_of, _file_plan, _fsdp_layout, _spec_layout, _synthesized, _tensor_order
+from reshard.formats.dcp.layouts import (
+    _dtype_of,
+    _file_plan,
+    _fsdp_layout,
+    _module_facts,
+    _spec_layout,
+    _synthesized,
+    _tensor_order,
+)
 from reshard.formats.dcp.reading import (
     _DATA_FILE,
     _MODEL_PREFIX,
@@ -33,11 +41,13 @@ from reshard.formats.dcp.reading import (
     SECTION,
     DcpRead,
     DcpWrite,
+    ParamGroup,
     _chunk_cover,
     _chunk_ref,
     _entry_bytes,
     _Naming,
     _naming,
+    _param_groups,
     _plain,
     _rank_file,
     _step_value,
@@ -54,7 +64,7 @@ from reshard.io.dcp_metadata import (
     read_metadata,
     write_metadata,
 )
-from reshard.io.torch_types import TensorSpec
+from reshard.io.torch_types import SmallTensor, TensorSpec
 from reshard.io.torch_write import TorchFileWriter
 from reshard.models.config import config_sizes
 
@@ -88,6 +98,7 @@ class DcpFormat:
         where: dict[Item, Located] = {}
         verbatim: list[_Verbatim] = []
         step: float | None = None
+        steps: dict[str, SmallTensor] = {}
         problems: list[str] = []
         archives: dict[str, Any] = {}
         for key, t in md.tensors.items():
@@ -98,6 +109,9 @@ class DcpFormat:
                     continue
                 data, ref = _entry_bytes(path, md, key, ())
                 verbatim.append(_Verbatim(key, t, data))
+                if role is not None and role[1] == "step" and ref is not None:
+                    at = ref.data_offset - md.storage[(key, ())].offset
+                    steps[role[0]] = SmallTensor(ref.dtype, (), data[at:at + ref.itemsize])
                 if step is None and key.endswith(".step"):
                     value = _step_value(data, ref, md.storage[(key, ())].offset)
                     step = None if value is None else expect_step(value, f"'{key}'", path / METADATA_NAME)
@@ -136,7 +150,8 @@ class DcpFormat:
         model = read_identity(path, path.parent)
         model_sizes = config_sizes(model.config, path / CONFIG_NAME, tensors=len(md.tensors))
         model_sizes.update(given_sizes(sizes))
-        extra: dict[str, Any] = {"dcp": DcpRead(naming=naming, verbatim=verbatim, planner_data=md.planner_data)}
+        extra: dict[str, Any] = {"dcp": DcpRead(naming=naming, verbatim=verbatim, planner_data=md.planner_data,
+                                                param_groups=_param_groups(path, md, naming, steps))}
         return Source(format=self.name, path=path, spec_name="dcp", spec=parse_spec("", "<dcp>"), topology=topology,
                       sizes=model_sizes, layout=layout, where=where, model=model,
                       progress=Progress(step=step), extra=extra)
@@ -165,7 +180,8 @@ class DcpFormat:
         names = _tensor_order(source)
         wanted = (model_state, *opt_states)
         if spec is None and topology.tp == 1:
-            layout, chunks = _fsdp_layout(source, topology, names, wanted, model_state, naming)
+            copies, buffers = _module_facts(source, names)
+            layout, chunks = _fsdp_layout(source, topology, names, wanted, model_state, naming, copies, buffers)
             spec_name, spec_ast = "dcp", parse_spec("", "<dcp>")
         else:
             spec_name = spec or f"dcp-{require_family(source, 'a tensor-parallel DCP target needs its tensor-parallel plan').name}"
@@ -249,3 +265,10 @@ class DcpFormat:
         return written
 
 FORMAT = DcpFormat()
+
+
+def optimizer_groups(source: Source) -> tuple[ParamGroup, ...]:
+    """A DCP source's optimizer param groups (hyperparameters, params by fqn, Adam ``step``), for a target of
+    another format; empty for another format's source, or a checkpoint whose groups are not plain values."""
+    read = source.extra.get("dcp") if source.format == FORMAT.name else None
+    return read.param_groups if isinstance(read, DcpRead) else ()

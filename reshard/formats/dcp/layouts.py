@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -18,13 +19,13 @@ from reshard.formats.base import (
     Target,
     require_sizes,
 )
-from reshard.formats.dcp.reading import _ADAM_GROUP, SECTION, _Naming, _plain, _rank_file, _Verbatim
+from reshard.formats.dcp.reading import _ADAM_GROUP, SECTION, ParamGroup, _Naming, _plain, _rank_file, _Verbatim
 from reshard.formats.specs import family_of
 from reshard.io.dcp_metadata import (
     DcpChunk,
     DcpTensor,
 )
-from reshard.io.torch_types import TensorSpec
+from reshard.io.torch_types import SmallTensor, TensorSpec
 from reshard.io.torch_write import TorchFileWriter
 
 
@@ -45,7 +46,9 @@ def _tensor_order(source: Source) -> list[str]:
     return [n for n, t in source.layout.tensors.items() if not t.blob and n in held]
 
 def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: list[str]) -> list[_Verbatim]:
-    """Adam's per-parameter ``step`` and one ``param_groups`` entry, for a source that is not DCP."""
+    """Adam's per-parameter ``step`` and the ``param_groups`` entries, for a source that is not DCP: the source
+    optimizer's groups (hyperparameters, params, step) when it tells them (``_carried_groups``), else one group
+    of torch's Adam defaults, ``lr`` from the source when known, and the source's step count."""
     import torch
 
     def saved(obj: object) -> bytes:
@@ -59,9 +62,23 @@ def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: 
     optimized = {f.tensor for f in source.layout.fragments if f.state in opt_states}
     names = [n for n in names if n in optimized]  # the optimizer's parameters: never a buffer
     step = float(source.progress.step or source.progress.iteration or 0)
-    step_bytes = saved(torch.tensor(step, dtype=torch.float32))
+    scalar = DcpTensor("float32", (), (DcpChunk((), ()),))
+    default = _Verbatim("", scalar, saved(torch.tensor(step, dtype=torch.float32)))
+    groups = _carried_groups(source, names)
+    if groups:
+        per_name = {}
+        for g in groups:
+            s = g.step
+            per_name.update(dict.fromkeys(g.params, default if s is None else _Verbatim(
+                "", DcpTensor(s.dtype, (), (DcpChunk((), ()),)), saved(_scalar_tensor(s)))))
+        for name in names:
+            out.append(_Verbatim(naming.key(name, "step"), per_name[name].tensor, per_name[name].data))
+        for g, group in enumerate(groups):
+            for k, v in {**group.hyper, "params": list(group.params)}.items():
+                out.append(_Verbatim(f"{naming.optim}param_groups.{g}.{k}", None, saved(v)))
+        return out
     for name in names:
-        out.append(_Verbatim(naming.key(name, "step"), DcpTensor("float32", (), (DcpChunk((), ()),)), step_bytes))
+        out.append(_Verbatim(naming.key(name, "step"), default.tensor, default.data))
     group = dict(_ADAM_GROUP)
     lr = source.progress.lr
     if isinstance(lr, int | float):
@@ -70,6 +87,40 @@ def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: 
     for k, v in group.items():
         out.append(_Verbatim(f"{naming.optim}param_groups.0.{k}", None, saved(v)))
     return out
+
+
+def _carried_groups(source: Source, names: list[str]) -> tuple[ParamGroup, ...]:
+    """The source optimizer's param groups (a DeepSpeed checkpoint's, its params by name), when they hold
+    exactly the tensors that have optimizer state here; empty otherwise."""
+    if source.format != "deepspeed":
+        return ()
+    from reshard.formats.deepspeed import optimizer_groups
+
+    groups = optimizer_groups(source)
+    listed = [p for g in groups for p in g.params]
+    return groups if sorted(listed) == sorted(names) else ()
+
+
+def _scalar_tensor(s: SmallTensor):
+    """A carried 0-d tensor (a DeepSpeed group's Adam ``step``) as the torch tensor it was."""
+    import torch
+
+    return torch.frombuffer(bytearray(s.data), dtype=getattr(torch, s.dtype)).reshape(s.shape).clone()
+
+
+def _module_facts(source: Source, names: list[str]) -> tuple[dict[str, str], frozenset[str]]:
+    """What a DeepSpeed source records of its module beyond its tensors: the module keys that hold another
+    tensor of ``names`` (a tied weight: ``shared_params``), which FSDP2's state dict holds under both names,
+    and the persistent buffers (``buffer_names``), which FSDP2 does not shard."""
+    if source.format != "deepspeed":
+        return {}, frozenset()
+    from reshard.formats.deepspeed import DsModel
+
+    ds_model = source.extra.get("ds_model")
+    if not isinstance(ds_model, DsModel):
+        return {}, frozenset()
+    return {key: name for key, name in ds_model.shared.items() if name in names}, frozenset(ds_model.buffers)
+
 
 @dataclass(frozen=True, slots=True)
 class _Chunk:
@@ -84,29 +135,46 @@ class _Chunk:
     """The item written for this (key, box): the lowest rank's; the others are replicas of it."""
 
 def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: tuple[str, ...], model_state: str,
-                 naming: _Naming) -> tuple[Layout, dict[Item, _Chunk]]:
+                 naming: _Naming, copies: Mapping[str, str] | None = None,
+                 buffers: Collection[str] = ()) -> tuple[Layout, dict[Item, _Chunk]]:
+    """FSDP2's chunks of each of ``names``: its model state (the fp32 master where the source has one, else its
+    weights: a frozen param, a buffer) under ``model.<fqn>``, also under each tied copy's key (``copies``: key
+    -> the tensor it holds), and its optimizer states. The ``buffers`` the source names as such are whole, one
+    chunk in rank 0's file, as FSDP2 leaves a module's buffers unsharded and DCP saves a replica once."""
     tensors: dict[str, LogicalTensor] = {}
     items: dict[Item, ItemInfo] = {}
     fragments: list[Fragment] = []
     chunks: dict[Item, _Chunk] = {}
     held = {(f.tensor, f.state) for f in source.layout.fragments}
+    tied: dict[str, list[str]] = {}
+    for key, name in (copies or {}).items():
+        tied.setdefault(name, []).append(key)
     for name in names:
         t = source.layout.tensors[name]
         plain = tensors[name] = _plain(name, t.shape)
         for state in states:
+            stored = state
             if (name, state) not in held:
-                continue
-            key = naming.key(name, PARAM if state == model_state else state)
-            # A 0-d tensor (a buffer FSDP2 leaves unsharded) is one chunk, rank 0's, as DCP deduplicates it.
-            for rank, (lo, n) in enumerate(_torch_chunks(t.shape[0], topology.dp) if t.shape else [(0, 1)]):
-                if n == 0:
+                if state != model_state or (name, PARAM) not in held:
                     continue
-                offs, sizes = ((lo,) + (0,) * (len(t.shape) - 1), (n, *t.shape[1:])) if t.shape else ((), ())
-                item = Item(SECTION, (("dp", rank),), 0, state, key)
-                items[item] = ItemInfo(shape=sizes, mapped=math.prod(sizes), rule="FSDP2 Shard(0)")
-                chunks[item] = _Chunk(key, DcpChunk(offs, sizes), t.shape, rank, item)
-                for box, off, st in box_fragments(plain, offs, sizes, row_major_strides(sizes), 0):
-                    fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
+                stored = PARAM  # no master (a frozen param, a buffer): its weights are what FSDP2 holds
+            keys = [naming.key(name, PARAM if state == model_state else state)]
+            if state == model_state:
+                keys += [naming.key(k, PARAM) for k in tied.get(name, ())]
+            for key in keys:
+                # A 0-d tensor or a buffer (FSDP2 leaves them unsharded) is one chunk, rank 0's, as DCP deduplicates it.
+                whole = not t.shape or name in buffers
+                for rank, (lo, n) in enumerate([(0, t.shape[0] if t.shape else 1)] if whole else
+                                               _torch_chunks(t.shape[0], topology.dp)):
+                    if n == 0:
+                        continue
+                    offs, sizes = ((lo,) + (0,) * (len(t.shape) - 1), (n, *t.shape[1:])) if t.shape else ((), ())
+                    item = Item(SECTION, (("dp", rank),), 0, stored, key)
+                    items[item] = ItemInfo(shape=sizes, mapped=math.prod(sizes), rule="FSDP2 Shard(0)")
+                    chunks[item] = _Chunk(key, DcpChunk(offs, sizes), t.shape, rank, item)
+                    for box, off, st in box_fragments(plain, offs, sizes, row_major_strides(sizes), 0):
+                        fragments.append(Fragment(tensor=name, state=stored, box=box, item=item, offset=off,
+                                                  strides=st))
     layout = Layout(topology=topology, tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                     fragments=tuple(fragments))
     return layout, chunks

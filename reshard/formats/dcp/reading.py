@@ -8,7 +8,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from reshard.core.geometry import row_major_strides
 from reshard.core.layout import PARAM, LogicalTensor
@@ -22,7 +22,7 @@ from reshard.io.dcp_metadata import (
 )
 from reshard.io.safetensors_io import read_header
 from reshard.io.torch_read import read_torch_file
-from reshard.io.torch_types import TensorRef, scalar_value
+from reshard.io.torch_types import SmallTensor, TensorRef, scalar_value
 
 SECTION = "dcp"
 
@@ -50,6 +50,18 @@ class _Verbatim:
     """None for a bytes entry."""
     data: bytes
 
+class ParamGroup(NamedTuple):
+    """One param group of a torch optimizer as its ``state_dict`` gives it, its params by name: what a checkpoint
+    of one framework tells a checkpoint of another about the optimizer (``optimizer_groups``)."""
+
+    hyper: dict[str, Any]
+    """The group's hyperparameters (``lr``, ``betas``, ``weight_decay``, ...), without ``params``."""
+    params: tuple[str, ...]
+    """The group's parameters by fqn, in the group's order (a flat buffer's order, for DeepSpeed)."""
+    step: SmallTensor | None
+    """Adam's ``step`` of the group's parameters (one value per group), None when it has none."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DcpRead:
     """What a DCP source carries to a DCP target besides its tensors (``Source.extra["dcp"]``)."""
@@ -60,6 +72,8 @@ class DcpRead:
     """0-d tensors (Adam's per-parameter ``step``) and bytes entries (``param_groups``), copied as stored."""
     planner_data: dict[str, Any]
     """``.metadata``'s planner data (each key's path in the state dict)."""
+    param_groups: tuple[ParamGroup, ...] = ()
+    """The optimizer's param groups, when the checkpoint holds them in plain values (``_param_groups``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,3 +230,49 @@ def _step_value(data: bytes, ref: TensorRef, base: int) -> float | None:
     """The value of a 0-d tensor whose archive (``data``) was read from byte ``base`` of its file."""
     at = ref.data_offset - base
     return scalar_value(data[at:at + ref.itemsize], ref.dtype)
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_value(value: object) -> bool:
+    """A hyperparameter carried by value: a number, string, bool or None, or a tuple or list of them."""
+    if isinstance(value, tuple | list):
+        return all(isinstance(v, _PLAIN) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _param_groups(path: Path, md: DcpMetadata, naming: _Naming,
+                  steps: dict[str, SmallTensor]) -> tuple[ParamGroup, ...]:
+    """The optimizer's param groups as ``get_state_dict`` flattened them (``optim.param_groups.<g>.<key>``, each
+    a ``torch.save`` of a plain value; ``params`` the group's fqns), each with its params' Adam ``step``
+    (``steps``: per fqn). None (an empty tuple) when a group holds anything else (a tensor ``lr``) or an entry
+    is unreadable, when a group lists no params, or when the params of one group have different steps: then
+    nothing is carried to another format (a DCP target still copies the entries as stored)."""
+    prefix = f"{naming.optim}param_groups."
+    raw: dict[int, dict[str, Any]] = {}
+    for key in md.byte_entries:
+        if not (naming.optim and key.startswith(prefix)):
+            continue
+        group, _, name = key[len(prefix):].partition(".")
+        if not re.fullmatch(r"[0-9]{1,9}", group) or not name:
+            return ()
+        s = _storage(path, md, key, None)
+        try:
+            value = read_torch_file(path / s.relative_path, offset=s.offset, length=s.length)
+        except CheckpointFormatError:
+            return ()
+        if not _plain_value(value):
+            return ()
+        raw.setdefault(int(group), {})[name] = value
+    out: list[ParamGroup] = []
+    for g in range(len(raw)):
+        entry = raw.get(g)
+        params = entry.get("params") if entry else None
+        if not isinstance(params, list) or not params or not all(isinstance(p, str) for p in params):
+            return ()
+        held = {steps[p] for p in params if p in steps}
+        if len(held) > 1:
+            return ()
+        hyper = {k: v for k, v in entry.items() if k != "params"}
+        out.append(ParamGroup(hyper, tuple(params), next(iter(held), None)))
+    return tuple(out)

@@ -25,6 +25,13 @@ persistent buffers and tied weights. A spec (``deepspeed-llama``, a user's file)
 is needed where DeepSpeed records too little: tensor parallelism (how tp split each tensor) and the
 pipeline engine (``deepspeed-pipe-<family>``, its family taken from the ``config.json`` beside it).
 
+From a checkpoint of another format, a derived layout puts the tensors with optimizer state in the param
+groups the source's optimizer had when it records them (a DCP checkpoint's ``param_groups``: each group's
+params in its order, its hyperparameters and Adam ``step`` carried), in one group otherwise; the rest are
+frozen. No ``clip_grad`` is written for such a source (DeepSpeed's loader would put it over the resuming
+run's ``gradient_clipping``). ``optimizer_groups`` gives a DeepSpeed source's param groups, params by name,
+to another format's target.
+
 ZeRO stage 3 checkpoints are read and written by ``reshard.formats.deepspeed.zero3``; universal
 folders by ``reshard.formats.deepspeed.ucp``; the pipeline engine's layer files by
 ``reshard.formats.deepspeed.pipe``.
@@ -53,7 +60,8 @@ The modules, each importing only modules listed above it::
 from __future__ import annotations
 
 from reshard.formats.deepspeed.derive import DsModel
-from reshard.formats.deepspeed.format import FORMAT, DeepSpeedFormat
+from reshard.formats.deepspeed.format import FORMAT, DeepSpeedFormat, optimizer_groups
 from reshard.formats.deepspeed.state import DeepSpeedExtra, DsOptimizer, Scalar, synthesize_extra
 
-__all__ = ["FORMAT", "DeepSpeedExtra", "DeepSpeedFormat", "DsModel", "DsOptimizer", "Scalar", "synthesize_extra"]
+__all__ = ["FORMAT", "DeepSpeedExtra", "DeepSpeedFormat", "DsModel", "DsOptimizer", "Scalar", "optimizer_groups",
+           "synthesize_extra"]

@@ -17,7 +17,8 @@ flatten -> the param it shares) and the module's state dict (its keys in order, 
 
 Tensor parallelism is not derived: DeepSpeed does not record how tp splits a tensor. ``model_of_source``
 gives the ``DsModel`` of a checkpoint of another format: its tensors in the order it records them, the ones
-with optimizer state (or all of them, when it holds none) in one param group, the rest frozen.
+with optimizer state (or all of them, when it holds none) in one param group (or in the param groups its
+optimizer had, when it records them: ``foreign_groups``), the rest frozen.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from reshard.formats.derived import Recorded, check_names, derived_spec, logical
 from reshard.io.bounds import brief
 from reshard.io.torchfile import TensorRef
 
-__all__ = ["FRAGMENTS", "MODULE", "OPTIM", "DsModel", "model_of_source", "recorded_model", "zero12_text",
-           "zero3_text"]
+__all__ = ["FRAGMENTS", "MODULE", "OPTIM", "DsModel", "foreign_groups", "model_of_source", "recorded_model",
+           "zero12_text", "zero3_text"]
 
 MODULE = "module"
 """The section of the module's tensors outside every param group: frozen params, buffers, tied copies."""
@@ -212,10 +213,22 @@ def _names_map(value: Any, field: str, path: Path) -> dict[str, str]:
 # --- from a checkpoint of another format ----------------------------------------------------------------
 
 
+def foreign_groups(source: Source) -> tuple[Any, ...]:
+    """The param groups (``reshard.formats.dcp.ParamGroup``: hyperparameters, params by name, Adam step) of a
+    torch optimizer that a source of another format records: a DCP checkpoint's ``param_groups``; empty for
+    any other."""
+    if source.format == "dcp":
+        from reshard.formats.dcp import optimizer_groups
+
+        return optimizer_groups(source)
+    return ()
+
+
 def model_of_source(source: Source) -> DsModel:
     """The ``DsModel`` of ``source``'s tensors: a DeepSpeed source's own, else its tensors in the order it
-    records them, those it holds optimizer state for (all, when it holds none) in one param group and the
-    rest, and tensors without elements, frozen."""
+    records them, those it holds optimizer state for (all, when it holds none) in one param group, or in the
+    source optimizer's param groups when it records them (``foreign_groups``: each group's params in its
+    order), and the rest, and tensors without elements, frozen."""
     carried = source.extra.get("ds_model")
     if isinstance(carried, DsModel):
         return carried
@@ -223,5 +236,9 @@ def model_of_source(source: Source) -> DsModel:
     trained_states = {f.tensor for f in source.layout.fragments if f.state != PARAM and f.item in source.where}
     trained = [t.name for t in tensors if (not trained_states or t.name in trained_states) and math.prod(t.shape)]
     kept = set(trained)
-    return DsModel(tensors=tuple(tensors), groups=(tuple(trained),), module=tuple((t.name, t.name) for t in tensors),
+    groups: tuple[tuple[str, ...], ...] = (tuple(trained),)
+    told = foreign_groups(source)
+    if told and sorted(p for g in told for p in g.params) == sorted(trained):
+        groups = tuple(tuple(g.params) for g in told)
+    return DsModel(tensors=tuple(tensors), groups=groups, module=tuple((t.name, t.name) for t in tensors),
                    frozen=tuple(t.name for t in tensors if t.name not in kept))

@@ -55,10 +55,11 @@ from reshard.formats.deepspeed.pipe import (
     _pipeline_stages,
 )
 from reshard.formats.deepspeed.sizes import _llama_sizes
-from reshard.formats.deepspeed.sources import derivable, family_spec, target_model, weights_dtype
+from reshard.formats.deepspeed.sources import derivable, family_spec, fp32_weights, target_model, weights_dtype
 from reshard.formats.deepspeed.state import (
     DeepSpeedExtra,
     DsOptimizer,
+    Scalar,
     _carry,
     _ds_config,
     _optim_template,
@@ -68,6 +69,7 @@ from reshard.formats.deepspeed.state import (
 )
 from reshard.formats.deepspeed.write import _model_tree, _optim_tree, _write_extra
 from reshard.formats.deepspeed.zero3 import (
+    Zero3Extra,
     extra_for_zero12,
     files_of_zero3,
     is_zero3,
@@ -400,7 +402,7 @@ def _target_spec(source: Source, topology: Topology, spec: str | None, carried: 
 def _target_states(source: Source) -> tuple[str, ...]:
     """The flat buffers' states: the fp32 master first, then the source's optimizer states in its order."""
     src_states = list(dict.fromkeys(it.state for it in source.layout.items if it.state != PARAM))
-    fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == PARAM)
+    fp32 = fp32_weights(source)
     if MASTER not in src_states and fp32 and any(it.state == PARAM for it in source.where):
         src_states.insert(0, MASTER)  # fp32 training: the weights are the master copy (reshard.api aliases them)
     if MASTER not in src_states:
@@ -422,3 +424,42 @@ def _pipeline_spec(identity: ModelMeta, files: _Files, groups: int) -> str:
         raise CheckpointFormatError(f"{files.model[0]}: {groups} param groups; a pipeline-engine layout has one: "
                                     "give a spec")
     return f"deepspeed-pipe-{family.name}"
+
+
+def optimizer_groups(source: Source) -> tuple[Any, ...]:
+    """A DeepSpeed source's param groups as torch's optimizer gives them (``reshard.formats.dcp.ParamGroup``:
+    hyperparameters, params by name in flat-buffer order, the group's Adam ``step``), for a target of another
+    format. Empty for another format's source, a layout a spec gives (its groups are the spec's, not named
+    params), an elastic checkpoint (which keeps no hyperparameters) or groups holding anything but plain
+    values."""
+    from reshard.formats.dcp import ParamGroup
+
+    ds_model = source.extra.get("ds_model") if source.format == FORMAT.name else None
+    if not isinstance(ds_model, DsModel):
+        return ()
+    zero12: DeepSpeedExtra | None = source.extra.get("deepspeed")
+    zero3: Zero3Extra | None = source.extra.get("zero3")
+    if zero12 is not None:
+        inner = zero12.optim_states["optimizer_state_dict"]["base_optimizer_state"]
+    elif zero3 is not None:
+        inner = zero3.optim_states.get("optimizer_state_dict")
+    else:
+        return ()
+    if not isinstance(inner, Mapping):
+        return ()
+    groups, states = inner.get("param_groups"), inner.get("state") or {}
+    if not isinstance(groups, list) or len(groups) != len(ds_model.groups) or not isinstance(states, Mapping):
+        return ()
+    out = []
+    for g, (group, params) in enumerate(zip(groups, ds_model.groups, strict=True)):
+        hyper = {k: v for k, v in group.items() if k != "params"} if isinstance(group, Mapping) else None
+        if hyper is None or not all(_plain(v) for v in hyper.values()):
+            return ()
+        step = states.get(g, {}).get("step") if isinstance(states.get(g), Mapping) else None
+        out.append(ParamGroup(hyper, tuple(params), step if isinstance(step, Scalar) else None))
+    return tuple(out)
+
+
+def _plain(value: Any) -> bool:
+    plain = (bool, int, float, str, type(None))
+    return isinstance(value, plain) or (isinstance(value, tuple | list) and all(isinstance(v, plain) for v in value))

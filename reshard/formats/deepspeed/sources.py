@@ -11,7 +11,7 @@ from reshard.formats.base import ModelMeta, Source, require_sizes
 from reshard.formats.derived import is_derived
 from reshard.formats.specs import require_family, source_family
 
-__all__ = ["derivable", "family_spec", "target_model", "weights_dtype"]
+__all__ = ["derivable", "family_spec", "fp32_weights", "target_model", "weights_dtype"]
 
 
 def weights_dtype(source: Source) -> str | None:
@@ -21,6 +21,15 @@ def weights_dtype(source: Source) -> str | None:
     weights = [(f.tensor in trained, source.where[f.item].dtype) for f in source.layout.fragments
                if f.state == PARAM and f.item in source.where]
     return max(weights, key=lambda w: w[0])[1] if weights else None
+
+
+def fp32_weights(source: Source) -> bool:
+    """Whether the weights of the source's trained params (those it holds optimizer state for; all, when it
+    holds none) are fp32, so that they are the fp32 masters (fp32 training: FSDP2). A frozen param's or a
+    buffer's dtype (an int64 counter) says nothing of the masters."""
+    trained = {f.tensor for f in source.layout.fragments if f.state != PARAM}
+    return all(source.where[f.item].dtype == "float32" for f in source.layout.fragments
+               if f.state == PARAM and f.item in source.where and (not trained or f.tensor in trained))
 
 
 def target_model(source: Source) -> ModelMeta:

@@ -57,7 +57,14 @@ from reshard.formats.base import (
     expect_step,
     given_sizes,
 )
-from reshard.formats.deepspeed.derive import DsModel, derived, model_of_source, recorded_model, zero3_text
+from reshard.formats.deepspeed.derive import (
+    DsModel,
+    derived,
+    foreign_groups,
+    model_of_source,
+    recorded_model,
+    zero3_text,
+)
 from reshard.formats.deepspeed.files import (
     _Files,
     _get,
@@ -68,7 +75,7 @@ from reshard.formats.deepspeed.files import (
     config_path,
 )
 from reshard.formats.deepspeed.sizes import _llama_sizes
-from reshard.formats.deepspeed.sources import derivable, family_spec, target_model, weights_dtype
+from reshard.formats.deepspeed.sources import derivable, family_spec, fp32_weights, target_model, weights_dtype
 from reshard.formats.deepspeed.state import (
     DeepSpeedExtra,
     Scalar,
@@ -306,8 +313,8 @@ def extra_from_zero12(source: Source, dtype: str, groups: int = 1) -> Zero3Extra
     hyperparameters (per param group) when the source has them, DeepSpeed 0.19.8's defaults otherwise."""
     carried = source.extra.get("deepspeed") if source.format == "deepspeed" else None
     steps = int(source.progress.step or source.progress.iteration or 0)
-    base = carried or synthesize_extra(groups=groups, dtype=dtype if dtype in ("bfloat16", "float32") else "float32",
-                                       global_steps=steps)
+    base = carried or _foreign_state(synthesize_extra(groups=groups, dtype=dtype if dtype in ("bfloat16", "float32")
+                                                      else "float32", global_steps=steps), foreign_groups(source))
     model_states = copy.deepcopy(base.model_states)
     zero = base.optim_states["optimizer_state_dict"]
     bos = zero.get("base_optimizer_state", {})
@@ -329,16 +336,35 @@ def extra_from_zero12(source: Source, dtype: str, groups: int = 1) -> Zero3Extra
                       optim_file=rest, placeholder=dtype)
 
 
+def _foreign_state(extra: DeepSpeedExtra, told: tuple[Any, ...]) -> DeepSpeedExtra:
+    """Synthesized state for a source that is not DeepSpeed ZeRO-1/2, whose run recorded no ``clip_grad``: none
+    is written, so the resuming engine clips as its own config says (DeepSpeed's loader lets a file's value
+    override the config). With the source optimizer's param groups (``foreign_groups``: as many as the target
+    has), each group's hyperparameters and Adam ``step`` replace the defaults."""
+    optim_states = copy.deepcopy(extra.optim_states)
+    osd = optim_states["optimizer_state_dict"]
+    osd.pop("clip_grad", None)
+    bos = osd["base_optimizer_state"]
+    if told and len(told) == len(bos["param_groups"]):
+        bos["param_groups"] = [{**copy.deepcopy(g.hyper), "params": [k]} for k, g in enumerate(told)]
+        for k, g in enumerate(told):
+            if g.step is not None and k in bos["state"]:
+                bos["state"][k] = {**bos["state"][k], "step": g.step}
+    return dataclasses.replace(extra, optim_states=optim_states)
+
+
 def extra_for_zero12(source: Source, stage: int, groups: int, dtype: str, states: tuple[str, ...],
                      dp: int) -> DeepSpeedExtra:
     """ZeRO-1/2 state for a source that is not DeepSpeed ZeRO-1/2: a ZeRO-3 run's counters, loss scaler,
     config and optimizer hyperparameters and step per param group when the source is one, else
-    ``synthesize_extra``'s for the source's optimizer step (or 1) and learning rate."""
+    ``synthesize_extra``'s for the source's optimizer step (or 1) and learning rate, or its optimizer's
+    param groups when it records them; no ``clip_grad`` either way (``_foreign_state``)."""
     z3: Zero3Extra | None = source.extra.get("zero3") if source.format == "deepspeed" else None
     step = int(source.progress.step or source.progress.iteration or 1)
     lr = source.progress.lr if source.progress.lr is not None else 1e-3
-    base = synthesize_extra(groups=groups, dtype=dtype if dtype in ("bfloat16", "float32") else "float32",
-                            zero_stage=stage, states=states, dp=dp, global_steps=step, lr=lr)
+    base = _foreign_state(synthesize_extra(groups=groups, dtype=dtype if dtype in ("bfloat16", "float32") else
+                                           "float32", zero_stage=stage, states=states, dp=dp, global_steps=step,
+                                           lr=lr), foreign_groups(source))
     if z3 is None:
         return base
     inner = z3.optim_states.get("optimizer_state_dict") or {}
@@ -376,12 +402,19 @@ def target_zero3(fmt_name: str, source: Source, topology: Topology, spec: str | 
     elif derivable(source):
         ds_model = model_of_source(source)
         spec_name = derived_spec_name(fmt_name)
+        if "ds_model" not in source.extra and ds_model.frozen:
+            # Not a DeepSpeed source: a tensor without optimizer state may be a frozen param (partitioned under
+            # ZeRO-3) or a buffer (stored whole); the source does not say which, and DeepSpeed loads neither guess.
+            raise CheckpointFormatError(
+                f"{source.path}: '{ds_model.frozen[0]}' has no optimizer state, and the {source.format} checkpoint "
+                "does not record whether it is a frozen parameter or a buffer, which ZeRO-3 stores differently; "
+                "convert to ZeRO-1/2 (zero=2), whose files hold both alike")
     else:
         spec_name = family_spec(source, "a family's flat buffers follow its registration order", "-zero3")
     parsed = derived(zero3_text(ds_model, source.path), source.path) if ds_model else layout_spec(spec_name)
     info = _spec_info(parsed, spec_name, zero3=True)
     src_states = [s for s in dict.fromkeys(it.state for it in source.layout.items) if s not in (PARAM, MASTER)]
-    fp32 = all(loc.dtype == "float32" for it, loc in source.where.items() if it.state == PARAM)
+    fp32 = fp32_weights(source)
     if MASTER not in source.layout.states and not (fp32 and PARAM in source.layout.states):
         raise CheckpointFormatError(f"a ZeRO-3 checkpoint needs fp32 master weights; {source.path} has "
                                     f"{', '.join(source.layout.states)} (bf16 weights alone cannot be cast "
