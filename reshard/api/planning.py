@@ -142,9 +142,7 @@ def plan(src: str | Path, *, to: str | Topology | None = None, format: str | Non
             source.where[it].dtype == "float32" for it in weights if it in source.where):
         # fp32 weights with no separate master copy (FSDP2, fp32 runs) are the master copy: of the trained
         # params (those with optimizer state; all, when none has), not of frozen params or buffers.
-        aliased = with_state_alias(source.layout, PARAM, MASTER)
-        source.layout = dataclasses.replace(aliased, fragments=tuple(f for f in aliased.fragments if f.state != MASTER
-                                                                     or not trained or f.tensor in trained))
+        source.layout = with_state_alias(source.layout, PARAM, MASTER, only=trained or None)
     elif PARAM in target.layout.states and MASTER in source.layout.states:
         # Trained params stored only as fp32 masters (DeepSpeed ZeRO-3, beside frozen params' weights): the
         # masters are their weights, as zero_to_fp32 reads them.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -251,13 +251,14 @@ def chunk_fragments(frags: list[Fragment], shape: tuple[int, ...], offsets: tupl
     return out
 
 
-def with_state_alias(layout: Layout, state: str, alias: str) -> Layout:
+def with_state_alias(layout: Layout, state: str, alias: str, only: Collection[str] | None = None) -> Layout:
     """``layout`` with every fragment of ``state`` also offered as ``alias`` (same items, same bytes), for the
-    tensors that hold no ``alias`` of their own (a frozen parameter keeps its weights; a trained one stored
-    only as its fp32 master offers the master as its weights)."""
+    tensors in ``only`` (all when None) that hold no ``alias`` of their own (a frozen parameter keeps its
+    weights; a trained one stored only as its fp32 master offers the master as its weights)."""
     own = {f.tensor for f in layout.fragments if f.state == alias}
     extra = tuple(Fragment(tensor=f.tensor, state=alias, box=f.box, item=f.item, offset=f.offset, strides=f.strides,
-                           fill=f.fill) for f in layout.fragments if f.state == state and f.tensor not in own)
+                           fill=f.fill) for f in layout.fragments
+                  if f.state == state and f.tensor not in own and (only is None or f.tensor in only))
     return Layout(topology=layout.topology, tensors=layout.tensors, items=layout.items,
                   fragments=layout.fragments + extra, order=layout.order)
 

@@ -24,7 +24,7 @@ from reshard.core.spec import Spec, parse_spec
 from reshard.errors import CheckpointFormatError
 
 __all__ = ["DERIVED", "Recorded", "derived_spec", "derived_spec_name", "is_derived", "logical_lines",
-           "recorded_of", "refuse_empty", "stored_line"]
+           "recorded_of", "refuse_empty", "stored_line", "whole_text"]
 
 DERIVED = "derived"
 """The family part of a derived layout's name (``hf-derived``): no model family, the checkpoint's own tensors."""
@@ -87,6 +87,11 @@ def logical_lines(tensors: Sequence[Recorded], where: Path | str) -> list[str]:
 def stored_line(t: Recorded, key: str | None = None) -> str:
     """A stored rule holding ``t`` whole, under its own name or under ``key``."""
     return f"{t.name} = {t.dims}" if key is None or key == t.name else f"{key} -> {t.name} = {t.dims}"
+
+
+def whole_text(tensors: Sequence[Recorded], where: Path | str, section: str = "model") -> str:
+    """A derived layout of ``tensors``, each stored whole under its own name in one ``section``."""
+    return "\n".join([*logical_lines(tensors, where), f"section {section}", *map(stored_line, tensors)]) + "\n"
 
 
 def derived_spec(text: str, format_name: str, where: Path | str) -> Spec:

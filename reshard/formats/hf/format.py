@@ -22,10 +22,9 @@ from reshard.formats.derived import (
     derived_spec,
     derived_spec_name,
     is_derived,
-    logical_lines,
     recorded_of,
     refuse_empty,
-    stored_line,
+    whole_text,
 )
 from reshard.formats.hf.files import _check_param_only, _listing, _shard_plan, _stored_tensors, _target_dtypes
 from reshard.formats.identity import CONFIG_NAME, read_identity, write_identity
@@ -71,7 +70,7 @@ class HFFormat:
             spec_name, spec_obj = spec, layout_spec(spec)
         elif family is None:  # a model no family describes: every tensor under its own name, as stored
             spec_name = derived_spec_name(self.name)
-            spec_obj = derived_spec(hf_text([Recorded(n, t.shape) for n, (_, t) in stored.items()], path),
+            spec_obj = derived_spec(whole_text([Recorded(n, t.shape) for n, (_, t) in stored.items()], path),
                                     self.name, path)
         else:
             spec_name = hf_spec_name(family, config, config_path)
@@ -154,7 +153,7 @@ class HFFormat:
                                         "fused names), which Hugging Face names cannot be derived from; give a spec")
         elif config_known:  # no family's layout in the source: every tensor under its own name
             spec_name = derived_spec_name(self.name)
-            spec_obj = derived_spec(hf_text(recorded_of(source.layout)), self.name, source.path)
+            spec_obj = derived_spec(whole_text(recorded_of(source.layout), source.path), self.name, source.path)
         else:
             raise CheckpointFormatError(
                 f"{source.path}: which model this is is recorded nowhere (no config.json beside it, no model family "
@@ -235,14 +234,8 @@ def hf_spec_name(family: Family | None, config: Mapping[str, Any], where: Path) 
     return f"hf-{family.name}" + ("-tied" if tied and family.can_tie else "")
 
 
-def hf_text(tensors: list[Recorded], where: Path | str = "") -> str:
-    """A derived Hugging Face layout: every tensor unsharded under its own name."""
-    return "\n".join([*logical_lines(tensors, where), "section model", *map(stored_line, tensors)]) + "\n"
-
-
 def with_extras(spec_name: str, extras: list[Recorded], where: Path) -> Spec:
     """The family's layout ``spec_name`` plus ``extras``, tensors it does not name (LoRA adapters, a value
     head), each unsharded under its own name."""
-    text = "\n".join([spec_text(spec_name), *logical_lines(extras, where), "section extras",
-                      *map(stored_line, extras)]) + "\n"
+    text = spec_text(spec_name) + "\n" + whole_text(extras, where, section="extras")
     return parse_spec(text, source=f"<{spec_name} with {len(extras)} tensors of {where}>")

@@ -32,7 +32,7 @@ from reshard.errors import CheckpointFormatError
 from reshard.formats.base import Source, Target
 from reshard.formats.dcp.layouts import _Chunk
 from reshard.formats.dcp.reading import DcpWrite, _Naming
-from reshard.formats.derived import Recorded, derived_spec_name, logical_lines, stored_line
+from reshard.formats.derived import Recorded, derived_spec_name, whole_text
 from reshard.formats.megatron.identity import carried_identity
 from reshard.formats.megatron.small import _capture, _map_small
 from reshard.formats.megatron.state import TORCH_DIST_KEY, TorchDistState
@@ -79,8 +79,7 @@ def derived_text(md: DcpMetadata, where: Path | str) -> str:
         state, model_key = optimizer_state(key)
         if t.size != () and state is not None:
             tensors.setdefault(model_key, Recorded(model_key, tuple(t.size)))
-    recorded = list(tensors.values())
-    return "\n".join([*logical_lines(recorded, where), "section model", *map(stored_line, recorded)]) + "\n"
+    return whole_text(list(tensors.values()), where)
 
 
 def derived_target(source: Source, topology: Topology) -> Target:
