@@ -25,7 +25,7 @@ from reshard.core.geometry import Box, restrict, row_major_strides
 from reshard.core.topology import Topology
 from reshard.errors import PlanError
 
-__all__ = ["MASTER", "PARAM", "Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "chunk_fragments", "common_views", "dims_of", "with_state_alias"]
+__all__ = ["MASTER", "PARAM", "Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "chunk_fragments", "common_views", "dims_of", "held_tensors", "with_state_alias"]
 
 PARAM = "param"
 """The state of an item holding the model's own tensor, as the model holds it (its dtype)."""
@@ -77,6 +77,9 @@ class ItemInfo:
     """What the unmapped elements hold when written: ``zero``, or ``regenerate`` (the format makes them)."""
     rule: str = ""
     """The spec rule that made the item, for messages."""
+    tensor: str | None = None
+    """For an item of a logical tensor with no elements (a ``(0, 8)`` buffer), that tensor: no fragment links
+    them (a box has no zero extent), and its dtype and its presence are still carried."""
 
     @property
     def numel(self) -> int:
@@ -181,7 +184,9 @@ class Layout:
                             "dim_axes": list(t.dim_axes)} for n, t in self.tensors.items()},
             "items": [{"section": it.section, "unit": [list(u) for u in it.unit], "chunk": it.chunk, "state": it.state,
                        "key": it.key, "shape": list(self.items[it].shape), "mapped": self.items[it].mapped,
-                       "fill": self.items[it].fill, "rule": self.items[it].rule} for it in items],
+                       "fill": self.items[it].fill, "rule": self.items[it].rule,
+                       **({"tensor": self.items[it].tensor} if self.items[it].tensor is not None else {})}
+                      for it in items],
             "fragments": [[f.tensor, f.state, list(f.box.offsets), list(f.box.lengths), index[f.item], f.offset,
                            list(f.strides), f.fill] for f in self.fragments],
         }
@@ -191,7 +196,8 @@ class Layout:
         from reshard.core.topology import parse_topology
 
         items = [Item(d["section"], tuple((a, c) for a, c in d["unit"]), d["chunk"], d["state"], d["key"]) for d in data["items"]]
-        infos = {it: ItemInfo(shape=tuple(d["shape"]), mapped=d["mapped"], fill=d["fill"], rule=d["rule"])
+        infos = {it: ItemInfo(shape=tuple(d["shape"]), mapped=d["mapped"], fill=d["fill"], rule=d["rule"],
+                              tensor=d.get("tensor"))
                  for it, d in zip(items, data["items"])}
         tensors = {n: LogicalTensor(name=n, shape=tuple(t["shape"]), axes=tuple(t["axes"]), view=tuple(t["view"]), blob=t["blob"],
                                     dim_axes=tuple(t.get("dim_axes", ()))) for n, t in data["tensors"].items()}
@@ -249,6 +255,12 @@ def chunk_fragments(frags: list[Fragment], shape: tuple[int, ...], offsets: tupl
                 out.append(Fragment(tensor=f.tensor, state=f.state, box=Box(tuple(offs), tuple(lens)), item=item,
                                     offset=at, strides=tuple(strd), fill=f.fill))
     return out
+
+
+def held_tensors(layout: Layout) -> set[str]:
+    """The logical tensors the layout stores: those with a fragment, and those without elements that an item
+    holds (``ItemInfo.tensor``)."""
+    return {f.tensor for f in layout.fragments} | {i.tensor for i in layout.items.values() if i.tensor is not None}
 
 
 def with_state_alias(layout: Layout, state: str, alias: str, only: Collection[str] | None = None) -> Layout:

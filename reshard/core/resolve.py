@@ -409,14 +409,24 @@ class _Resolver(Captures):
             strides = tuple(where[a][2] for a in lt.axes)
             mapped += math.prod(lens)
             frags.append((name, Box(offs, lens), base, strides, fill))
+        empty = self.empty_tensor(rule, global_values) if not frags and 0 in shape else None
         out = []
         for state in states:
             item = Item(sec.name, unit, chunk, state, key)
-            self.add_item(item, ItemInfo(shape=shape, mapped=mapped, rule=rule.pattern.text), rule.pos)
+            self.add_item(item, ItemInfo(shape=shape, mapped=mapped, rule=rule.pattern.text, tensor=empty), rule.pos)
             for name, box, base, strides, fill in frags:
                 self.add_frag(Fragment(tensor=name, state=state, box=box, item=item, offset=base, strides=strides, fill=fill), sec)
             out.append(item)
         return out
+
+    def empty_tensor(self, rule: S.Stored, values: dict[str, object]) -> str | None:
+        """The logical tensor a stored rule of no elements holds, which no fragment can say."""
+        decl = self.by_ref.get(rule.ref or rule.pattern.text)
+        try:
+            name = decl.pattern.format(values) if decl is not None else None
+        except KeyError:
+            return None
+        return name if name in self.tensors else None
 
     def add_item(self, item: Item, info: ItemInfo, pos: S.Pos | None = None) -> None:
         if item in self.items:

@@ -100,9 +100,12 @@ class ByteReader:
 def destination_dtypes(plan: Plan, where: Mapping[Item, Located]) -> dict[Item, str]:
     """Each destination item's dtype: that of its sources (copies move bits, so they must agree).
 
-    A shard of pure padding (the last tp rank of a padded vocab) gets no
-    copies; it takes the dtype of the items with the same key and state on
-    other ranks, else of its state, else float32.
+    An item of a tensor with no elements (``ItemInfo.tensor``) gets no copies;
+    it takes the dtype of the source's item of the same tensor and state (of
+    the tensor in any state, when the source keeps it in another). A shard of
+    pure padding (the last tp rank of a padded vocab) gets none either; it
+    takes the dtype of the items with the same key and state on other ranks,
+    else of its state, else float32.
     """
     dtypes: dict[Item, str] = {}
     for c in plan.copies:
@@ -114,9 +117,15 @@ def destination_dtypes(plan: Plan, where: Mapping[Item, Located]) -> dict[Item, 
     for it, dt in dtypes.items():
         by_key.setdefault((it.state, it.key), dt)
         by_state.setdefault(it.state, dt)
-    for it in plan.dst_items:
+    empty: dict[tuple[str, str | None], str] = {}
+    for it, info in plan.src_items.items():
+        if info.tensor is not None and it in where:
+            empty.setdefault((info.tensor, it.state), where[it].dtype)
+            empty.setdefault((info.tensor, None), where[it].dtype)
+    for it, info in plan.dst_items.items():
         if it not in dtypes:
-            dtypes[it] = by_key.get((it.state, it.key)) or by_state.get(it.state, "float32")
+            dtypes[it] = (empty.get((info.tensor, it.state)) or empty.get((info.tensor, None))
+                          or by_key.get((it.state, it.key)) or by_state.get(it.state, "float32"))
     return dtypes
 
 

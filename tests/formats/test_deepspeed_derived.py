@@ -289,24 +289,35 @@ def test_parallel_workers_write_the_same_files(tmp_path):
             assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "two" / rel).read_bytes(), rel
 
 
-def test_a_universal_folder_keeps_frozen_params_buffers_and_ties_in_its_model_file(tmp_path):
-    """Folders for the trained params only (DeepSpeed's loader reads those); the module whole, tied copy too."""
+def test_a_universal_folder_keeps_frozen_params_buffers_and_ties_and_reads_them_back(tmp_path):
+    """As ds_to_universal writes it: a folder of states per trained param, the model file copied whole (frozen
+    params in module and frozen_param_fragments, buffers, the tied copy), and for each module tensor outside the
+    param groups an fp32.pt of its float32 copy. Read back, the model file gives the frozen params, buffers and
+    ties again (not those copies), so every tensor and state survives DeepSpeed -> UCP -> DeepSpeed at dp=3."""
     values = write_custom(tmp_path / "a", "dp=2")
     reshard.convert(tmp_path / "a", tmp_path / "ucp", format="ucp")
     folder = tmp_path / "ucp" / "global_step1"
-    assert sorted(p.name for p in (folder / "zero").iterdir() if p.is_dir()) == sorted(TRAINED)
+    keys = [k for k, _ in CUSTOM.module]
+    assert sorted(p.name for p in (folder / "zero").iterdir() if p.is_dir()) == sorted(keys)
+    for key, name in CUSTOM.module:
+        if name not in TRAINED or key != name:
+            copy = read_torch_file(folder / "zero" / key / "fp32.pt")
+            assert list(copy) == ["param"] and copy["param"].dtype == "float32", key
+            np.testing.assert_array_equal(read(copy["param"]), values[(name, "param")].ravel(), err_msg=key)
     model = read_torch_file(folder / "mp_rank_00_model_states.pt")
-    assert list(model["module"]) == [k for k, _ in CUSTOM.module]
+    assert list(model["module"]) == keys
     np.testing.assert_array_equal(read(model["module"]["head.weight"]), values[("embed.weight", "param")].ravel())
     assert model["buffer_names"] == ["scale"] and model["shared_params"] == {"head.weight": "embed.weight"}
+    assert model["frozen_param_shapes"] == OrderedDict([("frozen.weight", TorchSize((12, 12)))])
+    np.testing.assert_array_equal(read(model["frozen_param_fragments"]["frozen.weight"]),
+                                  values[("frozen.weight", "param")].ravel())
     ucp = reshard.open_checkpoint(tmp_path / "ucp")
-    assert [t.name for t in ucp.extra["ds_model"].tensors] == [n for n in DECAY + NO_DECAY]  # the flat order
+    assert ucp.extra["ds_model"] == CUSTOM
+    assert_values(logical_read(ucp), values)
     reshard.convert(tmp_path / "ucp", tmp_path / "b", format="deepspeed", to="dp=3")
-    back = logical_read(FORMAT.open(tmp_path / "b"))
-    for name in TRAINED:
-        for state in ("master", "exp_avg", "exp_avg_sq"):
-            np.testing.assert_array_equal(back[(name, state)].reshape(values[(name, state)].shape),
-                                          values[(name, state)], err_msg=name)
+    back = FORMAT.open(tmp_path / "b")
+    assert back.extra["ds_model"] == CUSTOM
+    assert_values(logical_read(back), values)
 
 
 def test_a_model_no_family_describes_goes_to_hugging_face_with_its_config(tmp_path):

@@ -9,7 +9,7 @@
   that loads model and Adam state with ``set_state_dict``. The oracles are the jobs' own full tensors
   (``full_tensor()``) and DCP's own load-time resharding of the original checkpoint: the step taken
   after either load must agree bit for bit.
-- A 0-d buffer through DCP, and an empty tensor refused by name.
+- A 0-d buffer through DCP, and tensors with no elements (an empty buffer too), carried in their dtypes.
 """
 
 from __future__ import annotations
@@ -265,10 +265,9 @@ def test_custom_module_to_hf_needs_a_config_then_writes_its_state_dict(fsdp, tmp
     assert check.identical and check.compared == len(saved), check
 
 
-def test_0d_buffers_travel_hf_to_dcp_and_back_and_an_empty_tensor_is_refused(tmp_path):
+def test_0d_buffers_travel_hf_to_dcp_and_back(tmp_path):
     """A 0-d buffer (BatchNorm's int64 ``num_batches_tracked``, a bf16 scale) is a tensor of the model: DCP
-    holds it as one 0-d chunk, as FSDP2's ``dcp.save`` does, and it comes back. An empty tensor has no
-    bytes to place: refused by name, never dropped."""
+    holds it as one 0-d chunk, as FSDP2's ``dcp.save`` does, and it comes back."""
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(0)
@@ -285,7 +284,49 @@ def test_0d_buffers_travel_hf_to_dcp_and_back_and_an_empty_tensor_is_refused(tmp
     reshard.convert(tmp_path / "dcp", tmp_path / "back", format="hf")
     assert_same_tensors(load_file(tmp_path / "back" / "model.safetensors"), tensors)
 
-    save_file({**tensors, "empty": torch.zeros(0, 3)}, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
-    for fmt in ("dcp", "hf"):
-        with pytest.raises(reshard.CheckpointFormatError, match=r"tensor 'empty' has no elements \(shape \[0, 3\]\)"):
-            reshard.convert(tmp_path / "hf", tmp_path / f"empty-{fmt}", format=fmt, to="dp=2" if fmt == "dcp" else None)
+
+def test_empty_tensors_travel_hf_to_dcp_at_dp3_and_back_in_their_dtypes(tmp_path):
+    """Tensors with no elements ((0,), (0, 8), an int64 and a bf16 one) have no bytes, but a shape and a dtype
+    the model needs: DCP holds each as one chunk of none, as ``dcp.save`` records it, and the Hugging Face file
+    that comes back is the original byte for byte."""
+    from safetensors.torch import save_file
+
+    tensors = {"emb.weight": torch.randn(10, 4, generator=torch.Generator().manual_seed(0)),
+               "ids": torch.zeros(0, dtype=torch.int64), "cache": torch.zeros(0, 8, dtype=torch.bfloat16),
+               "bias": torch.arange(5, dtype=torch.int32)}
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "tiny-net"}))
+    reshard.convert(tmp_path / "hf", tmp_path / "dcp", format="dcp", to="dp=3")
+    md = read_metadata(tmp_path / "dcp")
+    assert [(c.offsets, c.sizes) for c in md.tensors["model.cache"].chunks] == [((0, 0), (0, 8))]
+    assert md.tensors["model.ids"].dtype == "int64" and md.tensors["model.cache"].dtype == "bfloat16"
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    assert_same_tensors(torch.load(tmp_path / "dcp.pt", weights_only=True)["model"], tensors)
+    reshard.convert(tmp_path / "dcp", tmp_path / "back", format="hf")
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
+
+
+def test_a_dcp_checkpoint_with_an_empty_buffer_loads_strictly_from_hugging_face(tmp_path):
+    """A module whose state dict holds an empty buffer, saved by ``dcp.save``: converted to Hugging Face, the
+    module loads it with ``strict=True`` and holds every tensor as before, the empty one in its dtype."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 3)
+            self.register_buffer("history", torch.zeros(0, 4, dtype=torch.float16))
+            self.register_buffer("steps", torch.tensor(3))
+
+    torch.manual_seed(0)
+    net = Net()
+    dcp.save({"model": net.state_dict()}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    (tmp_path / "dcp" / "config.json").write_text(json.dumps({"model_type": "tiny-net"}))
+    reshard.convert(tmp_path / "dcp", tmp_path / "hf", format="hf")
+    fresh = Net()
+    fresh.history = torch.zeros(0, 4)  # float32: assigning what the file holds must bring float16 back
+    loaded = load_file(tmp_path / "hf" / "model.safetensors")
+    fresh.load_state_dict(loaded, strict=True, assign=True)
+    assert_same_tensors(fresh.state_dict(), net.state_dict())

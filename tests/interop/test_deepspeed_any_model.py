@@ -142,3 +142,54 @@ def test_the_masters_and_frozen_params_equal_zero_to_fp32s(saved, stage):
         if want.dtype == torch.bfloat16:
             want = want.view(torch.int16)
         assert ours.tobytes() == want.numpy().tobytes(), name
+
+
+def test_a_universal_folder_keeps_frozen_params_and_buffers_as_ds_to_universal_does(saved, tmp_path):
+    """ZeRO-2 at dp=2 (a frozen Linear, persistent and non-persistent buffers, a tied head) to a universal
+    folder: reshard's equals ds_to_universal's tensor for tensor, and DeepSpeed's load_universal at dp=3 loads
+    every param, frozen param, buffer and Adam state from it exactly as from ds_to_universal's."""
+    import torch
+    from formats.test_format_deepspeed import ds_to_universal
+
+    src, uninterrupted = saved(2, "bf16", 2)
+    tag = (src / "latest").read_text().strip()
+    reshard.convert(src, tmp_path / "ours", format="ucp")
+    ds_to_universal(src, tmp_path / "theirs" / tag)
+    (tmp_path / "theirs" / "latest_universal").write_text(tag)
+    ours, theirs = tmp_path / "ours" / tag, tmp_path / "theirs" / tag
+    files = sorted(p.relative_to(theirs) for p in theirs.rglob("*.pt"))
+    assert files == sorted(p.relative_to(ours) for p in ours.rglob("*.pt"))
+    assert {"zero/frozen.weight/fp32.pt", "zero/scale/fp32.pt", "zero/seen/fp32.pt",
+            "zero/head.weight/fp32.pt"} <= {str(f) for f in files}
+
+    def same(a, b, where):
+        if torch.is_tensor(a):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+        elif isinstance(a, dict):
+            assert list(a) == list(b), where
+            for k in a:
+                same(a[k], b[k], f"{where}[{k!r}]")
+        else:
+            assert a == b, where
+
+    for rel in files:
+        a, b = torch.load(ours / rel, weights_only=False), torch.load(theirs / rel, weights_only=False)
+        if rel.name == "optimizer_state.pt":
+            assert a.keys() == b.keys() and a["param_groups"] == b["param_groups"], rel
+        elif rel.name == "mp_rank_00_model_states.pt":
+            assert a.keys() == b.keys(), rel
+            for key in ("module", "frozen_param_fragments"):
+                same(a[key], b[key], f"{rel}:{key}")
+            assert (a["buffer_names"], a["shared_params"], a["frozen_param_shapes"]) == \
+                (b["buffer_names"], b["shared_params"], b["frozen_param_shapes"])
+        else:
+            same(a, b, str(rel))
+    loaded = {}
+    for name in ("ours", "theirs"):
+        ds_jobs.run(tmp_path / name, 3, "load", tmp_path / name, tmp_path / f"{name}.npz", stage=2, dtype="bf16",
+                    groups=2, options={"RESHARD_DS_UNIVERSAL": "1"})
+        loaded[name] = dict(np.load(tmp_path / f"{name}.npz"))
+    assert loaded["ours"].keys() == loaded["theirs"].keys()
+    for key, value in loaded["theirs"].items():
+        assert loaded["ours"][key].tobytes() == value.tobytes(), key
+    assert assert_same(loaded["ours"], uninterrupted, "state") >= 3 * 7 + 2

@@ -53,7 +53,6 @@ from reshard.formats.dcp.reading import (
     _step_value,
     _Verbatim,
 )
-from reshard.formats.derived import refuse_empty
 from reshard.formats.identity import CONFIG_NAME, read_identity, write_identity
 from reshard.formats.specs import layout_spec, require_family, source_config
 from reshard.io.dcp_metadata import (
@@ -128,16 +127,17 @@ class DcpFormat:
                 problems.append(problem)
                 continue
             for c in t.chunks:
-                if 0 in c.sizes:
-                    continue
+                if 0 in c.sizes and 0 not in t.size:
+                    continue  # a rank past a sharded tensor's rows
                 item = Item(SECTION, (), 0, state, f"{key}@{','.join(map(str, c.offsets))}")
                 ref = _chunk_ref(path, md, key, c, t, archives, problems)
                 if ref is None:
                     continue
-                items[item] = ItemInfo(shape=c.sizes, mapped=math.prod(c.sizes), rule="dcp chunk")
+                items[item] = ItemInfo(shape=c.sizes, mapped=math.prod(c.sizes), rule="dcp chunk",
+                                       tensor=fqn if 0 in t.size else None)
                 where[item] = Located(ref.path, ref.data_offset, ref.dtype)
                 strides = row_major_strides(c.sizes)
-                for box, off, st in box_fragments(known, c.offsets, c.sizes, strides, 0):
+                for box, off, st in box_fragments(known, c.offsets, c.sizes, strides, 0) if 0 not in t.size else ():
                     fragments.append(Fragment(tensor=fqn, state=state, box=box, item=item, offset=off, strides=st))
         for key in md.byte_entries:
             verbatim.append(_Verbatim(key, None, _entry_bytes(path, md, key, None)[0]))
@@ -170,7 +170,6 @@ class DcpFormat:
         if others:
             raise TopologyError(f"the dcp target shards over dp (FSDP2) and tp (DTensor) only; cannot write "
                                 f"{', '.join(others)}")
-        refuse_empty(source.layout, source.path, self.name)
         topology = Topology(dp=topology.dp, tp=topology.tp)
         states = set(source.layout.states)
         model_state = MASTER if MASTER in states else PARAM

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import check_sizes, given_sizes
@@ -50,3 +51,22 @@ def _llama_sizes(files: _Files, shapes: list[list[tuple[str, tuple[int, ...]]]],
     elif "hd" not in sizes and "h" in sizes and "heads" in sizes:
         sizes["hd"] = sizes["h"] // sizes["heads"]  # Hugging Face's default head_dim
     return check_sizes(sizes, f"{files.model[0]}: param_shapes", counts=counts)
+
+
+def _shape_sizes(sizes: dict[str, int], shapes: Mapping[str, tuple[int, ...]], where: Path) -> None:
+    """Fill in the Llama sizes the tensor shapes tell (given ``heads`` or ``hd``, for the attention layout)."""
+    if len(embed := shapes.get("model.embed_tokens.weight", ())) == 2:
+        sizes.setdefault("vocab", embed[0])
+        sizes.setdefault("h", embed[1])
+    layers = {int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.") and n.split(".")[2].isdecimal()}
+    if layers:
+        sizes.setdefault("layers", max(layers) + 1)
+    if gate := shapes.get("model.layers.0.mlp.gate_proj.weight"):
+        sizes.setdefault("f", gate[0])
+    q, k = shapes.get("model.layers.0.self_attn.q_proj.weight"), shapes.get("model.layers.0.self_attn.k_proj.weight")
+    if q and k and ("heads" in sizes or "hd" in sizes):
+        sizes.setdefault("hd", q[0] // sizes["heads"] if "heads" in sizes else sizes["hd"])
+        if sizes["hd"] < 1:
+            raise CheckpointFormatError(f"{where}: q_proj.weight has {q[0]} rows for {sizes['heads']} heads")
+        sizes.setdefault("heads", q[0] // sizes["hd"])
+        sizes.setdefault("g", k[0] // sizes["hd"])

@@ -5,14 +5,17 @@ A universal folder holds, per parameter, ``zero/<name>/fp32.pt``,
 ...}``; any other optimizer state likewise) and ``step.pt`` (a 0-d tensor),
 plus ``zero/optimizer_state.pt`` (param groups, loss scaler). Tensors are
 whole and unsharded, so every file is one item whose bytes are read in place;
-``fp32`` is state ``master``. The path may be the universal folder itself or a
-save dir whose ``latest_universal`` names it.
+``fp32`` is state ``master``. A ZeRO-1/2 folder's model file is read as the
+DeepSpeed reader reads one (``recorded_model``): its ``module`` gives every
+weight (state ``param``), frozen params, buffers and tied copies included, and
+the fp32.pt ds_to_universal writes of a module tensor outside the param groups
+(its float32 copy) is left unread. The path may be the universal folder itself
+or a save dir whose ``latest_universal`` names it.
 
 Model sizes come from a Hugging Face ``config.json`` in the folder or the two
 above it, or from ``sizes``, and the rest from the tensors' shapes (given the
 head count, which shapes cannot tell from the head size). Refused with a message: sub-parameter and vocab
-padding entries (Megatron-DeepSpeed's tp-fused layouts) and tensors that are
-not contiguous.
+padding entries (Megatron-DeepSpeed's tp-fused layouts) and tensors that are not contiguous.
 
 Written as ``ds_to_universal`` writes one for a ZeRO-1/2 run (DeepSpeed 0.19.8,
 ``checkpoint/ds_to_universal.py``), so that ``"checkpoint": {"load_universal":
@@ -24,6 +27,7 @@ true}`` resumes from it at any dp::
     <out>/<tag>/zero/<name>/step.pt             the optimizer's step of the param's group (a 0-d tensor)
     <out>/<tag>/zero/optimizer_state.pt         the ZeRO optimizer's state_dict without its partitions,
                                                 plus the torch optimizer's param_groups
+    <out>/<tag>/zero/<key>/fp32.pt              {"param": float32 copy} of a frozen param, buffer or tied copy
     <out>/<tag>/mp_rank_00_model_states.pt      the engine's model file (weights in the training dtype)
 
 DeepSpeed's loader reads the model file named for its own ZeRO stage, which is
@@ -52,6 +56,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
+
 from reshard.core.geometry import row_major_strides
 from reshard.core.layout import MASTER, PARAM, Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments
 from reshard.core.spec import parse_spec
@@ -71,9 +77,12 @@ from reshard.formats.base import (
     name_of,
     read_tag,
 )
-from reshard.formats.deepspeed.derive import DsModel, model_of_source
+from reshard.formats.deepspeed.derive import FRAGMENTS, DsModel, model_of_source, recorded_model
+from reshard.formats.deepspeed.sizes import _shape_sizes
 from reshard.formats.deepspeed.state import DeepSpeedExtra, Scalar, _with_scalars, synthesize_extra
+from reshard.formats.deepspeed.write import _frozen_records
 from reshard.formats.deepspeed.zero3 import Zero3Extra, extra_from_zero12, model_tree3
+from reshard.formats.deepspeed.zero12 import _located
 from reshard.formats.derived import Recorded
 from reshard.formats.identity import read_identity, write_identity
 from reshard.formats.specs import source_config
@@ -112,6 +121,9 @@ class UcpExtra:
     """The trained params (a folder each), in the model's order."""
     module: tuple[str, ...] = ()
     """The model file's module keys in order (frozen params, buffers, tied copies too); empty: ``names``."""
+    copies: tuple[str, ...] = ()
+    """The module keys outside the trained params (frozen params, buffers, tied copies), whose
+    ``zero/<key>/fp32.pt`` is ``{"param": the module's tensor as float32}``, as ds_to_universal writes it."""
     stage3: bool = False
     """For a ZeRO-3 engine: flat per-param tensors, no ``step.pt``, a stage-3 ``optimizer_state.pt`` and
     ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (module placeholders, ``model_states`` whole) as the model file."""
@@ -140,8 +152,14 @@ class UcpFormat:
         step = None
         problems: list[str] = []
         shapes = _param_shapes(folder)
+        recorded = _recorded_model(folder)
+        # ds_to_universal's fp32.pt of a module tensor outside the param groups (a frozen param, a buffer, a tied
+        # copy) is the float of what the model file holds, which is read instead.
+        copies = {k for k, _ in recorded.module} - {n for g in recorded.groups for n in g} if recorded else set()
         for pdir in sorted(p for p in (folder / ZERO).iterdir() if p.is_dir()):
             name = pdir.name
+            if name in copies:
+                continue
             for file in sorted(pdir.glob("*.pt")):
                 if not file.is_file():
                     problems.append(f"{file}: not a regular file")
@@ -189,15 +207,19 @@ class UcpFormat:
                     fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
         if not tensors:
             problems.append(f"{folder / ZERO}: no parameter folders")
+        if recorded is not None:
+            _module_items(recorded, folder / MODEL_FILE, tensors, items, fragments, where, problems)
         if problems:
             raise CheckpointFormatError(f"{folder}: cannot read this universal checkpoint:\n  "
                                         + "\n  ".join(problems[:20]))
-        missing = sorted(n for n in tensors if Item(ZERO, (), 0, MASTER, n) not in items)
+        groups = [list(g) for g in recorded.groups] if recorded is not None else _param_groups(folder)
+        trained = {n for g in groups for n in g} if recorded is not None else set(tensors)
+        missing = sorted(n for n in tensors if n in trained and Item(ZERO, (), 0, MASTER, n) not in items)
         if missing:
             raise CheckpointFormatError(f"{folder / ZERO}: no fp32.pt for {', '.join(missing[:5])}")
-        groups = _param_groups(folder)
-        # The model's order (its model file's param_shapes, as ds_to_universal copies it), not the folders'.
-        order = [n for g in groups for n in g if n in tensors]
+        # The model's order (its module's, or its model file's param_shapes), not the folders'.
+        order = [t.name for t in recorded.tensors] if recorded is not None else \
+            [n for g in groups for n in g if n in tensors]
         tensors = {n: tensors[n] for n in [*order, *(n for n in tensors if n not in set(order))]}
         layout = Layout(topology=Topology(), tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                         fragments=tuple(fragments))
@@ -213,7 +235,9 @@ class UcpFormat:
         # param: a DeepSpeed target lays them out again.
         known = [tuple(n for n in g if n in tensors) for g in groups]
         extra = {}
-        if groups and sum(map(len, known)) == len(tensors):
+        if recorded is not None:  # the model file's module: frozen params, buffers and tied copies too
+            extra["ds_model"] = recorded
+        elif groups and sum(map(len, known)) == len(tensors):
             extra["ds_model"] = DsModel(tensors=tuple(Recorded(n, t.shape) for n, t in tensors.items()),
                                         groups=tuple(g for g in known if g), module=tuple((n, n) for n in tensors))
         return Source(format=self.name, path=folder, spec_name="ucp", spec=parse_spec("", "<ucp>"),
@@ -261,7 +285,15 @@ class UcpFormat:
             shape = source.layout.tensors[name].shape
             tensors[name] = LogicalTensor(name=name, shape=shape, axes=tuple(f"d{k}" for k in range(len(shape))),
                                           view=shape, dim_axes=(1,) * len(shape))
+        model_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == PARAM), "float32")
+        if stage3:
+            extra = _extra3(source, tuple(names), model_dtype)
+        else:
+            extra = replace(_extra(source, tuple(names), model_dtype, tuple(opt_states)),
+                            module=tuple(k for k, _ in module), copies=tuple(k for k, _ in module if k not in names))
         places = [] if stage3 else [(MODEL, PARAM, key, name) for key, name in module]
+        if not stage3 and extra.model_states.get("frozen_param_shapes") is not None:  # saved from stage 2 on
+            places += [(FRAGMENTS, PARAM, name, name) for name in ds_model.frozen if name in kept]
         for name in names:
             places += [(ZERO, state, name, name) for state in (MASTER, *opt_states)]
         for section, state, key, name in places:
@@ -274,13 +306,7 @@ class UcpFormat:
                 fragments.append(Fragment(tensor=name, state=state, box=box, item=item, offset=off, strides=st))
         layout = Layout(topology=Topology(), tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                         fragments=tuple(fragments))
-        model_dtype = next((loc.dtype for it, loc in source.where.items() if it.state == PARAM), "float32")
-        if stage3:
-            extra = _extra3(source, tuple(names), model_dtype)
-        else:
-            extra = replace(_extra(source, tuple(names), model_dtype, tuple(opt_states)),
-                            module=tuple(k for k, _ in module))
-        dtypes = {it: model_dtype if it.section == MODEL else "float32" for it in items}
+        dtypes = {it: model_dtype if it.section in (MODEL, FRAGMENTS) else "float32" for it in items}
         model = replace(source.model, config=source_config(source, [model_dtype]))
         return Target(format=self.name, spec_name="ucp", spec=parse_spec("", "<ucp>"), topology=Topology(),
                       sizes=dict(source.sizes), layout=layout, dtypes=dtypes, model=model, extra={"ucp": extra})
@@ -288,7 +314,7 @@ class UcpFormat:
     def files_of(self, target: Target) -> dict[Item, Path]:
         """The file, relative to the output directory, that holds each item."""
         tag = target.extra["ucp"].tag
-        return {it: Path(tag) / (MODEL_FILE if it.section == MODEL
+        return {it: Path(tag) / (MODEL_FILE if it.section in (MODEL, FRAGMENTS)
                                  else Path(ZERO, it.key, _file_stem(it.state) + ".pt"))
                 for it in target.layout.items}
 
@@ -315,13 +341,14 @@ class UcpFormat:
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
             sources: dict[Any, tuple[Any, int]] = {}
             if rel.name == MODEL_FILE:
-                by_key = {it.key: it for it in its}
+                by_key = {it.key: it for it in its if it.section == MODEL}
                 module = OrderedDict()
                 for name in extra.module or extra.names:
                     module[name] = TensorSpec(target.dtypes[by_key[name]], target.layout.items[by_key[name]].shape,
                                               ("item", name))
                     sources[("item", name)] = (by_key[name], target.layout.items[by_key[name]].numel)
                 tree: Any = {"module": module, **_with_scalars(extra.model_states, sources)}
+                _frozen_records(tree, target, [it for it in its if it.section == FRAGMENTS], sources)
             else:
                 (it,) = its
                 spec = TensorSpec("float32", target.layout.items[it].shape, ("item", it.key))
@@ -343,6 +370,8 @@ class UcpFormat:
             rest.append((Path(extra.tag, MODEL_FILE3), extra.model_states))
         if extra.step is not None:
             rest += [(Path(extra.tag, ZERO, name, "step.pt"), extra.step) for name in extra.names]
+        for key in extra.copies:
+            written.append(_write_copy(target, out, fill, session, Item(MODEL, (), 0, PARAM, key)))
         for rel, obj in rest:
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
             scalars: dict[Any, tuple[Any, int]] = {}
@@ -354,6 +383,34 @@ class UcpFormat:
         written += write_identity(out, target.model)
         (out / "latest_universal").write_text(extra.tag)
         return [*written, Path("latest_universal")]
+
+
+def _write_copy(target: Target, out: Path, fill: Fill, session: WriteSession, item: Item) -> Path:
+    """``zero/<key>/fp32.pt`` of a module tensor outside the trained params: ``{"param": its float32 copy}``,
+    as ds_to_universal writes one for every module tensor it found no optimizer state for."""
+    rel = Path(target.extra["ucp"].tag, ZERO, item.key, f"{_MASTER_STEM}.pt")
+    (out / rel).parent.mkdir(parents=True, exist_ok=True)
+    dtype, numel = target.dtypes[item], target.layout.items[item].numel
+    if dtype not in _TO_FLOAT32:
+        raise CheckpointFormatError(f"{out / rel}: module tensor '{item.key}' is {dtype}, whose float32 copy "
+                                    f"(ds_to_universal's fp32.pt) reshard does not make; supported: "
+                                    f"{', '.join(sorted(_TO_FLOAT32))}")
+    tree = {_TENSOR_KEY: TensorSpec("float32", target.layout.items[item].shape, ("copy", item.key))}
+    step = max(1, session.window_bytes // 4)
+    with TorchFileWriter(out / rel, tree, open_file=session.open) as writer:
+        for lo in range(0, numel, step):
+            writer.write(("copy", item.key), _as_float32(bytes(fill(item, lo, min(numel, lo + step))), dtype))
+    return rel
+
+
+_TO_FLOAT32 = ("bfloat16", "float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
+"""The dtypes ``_as_float32`` converts as ``tensor.float()`` does (rounded to nearest)."""
+
+
+def _as_float32(data: bytes, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.frombuffer(data, np.dtype(dtype)).astype(np.float32)
 
 
 def _extra3(source: Source, names: tuple[str, ...], model_dtype: str) -> UcpExtra:
@@ -436,6 +493,48 @@ def _folder(path: Path) -> Path | None:
     return None
 
 
+def _recorded_model(folder: Path) -> DsModel | None:
+    """The model a ZeRO-1/2 folder's model file records (``recorded_model``: param groups, frozen params,
+    buffers, tied copies); None without one, or for a pipeline's or ZeRO-3's, whose module holds no weights."""
+    path = folder / MODEL_FILE
+    if (folder / MODEL_FILE3).is_file() or not path.is_file():
+        return None
+    tree = read_torch_file(path)
+    if not isinstance(tree, dict) or not isinstance(tree.get("module"), Mapping) or not tree["module"]:
+        return None
+    groups = tree.get("param_shapes")
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
+        raise CheckpointFormatError(f"{path}: param_shapes is not a list of param groups")
+    shaped = [[(name_of(k), expect_shape(v, f"param_shapes[{i}]['{name_of(k)}']", path)) for k, v in g.items()]
+              for i, g in enumerate(groups)]
+    return recorded_model(tree, path, shaped)
+
+
+def _module_items(model: DsModel, path: Path, tensors: dict[str, LogicalTensor], items: dict[Item, ItemInfo],
+                  fragments: list[Fragment], where: dict[Item, Located], problems: list[str]) -> None:
+    """The model file's ``module`` as the DeepSpeed reader places it: each key an item of state ``param`` (the
+    weights in the training dtype; a tied copy's holds the tensor it shares), frozen params and buffers the
+    tensors' only state."""
+    module = read_torch_file(path)["module"]
+    trained = {n for g in model.groups for n in g}
+    if odd := [n for n in tensors if n not in trained]:
+        problems.append(f"{path}: param_shapes lists no '{odd[0]}', which has a folder of optimizer state")
+    for key, name in model.module:
+        ref, shape = module.get(key), model.recorded(name).shape
+        if not isinstance(ref, TensorRef) or ref.shape != shape:
+            got = f"shape {list(ref.shape)}" if isinstance(ref, TensorRef) else "not a tensor"
+            problems.append(f"{path}: module['{key}'] is {got}, but the model file records '{name}' as {list(shape)}")
+            continue
+        t = tensors.setdefault(name, LogicalTensor(name=name, shape=shape, view=shape, dim_axes=(1,) * len(shape),
+                                                   axes=tuple(f"d{k}" for k in range(len(shape)))))
+        item = Item(MODEL, (), 0, PARAM, key)
+        items[item] = ItemInfo(shape=shape, mapped=ref.numel, rule="ucp module", tensor=name if 0 in shape else None)
+        where[item] = _located(ref, path, f"module['{key}']")
+        if 0 not in shape:
+            for box, off, st in box_fragments(t, (0,) * len(shape), shape, row_major_strides(shape), 0):
+                fragments.append(Fragment(tensor=name, state=PARAM, box=box, item=item, offset=off, strides=st))
+
+
 def _param_groups(folder: Path) -> list[list[str]]:
     """The param groups (names in flat order) of the folder's model file's ``param_shapes``; empty without one."""
     for name in (MODEL_FILE3, MODEL_FILE):
@@ -483,25 +582,6 @@ def _stage3_step(folder: Path) -> float | None:
     groups = inner.get("state") if isinstance(inner, dict) else None
     ref = groups.get(0, {}).get("step") if isinstance(groups, dict) and isinstance(groups.get(0), dict) else None
     return _scalar(file, ref) if isinstance(ref, TensorRef) and ref.shape == () else None
-
-
-def _shape_sizes(sizes: dict[str, int], shapes: Mapping[str, tuple[int, ...]], where: Path) -> None:
-    """Fill in the Llama sizes the tensor shapes tell (given ``heads`` or ``hd``, for the attention layout)."""
-    if len(embed := shapes.get("model.embed_tokens.weight", ())) == 2:
-        sizes.setdefault("vocab", embed[0])
-        sizes.setdefault("h", embed[1])
-    layers = {int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.") and n.split(".")[2].isdecimal()}
-    if layers:
-        sizes.setdefault("layers", max(layers) + 1)
-    if gate := shapes.get("model.layers.0.mlp.gate_proj.weight"):
-        sizes.setdefault("f", gate[0])
-    q, k = shapes.get("model.layers.0.self_attn.q_proj.weight"), shapes.get("model.layers.0.self_attn.k_proj.weight")
-    if q and k and ("heads" in sizes or "hd" in sizes):
-        sizes.setdefault("hd", q[0] // sizes["heads"] if "heads" in sizes else sizes["hd"])
-        if sizes["hd"] < 1:
-            raise CheckpointFormatError(f"{where}: q_proj.weight has {q[0]} rows for {sizes['heads']} heads")
-        sizes.setdefault("heads", q[0] // sizes["hd"])
-        sizes.setdefault("g", k[0] // sizes["hd"])
 
 
 FORMAT = UcpFormat()

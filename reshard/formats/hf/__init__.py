@@ -10,8 +10,7 @@ the layout is the model family's (``reshard.models``, chosen by the config's
 stored per expert), ``hf-gpt2`` (output layer tied, Conv1D weights stored
 ``[in, out]``). A ``model_type`` no family claims (any other model) gets a
 layout derived from the safetensors headers: every tensor whole under its own
-name, in its own dtype, 0-d ones included; a tensor with no elements is
-refused by name, since no plan would carry it. The config travels: written back as read, or built from the family and the
+name, in its own dtype, 0-d ones and ones with no elements included. The config travels: written back as read, or built from the family and the
 source's sizes and hints when the source is another format. Not supported: GPT-2 files of old
 ``transformers`` versions (names without the ``transformer.`` prefix,
 ``attn.bias`` mask buffers) and untied GPT-2; they fail as unmatched tensors.
