@@ -14,7 +14,9 @@ buffer, a persistent int64 buffer and a non-persistent buffer. Options (environm
   decay on weights, none on biases and norms);
 - ``RESHARD_DS_FROZEN``: ``1`` freezes the ``frozen`` Linear;
 - ``RESHARD_DS_BUFFERS``: ``1`` makes ``scale`` and ``seen`` persistent (in the checkpoint), ``0`` not;
-- ``RESHARD_DS_CLIP``: ``gradient_clipping`` in the config when set (unset: DeepSpeed's default, 1.0).
+- ``RESHARD_DS_CLIP``: ``gradient_clipping`` in the config when set (unset: DeepSpeed's default, 1.0);
+- ``RESHARD_DS_UNIVERSAL``: ``1`` (through ``run``'s ``options``) loads a universal folder
+  (``"checkpoint": {"load_universal": true}``).
 
 ``custom_module`` gives the model's class to other jobs (``fsdp_any_jobs.py`` trains the same module with
 FSDP2), and ``batch`` the batch of step ``n``: the same ids at every rank and in every framework.
@@ -43,8 +45,10 @@ V, H, F = 40, 8, 12
 
 
 def run(tmp_path: Path, nproc: int, mode: str, ckpt: Path, out: Path, *, stage: int = 2, dtype: str = "fp32",
-        groups: int = 1, frozen: bool = True, buffers: bool = True, clip: float | None = None) -> None:
-    """Run this script under torchrun with ``nproc`` ranks; fails the test with the job's output."""
+        groups: int = 1, frozen: bool = True, buffers: bool = True, clip: float | None = None,
+        script: str = __file__, options: dict[str, str] | None = None) -> None:
+    """Run this script (or another job ``script`` taking the same arguments, with its ``options`` in the
+    environment) under torchrun with ``nproc`` ranks; fails the test with the job's output."""
     from jobs import run_job
 
     session = next((p for p in tmp_path.parents if p.name.startswith("pytest-") and not p.name.startswith("pytest-of")),
@@ -55,7 +59,8 @@ def run(tmp_path: Path, nproc: int, mode: str, ckpt: Path, out: Path, *, stage: 
            "TORCH_EXTENSIONS_DIR": str(session / "torch-extensions")}
     if clip is not None:
         env["RESHARD_DS_CLIP"] = str(clip)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
+    env.update(options or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
            mode, str(ckpt), str(out)]
     code, output = run_job(cmd, env)
     if code:
@@ -128,7 +133,8 @@ def _main() -> None:  # pragma: no cover - runs in the job's processes
     params = param_groups(model, int(os.environ["RESHARD_DS_GROUPS"]))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-              "bf16": {"enabled": bf16}}
+              "bf16": {"enabled": bf16},
+              "checkpoint": {"load_universal": os.environ.get("RESHARD_DS_UNIVERSAL") == "1"}}
     if os.environ["RESHARD_DS_DTYPE"] == "bf16acc":
         config["data_types"] = {"grad_accum_dtype": "fp32"}
     if "RESHARD_DS_CLIP" in os.environ:

@@ -114,6 +114,8 @@ class Captures:
         place = rule.place if isinstance(rule, S.Stored) else None
         if place == "lastonly" and not pipelined:
             return False
+        if place == "stage":
+            return chunk == 0 and (self.stage_of(rule) == coords["pp"] or not pipelined)
         if pipelined and place is None and _stacks_over_pp(rule):
             return True  # layers stacked on a dim split over pp: one item per (stage, chunk)
         if not pipelined or place is None:
@@ -122,6 +124,15 @@ class Captures:
             return coords["pp"] == 0 and chunk == 0
         last = coords["pp"] == self.topo.pp - 1 and chunk == self.topo.vpp - 1
         return last and (place == "last" or self.topo.pp * self.topo.vpp > 1)
+
+    def stage_of(self, rule: S.Stored) -> int:
+        """The stage an ``@stage(expr)`` rule sits on: expr, which must name one of the topology's stages."""
+        assert rule.stage is not None
+        n = self.eval(rule.stage)
+        if not 0 <= n < self.topo.pp:
+            raise TopologyError(f"{_name(rule)}: @stage({n}) is not a stage of pp({self.topo.pp}) "
+                                f"(stages 0 to {self.topo.pp - 1})")
+        return n
 
     def layer_values(self, cap: S.Capture, coords: dict[str, int], chunk: int, rule: S.Statement) -> list[tuple[int, int]]:
         n = self.index_size(cap)

@@ -243,9 +243,10 @@ class Section:
 class Stored:
     pattern: Pattern
     ref: str | None  # alias or logical name; None: the logical tensor of the same name
-    place: str | None  # first | last | lastonly (pipeline stage)
+    place: str | None  # first | last | lastonly | stage (pipeline stage)
     dims: tuple[Term, ...] | None
     pos: Pos
+    stage: Expr | None = None  # the stage number of '@stage(expr)'
 
 
 @dataclass(frozen=True, slots=True)

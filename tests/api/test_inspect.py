@@ -28,7 +28,7 @@ PARAMS = sum(int(np.prod(s)) for s in TINY_LLAMA.values())
 OPTIM = ["master", "exp_avg", "exp_avg_sq"]
 LLAMA_HF = {"family": "llama", "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
 LONG = "model.layers.0.a_module_name_long_enough_that_no_console_of_80_columns_could_show_it.weight"
-QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 8, "vocab_size": 10}
+QWEN = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 8, "vocab_size": 10}
 
 # format -> (topology, states, dtypes, progress, model); progress ... is not checked (the reader is changing)
 EXPECTED = {
@@ -41,7 +41,8 @@ EXPECTED = {
                    {"family": "llama", "model_type": None, "architectures": None}),
     "dcp": ("tp=1,pp=1,dp=2", ["param", "exp_avg", "exp_avg_sq"], {"float32": 117},
             {"step": 0, "iteration": None, "lr": None}, LLAMA_HF),
-    "ucp": ("tp=1,pp=1,dp=1", OPTIM, {"float32": 117}, {"step": 1, "iteration": None, "lr": 0.001}, LLAMA_HF),
+    "ucp": ("tp=1,pp=1,dp=1", ["param", *OPTIM], {"bfloat16": 39, "float32": 117},
+            {"step": 1, "iteration": None, "lr": 0.001}, LLAMA_HF),
 }
 TOPOLOGY = {"megatron": "tp=2,pp=2", "deepspeed": "tp=1,dp=2,zero=1", "hf": "tp=1", "mcore-dist": "tp=2",
             "dcp": "dp=2"}
@@ -105,7 +106,7 @@ def test_text_gives_identity_progress_states_and_full_names_to_a_pipe(qwen):
     lines = result.stdout.splitlines()
     assert lines[:6] == [
         f"{qwen}: hf (hf-derived), tp=1,pp=1,dp=1, 1 file, {10 * 8 * 4 + 3 * 8 * 2 + 8 * 4} B",
-        "model: model_type qwen2; Qwen2ForCausalLM",
+        "model: model_type qwen3_next; Qwen3NextForCausalLM",
         "progress: not recorded",
         "sizes: none recorded",
         "tensors: 3, 3 tensor states: 1 float16, 2 float32",
@@ -175,3 +176,29 @@ def test_spec_of_an_unknown_model_derives_its_tensors(qwen):
 def test_spec_and_json_together_are_refused(ckpts):
     result = runner.invoke(app, ["inspect", str(ckpts["hf"]), "--spec", "--json"])
     assert result.exit_code == 2 and "--json and --spec" in result.stderr and result.stdout == ""
+
+
+def test_a_pipeline_of_a_model_no_family_describes_shows_each_tensor_under_its_recorded_name(tmp_path):
+    """A DeepSpeed pipeline-engine checkpoint without a config.json: its layout derived from the files, each
+    tensor ``@stage`` of the stage holding it."""
+    from reshard.formats.deepspeed import FORMAT, DsModel
+    from reshard.formats.derived import Recorded
+
+    tensors = (Recorded("0.weight", (10, 4)), Recorded("1.weight", (4, 4)), Recorded("1.bias", (4,)),
+               Recorded("2.weight", (10, 4)))
+    names = tuple(t.name for t in tensors)
+    model = DsModel(tensors=tensors, groups=(names,), module=tuple(zip(names, names)),
+                    stages=tuple((n, int(n.startswith("2."))) for n in names))
+    target = FORMAT.new_target("pp=2,dp=1", {}, model=model, dtype="float32", zero_stage=1)
+    FORMAT.write(target, tmp_path, lambda item, lo, hi: bytes(4 * (hi - lo)))  # float32 zeros
+    info = reshard.inspect(tmp_path)
+    assert (info["spec"], info["topology"]) == ("deepspeed-pipe-derived", "tp=1,pp=2,dp=1,zero=1")
+    assert {n: t["shape"] for n, t in info["tensors"].items()} == {t.name: list(t.shape) for t in tensors}
+    assert info["states"] == ["param", *OPTIM] and info["model"]["family"] is None
+    result = runner.invoke(app, ["inspect", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[0].startswith(f"{tmp_path}: deepspeed (deepspeed-pipe-derived), tp=1,pp=2,dp=1")
+    result = runner.invoke(app, ["inspect", str(tmp_path), "--spec"])
+    assert result.exit_code == 0, result.output
+    assert {"1.bias @stage(0) = d0_4", "2.weight @stage(1) = d0_10 d1_4"} <= set(result.stdout.splitlines())
+    assert sorted(_declared(result.stdout)) == sorted(t.name for t in tensors)

@@ -402,17 +402,19 @@ def test_pipeline_layer_files_without_a_model_axis_are_read_and_their_naming_kep
         np.testing.assert_array_equal(before[key], after[key], err_msg=str(key))
 
 
-def test_a_pipeline_checkpoint_without_a_family_config_needs_one_or_a_spec(tmp_path):
-    """The pipeline engine's layer list is the model's own: which layers a stage holds is laid out by the family."""
-    write_checkpoint(tmp_path, "pp=2,dp=1", spec="deepspeed-pipe-llama", zero_stage=1)
+def test_a_pipeline_checkpoint_without_a_family_config_is_read_as_it_records_itself(tmp_path):
+    """Without the family's config.json, a pipeline's layers keep the names the pipeline engine gave them
+    (``reshard.formats.deepspeed.pipe.recorded_pipeline``); the config or a spec gives the family's layout."""
+    _, values, _, _ = write_checkpoint(tmp_path, "pp=2,dp=1", spec="deepspeed-pipe-llama", zero_stage=1)
     assert FORMAT.open(tmp_path).spec_name == "deepspeed-pipe-llama"  # the family its config.json names
     (tmp_path / "config.json").unlink()
-    with pytest.raises(CheckpointFormatError) as e:
-        FORMAT.open(tmp_path)
-    assert str(e.value) == (
-        f"{tmp_path / 'global_step1'}: a pipeline-engine checkpoint (layer_*-model_states.pt), whose layers are laid "
-        "out by the model's family, and no config.json naming a family reshard knows beside it (in the tag dir, the "
-        "save dir or its parent): put the model's config.json there, or give a spec (deepspeed-pipe-<family>)")
+    src = FORMAT.open(tmp_path)
+    assert src.spec_name == "deepspeed-pipe-derived" and (src.topology.pp, src.topology.dp) == (2, 1)
+    items = {item: read(loc, loc.dtype, src.layout.items[item].numel) for item, loc in src.where.items()}
+    logical = gather(src.layout, items)
+    np.testing.assert_array_equal(logical[("2.mlp.up_proj.weight", "master")].ravel(),  # decoder layer 1, stage 1
+                                  values[("model.layers.1.mlp.up_proj.weight", "master")].ravel())
+    assert len(logical) == 4 * (3 + 9 * 2)  # embedding, 2 decoder layers, norm, head; param, master, Adam
     assert FORMAT.open(tmp_path, spec="deepspeed-pipe-llama", sizes=SIZES).topology.pp == 2
 
 
@@ -971,7 +973,7 @@ def test_a_universal_checkpoint_from_ds_to_universal_converts_and_resumes_bit_ex
     src = ds_saved(2, False)
     ds_to_universal(src, tmp_path / "ucp")
     ucp = reshard.open_checkpoint(tmp_path / "ucp", sizes={"heads": 4})
-    assert ucp.format == "ucp" and ucp.layout.states == ("exp_avg", "exp_avg_sq", "master")
+    assert ucp.format == "ucp" and ucp.layout.states == ("exp_avg", "exp_avg_sq", "master", "param")
     reshard.convert(tmp_path / "ucp", tmp_path / "dp3", format="deepspeed", to="dp=3,zero=2", sizes={"heads": 4})
     run_deepspeed(tmp_path, 3, "load", str(tmp_path / "dp3"), str(tmp_path / "dump.npz"), stage=2, bf16=False)
     logical = logical_of(src)

@@ -21,9 +21,12 @@ Layouts: without a spec, derived from what the files record (``derive``): ``para
 groups, each param under its own name in its group's flat buffer), ``frozen_param_shapes``,
 ``buffer_names``, ``shared_params`` and the module's state dict, so a checkpoint of any model, of a family
 reshard knows or of none, is read and written alike, with any number of param groups, frozen parameters,
-persistent buffers and tied weights. A spec (``deepspeed-llama``, a user's file) lays it out instead, and
-is needed where DeepSpeed records too little: tensor parallelism (how tp split each tensor) and the
-pipeline engine (``deepspeed-pipe-<family>``, its family taken from the ``config.json`` beside it).
+persistent buffers and tied weights. A pipeline-engine checkpoint is derived alike (``pipe``): each stage's
+``param_shapes`` and ``buffer_names`` and the layer files' tensors, each under its recorded name
+``<layer index>.<name>`` on the stage holding it (``@stage(s)``), converted at its own pp. A spec
+(``deepspeed-llama``, a user's file) lays it out instead, and is needed where DeepSpeed records too little:
+tensor parallelism (how tp split each tensor) and a new pp for the pipeline engine (which layers a stage holds
+is the model's partitioning: ``deepspeed-pipe-<family>``, its family taken from the ``config.json`` beside it).
 
 From a checkpoint of another format, a derived layout puts the tensors with optimizer state in the param
 groups the source's optimizer had when it records them (a DCP checkpoint's ``param_groups``: each group's
@@ -38,9 +41,9 @@ folders by ``reshard.formats.deepspeed.ucp``; the pipeline engine's layer files 
 
 Not supported, each refused with a message: MoE expert files, tied pipeline modules
 (``tied_modules.*``), ``round_robin_gradients``, ``parameter_alignment``, tp > 1 without a spec that
-splits over tp, and (until the planner can take the weights of some tensors from their fp32 masters
-and of others as stored) conversions between ZeRO-3 and ZeRO-1/2 of a model with frozen parameters or
-persistent buffers.
+splits over tp, another pp or tp for a pipeline of a model no family describes, and (until the planner
+can take the weights of some tensors from their fp32 masters and of others as stored) conversions between
+ZeRO-3 and ZeRO-1/2 of a model with frozen parameters or persistent buffers.
 
 The modules, each importing only modules listed above it::
 
@@ -50,7 +53,7 @@ The modules, each importing only modules listed above it::
     sources  what a target takes from a source of any format: layout, training dtype, identity
     sizes    the model sizes: given, from a config.json, or from the param shapes
     zero12   ZeRO-1/2: the flat-partition layout, and the checks of the files against it
-    pipe     the pipeline engine: its layer files, read and written
+    pipe     the pipeline engine: its layer files, read and written; the layout a pipeline records
     write    the trees of the ZeRO-1/2 model and optimizer files a write lays down
     zero3    ZeRO stage 3, read and written
     format   ``DeepSpeedFormat``: the ``deepspeed`` format's entry points, and ``FORMAT``

@@ -64,6 +64,14 @@ class DsModel:
     """Params outside every group (frozen, or without elements), in ``frozen_param_shapes`` order."""
     buffers: tuple[str, ...] = ()
     """Persistent buffers (``buffer_names``)."""
+    stages: tuple[tuple[str, int], ...] = ()
+    """A pipeline-engine model's: (tensor, the pipeline stage holding it) for every tensor; empty for a model
+    of the engine without a pipeline."""
+
+    @property
+    def pipeline(self) -> bool:
+        """Whether the model is a ``PipelineModule``'s: its tensors in layer files, each on its stage."""
+        return bool(self.stages)
 
     @property
     def shared(self) -> dict[str, str]:
@@ -75,18 +83,25 @@ class DsModel:
 
 
 def zero12_text(model: DsModel, stage: int, where: Path | str) -> str:
-    """The ZeRO-1/2 layout of ``model`` in the spec language (``frozen_param_fragments`` from stage 2 on)."""
+    """The ZeRO-1/2 layout of ``model`` in the spec language (``frozen_param_fragments`` from stage 2 on); a
+    pipeline's tensors each ``@stage(s)`` of the stage holding it, so each stage's flat buffers hold its own."""
     by_name = {t.name: t for t in model.tensors}
     grouped = {n for group in model.groups for n in group}
     check_names([Recorded(key, ()) for key, _ in model.module], where)  # tied copies' keys too
+    on = dict(model.stages)
+
+    def line(name: str, key: str | None = None) -> str:
+        text = stored_line(by_name[name], key)
+        return text if name not in on else text.replace(" = ", f" @stage({on[name]}) = ", 1)  # names hold no space
+
     lines = logical_lines(list(model.tensors), where)
     for g, names in enumerate(model.groups):
-        lines += ["", f"section group{g} per tp pp", *(stored_line(by_name[n]) for n in names)]
+        lines += ["", f"section group{g} per tp pp", *(line(n) for n in names)]
     rest = [(key, name) for key, name in model.module if key not in grouped]
     if rest:
-        lines += ["", f"section {MODULE} per tp pp", *(stored_line(by_name[n], key) for key, n in rest)]
+        lines += ["", f"section {MODULE} per tp pp", *(line(n, key) for key, n in rest)]
     if stage >= 2 and model.frozen:
-        lines += ["", f"section {FRAGMENTS} per tp pp", *(stored_line(by_name[n]) for n in model.frozen)]
+        lines += ["", f"section {FRAGMENTS} per tp pp", *(line(n) for n in model.frozen)]
     lines += ["", f"section {OPTIM} per tp pp dp {_STATES}"]
     lines += [f"flat optimizer.{g}.{{state}} = group{g} | pad 2*dp | split dp" for g in range(len(model.groups))]
     return "\n".join(lines) + "\n"

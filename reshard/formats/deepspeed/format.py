@@ -50,9 +50,11 @@ from reshard.formats.deepspeed.pipe import (
     _is_pipeline,
     _layer_files,
     _layer_tree,
+    _pipelined,
     _pipeline_degrees,
     _pipeline_names,
     _pipeline_stages,
+    recorded_pipeline,
 )
 from reshard.formats.deepspeed.sizes import _llama_sizes
 from reshard.formats.deepspeed.sources import derivable, family_spec, fp32_weights, target_model, weights_dtype
@@ -123,9 +125,10 @@ class DeepSpeedFormat:
         from what the files record (``derive``): every param under its own name in its param group's flat
         buffer, frozen params, persistent buffers and tied copies in the module, so a model of any family,
         or of none, reads alike; a pipeline-engine checkpoint is laid out by the family its ``config.json``
-        names. ``Source.model`` holds the ``config.json``, generation config and tokenizer files found in
-        the tag dir, the save dir or its parent; the sizes come from that config (when a model family
-        claims it) and ``sizes``; with a ``spec``, also from the Llama tensor shapes.
+        names, or without one derived too (``pipe.recorded_pipeline``, tp = 1). ``Source.model`` holds the
+        ``config.json``, generation config and tokenizer files found in the tag dir, the save dir or its
+        parent; the sizes come from that config (when a model family claims it) and ``sizes``; with a
+        ``spec``, also from the Llama tensor shapes.
 
         Raises:
           CheckpointFormatError: naming the file and what disagrees (rank files missing or
@@ -159,11 +162,16 @@ class DeepSpeedFormat:
         _refuse_options(first, files.model[0])
         shapes = [_param_shapes(tree, p) for tree, p in zip(models, files.model, strict=True)]
         ds_model = None
+        layer_trees = None
         if spec is not None:
             spec_name, parsed = spec, layout_spec(spec)
+        elif pipeline and (family_spec_name := _pipeline_spec(identity, files, len(shapes[0]), tp)) is not None:
+            spec_name, parsed = family_spec_name, layout_spec(family_spec_name)
         elif pipeline:
-            spec_name = _pipeline_spec(identity, files, len(shapes[0]))
-            parsed = layout_spec(spec_name)
+            layer_trees = {p: _read(p) for p in files.layers.values()}
+            ds_model = recorded_pipeline(models, files, shapes, layer_trees)
+            spec_name = _derived_name(ds_model)
+            parsed = derived(zero12_text(ds_model, stage, files.tag_dir), files.tag_dir)
         else:
             if tp > 1:
                 name, shape = next(((n, s) for g in shapes[0] for n, s in g), ("?", ()))
@@ -171,7 +179,7 @@ class DeepSpeedFormat:
                     f"{files.model[0]}: mp_world_size={tp}, and DeepSpeed does not record how tensor parallelism "
                     f"split its tensors ('{name}' is {list(shape)} on this rank): give a spec that says so")
             ds_model = recorded_model(first, files.model[0], shapes[0])
-            spec_name = derived_spec_name(self.name)
+            spec_name = _derived_name(ds_model)
             parsed = derived(zero12_text(ds_model, stage, files.tag_dir), files.tag_dir)
         info = _spec_info(parsed, spec_name)
         for path, groups in zip(files.model, shapes, strict=True):
@@ -181,7 +189,7 @@ class DeepSpeedFormat:
         if tp > 1 and not _splits_over(parsed, "tp"):
             raise CheckpointFormatError(f"{files.model[0]}: mp_world_size={tp} but spec '{spec_name}' splits "
                                         "nothing over tp; give a spec that says how tp splits the model")
-        if pipeline != _is_pipeline(parsed):
+        if pipeline != _pipelined(parsed, ds_model):
             raise CheckpointFormatError(f"{files.tag_dir}: {'a' if pipeline else 'not a'} pipeline-engine checkpoint, "
                                         f"but spec '{spec_name}' describes {'no' if pipeline else 'a'} pipeline")
         count = sum(len(g) for tree in shapes for g in tree)
@@ -192,7 +200,7 @@ class DeepSpeedFormat:
         else:
             named = _pipeline_names([g for tree in shapes for g in tree]) if pipeline else shapes[0]
             all_sizes = _llama_sizes(files, named if tp == 1 else [], sizes, count)
-        stages = _pipeline_stages(shapes, all_sizes.get("layers"), pp) if pipeline else None
+        stages = _pipeline_stages(shapes, all_sizes.get("layers"), pp) if pipeline and not ds_model else None
         try:
             topology = Topology(tp=tp, pp=pp, dp=dp, zero=stage, stages=stages)
         except TopologyError as e:
@@ -213,15 +221,15 @@ class DeepSpeedFormat:
             for d in range(dp):
                 _check_optim(layout, info, optims[m][d], files.optim[m][d], pt, d, groups, optimizer, flat_states,
                              spec_name, where)
-        if pipeline:
-            _check_layers(layout, info, files, spec_name, where)
+        empty_layers = _check_layers(layout, info, files, spec_name, where, layer_trees) if pipeline else ()
         elastic = not isinstance(osd0["base_optimizer_state"], Mapping)
         extra = DeepSpeedExtra(tag=files.tag, zero_stage=stage, optimizer=optimizer, bf16_names=files.bf16_names,
                                elastic=elastic, model_states=_template(_without_fragments(first), files.model[0],
                                                                        drop=("module",)),
                                optim_states=_optim_template(optims[0][0], files.optim[0][0]),
                                module_order=tuple(name_of(k) for k in first["module"] or ()),
-                               layer_model_axis=not any(t is None for _, t in files.layers))
+                               layer_model_axis=not any(t is None for _, t in files.layers),
+                               empty_layers=empty_layers)
         steps = first.get("global_steps")
         progress = Progress(iteration=expect_step(steps, "global_steps", files.model[0]) if steps is not None else None)
         return Source(format=self.name, path=files.root, spec_name=spec_name, spec=parsed, topology=topology,
@@ -237,8 +245,8 @@ class DeepSpeedFormat:
         param group. A source laid out by a model family's spec (a Hugging Face Llama, a Megatron
         checkpoint) keeps that family's layout, in ``named_parameters()`` order; tp or pp > 1 needs the
         family (``pp`` > 1 is the pipeline engine: ``deepspeed-pipe-<family>``, whose layer files are
-        written too). A DeepSpeed source's non-tensor state is carried; any other source gets
-        ``synthesize_extra``'s.
+        written too), but for a pipeline derived from a DeepSpeed source, at the source's pp and tp = 1. A
+        DeepSpeed source's non-tensor state is carried; any other source gets ``synthesize_extra``'s.
         """
         if topology.vpp != 1:
             raise TopologyError(f"DeepSpeed's pipeline engine has no virtual stages: vpp({topology.vpp}) must be 1")
@@ -246,7 +254,7 @@ class DeepSpeedFormat:
             raise TopologyError(f"DeepSpeed ZeRO checkpoints here have cp=1 and ep=1, got {topology}")
         carried = source.extra.get("deepspeed") if source.format == self.name else None
         spec_name = _target_spec(source, topology, spec, carried is not None)
-        pipeline = spec_name is not None and _is_pipeline(layout_spec(spec_name))
+        pipeline = _derived_pipeline(source) if spec_name is None else _is_pipeline(layout_spec(spec_name))
         if topology.pp != 1 and not pipeline:
             raise TopologyError(f"spec '{spec_name}' describes DeepSpeed's engine without a pipeline: "
                                 f"pp({topology.pp}) must be 1 (give a pipeline spec, such as deepspeed-pipe-llama)")
@@ -261,7 +269,7 @@ class DeepSpeedFormat:
                                 "give zero=1, zero=2 or zero=3 in the topology")
         ds_model = model_of_source(source) if spec_name is None else None
         if ds_model is not None:
-            spec_name = derived_spec_name(self.name)
+            spec_name = _derived_name(ds_model)
             parsed = derived(zero12_text(ds_model, stage, source.path), source.path)
         else:
             parsed = layout_spec(spec_name)
@@ -295,7 +303,7 @@ class DeepSpeedFormat:
         """
         topo = parse_topology(topology) if isinstance(topology, str) else topology
         if model is not None:
-            spec = derived_spec_name(self.name)
+            spec = _derived_name(model)
             parsed = derived(zero12_text(model, zero_stage, "new_target"), "new_target")
         else:
             parsed = layout_spec(spec)
@@ -334,7 +342,7 @@ class DeepSpeedFormat:
         keep = None if only is None else set(only)
         flat_states = tuple(dict.fromkeys(it.state for it in target.layout.items if it.section == info.optim_section))
         ds_config = _ds_config(extra.model_states.get("ds_config"), topo.dp, extra.zero_stage)
-        pipeline = _is_pipeline(target.spec)
+        pipeline = _pipelined(target.spec, target.extra.get("ds_model"))
         (Path(out) / extra.tag).mkdir(parents=True, exist_ok=True)
         written = []
         for m, pt in enumerate(_ranks(topo)):
@@ -353,7 +361,7 @@ class DeepSpeedFormat:
                     written.append(rel)
         if pipeline:
             for rel, items in _layer_files(target, info, extra).items():
-                if keep is None or rel in keep:
+                if keep is None or rel in keep or (not items and not keep):  # an empty layer's: item-less
                     _write_file(Path(out) / rel, *_layer_tree(target, items), fill, target, session)
                     written.append(rel)
         if keep:  # a worker's share: the files holding no items are written by the call with only=()
@@ -389,6 +397,9 @@ def _target_spec(source: Source, topology: Topology, spec: str | None, carried: 
     """The spec a DeepSpeed target of ``source`` is laid out by; None: derived from the source (``derive``)."""
     if spec is not None:
         return spec
+    if _derived_pipeline(source):
+        _refuse_restaging(source, topology)
+        return None
     if carried and not is_derived(source.spec_name) and (topology.pp == 1 or _is_pipeline(source.spec)):
         return source.spec_name  # a DeepSpeed source laid out by a family's spec or a user's keeps it
     if topology.tp == 1 and topology.pp == 1 and derivable(source):
@@ -411,14 +422,46 @@ def _target_states(source: Source) -> tuple[str, ...]:
     return (MASTER, *[s for s in src_states if s != MASTER])
 
 
-def _pipeline_spec(identity: ModelMeta, files: _Files, groups: int) -> str:
-    """The spec of a pipeline-engine checkpoint: the family's its config.json names."""
+def _derived_name(ds_model: DsModel) -> str:
+    """A derived layout's name: ``deepspeed-derived``, or ``deepspeed-pipe-derived`` for the pipeline engine."""
+    name = DeepSpeedFormat.name
+    return derived_spec_name(f"{name}-pipe" if ds_model.pipeline else name)
+
+
+def _derived_pipeline(source: Source) -> bool:
+    """Whether ``source`` is a pipeline-engine checkpoint laid out from what it records (no family)."""
+    ds_model = source.extra.get("ds_model")
+    return isinstance(ds_model, DsModel) and ds_model.pipeline
+
+
+def _refuse_restaging(source: Source, topology: Topology) -> None:
+    """A derived pipeline converts at its own pp and tp = 1 only: which layers a stage holds at another pp is
+    the model's PipelineModule partitioning, and how tp splits a tensor its code, neither recorded."""
+    pp = source.topology.pp
+    if topology.pp == pp and topology.tp == 1:
+        return
+    ds_model: DsModel = source.extra["ds_model"]
+    name, stage = next(((n, s) for n, s in ds_model.stages if s > 0), ds_model.stages[-1])
+    why = (f"which stage holds '{name}' (on stage {stage} of {pp}) at pp={topology.pp} is the model's "
+           "PipelineModule partitioning" if topology.pp != pp else
+           f"how tensor parallelism splits '{name}' at tp={topology.tp} is the model's code")
+    raise CheckpointFormatError(
+        f"{source.path}: a pipeline-engine checkpoint of a model no family describes, at pp={pp}: {why}, which "
+        f"DeepSpeed does not record; convert it at pp={pp} and tp=1, or put the model's config.json naming a family "
+        "reshard knows beside it (or give a spec, deepspeed-pipe-<family>)")
+
+
+def _pipeline_spec(identity: ModelMeta, files: _Files, groups: int, tp: int) -> str | None:
+    """The spec of a pipeline-engine checkpoint: the family's its config.json names; None (derived from what the
+    files record) without one, at tp = 1."""
     family = known_family(identity.config) if isinstance(identity.config, dict) else None
+    if family is None and tp == 1:
+        return None
     if family is None:
         raise CheckpointFormatError(
-            f"{files.tag_dir}: a pipeline-engine checkpoint (layer_*-model_states.pt), whose layers are laid out by "
-            "the model's family, and no config.json naming a family reshard knows beside it (in the tag dir, "
-            "the save dir or its parent): put the model's config.json there, or give a spec "
+            f"{files.tag_dir}: a pipeline-engine checkpoint (layer_*-model_states.pt) at tp={tp}, whose tensors "
+            "DeepSpeed stores split without recording how, and no config.json naming a family reshard knows beside "
+            "it (in the tag dir, the save dir or its parent): put the model's config.json there, or give a spec "
             "(deepspeed-pipe-<family>)")
     if groups != 1:
         raise CheckpointFormatError(f"{files.model[0]}: {groups} param groups; a pipeline-engine layout has one: "

@@ -79,6 +79,8 @@ class DeepSpeedExtra:
     """Made by ``synthesize_extra``: ``write`` sets the bf16 file names and config from the target's dtypes."""
     layer_model_axis: bool = True
     """Pipeline layer files name their tp rank (``layer_XX-model_YY-``; a topology with a model axis)."""
+    empty_layers: tuple[int, ...] = ()
+    """The pipeline layers whose files hold nothing (parameterless layer modules): written empty again."""
 
 
 def _is_flat(value: Any) -> bool:

@@ -56,24 +56,32 @@ def _model_tree(extra: DeepSpeedExtra, info: _SpecInfo, groups: list[_Group], pt
     tree["param_shapes"] = [OrderedDict((k, TorchSize(layout.items[items[k]].shape)) for k, _, _ in g.params)
                             for g in groups]
     ds_model = target.extra.get("ds_model")
-    if ds_model is not None:
-        tree["buffer_names"] = list(ds_model.buffers)
+    if ds_model is not None:  # a pipeline stage's file names its own stage's buffers
+        on = dict(ds_model.stages)
+        tree["buffer_names"] = [b for b in ds_model.buffers if on.get(b, pt[0]) == pt[0]]
         if tree.get("shared_params") is not None or ds_model.shared:
             tree["shared_params"] = ds_model.shared
-    if tree.get("frozen_param_shapes") is not None:  # saved from stage 2 on
-        kept = [it for it in layout.items if it.section == info.fragments and it.unit == _unit(pt)]
-        tree["frozen_param_shapes"] = OrderedDict((it.key, TorchSize(layout.items[it].shape)) for it in kept)
-        fragments = OrderedDict()
-        for it in kept:
-            fragments[it.key] = TensorSpec(target.dtypes[it], layout.items[it].shape, ("fragment", it.key))
-            sources[("fragment", it.key)] = (it, layout.items[it].numel)
-        tree["frozen_param_fragments"] = fragments
+    _frozen_records(tree, target, [it for it in layout.items if it.section == info.fragments and it.unit == _unit(pt)],
+                    sources)
     tree["dp_world_size"], tree["mp_world_size"] = topo.dp, topo.pp * topo.tp
     if "checkpoint_parallel_dimensions" in tree:
         tree["checkpoint_parallel_dimensions"] = {"pp_degree": topo.pp, "tp_degree": topo.tp}
     if "ds_config" in tree:
         tree["ds_config"] = ds_config
     return tree, sources
+
+
+def _frozen_records(tree: dict[str, Any], target: Target, kept: list[Item], sources: _Sources) -> None:
+    """A model file's ``frozen_param_shapes`` and ``frozen_param_fragments``, saved from ZeRO stage 2 on (when
+    ``tree`` has the first): the frozen params the items ``kept`` hold, set in ``tree``."""
+    if tree.get("frozen_param_shapes") is None:
+        return
+    tree["frozen_param_shapes"] = OrderedDict((it.key, TorchSize(target.layout.items[it].shape)) for it in kept)
+    fragments = OrderedDict()
+    for it in kept:
+        fragments[it.key] = TensorSpec(target.dtypes[it], target.layout.items[it].shape, ("fragment", it.key))
+        sources[("fragment", it.key)] = (it, target.layout.items[it].numel)
+    tree["frozen_param_fragments"] = fragments
 
 
 def _optim_tree(extra: DeepSpeedExtra, info: _SpecInfo, groups: list[_Group], pt: Rank, dp: int,
