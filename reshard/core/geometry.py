@@ -35,9 +35,10 @@ class Box:
     lengths: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        # min() of a tuple runs in C: boxes are made by the million in a large plan.
         if len(self.offsets) != len(self.lengths):
             raise PlanError(f"box rank mismatch: offsets {self.offsets} vs lengths {self.lengths}")
-        if any(n <= 0 for n in self.lengths) or any(o < 0 for o in self.offsets):
+        if self.lengths and (min(self.lengths) <= 0 or min(self.offsets) < 0):
             raise PlanError(f"empty or negative box: offsets {self.offsets}, lengths {self.lengths}")
 
     @property
@@ -71,10 +72,10 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 
 def contains(outer: Box, inner: Box) -> bool:
-    return all(
-        oo <= io and io + il <= oo + ol
-        for oo, ol, io, il in zip(outer.offsets, outer.lengths, inner.offsets, inner.lengths)
-    )
+    for oo, ol, io, il in zip(outer.offsets, outer.lengths, inner.offsets, inner.lengths):
+        if io < oo or io + il > oo + ol:
+            return False
+    return True
 
 
 def subtract(a: Box, b: Box) -> list[Box]:

@@ -124,18 +124,24 @@ class Plan:
           PlanError: naming the item, tensor and box at fault.
         """
         problems: list[str] = []
+        # An item of one name may be in both layouts with different sizes: each side has its own table.
+        src_numel = {it: info.numel for it, info in self.src_items.items()}
+        dst_numel = {it: info.numel for it, info in self.dst_items.items()}
         for c in self.copies:
-            for side, item, offset, strides, infos in (
-                ("source", c.src, c.src_offset, c.src_strides, self.src_items),
-                ("destination", c.dst, c.dst_offset, c.dst_strides, self.dst_items),
+            for side, item, offset, strides, numel in (
+                ("source", c.src, c.src_offset, c.src_strides, src_numel),
+                ("destination", c.dst, c.dst_offset, c.dst_strides, dst_numel),
             ):
-                info = infos.get(item)
-                if info is None:
+                size = numel.get(item)
+                if size is None:
                     problems.append(f"{side} item {item} of {c.tensor} {c.box} is not in the plan")
                     continue
-                last = offset + sum((n - 1) * s for n, s in zip(c.lengths, strides))
-                if offset < 0 or last >= info.numel:
-                    problems.append(f"{c.tensor} {c.box}: {side} region [{offset}, {last}] is outside {item} of {info.numel} elements")
+                last = offset
+                for n, st in zip(c.lengths, strides):
+                    last += (n - 1) * st
+                if offset < 0 or last >= size:
+                    problems.append(f"{c.tensor} {c.box}: {side} region [{offset}, {last}] is outside {item} of "
+                                    f"{size} elements")
         by_dst = self.by_dst()
         budget = max_runs
         unchecked = 0
@@ -155,6 +161,8 @@ class Plan:
                 runs += [(s, n, c) for s, n in r]
             if budget < 0:
                 unchecked += 1
+                continue
+            if len(runs) < 2:
                 continue
             runs.sort(key=lambda x: x[0])
             for (s0, n0, c0), (s1, _, c1) in zip(runs, runs[1:]):
@@ -248,7 +256,8 @@ def plan(src: Layout, dst: Layout) -> Plan:
     missing: list[str] = []
     for f in dst.fragments:
         # The same item in the source holds the whole box: copy in place (plan(A, A) is item -> itself).
-        same = next((s for s in own.get((f.item, f.tensor, f.state), ()) if contains(s.box, f.box)), None)
+        owned = own.get((f.item, f.tensor, f.state))
+        same = next((s for s in owned if contains(s.box, f.box)), None) if owned else None
         if same is not None:
             copies.append(Copy(
                 src=same.item, src_offset=_offset_of(same, f.box), src_strides=same.strides,
@@ -260,10 +269,11 @@ def plan(src: Layout, dst: Layout) -> Plan:
         got = 0
         if cover is not None:
             for box, alts in cover.query(f.box):
-                common = intersect(box, f.box)
+                # Most often one source box holds the whole destination box (a whole tensor, chunked).
+                common = f.box if contains(box, f.box) else intersect(box, f.box)
                 if common is None:
                     continue
-                s = next((a for a in alts if a.item == f.item), alts[0])
+                s = alts[0] if len(alts) == 1 else next((a for a in alts if a.item == f.item), alts[0])
                 copies.append(Copy(
                     src=s.item, src_offset=_offset_of(s, common), src_strides=s.strides,
                     dst=f.item, dst_offset=_offset_of(f, common), dst_strides=f.strides,
@@ -302,6 +312,9 @@ class _Cover:
         replicas: dict[Box, list[Fragment]] = {}
         for f in frags:
             replicas.setdefault(f.box, []).append(f)
+        if len(replicas) == 1:  # one box (a whole tensor and its replicas): nothing to subtract or search
+            self.entries = list(replicas.items())
+            return
         boxes = list(replicas)
         lo, hi = _bounds(boxes)
         # Boxes that overlap no other box are taken whole; the rest, in order, minus what came before.
@@ -336,11 +349,23 @@ def _bounds(boxes: list[Box]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _offset_of(f: Fragment, box: Box) -> int:
-    return f.offset + sum((o - fo) * s for o, fo, s in zip(box.offsets, f.box.offsets, f.strides))
+    if box.offsets == f.box.offsets:
+        return f.offset
+    at = f.offset
+    for o, fo, s in zip(box.offsets, f.box.offsets, f.strides):
+        at += (o - fo) * s
+    return at
 
 
 def _runs(offset: int, strides: tuple[int, ...], lengths: tuple[int, ...], budget: int) -> list[tuple[int, int]] | None:
     """The contiguous flat runs ``(start, length)`` of a strided box, or None past ``budget``."""
+    expected = 1
+    for n, s in zip(reversed(lengths), reversed(strides)):
+        if n > 1 and s != expected:
+            break
+        expected *= n
+    else:  # row-major and dense: one run (most copies)
+        return [(offset, expected)]
     axes = sorted(((s, n) for s, n in zip(strides, lengths) if n > 1), reverse=True)
     run = 1
     while axes and axes[-1][0] == run:
@@ -369,8 +394,10 @@ def _item_json(item: Item) -> dict:
 
 
 def _info_json(info: ItemInfo) -> dict:
-    return {"shape": list(info.shape), "mapped": info.mapped, "fill": info.fill, "rule": info.rule}
+    return {"shape": list(info.shape), "mapped": info.mapped, "fill": info.fill, "rule": info.rule,
+            "tensor": info.tensor}
 
 
 def _info_from(d: dict) -> ItemInfo:
-    return ItemInfo(shape=tuple(d["shape"]), mapped=d["mapped"], fill=d["fill"], rule=d["rule"])
+    return ItemInfo(shape=tuple(d["shape"]), mapped=d["mapped"], fill=d["fill"], rule=d["rule"],
+                    tensor=d.get("tensor"))

@@ -17,6 +17,7 @@ Grammar (one statement per line; ``#`` starts a comment)::
                | 'flat' PATTERN '=' NAME ('|' flatop)*    a flat buffer built from a section
                | PATTERN ['->' REF] ['@' place] '=' dims      a stored tensor (-> and @ in any order)
     place     := 'first' | 'last' | 'lastonly'              pipeline stage (lastonly: last, if not also first)
+               | 'stage' '(' expr ')'                     the stage of that number (0 .. pp-1)
     dims      := 'scalar' | term+
     term      := atom (split | pad)*
     atom      := NAME | '{' NAME '}' | '(' term* ')' | '[' part ('|' part)* ']'
@@ -110,7 +111,7 @@ __all__ = [
 
 KEYWORDS = ("let", "index", "include", "logical", "section", "blob", "flat")
 FLAT_OPS = ("reverse", "align", "buckets", "pad", "split", "perparam", "coalesce", "only", "except")
-PLACES = ("first", "last", "lastonly")
+PLACES = ("first", "last", "lastonly", "stage")
 FUNCTIONS = ("cdiv", "roundup", "lcm", "min", "max")
 
 _TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<int>[0-9]+)|(?P<punct>->|//|[()\[\]{}|:/~=,*+\-@<])|(?P<bad>\S))")
@@ -228,6 +229,10 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     lines = tuple(text.splitlines())
     statements: list[Statement] = []
     for lineno, raw in enumerate(lines, start=1):
+        plain = _plain_statement(raw, lineno, source)
+        if plain is not None:
+            statements.append(plain)
+            continue
         line = _Line(source, lineno, raw)
         line._tokenize(0)
         if line.peek().kind == "end":
@@ -236,6 +241,40 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
         if line.peek().kind != "end":
             raise line.fail(f"unexpected {_describe(line.peek())} after the end of the statement")
     return Spec(source=source, statements=tuple(statements), lines=lines)
+
+
+_PLAIN_LET = re.compile(r"let (d[0-9]+_[0-9]+) = ([0-9]+)")
+_PLAIN_RULE = re.compile(r"(logical )?([^\s{}#=@>]+) = (scalar|d[0-9]+_[0-9]+(?: d[0-9]+_[0-9]+)*)")
+
+
+def _plain_statement(raw: str, lineno: int, source: str) -> Statement | None:
+    """The statement of a line as a derived layout writes them (``let d0_4 = 4``, ``logical NAME = d0_4 d1_3``,
+    ``NAME = scalar``), made without the lexer: exactly what ``_statement`` gives for it, at a fraction of the
+    cost (a checkpoint may record 100,000 tensors). None for any other line."""
+    if raw.startswith("let "):
+        m = _PLAIN_LET.fullmatch(raw)
+        if m is None:
+            return None
+        num = m.group(2)
+        return Let(m.group(1), Num(int(num), Pos(lineno, m.start(2) + 1, len(num), source)),
+                   Pos(lineno, 5, len(m.group(1)), source))
+    m = _PLAIN_RULE.fullmatch(raw)
+    if m is None:
+        return None
+    name = m.group(2)
+    at = m.start(2) + 1
+    pattern = Pattern((name,), name, Pos(lineno, at, len(name), source))
+    dims: tuple[Term, ...] | None = None
+    if m.group(3) != "scalar":
+        col = m.start(3) + 1
+        axes = []
+        for axis in m.group(3).split(" "):
+            axes.append(Axis(axis, Pos(lineno, col, len(axis), source)))
+            col += len(axis) + 1
+        dims = tuple(axes)
+    if m.group(1):
+        return Logical(pattern, None, dims, pattern.pos)
+    return Stored(pattern, None, None, dims, pattern.pos)
 
 
 def _statement(ln: _Line) -> Statement:
@@ -304,18 +343,23 @@ def _statement(ln: _Line) -> Statement:
     pattern = _pattern(ln, ln.word("a stored tensor name or a keyword (" + ", ".join(KEYWORDS) + ")"))
     ref = None
     place = None
+    stage = None
     while ln.at("->") or ln.at("@"):  # in either order
         if ln.next().text == "->":
             if ref is not None:
                 raise ln.fail("a second '->'")
             ref = ln.word("a logical tensor name or alias after '->'").text
             continue
-        tok = ln.name("'first', 'last' or 'lastonly' after '@'")
+        tok = ln.name("'first', 'last', 'lastonly' or 'stage(expr)' after '@'")
         if tok.text not in PLACES or place is not None:
             raise ln.fail(f"unknown placement '{tok.text}' (expected one of: {', '.join(PLACES)})" if place is None else "a second '@'", tok)
         place = tok.text
+        if place == "stage":
+            ln.expect("(", "after '@stage' (the stage number: '@stage(1)')")
+            stage = _expr(ln)
+            ln.expect(")", "to close '@stage('")
     ln.expect("=", "after the stored tensor name")
-    return Stored(pattern, ref, place, _dims(ln), pattern.pos)
+    return Stored(pattern, ref, place, _dims(ln), pattern.pos, stage)
 
 
 def _keyword_follows(ln: _Line) -> bool:

@@ -14,17 +14,22 @@ so the text stands alone and two tensors of one shape share their axes.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
-from reshard.core.layout import Layout
+from reshard.core.geometry import Box, row_major_strides
+from reshard.core.layout import PARAM, Fragment, Item, ItemInfo, Layout, LogicalTensor, held_tensors
+from reshard.core.resolve import resolve
+from reshard.core.topology import Topology
 from reshard.core.spec import Spec, parse_spec
 from reshard.errors import CheckpointFormatError
 
 __all__ = ["DERIVED", "Recorded", "derived_spec", "derived_spec_name", "is_derived", "logical_lines",
-           "recorded_of", "refuse_empty", "stored_line", "whole_text"]
+           "recorded_of", "stored_line", "whole_derived", "whole_text"]
 
 DERIVED = "derived"
 """The family part of a derived layout's name (``hf-derived``): no model family, the checkpoint's own tensors."""
@@ -101,15 +106,35 @@ def derived_spec(text: str, format_name: str, where: Path | str) -> Spec:
 
 def recorded_of(layout: Layout) -> list[Recorded]:
     """The tensors of an opened checkpoint's layout, in its order, as a derived layout of another format
-    records them (blobs left out: they are the format's own state)."""
-    held = {f.tensor for f in layout.fragments}
+    records them (blobs left out: they are the format's own state; tensors without elements kept)."""
+    held = held_tensors(layout)
     return [Recorded(n, t.shape) for n, t in layout.tensors.items() if not t.blob and n in held]
 
 
-def refuse_empty(layout: Layout, where: Path | str, target: str) -> None:
-    """Fail closed on a tensor with no elements: it has no fragments, so no plan carries it, and a target
-    would silently lack it (or hold it in a guessed dtype)."""
-    for name, t in layout.tensors.items():
-        if not t.blob and 0 in t.shape:
-            raise CheckpointFormatError(f"{where}: tensor '{name}' has no elements (shape {list(t.shape)}); reshard "
-                                        f"cannot carry an empty tensor to a {target} checkpoint yet")
+def whole_derived(tensors: Sequence[Recorded], format_name: str, where: Path | str,
+                  section: str = "model") -> tuple[Spec, Layout]:
+    """A derived layout of ``tensors``, each whole under its own name in one ``section``: its spec
+    (``whole_text``, parsed) and that spec's layout at the trivial topology. The layout is built directly,
+    exactly as ``resolve`` builds it, because a checkpoint may record 100,000 tensors; ``resolve`` itself
+    lays out a tensor without elements."""
+    spec = derived_spec(whole_text(tensors, where, section), format_name, where)
+    if any(0 in t.shape for t in tensors):
+        return spec, resolve(spec, Topology(), {})
+    names: dict[str, LogicalTensor] = {}
+    items: dict[Item, ItemInfo] = {}
+    fragments: list[Fragment] = []
+    shaped: dict[tuple[int, ...], tuple[tuple[str, ...], Box, tuple[int, ...], int]] = {}
+    for t in tensors:
+        if t.name in names:
+            raise CheckpointFormatError(f"{where}: tensor '{t.name}' is recorded twice")
+        known = shaped.get(t.shape)
+        if known is None:
+            known = shaped[t.shape] = (t.axes, Box((0,) * len(t.shape), t.shape), row_major_strides(t.shape),
+                                       math.prod(t.shape))
+        axes, box, strides, numel = known
+        names[t.name] = LogicalTensor(name=t.name, shape=t.shape, axes=axes, view=t.shape, dim_axes=(1,) * len(axes))
+        item = Item(section, (), 0, PARAM, t.name)
+        items[item] = ItemInfo(shape=t.shape, mapped=numel, rule=t.name)
+        fragments.append(Fragment(tensor=t.name, state=PARAM, box=box, item=item, offset=0, strides=strides))
+    return spec, Layout(topology=Topology(), tensors=MappingProxyType(names), items=MappingProxyType(items),
+                        fragments=tuple(fragments), order=MappingProxyType({f"{section}//0": tuple(items)}))

@@ -18,6 +18,7 @@ VALID = [
     ("w = (g/tp [q: qpg hd | k: hd | v: hd]) h  # comment", ["Stored"]),
     ("emb -> embed @first = (vocab~(128*tp):last)/tp h", ["Stored"]),
     ("out @lastonly -> embed = v h", ["Stored"]),
+    ("3.weight @stage(pp - 2) -> w = h", ["Stored"]),
     ("w = (n)/dp:chunk h/tp:(3, 5)", ["Stored"]),
     ("step = scalar", ["Stored"]),
     ("blob args\nblob rng regenerate", ["Blob", "Blob"]),
@@ -57,7 +58,10 @@ SYNTAX_ERRORS = [
     ("logical a.{i = h", "bad.spec:1:11: unclosed '{' in name (expected '{name}' or '{name/axis}')\n    logical a.{i = h\n              ^"),
     ("x.{i/} = h", "bad.spec:1:3: bad capture '{i/}' (expected '{name}', '{name/axis}', '{name@axis}', an offset "
                    "'+expr' after any of them, or '{=expr}')\n    x.{i/} = h\n      ^^^^"),
-    ("x -> y @mid = h", "bad.spec:1:9: unknown placement 'mid' (expected one of: first, last, lastonly)\n    x -> y @mid = h\n            ^^^"),
+    ("x -> y @mid = h", "bad.spec:1:9: unknown placement 'mid' (expected one of: first, last, lastonly, stage)\n    x -> y @mid = h\n            ^^^"),
+    ("x @stage = h", "bad.spec:1:10: expected '(' after '@stage' (the stage number: '@stage(1)'), found '='\n    x @stage = h\n             ^"),
+    ("x @stage(1 = h", "bad.spec:1:12: expected ')' to close '@stage(', found '='\n    x @stage(1 = h\n               ^"),
+    ("x @stage(1) @first = h", "bad.spec:1:14: a second '@'\n    x @stage(1) @first = h\n                 ^^^^^"),
     ("x = h/tp:foo", "bad.spec:1:10: unknown split mode 'foo' (expected one of: chunk, even, (w1, w2, ...))\n    x = h/tp:foo\n             ^^^"),
     ("x = h~4:ones", "bad.spec:1:9: unknown pad policy 'ones' (expected one of: zero, last)\n    x = h~4:ones\n            ^^^^"),
     ("let a = b +", "bad.spec:1:12: expected a number, a name or '(', found end of line\n    let a = b +\n               ^"),
@@ -178,7 +182,7 @@ def test_include_cycles_and_missing_specs_are_errors(tmp_path):
     (tmp_path / "b.spec").write_text("include a\n")
     with pytest.raises(SpecError, match="include cycle: a.spec -> b.spec -> a.spec"):
         load_spec(tmp_path / "a.spec")
-    with pytest.raises(SpecError, match=r"^no model family 'nonexistent' \(families: gpt2, llama, mixtral; "):
+    with pytest.raises(SpecError, match=rf"^no model family 'nonexistent' \(families: {', '.join(available_specs())}; "):
         load_spec("nonexistent")
     with pytest.raises(SpecError, match=r"^no spec file nowhere/x.spec \(families: .*named by its path; "):
         load_spec("nowhere/x.spec")
@@ -238,6 +242,33 @@ def test_global_numbering_offsets_and_computed_numbers_in_stored_names():
     assert sorted(it.key for it in local.items if it.key.endswith(".w")) == ["0.w", "0.w", "1.w", "1.w"]
 
 
+STAGED = """
+logical a = h
+logical b = h
+logical c = h
+section model per pp
+a @stage(0) = h
+b @stage(pp - 2) = h
+c @stage(2) = h
+section optim per pp dp states master
+flat optim.{state} = model | pad 2*dp | split dp
+"""
+
+
+def test_stage_placement_puts_a_tensor_on_a_middle_stage_and_only_there():
+    """``@stage(expr)``: a DeepSpeed pipeline's layer sits on the stage that holds it, a middle one too."""
+    layout = resolve(parse_spec(STAGED), parse_topology("pp=3,dp=2"), {"h": 3})
+    on = {p: sorted(it.key for it in layout.items if it.section == "model" and dict(it.unit)["pp"] == p)
+          for p in range(3)}
+    assert on == {0: ["a"], 1: ["b"], 2: ["c"]}
+    flat = {dict(it.unit)["pp"]: it for it in layout.items if it.section == "optim" and dict(it.unit)["dp"] == 1}
+    assert {p: {f.tensor for f in layout.fragments if f.item == it} for p, it in flat.items()} == {
+        0: {"a"}, 1: {"b"}, 2: {"c"}}  # each stage's flat buffer holds its own params: 3 padded to 4, 2 per rank
+    with pytest.raises(TopologyError) as e:
+        resolve(parse_spec(STAGED), parse_topology("pp=2"), {"h": 3})
+    assert str(e.value) == "c: @stage(2) is not a stage of pp(2) (stages 0 to 1)"
+
+
 @pytest.mark.parametrize("text,message", [
     ("index i < 2\nlogical w.{i@pp} = h", "a logical name captures global indices only"),
     ("index i < 2\nlogical w.{i+1} = h", "a logical name captures global indices only"),
@@ -279,3 +310,24 @@ def test_only_and_except_build_flat_buffers_from_part_of_a_section():
     frags = sorted((f.tensor, f.offset) for f in layout.fragments if f.item.key == "experts.master"
                    and dict(f.item.unit)["ep"] == 1)
     assert frags == [("x.2", 4), ("x.3", 0)]
+
+
+PLAIN_LINES = [
+    "let d0_4 = 4", "let d12_345 = 345", "logical a.w = d0_4 d1_3", "logical b = scalar", "c = d0_5",
+    "logical = d0_4", "logical logical = d0_4", "let = d0_4", "section = scalar", "-x = d0_4",
+    "a.b-c:d/e = d0_1 d1_2 d2_3", "lettuce = d0_2", "let x = 4", "logical a = d0_4  d1_3", "a = d0_4 ", " a = d0_4",
+    "a -> b = d0_4", "w@x = d0_4", "a = d0_4/tp", "logical {i}.w = d0_4", "a = d0_4 # note",
+]
+
+
+def test_a_derived_layouts_lines_parse_alike_with_and_without_the_lexer(monkeypatch):
+    """Lines a derived layout writes skip the lexer (100,000 tensors); each gives the very statement the
+    general parser gives, positions included, and any other line still goes through the general parser."""
+    import reshard.core.spec as spec_module
+
+    text = "\n".join(PLAIN_LINES)
+    direct = [spec_module._plain_statement(line, k, "<s>") for k, line in enumerate(PLAIN_LINES, start=1)]
+    assert sum(d is not None for d in direct) == 11
+    fast = parse_spec(text, "<s>")
+    monkeypatch.setattr(spec_module, "_plain_statement", lambda *a: None)
+    assert fast.statements == parse_spec(text, "<s>").statements

@@ -161,9 +161,10 @@ def test_missing_and_misshapen_tensors_are_all_listed(tmp_path: Path, tiny) -> N
         f"  tensor 'lm_head.weight' is missing (spec rule 'lm_head.weight')")
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "qwen2", None])
+@pytest.mark.parametrize("model_type", ["gemma", "granite", None])
 def test_a_model_type_no_family_claims_is_never_read_as_llama(tmp_path: Path, tiny, model_type) -> None:
-    """Mistral stores exactly Llama's tensor names; reading it as Llama would drop its sliding window.
+    """Gemma and Granite store exactly Llama's tensor names; reading them as Llama would drop their embedding
+    scaling (Gemma's (1+w) norms, Granite's multipliers).
 
     Its tensors are read under their own names (a derived layout) and its config travels; a format that
     needs the family refuses it by model type."""
@@ -181,7 +182,8 @@ def test_a_model_type_no_family_claims_is_never_read_as_llama(tmp_path: Path, ti
     with pytest.raises(CheckpointFormatError) as e:
         reshard.convert(root, tmp_path / "meg", format="megatron", to="pp=2")
     assert str(e.value) == (f"{root}: the model is model_type {model_type!r} (its config.json), which no model family "
-                            "reshard knows describes (known: llama, mixtral, gpt2); Megatron stores each family's "
+                            "reshard knows describes (known: llama, mistral, qwen2, qwen3, phi3, mixtral, gpt2); Megatron stores each "
+                            "family's "
                             "tensors its own way, and converting it as another family would change the model: give "
                             "a spec, or convert to a format that keeps every tensor by name (hf, dcp, deepspeed)")
     assert not (tmp_path / "meg").exists()
@@ -470,3 +472,21 @@ def test_a_mixtral_resharded_as_fsdp2_and_back_gives_identical_logits(tmp_path: 
     with pytest.raises(CheckpointFormatError, match="which model this is is recorded nowhere"):
         reshard.convert(tmp_path / "dcp", tmp_path / "x", format="hf",
                         sizes={"h": 32, "heads": 4, "g": 2, "hd": 8, "f": 48, "vocab": 100, "layers": 2, "experts": 4})
+
+
+def test_a_whole_tensor_layout_built_directly_equals_its_spec_resolved() -> None:
+    """A derived layout of whole tensors is built without the resolver (100,000 tensors): it must be exactly the
+    layout its own spec text resolves to, order, views and rules included; duplicates are refused."""
+    from reshard.formats.derived import Recorded, derived_spec, whole_derived, whole_text
+
+    tensors = [Recorded("a.w", (4, 3)), Recorded("b", ()), Recorded("c", (5,)), Recorded("d.x", (2, 3, 4)),
+               Recorded("e", (4, 3)), Recorded("f", (1,))]
+    spec, layout = whole_derived(tensors, "hf", "ckpt")
+    resolved = resolve(derived_spec(whole_text(tensors, "ckpt"), "hf", "ckpt"), Topology(), {})
+    assert spec.statements == derived_spec(whole_text(tensors, "ckpt"), "hf", "ckpt").statements
+    assert dict(layout.tensors) == dict(resolved.tensors)
+    assert list(layout.items.items()) == list(resolved.items.items())
+    assert layout.fragments == resolved.fragments
+    assert dict(layout.order) == dict(resolved.order)
+    with pytest.raises(CheckpointFormatError, match="'c' is recorded twice"):
+        whole_derived([*tensors, Recorded("c", (5,))], "hf", "ckpt")

@@ -6,11 +6,21 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from reshard.core.geometry import row_major_strides
-from reshard.core.layout import PARAM, Fragment, Item, ItemInfo, Layout, LogicalTensor, box_fragments, dims_of
+from reshard.core.geometry import Box, row_major_strides
+from reshard.core.layout import (
+    PARAM,
+    Fragment,
+    Item,
+    ItemInfo,
+    Layout,
+    LogicalTensor,
+    box_fragments,
+    dims_of,
+    held_tensors,
+)
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
@@ -42,7 +52,7 @@ def _dtype_of(source: Source) -> str:
 
 def _tensor_order(source: Source) -> list[str]:
     """The source's stored, non-blob tensors in its own order (embedding, layers, ...)."""
-    held = {f.tensor for f in source.layout.fragments}
+    held = held_tensors(source.layout)
     return [n for n, t in source.layout.tensors.items() if not t.blob and n in held]
 
 def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: list[str]) -> list[_Verbatim]:
@@ -146,12 +156,21 @@ def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: t
     fragments: list[Fragment] = []
     chunks: dict[Item, _Chunk] = {}
     held = {(f.tensor, f.state) for f in source.layout.fragments}
+    held |= {(i.tensor, it.state) for it, i in source.layout.items.items() if i.tensor is not None}
     tied: dict[str, list[str]] = {}
     for key, name in (copies or {}).items():
         tied.setdefault(name, []).append(key)
+    # Tensors of one shape are chunked alike: each shape's chunks are worked out once (a model has few shapes
+    # and may have 100,000 tensors).
+    pieces: dict[tuple[tuple[int, ...], bool], list[tuple[int, ItemInfo, DcpChunk, Box | None, tuple[int, ...]]]] = {}
     for name in names:
         t = source.layout.tensors[name]
         plain = tensors[name] = _plain(name, t.shape)
+        # A 0-d tensor or a buffer (FSDP2 leaves them unsharded) is one chunk, rank 0's, as DCP deduplicates it.
+        whole = not t.shape or name in buffers
+        shaped = pieces.get((t.shape, whole))
+        if shaped is None:
+            shaped = pieces[(t.shape, whole)] = _shape_chunks(plain, topology.dp, whole)
         for state in states:
             stored = state
             if (name, state) not in held:
@@ -162,22 +181,36 @@ def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: t
             if state == model_state:
                 keys += [naming.key(k, PARAM) for k in tied.get(name, ())]
             for key in keys:
-                # A 0-d tensor or a buffer (FSDP2 leaves them unsharded) is one chunk, rank 0's, as DCP deduplicates it.
-                whole = not t.shape or name in buffers
-                for rank, (lo, n) in enumerate([(0, t.shape[0] if t.shape else 1)] if whole else
-                                               _torch_chunks(t.shape[0], topology.dp)):
-                    if n == 0:
-                        continue
-                    offs, sizes = ((lo,) + (0,) * (len(t.shape) - 1), (n, *t.shape[1:])) if t.shape else ((), ())
+                for rank, info, dcp_chunk, box, strides in shaped:
                     item = Item(SECTION, (("dp", rank),), 0, stored, key)
-                    items[item] = ItemInfo(shape=sizes, mapped=math.prod(sizes), rule="FSDP2 Shard(0)")
-                    chunks[item] = _Chunk(key, DcpChunk(offs, sizes), t.shape, rank, item)
-                    for box, off, st in box_fragments(plain, offs, sizes, row_major_strides(sizes), 0):
-                        fragments.append(Fragment(tensor=name, state=stored, box=box, item=item, offset=off,
-                                                  strides=st))
+                    items[item] = info if box is not None else replace(info, tensor=name)
+                    chunks[item] = _Chunk(key, dcp_chunk, t.shape, rank, item)
+                    if box is not None:
+                        fragments.append(Fragment(tensor=name, state=stored, box=box, item=item, offset=0,
+                                                  strides=strides))
     layout = Layout(topology=topology, tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                     fragments=tuple(fragments))
     return layout, chunks
+
+def _shape_chunks(plain: LogicalTensor, dp: int,
+                  whole: bool) -> list[tuple[int, ItemInfo, DcpChunk, Box | None, tuple[int, ...]]]:
+    """FSDP2's ``Shard(0)`` chunks of a tensor of ``plain``'s shape over ``dp`` ranks (one, rank 0's, when
+    ``whole``): per rank that holds rows, its item's info, DCP chunk, box and strides. A tensor with no
+    elements is one chunk of none, rank 0's, as ``dcp.save`` records it; no box (its item names it)."""
+    shape = plain.shape
+    if 0 in shape:
+        return [(0, ItemInfo(shape=shape, mapped=0, rule="FSDP2 Shard(0)"), DcpChunk((0,) * len(shape), shape),
+                 None, ())]
+    out = []
+    for rank, (lo, n) in enumerate([(0, shape[0] if shape else 1)] if whole else _torch_chunks(shape[0], dp)):
+        if n == 0:
+            continue
+        offs, sizes = ((lo,) + (0,) * (len(shape) - 1), (n, *shape[1:])) if shape else ((), ())
+        info = ItemInfo(shape=sizes, mapped=math.prod(sizes), rule="FSDP2 Shard(0)")
+        [(box, _, strides)] = box_fragments(plain, offs, sizes, row_major_strides(sizes), 0)
+        out.append((rank, info, DcpChunk(offs, sizes), box, strides))
+    return out
+
 
 def _spec_layout(source: Source, topology: Topology, spec_ast, spec_name: str, states: tuple[str, ...],
                  model_state: str, naming: _Naming) -> tuple[Layout, dict[Item, _Chunk]]:

@@ -19,11 +19,10 @@ from reshard.execution.session import WriteSession
 from reshard.formats.base import Fill, Located, Source, Target, check_sizes, given_sizes
 from reshard.formats.derived import (
     Recorded,
-    derived_spec,
     derived_spec_name,
     is_derived,
     recorded_of,
-    refuse_empty,
+    whole_derived,
     whole_text,
 )
 from reshard.formats.hf.files import _check_param_only, _listing, _shard_plan, _stored_tensors, _target_dtypes
@@ -66,19 +65,20 @@ class HFFormat:
         config = model.config or {}
         stored = _stored_tensors(path)
         family = known_family(config)
+        layout = None
         if spec is not None:
             spec_name, spec_obj = spec, layout_spec(spec)
         elif family is None:  # a model no family describes: every tensor under its own name, as stored
             spec_name = derived_spec_name(self.name)
-            spec_obj = derived_spec(whole_text([Recorded(n, t.shape) for n, (_, t) in stored.items()], path),
-                                    self.name, path)
+            spec_obj, layout = whole_derived([Recorded(n, t.shape) for n, (_, t) in stored.items()], self.name, path)
         else:
             spec_name = hf_spec_name(family, config, config_path)
             spec_obj = layout_spec(spec_name)
         model_sizes = family.sizes_from_config(config, config_path) if family else {}
         model_sizes = check_sizes(model_sizes, config_path, counts=dict.fromkeys(("layers", "experts"), len(stored)))
         model_sizes.update(given_sizes(sizes))
-        layout = resolve(spec_obj, Topology(), model_sizes)
+        if layout is None:
+            layout = resolve(spec_obj, Topology(), model_sizes)
         if spec is None and family is not None:  # tensors the family does not name (adapters, a value head)
             keys = {it.key for it in layout.items}
             extras = [Recorded(n, t.shape) for n, (_, t) in stored.items() if n not in keys and not family.names(n)]
@@ -130,14 +130,16 @@ class HFFormat:
         sharded = [f"{a}({topology.degree(a)})" for a in axes if topology.degree(a) > 1]
         if sharded:
             raise TopologyError(f"hf checkpoints are unsharded: cannot write {', '.join(sharded)} (use tp=1,pp=1,dp=1)")
-        refuse_empty(source.layout, source.path, self.name)
         from_hf = source.format == self.name
         family = source_family(source)
         config_known = isinstance(source.model.config, dict)
+        layout = None
         if spec is not None:
             spec_name, spec_obj = spec, layout_spec(spec)
         elif from_hf:
             spec_name, spec_obj = source.spec_name, source.spec
+            if is_derived(spec_name):  # whole tensors under their own names: the source's own layout
+                layout = source.layout
         elif family is not None and not is_derived(source.spec_name):
             tied = family.can_tie and family.tied_in(source.layout.tensors)
             spec_name = hf_spec_name(family, {"tie_word_embeddings": tied}, source.path)
@@ -153,13 +155,14 @@ class HFFormat:
                                         "fused names), which Hugging Face names cannot be derived from; give a spec")
         elif config_known:  # no family's layout in the source: every tensor under its own name
             spec_name = derived_spec_name(self.name)
-            spec_obj = derived_spec(whole_text(recorded_of(source.layout), source.path), self.name, source.path)
+            spec_obj, layout = whole_derived(recorded_of(source.layout), self.name, source.path)
         else:
             raise CheckpointFormatError(
                 f"{source.path}: which model this is is recorded nowhere (no config.json beside it, no model family "
                 "in its layout), and a Hugging Face checkpoint needs its config; put the model's config.json beside "
                 "the source")
-        layout = resolve(spec_obj, Topology(), source.sizes)
+        if layout is None:
+            layout = resolve(spec_obj, Topology(), source.sizes)
         _check_param_only(layout, spec_name)
         dtypes = _target_dtypes(source, layout)
         if from_hf or family is None or is_derived(spec_name):
