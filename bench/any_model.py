@@ -6,7 +6,7 @@ Two tables, measured in one run:
   (``model_type`` ``"custom"``), ``--tensors`` small tensors of assorted shapes. Timed: opening it
   (the layout derived from the safetensors header, resolved), and planning its conversion to DCP at
   dp=8 (FSDP2's layout, derived from the names and shapes) from metadata alone.
-- **A Qwen2-shaped model** (``model_type`` ``"qwen2"``: no family, so every tensor is read under its
+- **A Qwen2-shaped model** (``model_type`` ``"qwen2_shaped"``: no family, so every tensor is read under its
   own name): a bf16 safetensors checkpoint of about ``--gib`` GiB, converted to DCP at dp=4 and back
   to safetensors, each against ``cp -r`` of the same bytes on the same disk; the round trip is
   checked byte for byte.
@@ -106,7 +106,7 @@ def main() -> None:
         print(f"| peak RSS | {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB | |\n")
 
         src = tmp / "qwen2"
-        size = write_hf(src, {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, qwen2_like(args.gib),
+        size = write_hf(src, {"model_type": "qwen2_shaped", "architectures": ["Qwen2ForCausalLM"]}, qwen2_like(args.gib),
                         "bfloat16")
         t_cp = cp_r(src, tmp / "copy")
         t_to, _ = timed(lambda: reshard.convert(src, tmp / "dcp", format="dcp", to="dp=4"))

@@ -91,13 +91,13 @@ def deepspeed(family: Family, options: tuple[str, ...]) -> str:
     tensors = family.by_registration(tied=False)
     lines = [family.logical_text(tied=False), "section model per tp pp"]
     if variant == "hf-trainer":
-        lines += [f"{_layer_local(t.name)} -> {t.alias} = {t.dims}" for t in tensors if t.decay]
+        lines += [f"{_layer_local(t.name)}{t.ref} = {t.dims}" for t in tensors if t.decay]
         lines += ["", "section nodecay per tp pp"]
-        lines += [f"{_layer_local(t.name)} -> {t.alias} = {t.dims}" for t in tensors if not t.decay]
+        lines += [f"{_layer_local(t.name)}{t.ref} = {t.dims}" for t in tensors if not t.decay]
         lines += ["", f"section optim per tp pp dp {STATES}", "flat optimizer.0.{state} = model | pad 2*dp | split dp",
                   "flat optimizer.1.{state} = nodecay | pad 2*dp | split dp"]
     else:
-        lines += [f"{_layer_local(t.name)} -> {t.alias} = {t.dims}" for t in tensors]
+        lines += [f"{_layer_local(t.name)}{t.ref} = {t.dims}" for t in tensors]
         flat = ("flat fp32_flat_groups.{state} = model | perparam | split dp" if variant == "zero3" else
                 "flat optimizer.{state} = model | pad 2*dp | split dp")
         lines += ["", f"section optim per tp pp dp {STATES}", flat]
@@ -113,13 +113,13 @@ def deepspeed_pipe(family: Family, options: tuple[str, ...]) -> str:
     prefix = layered[0].name[:layered[0].name.index("{i}")]
     lines = [family.logical_text(tied=False), "section model per tp pp"]
     for k, t in enumerate(first):
-        lines.append(f"{k}.{t.name.rsplit('.', 1)[-1]} @first -> {t.alias} = {t.dims}")
+        lines.append(f"{k}.{t.name.rsplit('.', 1)[-1]} @first{t.ref} = {t.dims}")
     for t in layered:
         local = t.name[len(prefix) + len("{i}."):]
         dims = _with(t.dims, t.tp, "/tp") if t.tp is not None else t.dims
-        lines.append(f"{{i@pp+{len(first)}}}.{local} -> {t.alias} = {dims}")
+        lines.append(f"{{i@pp+{len(first)}}}.{local}{t.ref} = {dims}")
     for k, t in enumerate(last):
-        lines.append(f"{{=layers+{len(first) + k}}}.{t.name.rsplit('.', 1)[-1]} @last -> {t.alias} = {t.dims}")
+        lines.append(f"{{=layers+{len(first) + k}}}.{t.name.rsplit('.', 1)[-1]} @last{t.ref} = {t.dims}")
     lines += ["", f"section optim per tp pp dp {STATES}", "flat optimizer.{state} = model | pad 2*dp | split dp"]
     return "\n".join(lines) + "\n"
 
@@ -134,7 +134,7 @@ def dcp(family: Family, options: tuple[str, ...]) -> str:
         if t.tp is not None:
             dims = _with(dims, t.tp, "/tp")
         dims = _with(dims, 0, "/dp:chunk")
-        lines.append(f"model.{t.name} -> {t.alias} = {dims}")
+        lines.append(f"model.{t.name}{t.ref} = {dims}")
     return "\n".join(lines) + "\n"
 
 

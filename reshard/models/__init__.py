@@ -1,4 +1,4 @@
-"""Model families: one module per family (``llama.py``, ``mixtral.py``, ``gpt2.py``), listed here.
+"""Model families: one module per family (``llama.py``, ``mistral.py``, ``qwen2.py``, ...), listed here.
 
 A family holds everything reshard knows about one kind of model: its logical tensors with their
 Hugging Face names and shapes, how its config gives their sizes and how sizes give a config, which
@@ -7,6 +7,14 @@ Megatron stores it, and how it is recognized (``model_type``, ``architectures``)
 their layouts from it (``reshard.formats.specs``); ``specs/README.md`` says how to add one.
 
 A model is never guessed: a config whose ``model_type`` no family claims is refused by name.
+
+A Megatron checkpoint names its family by its args alone (``family_for_megatron_args``): each family's
+``is_megatron`` asks for exactly what marks it (Qwen2: ``add_qkv_bias``; Qwen3: ``qk_layernorm``; Mistral:
+``window_size``; Mixtral: ``num_experts``), so at most one family matches. A family whose args are another's
+(Phi-3's are a Llama's or a Mistral's, a Mistral without a window a Llama's) is never chosen by args: with no
+carried ``config.json`` the checkpoint reads as the family whose args match exactly, which computes the same
+function; with one, the config decides when its own Megatron args describe the same family
+(``megatron_family_of_config``).
 """
 
 from __future__ import annotations
@@ -18,10 +26,15 @@ from typing import Any
 from reshard.errors import CheckpointFormatError
 from reshard.models.family import Family
 
-__all__ = ["FAMILIES", "Family", "family_for_config", "family_for_megatron_args", "get_family", "known_family"]
+__all__ = ["FAMILIES", "Family", "family_for_config", "family_for_megatron_args", "get_family", "known_family",
+           "megatron_family_of_config"]
 
 FAMILIES = {
     "llama": "reshard.models.llama",
+    "mistral": "reshard.models.mistral",
+    "qwen2": "reshard.models.qwen2",
+    "qwen3": "reshard.models.qwen3",
+    "phi3": "reshard.models.phi3",
     "mixtral": "reshard.models.mixtral",
     "gpt2": "reshard.models.gpt2",
 }
@@ -54,9 +67,27 @@ def family_for_config(config: Mapping[str, Any], where: str = "config.json") -> 
 
 
 def family_for_megatron_args(args: Mapping[str, Any]) -> Family | None:
-    """The family a Megatron run's args describe (SwiGLU, experts, positions, norm), or None."""
+    """The family a Megatron run's args describe exactly (SwiGLU, experts, positions, norm, biases, q/k norms,
+    window), or None."""
     for name in FAMILIES:
         family = get_family(name)
         if family.is_megatron is not None and family.is_megatron(args):
             return family
     return None
+
+
+def megatron_family_of_config(family: Family, config: Mapping[str, Any], where: str = "config.json") -> Family | None:
+    """The family that the Megatron args of ``config`` (a config of ``family``) describe: ``family`` itself, or
+    the one whose args it shares (a Phi-3's are a Llama's, or a Mistral's with a window).
+
+    Raises:
+      CheckpointFormatError: the config has a field Megatron's args cannot express.
+    """
+    if family.megatron_args is None:
+        return None
+    sizes = family.sizes_from_config(config, where)
+    tied = bool(config.get("tie_word_embeddings", family.tied_default))
+    args = family.megatron_args(sizes, tied) | family.args_from_config(config)
+    if family.megatron_moe_args is not None:
+        args |= family.megatron_moe_args(sizes, config, {}, where)
+    return family_for_megatron_args(args)

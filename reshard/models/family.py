@@ -44,6 +44,16 @@ class Tensor:
     """Whether trainers apply weight decay to it (transformers' Trainer exempts norms and biases)."""
     untied_only: bool = False
     """The output projection: stored only when the model does not tie it to the embedding."""
+    parts: tuple[Tensor, ...] = ()
+    """The logical tensors this one concatenates where the model itself stores them fused (Phi-3's ``qkv_proj``
+    is [q; k; v]): ``dims`` is then a concatenation naming them by alias (``[q: g qpg hd | k: g hd | v: g hd] h``)
+    and only the parts are logical tensors."""
+
+    @property
+    def ref(self) -> str:
+        """What a stored rule of this tensor puts between its name and ``=``: `` -> alias``, or nothing for a
+        fused tensor (a concatenation's parts name their own targets)."""
+        return "" if self.parts else f" -> {self.alias}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,7 +122,7 @@ class Family:
     def logical_text(self, tied: bool) -> str:
         """The family's logical tensors in the spec language."""
         lines = [self.preamble.strip(), ""]
-        lines += [f"logical {t.name} as {t.alias} = {t.dims}" for t in self.stored(tied)]
+        lines += [f"logical {p.name} as {p.alias} = {p.dims}" for t in self.stored(tied) for p in t.parts or (t,)]
         return "\n".join(lines) + "\n"
 
     def names(self, name: str) -> bool:

@@ -6,14 +6,21 @@ Sizes: ``h`` hidden, ``heads`` attention heads, ``g`` key/value heads (query gro
 
 Megatron-core stores q, k and v fused per query group (``linear_qkv``, ``[q: qpg hd | k: hd | v: hd]``
 per group, tp splitting the groups), gate and up fused (``linear_fc1``, ``[gate | up]``, each split over
-tp), the input norms inside the following linear (Transformer Engine's ``layer_norm_weight``) and the
+tp), the input norms inside the following linear (Transformer Engine's ``layer_norm_weight``; modules of
+their own, ``input_layernorm`` and ``pre_mlp_layernorm``, with ``--transformer-impl local``) and the
 vocabulary padded to a multiple of ``vocab_div * tp``. Its rules follow megatron-core's registration
 order, which the distributed optimizer's buffers follow in reverse: Attention registers
 ``linear_proj`` before SelfAttention adds ``linear_qkv``.
+
+The pieces here are shared by the families built on Llama (Mistral, Qwen2, Qwen3, Phi-3, Mixtral): the
+tensors with q/k/v biases or q/k norms (``variant``), the Megatron rules (``megatron``,
+``attention_rules``), the args, and the RoPE and window fields of a config both ways (``rope_args``,
+``window_args``, ``config_hints``), each refusing what Megatron cannot express by the field and its value.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,24 +64,64 @@ index i < layers
 VOCAB = "(vocab~(vocab_div*tp))/tp h"
 """The padded, tp-split vocabulary of Megatron's embedding and output layer."""
 
+# Optional pieces of Llama-style attention, named by the Megatron rules below: q/k/v biases (Qwen2) and
+# per-head RMSNorms of q and k (Qwen3).
+QKV_BIASES = (
+    Tensor(name="model.layers.{i}.self_attn.q_proj.bias", alias="q_bias", dims="(g qpg hd)", tp=COLWISE, decay=False),
+    Tensor(name="model.layers.{i}.self_attn.k_proj.bias", alias="k_bias", dims="(g hd)", tp=COLWISE, decay=False),
+    Tensor(name="model.layers.{i}.self_attn.v_proj.bias", alias="v_bias", dims="(g hd)", tp=COLWISE, decay=False),
+)
+QK_NORMS = (
+    Tensor(name="model.layers.{i}.self_attn.q_norm.weight", alias="q_norm", dims="hd", decay=False),
+    Tensor(name="model.layers.{i}.self_attn.k_norm.weight", alias="k_norm", dims="hd", decay=False),
+)
 
-def megatron(*, tied: bool = False, local: bool = False) -> str | None:
-    """Megatron-core GPT in Llama style (``--swiglu --normalization RMSNorm``, no biases), Transformer Engine
-    layers (no layout yet for ``--transformer-impl local``)."""
-    if local:
-        return None
+
+def variant(*, qkv_bias: bool = False, qk_norm: bool = False,
+            tensors: tuple[Tensor, ...] = TENSORS) -> tuple[tuple[Tensor, ...], tuple[str, ...]]:
+    """Llama's tensors (or ``tensors`` with Llama's aliases) in checkpoint order, and their registration order,
+    with q/k/v biases after their weights and q/k norms after ``o_proj``, where transformers registers them."""
+    by_alias = {t.alias: t for t in (*tensors, *QKV_BIASES, *QK_NORMS)}
+    attention = ("q", "q_bias", "k", "k_bias", "v", "v_bias") if qkv_bias else ("q", "k", "v")
+    attention += ("o", "q_norm", "k_norm") if qk_norm else ("o",)
+    present = [a for a in ("embed", "ln1", *attention, "ln2", "gate", "up", "down", "norm", "head") if a in by_alias]
+    registration = ("embed", *attention, "gate", "up", "down", "ln1", "ln2", "norm", "head")
+    return tuple(by_alias[a] for a in present), tuple(a for a in registration if a in by_alias)
+
+
+def attention_rules(*, local: bool, qkv_bias: bool = False, qk_norm: bool = False) -> list[str]:
+    """Megatron-core's rules for one Llama-style attention block and its input norm, in registration order:
+    the norm is ``input_layernorm`` of its own with ``--transformer-impl local``, else fused into
+    ``linear_qkv`` (Transformer Engine's ``layer_norm_weight``, registered after ``linear_proj``)."""
+    at = "decoder.layers.{i/pp}."
+    ln1 = (f"{at}input_layernorm.weight -> ln1 = h" if local else
+           f"{at}self_attention.linear_qkv.layer_norm_weight -> ln1 = h")
+    proj = f"{at}self_attention.linear_proj.weight -> o = h (g qpg hd)/tp"
+    rules = [ln1, proj] if local else [proj, ln1]
+    rules.append(f"{at}self_attention.linear_qkv.weight = (g/tp [q: qpg hd | k: hd | v: hd]) h")
+    if qkv_bias:
+        rules.append(f"{at}self_attention.linear_qkv.bias = (g/tp [q_bias: qpg hd | k_bias: hd | v_bias: hd])")
+    if qk_norm:
+        rules += [f"{at}self_attention.q_layernorm.weight -> q_norm = hd",
+                  f"{at}self_attention.k_layernorm.weight -> k_norm = hd"]
+    return rules
+
+
+def megatron(*, tied: bool = False, local: bool = False, qkv_bias: bool = False, qk_norm: bool = False) -> str:
+    """Megatron-core GPT in Llama style (``--swiglu --normalization RMSNorm``, no biases but ``--add-qkv-bias``,
+    ``--qk-layernorm``), Transformer Engine layers or ``--transformer-impl local``."""
+    at = "decoder.layers.{i/pp}."
+    ln2 = f"{at}pre_mlp_layernorm.weight -> ln2 = h" if local else f"{at}mlp.linear_fc1.layer_norm_weight -> ln2 = h"
     head = "output_layer.weight -> embed @lastonly" if tied else "output_layer.weight -> head @last"
-    return f"""\
-embedding.word_embeddings.weight -> embed @first = {VOCAB}
-decoder.layers.{{i/pp}}.self_attention.linear_proj.weight -> o = h (g qpg hd)/tp
-decoder.layers.{{i/pp}}.self_attention.linear_qkv.layer_norm_weight -> ln1 = h
-decoder.layers.{{i/pp}}.self_attention.linear_qkv.weight = (g/tp [q: qpg hd | k: hd | v: hd]) h
-decoder.layers.{{i/pp}}.mlp.linear_fc1.layer_norm_weight -> ln2 = h
-decoder.layers.{{i/pp}}.mlp.linear_fc1.weight = [gate: f/tp | up: f/tp] h
-decoder.layers.{{i/pp}}.mlp.linear_fc2.weight -> down = h f/tp
-decoder.final_layernorm.weight -> norm @last = h
-{head} = {VOCAB}
-"""
+    return "\n".join([
+        f"embedding.word_embeddings.weight -> embed @first = {VOCAB}",
+        *attention_rules(local=local, qkv_bias=qkv_bias, qk_norm=qk_norm),
+        ln2,
+        f"{at}mlp.linear_fc1.weight = [gate: f/tp | up: f/tp] h",
+        f"{at}mlp.linear_fc2.weight -> down = h f/tp",
+        "decoder.final_layernorm.weight -> norm @last = h",
+        f"{head} = {VOCAB}",
+    ]) + "\n"
 
 
 # Megatron-LM's legacy GPTModel: the nested ``language_model`` state dict ('/' marks a level of nesting).
@@ -149,6 +196,10 @@ def config_from_sizes(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, A
 HF_MEGATRON = (("rms_norm_eps", "norm_epsilon"), ("rope_theta", "rotary_base"),
                ("max_position_embeddings", "max_position_embeddings"))
 
+MEGATRON_LLAMA3 = {"low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8192}
+"""The llama3 RoPE scaling constants megatron-core hard-codes (``RotaryEmbedding._apply_scaling``); its args
+carry only the factor (``--use-rope-scaling --rope-scaling-factor``)."""
+
 
 def megatron_args(sizes: Mapping[str, int], tied: bool) -> dict[str, Any]:
     """The Megatron args of a Llama of ``sizes`` (``--swiglu --normalization RMSNorm``, rotary, no biases)."""
@@ -160,41 +211,128 @@ def megatron_args(sizes: Mapping[str, int], tied: bool) -> dict[str, Any]:
         "kv_channels": int(sizes.get("hd", h // heads)),
         "max_position_embeddings": sizes.get("max_position_embeddings"),
         "position_embedding_type": "rope", "add_position_embedding": False, "use_rotary_position_embeddings": True,
-        "rotary_base": 10000, "norm_epsilon": 1e-5,
+        "rotary_base": 10000, "norm_epsilon": 1e-5, "rotary_percent": 1.0, "use_rope_scaling": False,
         "rotary_interleaved": False, "normalization": "RMSNorm", "swiglu": True, "squared_relu": False,
-        "add_bias_linear": False, "add_qkv_bias": False, "apply_layernorm_1p": False,
+        "add_bias_linear": False, "add_qkv_bias": False, "qk_layernorm": False, "window_size": None,
+        "apply_layernorm_1p": False,
         "untie_embeddings_and_output_weights": not tied, "vocab_size": int(sizes["vocab"]),
         "make_vocab_size_divisible_by": int(sizes.get("vocab_div", 128)), "tokenizer_type": None,
         "num_experts": None, "expert_model_parallel_size": 1,
     }
 
 
+def is_dense(args: Mapping[str, Any]) -> bool:
+    """Llama-style Megatron args: SwiGLU, no experts, no biases but q/k/v's, every layer alike."""
+    return (bool(args.get("swiglu", False)) and not args.get("num_experts") and not args.get("add_bias_linear")
+            and not args.get("window_attn_skip_freq"))
+
+
 def is_megatron(args: Mapping[str, Any]) -> bool:
-    """Whether a Megatron run's args describe a Llama: SwiGLU, no experts."""
-    return bool(args.get("swiglu", False)) and not args.get("num_experts")
+    """Whether a Megatron run's args describe a Llama: Llama-style, and nothing that marks another family (q/k/v
+    biases: Qwen2; q/k norms: Qwen3; a sliding window: Mistral)."""
+    return (is_dense(args) and not args.get("add_qkv_bias") and not args.get("qk_layernorm")
+            and args.get("window_size") is None)
+
+
+def megatron_window(args: Mapping[str, Any]) -> int | None:
+    """The Hugging Face ``sliding_window`` W of Megatron's ``window_size`` (W - 1, 0) (bounds inclusive), None
+    without a window or with one Hugging Face has no name for."""
+    window = args.get("window_size")
+    if not isinstance(window, tuple | list) or len(window) != 2 or not all(
+            isinstance(w, int) and not isinstance(w, bool) for w in window) or window[0] < 0 or window[1] != 0:
+        return None
+    return window[0] + 1
 
 
 def config_hints(args: Mapping[str, Any]) -> dict[str, Any]:
-    """What a Llama ``config.json`` takes from a Megatron run's args: epsilon, rope base, positions, tying."""
+    """What a Llama ``config.json`` takes from a Megatron run's args: epsilon, rope base and scaling, positions,
+    tying (in transformers 4's spelling, which 5 reads too)."""
     hints: dict[str, Any] = {"tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False)}
     for hf, meg in HF_MEGATRON:
         value = args.get(meg)
         if isinstance(value, int | float) and not isinstance(value, bool):
             hints[hf] = value
+    if args.get("use_rope_scaling"):
+        hints["rope_scaling"] = {"rope_type": "llama3", "factor": float(args.get("rope_scaling_factor", 8.0)),
+                                 **MEGATRON_LLAMA3}
     return hints
 
 
+def rope_of(config: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The config field holding RoPE, and its fields, in either spelling: transformers 5's ``rope_parameters``
+    (``rope_type`` and ``rope_theta`` inside) or 4.x's ``rope_scaling`` (type as ``type`` or ``rope_type``)
+    beside a top-level ``rope_theta`` and ``partial_rotary_factor``. ``rope_type`` is ``default`` unscaled."""
+    field = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+    given = config.get(field)
+    if given is not None and not isinstance(given, Mapping):
+        raise CheckpointFormatError(f"{field} is {json.dumps(given)}, expected an object or null")
+    rope = {k: config[k] for k in ("rope_theta", "partial_rotary_factor") if config.get(k) is not None}
+    rope.update(given or {})
+    rope["rope_type"] = rope.get("rope_type") or rope.get("type") or "default"
+    return field, rope
+
+
+def rope_args(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Megatron's args for a config's RoPE: the base, and llama3 scaling with megatron-core's constants.
+
+    Raises:
+      CheckpointFormatError: a RoPE type or setting Megatron's args cannot express, named with its value
+        (other llama3 constants, linear, dynamic, yarn, longrope/su, partial rotary).
+    """
+    field, rope = rope_of(config)
+    kind, out = rope["rope_type"], {}
+    partial = rope.get("partial_rotary_factor", 1)
+    if partial != 1:
+        inside = isinstance(config.get(field), Mapping) and "partial_rotary_factor" in config[field]
+        raise CheckpointFormatError(f"{field + '.' if inside else ''}partial_rotary_factor = {json.dumps(partial)}: "
+                                    "reshard writes no "
+                                    "--rotary-percent yet, and Megatron would rotate every dim of each head")
+    if kind == "llama3":
+        bad = [f"{k} = {json.dumps(rope.get(k))}" for k, v in MEGATRON_LLAMA3.items() if rope.get(k) != v]
+        if bad:
+            fixed = ", ".join(f"{k} {v}" for k, v in MEGATRON_LLAMA3.items())
+            raise CheckpointFormatError(f"{field}: llama3 scaling with {', '.join(bad)}; megatron-core fixes {fixed} "
+                                        "(only the factor is an arg), so the model would change")
+        factor = rope.get("factor")
+        if not isinstance(factor, int | float) or isinstance(factor, bool) or factor <= 0:
+            raise CheckpointFormatError(f"{field}.factor = {json.dumps(factor)}: llama3 scaling needs a positive "
+                                        "factor")
+        out.update(use_rope_scaling=True, rope_scaling_factor=float(factor))
+    elif kind != "default":
+        raise CheckpointFormatError(f"{field}.rope_type = {json.dumps(kind)}: Megatron's args express RoPE "
+                                    "unscaled or llama3-scaled only (reshard writes no other); converting would "
+                                    "change the model")
+    theta = rope.get("rope_theta")
+    if isinstance(theta, int | float) and not isinstance(theta, bool):
+        out["rotary_base"] = theta
+    return out
+
+
+def window_args(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Megatron's ``window_size`` (W - 1, 0) for a ``sliding_window`` W on every layer (Mistral, Phi-3)."""
+    window = config.get("sliding_window")
+    if window is None:
+        return {}
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise CheckpointFormatError(f"sliding_window = {json.dumps(window)}: expected a positive integer or null")
+    types = config.get("layer_types")
+    if isinstance(types, list) and any(t != "sliding_attention" for t in types):
+        raise CheckpointFormatError(f"layer_types = {json.dumps(types)}: a window on some layers only; reshard "
+                                    "writes Megatron's window on every layer")
+    return {"window_size": (window - 1, 0)}
+
+
 def args_from_config(config: Any) -> dict[str, Any]:
-    """Megatron args for a Llama ``config.json`` (the source's, carried): the inverse of ``config_hints``."""
+    """Megatron args for a Llama ``config.json`` (the source's, carried): the inverse of ``config_hints``.
+
+    Raises:
+      CheckpointFormatError: RoPE Megatron cannot express (``rope_args``).
+    """
     if not isinstance(config, Mapping):
         return {}
-    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), Mapping) else {}
-    if (rope.get("rope_type") or "default") != "default" or config.get("rope_scaling"):
-        raise CheckpointFormatError(f"rope scaling ({rope.get('rope_type') or config.get('rope_scaling')}) has no "
-                                    "Megatron args reshard can write yet; the weights would convert, the model would not")
-    values = {"rms_norm_eps": config.get("rms_norm_eps"), "rope_theta": rope.get("rope_theta", config.get("rope_theta")),
-              "max_position_embeddings": config.get("max_position_embeddings")}
-    return {meg: values[hf] for hf, meg in HF_MEGATRON if isinstance(values[hf], int | float)}
+    out = {meg: config.get(hf) for hf, meg in HF_MEGATRON if hf != "rope_theta"}
+    out = {k: v for k, v in out.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    return out | rope_args(config)
 
 
 FAMILY = Family(

@@ -14,7 +14,7 @@ from reshard.core.resolve import resolve
 from reshard.core.topology import parse_topology
 from reshard.errors import CheckpointFormatError, SpecError
 from reshard.formats.specs import FORMAT_RULES, family_of, layout_spec, spec_text
-from reshard.models import FAMILIES, family_for_config, family_for_megatron_args, get_family
+from reshard.models import FAMILIES, family_for_config, family_for_megatron_args, get_family, megatron_family_of_config
 
 SIZES = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 4, "vocab_div": 8, "positions": 32,
          "experts": 4, "vpad": 128, "bucket_size": 0}
@@ -82,18 +82,27 @@ def test_a_family_recognizes_its_config_and_reads_its_sizes_back(name):
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_a_family_recognizes_the_megatron_args_it_implies_and_reads_its_config_back(name):
-    """The args a Megatron run of the family starts with name that family and no other; the Hugging Face
+@pytest.mark.parametrize("window", [None, 6], ids=["no-window", "window"])
+def test_a_family_recognizes_the_megatron_args_it_implies_and_reads_its_config_back(name, window):
+    """The args a Megatron run of the family starts with name that family and no other, or a family whose
+    Megatron tensors are the same (a Phi-3's args are a Llama's, a Mistral's with a window); the Hugging Face
     fields they record (config_hints) give back the args a config implies (args_from_config)."""
     family = get_family(name)
     if family.megatron_args is None:
         return
     sizes = {k: SIZES[k] for k in family.sizes}
-    args = family.megatron_args(sizes, family.tied_default) | ({"num_experts": SIZES["experts"], "moe_router_topk": 2}
-                                                               if family.experts else {})
-    assert family_for_megatron_args(args) is family
+    config = family.config_from_sizes(sizes, ())
+    if window is not None:
+        if "sliding_window" not in config:  # a family without a window on every layer
+            return
+        config["sliding_window"] = window
+    args = family.megatron_args(sizes, family.tied_default) | family.args_from_config(config) | (
+        {"num_experts": SIZES["experts"], "moe_router_topk": 2} if family.experts else {})
+    found = family_for_megatron_args(args)
+    assert found is family or found.megatron(tied=False) == family.megatron(tied=False), (name, found)
+    assert megatron_family_of_config(family, config | {"num_experts_per_tok": 2}) is found
     hints = family.config_hints(args)
-    config = family.config_from_sizes(sizes, ()) | hints
+    config |= hints
     assert {k: args[k] for k in family.args_from_config(config)} == family.args_from_config(config)
     if family.experts:
         assert hints["num_experts_per_tok"] == 2 and family.megatron_moe_args(sizes, config, {}, "x")[
@@ -101,11 +110,11 @@ def test_a_family_recognizes_the_megatron_args_it_implies_and_reads_its_config_b
 
 
 def test_a_spec_name_of_no_family_or_option_is_a_spec_error():
-    with pytest.raises(SpecError, match=r"^no spec 'megatron-qwen2': 'qwen2' is not a model family"):
-        spec_text("megatron-qwen2")
+    with pytest.raises(SpecError, match=r"^no spec 'megatron-gemma2': 'gemma2' is not a model family"):
+        spec_text("megatron-gemma2")
     with pytest.raises(SpecError, match=r"^megatron-llama: unknown option 'fused'"):
         spec_text("megatron-llama-fused")
     with pytest.raises(SpecError, match=r"^no spec 'safetensors-llama'"):
         spec_text("safetensors-llama")
-    with pytest.raises(CheckpointFormatError, match=r"model_type 'mistral' is not a model family"):
-        family_for_config({"model_type": "mistral"})
+    with pytest.raises(CheckpointFormatError, match=r"model_type 'gemma2' is not a model family"):
+        family_for_config({"model_type": "gemma2"})

@@ -328,8 +328,8 @@ def test_a_torch_dist_model_of_no_known_family_keeps_its_recorded_chunks_and_ref
     with pytest.raises(CheckpointFormatError, match=r"which model this is is recorded nowhere .* mcore-dist stores "
                                                     r"them under its own fused names"):
         reshard.convert(src, tmp_path / "hf", format="hf")
-    (src / "config.json").write_text('{"model_type": "qwen2"}')  # a model no family describes: still refused
-    with pytest.raises(CheckpointFormatError, match=r"the model is model_type 'qwen2' .* no model family"):
+    (src / "config.json").write_text('{"model_type": "gemma"}')  # a model no family describes: still refused
+    with pytest.raises(CheckpointFormatError, match=r"the model is model_type 'gemma' .* no model family"):
         reshard.convert(src, tmp_path / "hf", format="hf")
     assert not (tmp_path / "hf").exists()
     (src / "config.json").unlink()
@@ -344,7 +344,8 @@ def test_a_torch_dist_model_of_no_known_family_keeps_its_recorded_chunks_and_ref
         reshard.convert(src, tmp_path / "meg", format="megatron")
     assert str(e.value) == (
         f"{src}: the model is model_type 'qwen3_next' (its config.json), which no model family reshard knows "
-        "describes (known: llama, mixtral, gpt2); Megatron stores each family's tensors its own way, and converting "
+        "describes (known: llama, mistral, qwen2, qwen3, phi3, mixtral, gpt2); Megatron stores each family's tensors "
+        "its own way, and converting "
         "it as another family would change the model: give a spec, or convert to a format that keeps every tensor by "
         "name (hf, dcp, deepspeed)")
 

@@ -623,7 +623,8 @@ def test_a_model_no_family_describes_names_its_first_ambiguous_tensor_and_what_t
         "without their split dimensions: which dimension of 'embedding.word_embeddings.weight' "
         f"([{padded_vocab(tp) // tp}, 16] in this file, at tensor_model_parallel_size={tp}) the tensor-parallel "
         "ranks split, if any, is recorded nowhere. Pass --spec <file> with this model's layout, or put the model's "
-        "Hugging Face config.json of a known family (llama, mixtral, gpt2) beside the checkpoint")
+        "Hugging Face config.json of a known family (llama, mistral, qwen2, qwen3, phi3, mixtral, gpt2) beside the "
+        "checkpoint")
 
 
 def test_a_config_json_of_a_known_family_says_what_the_args_do_not(tmp_path):

@@ -150,7 +150,7 @@ class MegatronFormat:
                     f"{' and ' if tied and distopt else ''}{'the distributed optimizer' if distopt else ''}; the "
                     f"legacy layout is untied with Megatron's plain optimizer: give a spec for this one")
             spec = spec_name(family, legacy=True)
-        name = spec or spec_name(family, tied=tied, distopt=distopt)
+        name = spec or spec_name(family, tied=tied, distopt=distopt, local=args.get("transformer_impl") == "local")
         spec_ast = layout_spec(name)
         per_ep = _per_ep(spec_ast)
         if topo.ep > 1 and not per_ep:
@@ -320,12 +320,15 @@ class MegatronFormat:
             {"model": (PARAM, *opt_states)}
         args = megatron_args(sizes, topology, base=src_args, tied=tied, family=family.name if family else "llama")
         if not meg and family is not None:
-            args.update(family.args_from_config(source.model.config))
+            try:
+                args.update(family.args_from_config(source.model.config))
+            except CheckpointFormatError as e:
+                raise CheckpointFormatError(f"{source.path}: config.json: {e}") from None
         if moe and not meg:
             args.update(family.megatron_moe_args(sizes, source.model.config or {}, source.model.hints, source.path))
         if is_legacy(name) != (meg and is_legacy(source.spec_name)):  # the model class changes
             args.update(use_legacy_models=is_legacy(name), use_mcore_models=not is_legacy(name))
-        if moe and is_local(name) != local:
+        if is_local(name) != local:
             args["transformer_impl"] = "local" if is_local(name) else "transformer_engine"
         sizes["bucket_size"] = _bucket_size(args, topology) if distopt else 0
         if vocab_pad is not None:

@@ -20,7 +20,7 @@ from reshard.errors import CheckpointFormatError
 from reshard.formats.base import ModelMeta, Source
 from reshard.formats.identity import CONFIG_NAME, read_identity
 from reshard.io.bounds import brief
-from reshard.models import FAMILIES, Family, family_for_megatron_args, known_family
+from reshard.models import FAMILIES, Family, family_for_megatron_args, known_family, megatron_family_of_config
 
 __all__ = ["agreed_family", "args_shown", "carried_identity", "read_carried", "unknown_model"]
 
@@ -40,7 +40,8 @@ def args_shown(args: Mapping[str, Any]) -> str:
 def agreed_family(args: Mapping[str, Any] | None, model: ModelMeta, args_where: Path | str,
                   config_where: Path | None, *, spec: str | None = None) -> Family | None:
     """The family of a Megatron checkpoint: the one its ``args`` describe, which a carried ``config.json`` must
-    name too; the config's family when the args describe none (or are absent); None when neither knows. With
+    name too, unless the config's own Megatron args describe the same family (a Phi-3's are a Llama's, and the
+    config decides); the config's family when the args describe none (or are absent); None when neither knows. With
     a ``spec``, the spec lays the checkpoint out, and a config of another model than the args' is the user's
     to vouch for.
 
@@ -54,11 +55,21 @@ def agreed_family(args: Mapping[str, Any] | None, model: ModelMeta, args_where: 
     by_config = known_family(config)
     if by_args is None or config.get("model_type") in by_args.model_types or spec is not None:
         return by_args or by_config
+    if by_config is not None and _same_megatron(by_config, config, config_where) is by_args:
+        return by_config  # Megatron's args are the same for both (a Mistral without a window is a Llama there)
     named = f"the {by_config.name} family" if by_config else "no model family reshard knows"
     raise CheckpointFormatError(
         f"{config_where}: model_type {brief(config.get('model_type'), 60)} names {named}, but the args in "
         f"{args_where} describe a {by_args.name} model ({args_shown(args)}); which one this checkpoint holds is "
         "not reshard's guess to make: remove the config.json of the other model, or give a spec")
+
+
+def _same_megatron(family: Family, config: dict, where: Path | None) -> Family | None:
+    """The family Megatron's args for ``config`` describe, None when the config cannot be Megatron's."""
+    try:
+        return megatron_family_of_config(family, config, str(where))
+    except CheckpointFormatError:
+        return None
 
 
 def unknown_model(where: Path, args: Mapping[str, Any], tp: int, first: tuple[str, tuple[int, ...]] | None) -> str:

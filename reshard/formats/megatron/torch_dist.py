@@ -260,6 +260,9 @@ class McoreDistFormat:
                                         "supported yet")
         family = require_family(source, "torch_dist stores each family's tensors its own way (layers stacked, "
                                 "attention fused)") if spec is None else None
+        if family is not None and family.name != "llama":  # its args and tensors are not mcore-dist-llama's
+            raise CheckpointFormatError(f"{source.path}: a {family.name} model; the mcore-dist target writes Llama "
+                                        "models so far (convert to the megatron format instead)")
         if "transformer.wte.weight" in source.layout.tensors or "lm_head.weight" not in source.layout.tensors:
             raise CheckpointFormatError(f"{source.path}: the mcore-dist target supports untied Llama-style models so far")
         require_sizes(source, llama.SIZES, "mcore-dist")
@@ -289,6 +292,11 @@ class McoreDistFormat:
                         items=MappingProxyType(items), fragments=tuple(fragments))
         args = megatron_args(sizes | {"vocab_div": div}, topology, base=src_args or None,
                              iteration=int(source.progress.iteration or 0))
+        if family is not None and not src_args:  # rope base and scaling, epsilon: never Megatron's defaults
+            try:
+                args.update(family.args_from_config(source.model.config))
+            except CheckpointFormatError as e:
+                raise CheckpointFormatError(f"{source.path}: config.json: {e}") from None
         carried = source.extra.get(TORCH_DIST_KEY) if source.format == self.name else None
         verbatim = carried.extra_states if isinstance(carried, TorchDistState) else None
         state = TorchDistState(args=args, iteration=int(source.progress.iteration or 0))
