@@ -119,7 +119,6 @@ def loss_of(logits):
 
 def _main() -> None:  # pragma: no cover - runs in the job's processes
     import deepspeed
-    import numpy as np
     import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -174,6 +173,15 @@ def _main() -> None:  # pragma: no cover - runs in the job's processes
             if name in persistent:  # what a checkpoint holds
                 dump[f"{prefix}:{name}:param"] = bits(b)
         return dump
+
+    save_or_resume(engine, mode, ckpt, out, step, state)
+
+
+def save_or_resume(engine, mode: str, ckpt, out, step, state) -> None:  # pragma: no cover - in the job
+    """Two steps then save, or load; then the state, one more step's loss and the state after it, from every
+    rank into ``out`` (rank 0 writes it); then the job ends."""
+    import numpy as np
+    import torch
 
     dump = {}
     if mode == "save":

@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from ds_jobs import F, H, V
+from ds_jobs import F, H, V, save_or_resume
 
 
 def run(tmp_path: Path, nproc: int, mode: str, ckpt: Path, out: Path, *, pp: int = 2, dtype: str = "fp32") -> None:
@@ -75,7 +75,6 @@ def _half(x):
 
 def _main() -> None:  # pragma: no cover - runs in the job's processes
     import deepspeed
-    import numpy as np
     import torch
     from deepspeed.pipe import PipelineModule
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -123,24 +122,7 @@ def _main() -> None:  # pragma: no cover - runs in the job's processes
         torch.distributed.all_gather_object(gathered, dump)
         return {k: v for d in gathered for k, v in d.items()}
 
-    dump = {}
-    if mode == "save":
-        step(1)
-        step(2)
-        engine.save_checkpoint(ckpt)
-    else:
-        path, _ = engine.load_checkpoint(ckpt)
-        assert path is not None
-    dump.update(state("state"))
-    dump["loss"] = np.array(step(3))
-    dump.update(state("after"))
-    if torch.distributed.get_rank() == 0:
-        np.savez(out, **dump)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    from jobs import exit_now
-
-    exit_now()
+    save_or_resume(engine, mode, ckpt, out, step, state)
 
 
 if __name__ == "__main__":  # pragma: no cover
