@@ -29,6 +29,7 @@ class Captures:
 
     topo: Topology
     indexes: dict[str, int]
+    parts: dict[str, tuple[int, int, str]]
 
     if TYPE_CHECKING:
         def err(self, message: str, pos: S.Pos | None) -> SpecError: ...
@@ -53,8 +54,13 @@ class Captures:
 
     def capture_values(self, pattern: S.Pattern) -> Iterable[dict[str, int]]:
         caps = list(dict.fromkeys(c.name for c in pattern.captures))
-        for combo in itertools.product(*(range(self.indexes[c]) for c in caps)):
+        for combo in itertools.product(*(self.index_range(c) for c in caps)):
             yield dict(zip(caps, combo))
+
+    def index_range(self, name: str) -> range:
+        """The values an index takes: ``0 .. N-1``, or its part of its parent's range."""
+        lo = self.parts[name][0] if name in self.parts else 0
+        return range(lo, lo + self.indexes[name])
 
     # -- the rules a unit stores, with their capture values
 
@@ -135,14 +141,18 @@ class Captures:
         return n
 
     def layer_values(self, cap: S.Capture, coords: dict[str, int], chunk: int, rule: S.Statement) -> list[tuple[int, int]]:
+        """The layers of this stage and chunk, (global, local): a part of another index is placed as that
+        index's layers are (the MoE layers after the dense ones keep their stages and local numbers)."""
         n = self.index_size(cap)
         if "pp" not in coords:
             raise self.err(f"'{{{cap.name}/pp}}' needs 'pp' among the section's 'per' axes", cap.pos)
+        values = self.index_range(cap.name)
         try:
-            places = self.topo.layer_placement(n)
+            places = self.topo.layer_placement(self.parts[cap.name][1] if cap.name in self.parts else n)
         except TopologyError as e:
             raise TopologyError(f"{_name(rule)}: {e}") from None
-        return [(g, p.local) for g, p in enumerate(places) if p.stage == coords["pp"] and p.chunk == chunk]
+        return [(g, p.local) for g, p in enumerate(places)
+                if g in values and p.stage == coords["pp"] and p.chunk == chunk]
 
     def index_size(self, cap: S.Capture) -> int:
         if cap.name not in self.indexes:
@@ -157,9 +167,13 @@ class Captures:
             if cap.axis == "pp":
                 choices.append([layer])
             elif cap.axis is None:
-                choices.append([(v, v) for v in range(self.index_size(cap))])
+                self.index_size(cap)
+                choices.append([(v, v) for v in self.index_range(cap.name)])
             else:
                 n = self.index_size(cap)
+                if cap.name in self.parts:
+                    raise self.err(f"'{cap.name}' is a part of another index's range; only its layers split over pp",
+                                   cap.pos)
                 if cap.axis not in MESH_AXES:
                     raise self.err(f"unknown mesh axis '{cap.axis}' (expected one of: {', '.join(MESH_AXES)})", cap.pos)
                 if cap.axis not in coords:

@@ -63,6 +63,9 @@ class _Resolver(Captures):
         self.states = states
         self.env: dict[str, int] = {}
         self.indexes: dict[str, int] = {}
+        self.parts: dict[str, tuple[int, int, str]] = {}
+        """A part of another index's range (``index m in i from k``): its first value, the parent's size (which
+        places its values over pipeline stages) and the parent, whose capture a rule capturing the part gives."""
         self.logicals: list[S.Logical] = []
         self.by_ref: dict[str, S.Logical] = {}
         self.tensors: dict[str, LogicalTensor] = {}
@@ -102,11 +105,7 @@ class _Resolver(Captures):
                     raise self.err(f"'{st.name}' is given as {self.sizes[st.name]} but the spec computes {value}", st.pos)
                 self.env[st.name] = value
             elif isinstance(st, S.IndexDecl):
-                if st.name in self.indexes:
-                    raise self.err(f"index '{st.name}' is declared twice", st.pos)
-                self.indexes[st.name] = self.eval(st.size)
-                if self.indexes[st.name] < 0:
-                    raise self.err(f"index '{st.name}' ranges over {self.indexes[st.name]} values; a range must be >= 0", st.pos)
+                self.declare_index(st)
             elif isinstance(st, S.Logical):
                 self.declare(st)
             elif isinstance(st, S.Section):
@@ -166,6 +165,27 @@ class _Resolver(Captures):
         if a % b:
             raise self.err(f"{a} / {b} is not a whole number (use // to round down or cdiv() to round up)", e.pos)
         return a // b
+
+    def declare_index(self, st: S.IndexDecl) -> None:
+        if st.name in self.indexes:
+            raise self.err(f"index '{st.name}' is declared twice", st.pos)
+        if st.parent is None:
+            assert st.size is not None
+            self.indexes[st.name] = self.eval(st.size)
+            if self.indexes[st.name] < 0:
+                raise self.err(f"index '{st.name}' ranges over {self.indexes[st.name]} values; a range must be >= 0", st.pos)
+            return
+        if st.parent not in self.indexes or st.parent in self.parts:
+            raise self.err(f"index '{st.name}' is a part of '{st.parent}', which must be declared before it with "
+                           f"'index {st.parent} < N'", st.pos)
+        full = self.indexes[st.parent]
+        lo = self.eval(st.start) if st.start is not None else 0
+        hi = self.eval(st.size) if st.size is not None else full
+        if not 0 <= lo <= hi <= full:
+            raise self.err(f"index '{st.name}' takes {st.parent} from {lo} to {hi}, outside {st.parent}'s 0 to {full}",
+                           st.pos)
+        self.indexes[st.name] = hi - lo
+        self.parts[st.name] = (lo, full, st.parent)
 
     def declare(self, st: S.Logical) -> None:
         axes: list[tuple[str, S.Pos]] = []
@@ -323,6 +343,7 @@ class _Resolver(Captures):
         elif rule.ref is not None:
             raise self.err("'-> name' cannot be combined with a concatenation; the parts name their tensors", rule.pos)
         store_caps = {c.name for c in rule.pattern.captures}
+        store_caps |= {self.parts[c][2] for c in store_caps if c in self.parts}  # a part gives its parent
         for ref, (axes, splits, indexes) in targets.items():
             decl = self.by_ref[ref]
             want = [a for a in self.tensors_axes(decl)]
@@ -369,6 +390,9 @@ class _Resolver(Captures):
     def stored(self, sec, rule, unit, coords, chunk, values, states) -> list[Item]:
         key = self.key_of(rule.pattern, values)
         global_values = {k: v[0] for k, v in values.items()}
+        for k, v in values.items():  # a part of an index gives its parent's capture too (layer m is layer i = m)
+            if k in self.parts:
+                global_values.setdefault(self.parts[k][2], v[0])
         if isinstance(rule, S.Blob):
             decl = self.by_ref[rule.pattern.text]
             name = decl.pattern.format(global_values)

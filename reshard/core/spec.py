@@ -10,6 +10,8 @@ Grammar (one statement per line; ``#`` starts a comment)::
 
     statement := 'let' NAME '=' expr                      size variable
                | 'index' NAME '<' expr                    range of a name capture
+               | 'index' NAME 'in' NAME ['from' expr] ['<' expr]
+                                                          part of another index's range
                | 'include' PATH                           logical declarations of a model
                | 'logical' PATTERN ['as' NAME] '=' dims   a full, unpadded, unfused tensor
                | 'section' NAME ['per' NAME*] ['states' NAME*]
@@ -288,8 +290,21 @@ def _statement(ln: _Line) -> Statement:
     if kw == "index":
         ln.next()
         name = ln.name("an index name")
-        ln.expect("<", "between the index name and its range")
-        return IndexDecl(name.text, _expr(ln), ln.pos(name))
+        if not ln.at("in"):
+            ln.expect("<", "between the index name and its range")
+            return IndexDecl(name.text, _expr(ln), ln.pos(name))
+        ln.next()
+        parent = ln.name("the index this one is a part of, after 'in'").text
+        start = end = None
+        if ln.at("from"):
+            ln.next()
+            start = _expr(ln)
+        if ln.at("<"):
+            ln.next()
+            end = _expr(ln)
+        if start is None and end is None:
+            raise ln.fail(f"expected 'from N' or '< N' after 'in {parent}', found {_describe(ln.peek())}")
+        return IndexDecl(name.text, end, ln.pos(name), parent, start)
     if kw == "include":
         ln.next()
         path = ln.word("a spec path")

@@ -212,8 +212,13 @@ class Let:
 @dataclass(frozen=True, slots=True)
 class IndexDecl:
     name: str
-    size: Expr
+    size: Expr | None
+    """The range's end (exclusive); None: the parent's end."""
     pos: Pos
+    parent: str | None = None
+    """``index m in i ...``: a part of index ``i``'s range, placed over pipeline stages as ``i``'s layers are."""
+    start: Expr | None = None
+    """``from expr``: where a part of a parent's range starts (None: 0)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,8 @@ def eval_term(term: S.Term, ctx: Ctx, r: _Resolver) -> tuple[int, list[_Piece]]:
         n = r.axis_size(term.name, term.pos)
         return n, [(None, (term.name,), (0,), (n,), (1,), 0, (), False)] if n else []
     if isinstance(term, S.Index):
+        if term.name in r.parts:
+            raise r.err(f"'{{{term.name}}}' is a part of another index's range, which cannot stack on a dim", term.pos)
         n = ctx.indexes[term.name]
         return n, [(None, (), (), (), (), v, ((term.name, v),), False) for v in range(n)]
     if isinstance(term, S.Product):

@@ -331,3 +331,47 @@ def test_a_derived_layouts_lines_parse_alike_with_and_without_the_lexer(monkeypa
     fast = parse_spec(text, "<s>")
     monkeypatch.setattr(spec_module, "_plain_statement", lambda *a: None)
     assert fast.statements == parse_spec(text, "<s>").statements
+
+
+PARTS = """
+index i < layers
+index d in i < k
+index m in i from k
+logical l.{i}.attn as attn = h
+logical l.{d}.mlp as mlp = h
+logical l.{m}.moe as moe = h
+section model per pp
+dec.{d/pp}.attn -> attn = h
+dec.{d/pp}.mlp -> mlp = h
+dec.{m/pp}.attn -> attn = h
+dec.{m/pp}.moe -> moe = h
+"""
+
+
+@pytest.mark.parametrize("topo, want", [
+    ("pp=2", {0: ["dec.0.attn <- l.0.attn", "dec.0.mlp <- l.0.mlp", "dec.1.attn <- l.1.attn", "dec.1.moe <- l.1.moe"],
+              1: ["dec.0.attn <- l.2.attn", "dec.0.moe <- l.2.moe", "dec.1.attn <- l.3.attn", "dec.1.moe <- l.3.moe"]}),
+    ("pp=2,stages=3+1", {0: ["dec.0.attn <- l.0.attn", "dec.0.mlp <- l.0.mlp", "dec.1.attn <- l.1.attn",
+                             "dec.1.moe <- l.1.moe", "dec.2.attn <- l.2.attn", "dec.2.moe <- l.2.moe"],
+                         1: ["dec.0.attn <- l.3.attn", "dec.0.moe <- l.3.moe"]}),
+])
+def test_a_part_of_an_index_keeps_the_whole_ranges_stages_and_local_numbers(topo, want):
+    """Dense layers then MoE layers (``index m in i from k``): each part is placed over the stages as the whole
+    layer list is, so a layer keeps its stage and local number whichever part it is in, and a rule capturing a
+    part gives its parent's capture (``l.{i}.attn``) too; per stage the layers stay in order."""
+    layout = resolve(parse_spec(PARTS), parse_topology(topo), {"layers": 4, "k": 1, "h": 3})
+    got: dict[int, list[str]] = {}
+    for f in layout.fragments:
+        got.setdefault(dict(f.item.unit)["pp"], []).append(f"{f.item.key} <- {f.tensor}")
+    assert got == want
+
+
+@pytest.mark.parametrize("change, message", [
+    ("index d in i < k", "index d in j < k"),
+    ("index m in i from k", "index m in i from 5"),
+    ("index d in i < k", "index d in i"),
+])
+def test_a_part_of_an_index_names_a_declared_parent_and_lies_inside_it(change, message):
+    bad = PARTS.replace(change, message)
+    with pytest.raises(SpecError):
+        resolve(parse_spec(bad), parse_topology("pp=2"), {"layers": 4, "k": 1, "h": 3})
