@@ -10,6 +10,8 @@
 - ``plan_405b.py``: planning a Llama-405B-shaped checkpoint from metadata alone;
 - ``any_model.py``: a model no family describes: 100,000 tensors planned from a derived layout, and a
   Qwen2-shaped model to DCP and back against ``cp -r``.
+- ``moe_memory.py``: 256 experts per layer, Hugging Face -> Megatron ep=8,pp=4 -> back under a memory
+  budget: peak RSS against the budget, byte-identical round trip.
 
     python bench/run.py            # the README's tables (several minutes, about 12 GB of disk)
     python bench/run.py --tiny     # a smoke test of the same scripts on checkpoints of a few MiB
@@ -41,6 +43,7 @@ def main() -> None:
         ("DeepSpeed conversion", ["convert_memory.py", "--source", "deepspeed", *small]),
         ("Planning a 405B-shaped checkpoint", ["plan_405b.py", "--validate"]),
         ("Models no family describes", ["any_model.py", *(["--tiny"] if args.tiny else [])]),
+        ("A mixture of experts at ep=8 under a memory budget", ["moe_memory.py", *(["--tiny"] if args.tiny else [])]),
     ]
     if not args.tiny and importable("deepspeed"):
         steps.append(("DeepSpeed ZeRO-2 against ds_to_universal", ["deepspeed_universal.py"]))

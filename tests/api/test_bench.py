@@ -29,3 +29,4 @@ def test_the_benchmark_runs_and_reads_each_needed_byte_once():
         assert float(rows[load_row][4]) <= 1.1, title  # a rank reads its share
     assert "**total (resolve + plan)**" in sections["Planning a 405B-shaped checkpoint"]
     assert "round trip byte-identical: True" in sections["Models no family describes"]
+    assert "weights are byte-identical" in sections["A mixture of experts at ep=8 under a memory budget"]
