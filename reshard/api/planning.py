@@ -149,12 +149,17 @@ def plan(src: str | Path, *, to: str | Topology | None = None, format: str | Non
 def _collector_paused() -> Iterator[None]:
     """Planning allocates millions of small objects that form no cycles (items, fragments, copies); Python's
     cyclic collector would walk all of them again and again, about half the time of a 100,000-tensor plan. It
-    is paused while planning and runs again afterwards."""
+    is paused while planning and runs again afterwards. What planning made then joins the oldest generation
+    (``freeze`` then ``unfreeze``, both constant-time), so the collector's first young-generation pass does not
+    walk it once more; a caller that froze objects itself keeps them frozen."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if gc.get_freeze_count() == 0:
+            gc.freeze()
+            gc.unfreeze()
         if enabled:
             gc.enable()
 
