@@ -20,11 +20,19 @@ Both dump, per rank, what megatron-core holds: its (tp, pp, ep) coordinates from
 ``parallel_state`` and each parameter's value and Adam state by name, for the test to
 compare under global layer and expert numbers. CUDA-only calls megatron-core makes on
 the way (device tensors, a synchronize) are redirected to the CPU.
+
+``options`` (``OPTIONS``) vary the run: ``dense`` builds the Llama-style model without
+experts, ``bf16`` trains bf16 weights (fp32 grads and main params), ``bucket_size``
+overlaps the grad reduce with buckets of that size, ``torch_dist`` saves the checkpoint
+with ``dist_checkpointing.save`` as the trainer does (the distributed optimizer's state
+``dp_reshardable``, megatron-core 0.16's default) instead of the torch format, and
+``next`` dumps once more after a further step (``DUMP/next/rank{r}.pt``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -34,6 +42,7 @@ from jobs import exit_now, run_ranks
 SIZES = {"h": 32, "heads": 4, "g": 2, "hd": 8, "f": 48, "vocab": 300, "layers": 4, "experts": 4}
 DIVISIBLE_BY = 128
 ITERATION = 10
+OPTIONS = {"dense": False, "bf16": False, "bucket_size": None, "torch_dist": False, "next": False}
 
 
 def padded_vocab(tp: int) -> int:
@@ -41,23 +50,32 @@ def padded_vocab(tp: int) -> int:
     return -(-SIZES["vocab"] // multiple) * multiple
 
 
-def save(out: Path, dump: Path, tp: int, pp: int, ep: int, dp: int, distopt: bool = False) -> None:
+def save(out: Path, dump: Path, tp: int, pp: int, ep: int, dp: int, distopt: bool = False, **options) -> None:
     """A real MoE checkpoint at ``out`` after one optimizer step, written by ``tp * pp * dp`` ranks
-    (with ``distopt``, megatron-core's DistributedOptimizer and its ``distrib_optim.pt``)."""
-    _job(["save", str(tp), str(pp), str(ep), str(dp), str(int(distopt)), str(out), str(dump)])
+    (with ``distopt``, megatron-core's DistributedOptimizer and its ``distrib_optim.pt``); ``options``: ``OPTIONS``."""
+    _job(["save", str(tp), str(pp), str(ep), str(dp), str(int(distopt)), _options(options), str(out), str(dump)])
 
 
-def load(ckpt: Path, dump: Path, tp: int, pp: int, ep: int, dp: int, distopt: bool = False) -> None:
-    """megatron-core loads ``ckpt`` into a model and optimizer built at tp/pp/ep/dp and steps once more."""
-    _job(["load", str(tp), str(pp), str(ep), str(dp), str(int(distopt)), str(ckpt), str(dump)])
+def load(ckpt: Path, dump: Path, tp: int, pp: int, ep: int, dp: int, distopt: bool = False, **options) -> None:
+    """megatron-core loads ``ckpt`` (torch format) into a model and optimizer built at tp/pp/ep/dp and steps once
+    more."""
+    _job(["load", str(tp), str(pp), str(ep), str(dp), str(int(distopt)), _options(options), str(ckpt), str(dump)])
+
+
+def _options(given: dict) -> str:
+    unknown = set(given) - set(OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown options {sorted(unknown)} (known: {sorted(OPTIONS)})")
+    return json.dumps(OPTIONS | given)
 
 
 def _job(args: list[str]) -> None:
     run_ranks(__file__, args, "megatron-core")
 
 
-def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool) -> argparse.Namespace:
+def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool, opts: dict = OPTIONS) -> argparse.Namespace:
     s = SIZES
+    experts = None if opts["dense"] else s["experts"]
     return argparse.Namespace(
         num_layers=s["layers"], hidden_size=s["h"], ffn_hidden_size=s["f"], moe_ffn_hidden_size=s["f"],
         num_attention_heads=s["heads"], group_query_attention=True, num_query_groups=s["g"], kv_channels=s["hd"],
@@ -65,9 +83,11 @@ def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool) -> argparse.Namespa
         swiglu=True, normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
         untie_embeddings_and_output_weights=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=tp, data_parallel_size=dp,
-        world_size=tp * pp * dp, num_experts=s["experts"], moe_router_topk=2, moe_grouped_gemm=False,
-        transformer_impl="local", use_distributed_optimizer=distopt, params_dtype="float32", seed=1234,
-        use_mcore_models=True, use_legacy_models=False)
+        world_size=tp * pp * dp, num_experts=experts, moe_router_topk=2 if experts else None,
+        moe_grouped_gemm=False, transformer_impl="local", use_distributed_optimizer=distopt,
+        params_dtype="bfloat16" if opts["bf16"] else "float32", bf16=opts["bf16"],
+        accumulate_allreduce_grads_in_fp32=opts["bf16"], overlap_grad_reduce=opts["bucket_size"] is not None,
+        ddp_bucket_size=opts["bucket_size"], seed=1234, use_mcore_models=True, use_legacy_models=False)
 
 
 def _cpu_only(torch) -> None:
@@ -89,7 +109,7 @@ def _cpu_only(torch) -> None:
     torch.Tensor.type = cuda_type
 
 
-def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, port: int, action: str,
+def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts: dict, port: int, action: str,
           paths: list[str]) -> None:
     import torch
 
@@ -110,22 +130,31 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, port:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep)
     s = SIZES
+    experts = None if opts["dense"] else s["experts"]
+    dtype = torch.bfloat16 if opts["bf16"] else torch.float32
+    moe = {"num_moe_experts": experts, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather"} if experts else {}
     config = TransformerConfig(
         num_layers=s["layers"], hidden_size=s["h"], num_attention_heads=s["heads"], num_query_groups=s["g"],
         kv_channels=s["hd"], ffn_hidden_size=s["f"], gated_linear_unit=True, activation_func=F.silu,
-        normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        num_moe_experts=s["experts"], moe_router_topk=2, moe_token_dispatcher_type="allgather",
-        pipeline_dtype=torch.float32)
+        normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True, params_dtype=dtype,
+        bf16=opts["bf16"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, pipeline_dtype=dtype, **moe)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-                         num_experts=s["experts"], moe_grouped_gemm=False, normalization="RMSNorm"),
+                         num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm"),
                      vocab_size=padded_vocab(tp), max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
                      position_embedding_type="rope")
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=distopt), model)
+    if opts["bf16"]:  # as the trainer's get_model does: every parameter bf16 (norms included)
+        from megatron.core.transformer.module import Float16Module
+
+        wrapped = Float16Module(config, model)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        use_distributed_optimizer=distopt, grad_reduce_in_fp32=opts["bf16"],
+        overlap_grad_reduce=opts["bucket_size"] is not None, bucket_size=opts["bucket_size"]),
+        wrapped if opts["bf16"] else model)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.0, bf16=False, fp16=False,
-                        params_dtype=torch.float32, use_distributed_optimizer=distopt), [ddp])
+        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.0, bf16=opts["bf16"], fp16=False,
+                        params_dtype=dtype, use_distributed_optimizer=distopt), [ddp])
     ep_rank, local = ps.get_expert_model_parallel_rank(), s["experts"] // ep
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(), "ep": ep_rank,
               "dp": ps.get_data_parallel_rank(), "edp": ps.get_expert_data_parallel_rank()}
@@ -141,16 +170,11 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, port:
                     j = int(name.split(".local_experts.")[1].split(".")[0])
                     p.add_(float(ep_rank * local + j))
         _step(ddp, optimizer)
-        it_dir.mkdir(parents=True, exist_ok=True)
-        if distopt:  # a collective; written by each optimizer's data-parallel rank 0 (save_parameter_state)
-            optimizer.save_parameter_state(str(it_dir / "distrib_optim.pt"))
-        if coords["dp"] == 0 or coords["edp"] == 0:  # save_checkpoint's writers of the torch format
-            state = {"args": _args(tp, pp, ep, world // (tp * pp), distopt), "checkpoint_version": 3.0,
-                     "iteration": ITERATION, "model": model.state_dict_for_save_checkpoint(),
-                     "optimizer": optimizer.state_dict()}
-            torch.save(state, it_dir / "model_optim_rng.pt")
-            if rank == 0:
-                (Path(paths[0]) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+        args = _args(tp, pp, ep, world // (tp * pp), distopt, opts)
+        if opts["torch_dist"]:
+            _save_torch_dist(Path(paths[0]), model, optimizer, args)
+        else:
+            _save_torch(it_dir, rank, coords, model, optimizer, args, distopt)
     else:
         state = torch.load(it_dir / "model_optim_rng.pt", weights_only=False)
         model.load_state_dict(state["model"], strict=True)
@@ -163,13 +187,46 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, port:
                      if "step" in st]
             with torch.no_grad():  # fp32 main params are views of the weights, which require grad
                 optimizer.load_parameter_state(str(it_dir / "distrib_optim.pt"))
-            for st, step in steps:
-                st["step"] = step
+            for st, step in steps:  # one tensor shared by every state there: torch Adam would count a step
+                st["step"] = step.clone()  # once per parameter
     _dump(Path(paths[1]) / f"rank{rank}.pt", model, optimizer, coords, torch)
-    if action == "load":
+    if action == "load" or opts["next"]:
         _step(ddp, optimizer)  # the loaded state trains on
+    if opts["next"]:
+        _dump(Path(paths[1]) / "next" / f"rank{rank}.pt", model, optimizer, coords, torch)
     dist.barrier()
     exit_now()  # no destroy_process_group: gloo's teardown sometimes crashes after the work is done
+
+
+def _save_torch(it_dir: Path, rank: int, coords: dict, model, optimizer, args, distopt: bool) -> None:
+    """Megatron-LM's torch format: ``model_optim_rng.pt`` per (tp, pp, ep) shard, ``distrib_optim.pt`` beside it."""
+    import torch
+
+    it_dir.mkdir(parents=True, exist_ok=True)
+    if distopt:  # a collective; written by each optimizer's data-parallel rank 0 (save_parameter_state)
+        optimizer.save_parameter_state(str(it_dir / "distrib_optim.pt"))
+    if coords["dp"] == 0 or coords["edp"] == 0:  # save_checkpoint's writers of the torch format
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                 "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict()}
+        torch.save(state, it_dir / "model_optim_rng.pt")
+        if rank == 0:
+            (it_dir.parent.parent / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+def _save_torch_dist(out: Path, model, optimizer, args) -> None:
+    """torch_dist, as the trainer's ``save_checkpoint`` writes it: ``iter_XXXXXXX`` with the model's and the
+    optimizer's sharded state dicts (the distributed optimizer's state ``dp_reshardable``) and ``args``."""
+    from megatron.core import dist_checkpointing
+
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True}
+    model_sd = model.sharded_state_dict(metadata=metadata)
+    state = {"model": model_sd, "args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)}
+    it_dir = out / f"iter_{ITERATION:07d}"
+    it_dir.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(state, str(it_dir), content_metadata=metadata)
+    (out / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
 
 
 def _step(ddp, optimizer) -> None:
@@ -209,7 +266,7 @@ if __name__ == "__main__":
 
     action = sys.argv[1]
     tp, pp, ep, dp, distopt = (int(a) for a in sys.argv[2:7])
-    paths = sys.argv[7:]
+    options, paths = json.loads(sys.argv[7]), sys.argv[8:]
     os.makedirs(paths[-1], exist_ok=True)
-    mp.spawn(_rank, args=(tp * pp * dp, tp, pp, ep, bool(distopt), int(os.environ["RESHARD_MCORE_PORT"]), action,
-                          paths), nprocs=tp * pp * dp)
+    mp.spawn(_rank, args=(tp * pp * dp, tp, pp, ep, bool(distopt), options, int(os.environ["RESHARD_MCORE_PORT"]),
+                          action, paths), nprocs=tp * pp * dp)

@@ -10,6 +10,7 @@ installed; a one-process ``dcp.save`` of the same layout runs everywhere.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import mcore_jobs
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import reshard
 from reshard.errors import CheckpointFormatError
+from reshard.models import FAMILIES
 
 S = mcore_jobs.SIZES
 
@@ -147,15 +149,27 @@ def test_written_torch_dist_has_megatron_cores_chunks_and_reads_back(tmp_path, t
     assert check.identical and check.compared == 9 * layers + 3, check.differences
 
 
-def test_bucket_space_optimizer_state_is_refused_by_name(tmp_path):
+def test_bucket_space_optimizer_state_without_its_bucket_sizes_is_refused_by_name(tmp_path):
+    """dp_reshardable tensors are read (test_mcore_dist_optim.py) against per_bucket_numel_unpadded; a group without
+    it is refused by name, and so is bucket-space state stored as an object only (dp_zero_gather_scatter)."""
     synthetic(tmp_path / "src")
     key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.exp_avg"
-    dcp.save({key: torch.zeros(64)}, checkpoint_id=tmp_path / "o")
+    dcp.save({key: torch.zeros(64), "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1": [{"buckets_coalesced": True}]},
+             checkpoint_id=tmp_path / "o", planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
     import pickle
     ours = pickle.loads((tmp_path / "src" / ".metadata").read_bytes())
-    ours.state_dict_metadata.update(dcp.FileSystemReader(tmp_path / "o").read_metadata().state_dict_metadata)
+    theirs = dcp.FileSystemReader(tmp_path / "o").read_metadata().state_dict_metadata
+    ours.state_dict_metadata.update({key: theirs[key]})
     (tmp_path / "src" / ".metadata").write_bytes(pickle.dumps(ours))
-    with pytest.raises(CheckpointFormatError, match=r"bucket space \(1 keys, e.g. 'optimizer.distributed.dp_group_idx_0"):
+    with pytest.raises(CheckpointFormatError, match=r"dp_group_idx_0 \(tp=0, pp=0\) has bucket tensors but no "
+                                                    "per_bucket_numel_unpadded"):
+        reshard.open_checkpoint(tmp_path / "src")
+    gather = "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1"
+    del ours.state_dict_metadata[key]
+    ours.state_dict_metadata[gather] = theirs[gather]
+    (tmp_path / "src" / ".metadata").write_bytes(pickle.dumps(ours))
+    with pytest.raises(CheckpointFormatError, match=rf"bucket space \(1 keys, e.g. '{re.escape(gather)}'\) is read "
+                                                    "as dp_reshardable's tensors"):
         reshard.open_checkpoint(tmp_path / "src")
 
 
@@ -328,8 +342,8 @@ def test_a_torch_dist_model_of_no_known_family_keeps_its_recorded_chunks_and_ref
     with pytest.raises(CheckpointFormatError, match=r"which model this is is recorded nowhere .* mcore-dist stores "
                                                     r"them under its own fused names"):
         reshard.convert(src, tmp_path / "hf", format="hf")
-    (src / "config.json").write_text('{"model_type": "gemma"}')  # a model no family describes: still refused
-    with pytest.raises(CheckpointFormatError, match=r"the model is model_type 'gemma' .* no model family"):
+    (src / "config.json").write_text('{"model_type": "granite"}')  # a model no family describes: still refused
+    with pytest.raises(CheckpointFormatError, match=r"the model is model_type 'granite' .* no model family"):
         reshard.convert(src, tmp_path / "hf", format="hf")
     assert not (tmp_path / "hf").exists()
     (src / "config.json").unlink()
@@ -344,8 +358,7 @@ def test_a_torch_dist_model_of_no_known_family_keeps_its_recorded_chunks_and_ref
         reshard.convert(src, tmp_path / "meg", format="megatron")
     assert str(e.value) == (
         f"{src}: the model is model_type 'qwen3_next' (its config.json), which no model family reshard knows "
-        "describes (known: llama, mistral, qwen2, qwen3, phi3, mixtral, gpt2); Megatron stores each family's tensors "
-        "its own way, and converting "
+        f"describes (known: {', '.join(FAMILIES)}); Megatron stores each family's tensors its own way, and converting "
         "it as another family would change the model: give a spec, or convert to a format that keeps every tensor by "
         "name (hf, dcp, deepspeed)")
 

@@ -88,7 +88,9 @@ GPT-2 style (``args.swiglu`` false, ``normalization`` LayerNorm, ``add_bias_line
 ``embedding.position_embeddings`` on the first stage, output layer tied;
 ``megatron-gpt2*`` specs, sizes with ``positions`` from ``max_position_embeddings``), and
 Mixtral-style MoE (``--num-experts`` with SequentialMLP experts over any ep, untied, plain or
-distributed optimizer; ``megatron-mixtral*``, ``-local`` with ``--transformer-impl local``,
+distributed optimizer; ``megatron-mixtral*``, ``megatron-qwen3_moe*`` with q/k norms, ``megatron-gpt_oss*``
+with biases and sinks; ``-local`` with
+``--transformer-impl local``,
 ``moe_spec`` picks one; sizes with ``experts``).
 
 Not supported yet (each raises ``CheckpointFormatError`` saying so): ``--moe-grouped-gemm``
@@ -122,7 +124,9 @@ The package (imports go downward only, ``format`` at the top):
 - ``identity``: which model a checkpoint holds (its args' family, which a carried ``config.json`` must agree
   with), the identity a target carries, and the error for a model no family describes;
 - ``torch_dist``: the ``mcore-dist`` format, megatron-core's ``torch_dist`` checkpoints (``FORMAT`` of its own);
-- ``dist_derived``: a ``torch_dist`` checkpoint of a model no family describes, laid out from ``.metadata`` alone.
+- ``dist_derived``: a ``torch_dist`` checkpoint of a model no family describes, laid out from ``.metadata`` alone;
+- ``dist_optim``: the distributed optimizer's ``dp_reshardable`` bucket space in a ``torch_dist`` checkpoint,
+  decoded per parameter through the family's ``-distopt`` specs.
 """
 
 from __future__ import annotations

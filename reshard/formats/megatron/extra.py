@@ -28,7 +28,14 @@ from reshard.formats.megatron.specs import (
     _order_name,
     _renumber_expert,
 )
-from reshard.formats.megatron.state import KEY, MegatronOptimizer, MegatronState, OptimizerKind
+from reshard.formats.megatron.state import (
+    KEY,
+    TORCH_DIST_KEY,
+    MegatronOptimizer,
+    MegatronState,
+    OptimizerKind,
+    TorchDistState,
+)
 from reshard.io.torch_types import SmallTensor
 
 
@@ -79,6 +86,10 @@ def _target_state(source: Source, topology: Topology, layout: Layout, args: dict
     src: MegatronState = source.extra[KEY] if meg else write_fixture_extra(
         source.sizes | {"vocab_div": args["make_vocab_size_divisible_by"]}, source.topology,
         tied=not args["untie_embeddings_and_output_weights"], family=family)
+    dist = source.extra.get(TORCH_DIST_KEY) if not meg else None
+    if isinstance(dist, TorchDistState) and dist.param_groups:  # a torch_dist run's optimizer: its groups and step
+        src.optimizer.param_groups, src.optimizer.step = [dict(g) for g in dist.param_groups], None
+        src.iteration = dist.iteration
     src_topo = source.topology
     opt = src.optimizer
     flat = "optim" in {it.section for it in layout.items}

@@ -132,6 +132,9 @@ class TorchDistState:
     """Derived source: per item, its stored key, chunk offsets, the key's global size and the rank that wrote it."""
     planner_data: dict[str, Any] = field(default_factory=dict)
     """Derived source: ``.metadata``'s planner data, carried to a derived target."""
+    param_groups: list[dict[str, Any]] | None = None
+    """Source: the distributed optimizer's param groups (without ``params``, with Adam's ``step``), None if not
+    saved; a Megatron target carries them."""
 
 
 def carried_args(source: Source) -> dict[str, Any]:

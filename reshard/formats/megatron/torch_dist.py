@@ -17,11 +17,15 @@ saves them) or from ``sizes``; ``vpad`` is the stored embedding's row count.
 Per-layer ``_extra_state`` entries are bytes entries, carried as they are to a
 torch_dist target (written as megatron-core's local layers write them,
 ``[None]``, from any other source); they hold nothing the other formats need.
-Optimizer state saved in the distributed optimizer's ``fully_reshardable``
-format (``optimizer.state.<state>.<model key>``, the same global tensors and
-chunks as the weights; ``param`` is the fp32 master copy) is read; the
-default ``dp_reshardable`` bucket space (``optimizer.distributed.*``) is
-refused with a message. Writing lays the same global weights out as
+Optimizer state saved by the distributed optimizer is read in both of its
+formats: ``fully_reshardable`` (``optimizer.state.<state>.<model key>``, the
+same global tensors and chunks as the weights; ``param`` is the fp32 master
+copy; the step from ``common.pt``'s param groups) and the default
+``dp_reshardable`` bucket space (``optimizer.distributed.*``, decoded per
+parameter by ``dist_optim``; the step and param groups from its
+``optimizer`` entry, carried to a torch-format target). Bucket-space state of
+MoE models, of derived layouts, or stored otherwise (``dp_zero_gather_scatter``)
+is refused with a message. Writing lays the same global weights out as
 megatron-core's ranks would at the target tp/pp (see
 ``McoreDistFormat.target``); optimizer state is not written yet, nor MoE.
 
@@ -87,6 +91,8 @@ from reshard.formats.megatron.dist_derived import (
     write_common,
 )
 from reshard.formats.megatron.dist_derived import optimizer_state as _optimizer_state
+from reshard.formats.megatron.dist_optim import PREFIX as BUCKETS
+from reshard.formats.megatron.dist_optim import bucket_space
 from reshard.formats.megatron.identity import agreed_family, carried_identity, read_carried
 from reshard.formats.megatron.state import TORCH_DIST_KEY, TorchDistState, carried_args
 from reshard.formats.specs import layout_spec, require_family
@@ -131,8 +137,9 @@ class McoreDistFormat:
         Raises:
           CheckpointFormatError: another backend, missing model sizes, a stored
             key the spec does not know (or the reverse), a global shape that
-            differs from the spec's, or optimizer state other than the
-            ``fully_reshardable`` format's.
+            differs from the spec's, optimizer state in neither the
+            ``fully_reshardable`` nor the ``dp_reshardable`` format, or bucket
+            sizes that differ from the layout's (``dist_optim.bucket_space``).
         """
         path = Path(path)
         backend = _read_json(path / METADATA_JSON).get("sharded_backend")
@@ -164,33 +171,40 @@ class McoreDistFormat:
         fragments: list[Fragment] = []
         where: dict[Item, Located] = {}
         problems: list[str] = []
-        bucket = sorted(k for k in [*md.tensors, *md.byte_entries] if k.startswith("optimizer.distributed."))
-        if bucket:
+        bucket = sorted(k for k in [*md.tensors, *md.byte_entries] if k.startswith(BUCKETS))
+        buckets = None
+        if bucket and (derived or family is None or family.experts or not any(k in md.tensors for k in bucket)):
             problems.append(f"optimizer state in the distributed optimizer's bucket space ({len(bucket)} keys, e.g. "
-                            f"'{bucket[0]}', sharding type dp_reshardable) is not read yet; save with "
-                            "--dist-ckpt-optim-fully-reshardable, or convert the weights alone")
+                            f"'{bucket[0]}') is read as dp_reshardable's tensors of a dense model of a known family "
+                            "only; save with --dist-ckpt-optim-fully-reshardable, or convert the weights alone")
+        elif bucket:
+            buckets = bucket_space(path, md, args, family, model_sizes, topology)
         archives: dict[str, Any] = {}
         verbatim: list[_Verbatim] = []
         chunks: dict[Item, tuple] = {}
         for key, t in md.tensors.items():
-            if key.startswith("optimizer.distributed."):
-                continue
-            if derived and t.size == ():
+            if key.startswith(BUCKETS):
+                if buckets is None:
+                    continue
+                state, whole_frags, rule = buckets.states[key], buckets.fragments[key], buckets.spec_name
+            elif derived and t.size == ():
                 verbatim.append(_Verbatim(key, t, _entry_bytes(path, md, key, ())[0]))
                 continue
-            state, model_key = _optimizer_state(key)
-            if state is None:
-                problems.append(f"'{key}' is optimizer state reshard does not read (expected "
-                                "optimizer.state.<param|exp_avg|exp_avg_sq|...>.<model key>)")
-                continue
-            whole_item = by_key.get(model_key)
-            if whole_item is None:
-                problems.append(f"'{key}' ({t.dtype} {list(t.size)}) matches no tensor of spec '{spec_name}'")
-                continue
-            if t.size != whole.items[whole_item].shape:
-                problems.append(f"'{key}' is {list(t.size)}, spec '{spec_name}' expects "
-                                f"{list(whole.items[whole_item].shape)} for sizes {model_sizes}")
-                continue
+            else:
+                state, model_key = _optimizer_state(key)
+                if state is None:
+                    problems.append(f"'{key}' is optimizer state reshard does not read (expected "
+                                    "optimizer.state.<param|exp_avg|exp_avg_sq|...>.<model key>)")
+                    continue
+                whole_item = by_key.get(model_key)
+                if whole_item is None:
+                    problems.append(f"'{key}' ({t.dtype} {list(t.size)}) matches no tensor of spec '{spec_name}'")
+                    continue
+                if t.size != whole.items[whole_item].shape:
+                    problems.append(f"'{key}' is {list(t.size)}, spec '{spec_name}' expects "
+                                    f"{list(whole.items[whole_item].shape)} for sizes {model_sizes}")
+                    continue
+                whole_frags, rule = frags_of.get(whole_item, []), whole.items[whole_item].rule
             if t.dtype not in SUPPORTED:
                 problems.append(f"'{key}' has dtype {t.dtype}, which reshard cannot copy")
                 continue
@@ -200,14 +214,14 @@ class McoreDistFormat:
             for c in t.chunks:
                 if 0 in c.sizes:
                     continue
+                item = Item("model", (), 0, state, f"{key}@{','.join(map(str, c.offsets))}")
+                mine = [replace(f, state=state) for f in chunk_fragments(whole_frags, t.size, c.offsets, c.sizes, item)]
+                if not mine and key.startswith(BUCKETS):  # a gap between parameters: arbitrary bytes, never read
+                    continue
                 ref = _chunk_ref(path, md, key, c, t, archives, problems)
                 if ref is None:
                     continue
-                item = Item("model", (), 0, state, f"{key}@{','.join(map(str, c.offsets))}")
-                mine = [replace(f, state=state) for f in
-                        chunk_fragments(frags_of.get(whole_item, []), t.size, c.offsets, c.sizes, item)]
-                items[item] = ItemInfo(shape=c.sizes, mapped=sum(math.prod(f.box.lengths) for f in mine),
-                                       rule=whole.items[whole_item].rule)
+                items[item] = ItemInfo(shape=c.sizes, mapped=sum(math.prod(f.box.lengths) for f in mine), rule=rule)
                 fragments.extend(mine)
                 where[item] = Located(ref.path, ref.data_offset, ref.dtype)
                 rank = _DATA_FILE.fullmatch(md.storage[(key, c.offsets)].relative_path)
@@ -223,13 +237,16 @@ class McoreDistFormat:
         layout = Layout(topology=topology, tensors=MappingProxyType({n: t for n, t in whole.tensors.items() if n in used}),
                         items=MappingProxyType(items), fragments=tuple(fragments))
         it = common.get("iteration")
+        step = _group_step(common, path / COMMON) if buckets is None else \
+            _step_of((buckets.param_groups or [{}])[0].get("step"), path / ".metadata")
         progress = Progress(iteration=expect_step(it, "iteration", path / COMMON) if it is not None else None,
-                            step=_group_step(common, path / COMMON))
+                            step=step)
         # Per-layer _extra_state (Transformer Engine's FP8 metadata, or [None]): keyed by global layer, so a
         # torch_dist target at any tp/pp takes them as they are. A derived layout carries every bytes entry.
         verbatim += [_Verbatim(k, None, _entry_bytes(path, md, k, None)[0]) for k in md.byte_entries
                      if derived or "._extra_state/shard_" in k]
-        state = TorchDistState(args=args or {}, iteration=progress.iteration, extra_states=verbatim)
+        state = TorchDistState(args=args or {}, iteration=progress.iteration, extra_states=verbatim,
+                               param_groups=buckets.param_groups if buckets else None)
         if derived:
             state.common, state.chunks = carried_common(common, path / COMMON), chunks
             state.planner_data = dict(md.planner_data)
@@ -427,6 +444,10 @@ def _group_step(common: Mapping[str, Any], where: Path) -> int | None:
     inner = optimizer.get("optimizer") if isinstance(optimizer, Mapping) else None
     groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
     step = groups[0].get("step") if isinstance(groups, list) and groups and isinstance(groups[0], Mapping) else None
+    return _step_of(step, where)
+
+
+def _step_of(step: Any, where: Path) -> int | None:
     return None if step is None else expect_step(step, "optimizer param_groups[0]['step']", where)
 
 
