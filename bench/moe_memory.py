@@ -1,12 +1,12 @@
-"""A mixture-of-experts checkpoint with DeepSeek-V3's expert count, Hugging Face -> Megatron ep=8,pp=4 -> back,
-under a memory budget: peak RSS against the budget, wall time, bytes.
+"""A DeepSeek-V3-shaped mixture of experts, Hugging Face -> Megatron ep=8,pp=4 -> back, under a memory budget:
+peak RSS against the budget, wall time, bytes.
 
-Generates a Hugging Face checkpoint (bf16, one ``model.safetensors``) of a Mixtral-layout model with
-DeepSeek-V3's routed-expert count: 256 experts per layer, top-8, small widths, so that about 25,000
-tensors (0.8 GiB, more than the default 512 MiB budget) go through the planner and the writers in
-under a minute on 2 cores. (The
-``deepseek_v3`` family itself, with MLA attention, shared experts and dense first layers, is not laid
-out yet.) Then, each in a fresh interpreter with ``--memory-budget``:
+Generates a Hugging Face checkpoint (bf16, one ``model.safetensors``) shaped like DeepSeek-V3 (the
+``deepseek_v3`` family): multi-latent attention with q and kv compression, the first layers dense, then
+256 routed experts per layer (top-8, in 8 groups) plus a shared expert and a router with its score
+correction bias; small widths, so that about 25,000 tensors (about 0.8 GiB, more than the default 512 MiB
+budget) go through the planner and the writers in under a minute on 2 cores. Then, each in a fresh
+interpreter with ``--memory-budget``:
 
 - ``reshard convert`` to Megatron at tp=1,pp=4,dp=8,ep=8 (32 ranks; experts split 32 per ep rank;
   Megatron's distributed optimizer, as expert parallelism needs);
@@ -40,21 +40,21 @@ TOPK = 8
 
 
 def sizes_for(layers: int, experts: int, tiny: bool) -> dict:
-    """A small-width model with many experts (f: each expert's width)."""
+    """DeepSeek-V3's shape at small widths (fe: each routed expert's width; the first 3 layers dense)."""
+    common = {"ql": 48, "kvl": 32, "nope": 16, "rope": 8, "vd": 16, "shared": 1, "vocab_div": 128,
+              "experts": experts}
     if tiny:
-        return {"h": 64, "heads": 4, "g": 4, "hd": 16, "f": 16, "vocab": 1000, "layers": 4, "vocab_div": 128,
-                "experts": experts}
-    return {"h": 256, "heads": 8, "g": 8, "hd": 32, "f": 64, "vocab": 8000, "layers": layers, "vocab_div": 128,
-            "experts": experts}
+        return {**common, "h": 64, "heads": 4, "f": 96, "fe": 16, "dense": 1, "vocab": 1000, "layers": 4}
+    return {**common, "h": 256, "heads": 8, "f": 512, "fe": 64, "dense": 3, "vocab": 8000, "layers": layers}
 
 
 def generate(src: Path, sizes: dict) -> float:
     """Write the Hugging Face checkpoint in a child process; its seconds."""
-    hints = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": sizes["experts"],
-             "num_experts_per_tok": TOPK}
+    hints = {"num_experts_per_tok": TOPK, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+             "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
     t0 = time.perf_counter()
     child(f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); import fixtures\n"
-          f"fixtures.MODELS['bench-moe'] = fixtures.Model('hf-mixtral', {sizes!r}, {hints!r})\n"
+          f"fixtures.MODELS['bench-moe'] = fixtures.Model('hf-deepseek_v3', {sizes!r}, {hints!r})\n"
           f"fixtures.make_fixture({str(src)!r}, format='hf', model='bench-moe', states=('param',))\n"
           "_out = {}")
     return time.perf_counter() - t0
@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="write under this directory and keep the files")
     ap.add_argument("--tiny", action="store_true", help="4 narrow layers (a smoke test)")
     args = ap.parse_args()
+    import reshard
     from reshard.core.units import parse_size
     budget = parse_size(args.budget, "budget")
     sizes = sizes_for(args.layers, args.experts, args.tiny)
@@ -95,9 +96,10 @@ def main() -> None:
         size = dir_size(src)
         runs = [("HF -> Megatron " + TARGET, *convert(src, meg, "megatron", TARGET, args.budget)),
                 ("Megatron -> HF", *convert(meg, back, "hf", None, args.budget))]
-        tensors = sizes["layers"] * (3 * sizes["experts"] + 7) + 3
+        tensors = len(reshard.open_checkpoint(src).layout.tensors)
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
-        print(f"checkpoint: Mixtral layout, {sizes['layers']} layers x {sizes['experts']} experts (top-{TOPK}), "
+        print(f"checkpoint: DeepSeek-V3 shape, {sizes['layers']} layers ({sizes['dense']} dense) x "
+              f"{sizes['experts']} routed experts (top-{TOPK}) + {sizes['shared']} shared, MLA, "
               f"{tensors:,} tensors, {size / 2**20:.0f} MiB bf16; memory budget {budget / 2**20:.0f} MiB\n")
         print("| conversion | wall s | peak RSS MiB | budget MiB | peak / budget | read MiB | written MiB | files |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")

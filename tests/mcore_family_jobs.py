@@ -50,15 +50,24 @@ def _model(args: dict, torch):
            "moe_ffn_hidden_size": args["moe_ffn_hidden_size"],
            "moe_router_pre_softmax": bool(args.get("moe_router_pre_softmax")),
            "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "none"} if experts else {}
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
     window = args.get("window_size")
+    quick = bool(args.get("quick_geglu"))  # GPT-OSS: x * sigmoid(1.702 x), linear half offset, both clamped
     config = TransformerConfig(
         num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
         num_attention_heads=args["num_attention_heads"], num_query_groups=args["num_query_groups"],
-        kv_channels=args["kv_channels"], gated_linear_unit=args["swiglu"], activation_func=F.silu,
+        kv_channels=args["kv_channels"], gated_linear_unit=args["swiglu"] or quick,
+        activation_func=quick_gelu if quick else F.silu, glu_linear_offset=args.get("glu_linear_offset", 0.0),
+        activation_func_clamp_value=args.get("activation_func_clamp_value"),
+        softmax_type=args.get("softmax_type", "vanilla"), window_attn_skip_freq=args.get("window_attn_skip_freq"),
         normalization=args["normalization"], layernorm_epsilon=args["norm_epsilon"],
         add_bias_linear=args["add_bias_linear"], add_qkv_bias=bool(args.get("add_qkv_bias")),
         qk_layernorm=bool(args.get("qk_layernorm")), window_size=tuple(window) if window else None,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32, **moe)
+    for key, value in args.items():  # yarn's fields are read off the config by GPTModel, not TransformerConfig's
+        if key.startswith("yarn_"):
+            setattr(config, key, value)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                     qk_layernorm=bool(args.get("qk_layernorm")), normalization=args["normalization"])
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args["padded_vocab_size"],
@@ -93,7 +102,9 @@ def _case(case: Path, torch) -> dict:
     with torch.no_grad():
         logits = model(ids, positions, mask)[..., :args["vocab_size"]]
     diff = (logits.float() - reference["logits"].float()).abs().max().item()
-    return {"missing": missing, "unexpected": unexpected, "max_diff": diff}
+    params = [name for name, _ in model.named_parameters()]  # registration order (the distributed optimizer's)
+    stored = [k for k in saved["model"] if k in set(params)]
+    return {"missing": missing, "unexpected": unexpected, "max_diff": diff, "in_registration_order": stored == params}
 
 
 def main(cases: list[str]) -> None:

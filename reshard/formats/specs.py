@@ -20,10 +20,11 @@ The rules, per format:
   (``ColwiseParallel`` splits dim 0, ``RowwiseParallel`` dim 1): dim 0 of every tensor chunked over dp
   with ``torch.chunk`` sizes, after tp where tp splits it too (``_StridedShard``).
 - ``megatron`` (Megatron-core, torch format): the family's Megatron names and fusions, and with
-  ``distopt`` the distributed optimizer's buffers: params in reverse registration order, each at a
-  multiple of 64 elements, closed into buckets, padded for dp; ``-torch`` as ``distrib_optim.pt`` holds
-  them (coalesced per (tp, pp)), without it per dp rank; ``-ep`` gives experts their own buffer. The
-  ``megatron-legacy`` prefix is Megatron-LM's legacy model, ``mcore-dist`` torch_dist's global tensors.
+  ``distopt`` the distributed optimizer's buffers: params (not the family's persistent buffers) in reverse
+  registration order, each at a multiple of 64 elements, closed into buckets, padded for dp; ``-torch`` as
+  ``distrib_optim.pt`` holds them (coalesced per (tp, pp)), without it per dp rank; ``-ep`` gives experts their
+  own buffer. The ``megatron-legacy`` prefix is Megatron-LM's legacy model, ``mcore-dist`` torch_dist's global
+  tensors.
 """
 
 from __future__ import annotations
@@ -86,8 +87,18 @@ def _hf_order(family: Family, tied: bool):
 
 # --- deepspeed ---------------------------------------------------------------------------------------
 
+def _no_buffers(family: Family, name: str) -> None:
+    """DeepSpeed's layouts put the whole module section into flat buffers; a family with persistent buffers
+    (which no optimizer holds) is not laid out so yet."""
+    if family.buffers:
+        raise SpecError(f"{name}: no DeepSpeed layout for {family.name} (its persistent buffers "
+                        f"{', '.join(family.buffers)} are in the module's state dict but in no flat buffer; not "
+                        "supported yet)")
+
+
 def deepspeed(family: Family, options: tuple[str, ...]) -> str:
     variant = _one_of(options, ("hf-trainer", "zero3"), family, "deepspeed")
+    _no_buffers(family, "-".join(("deepspeed", family.name, *options)))
     tensors = family.by_registration(tied=False)
     lines = [family.logical_text(tied=False), "section model per tp pp"]
     if variant == "hf-trainer":
@@ -106,6 +117,7 @@ def deepspeed(family: Family, options: tuple[str, ...]) -> str:
 
 def deepspeed_pipe(family: Family, options: tuple[str, ...]) -> str:
     _one_of(options, (), family, "deepspeed-pipe")
+    _no_buffers(family, f"deepspeed-pipe-{family.name}")
     tensors = family.by_registration(tied=False)
     layered = [t for t in tensors if "{i}" in t.name]
     first = tensors[:tensors.index(layered[0])]
@@ -133,7 +145,8 @@ def dcp(family: Family, options: tuple[str, ...]) -> str:
         dims = t.dims
         if t.tp is not None:
             dims = _with(dims, t.tp, "/tp")
-        dims = _with(dims, 0, "/dp:chunk")
+        if t.alias not in family.buffers:  # FSDP2 shards parameters only
+            dims = _with(dims, 0, "/dp:chunk")
         lines.append(f"model.{t.name}{t.ref} = {dims}")
     return "\n".join(lines) + "\n"
 
@@ -151,35 +164,51 @@ def megatron(family: Family, options: tuple[str, ...]) -> str:
         raise SpecError(f"megatron-{family.name}-{'-'.join(options)}: -ep needs -distopt-torch, -torch needs -distopt")
     body = family.megatron(tied=tied, local=local) if family.megatron else None
     if body is None:
-        raise SpecError(f"megatron-{family.name}-{'-'.join(options)}: Megatron has no layout for {family.name}"
-                        f"{' tied' if tied else ''}{' in local layers' if local else ''}")
+        raise SpecError(f"{'-'.join(('megatron', family.name, *options))}: no Megatron layout for {family.name}"
+                        f"{' tied' if tied else ''}{' in local layers' if local else ''}{_why_not(family)}")
     axes = "tp pp ep" if family.experts else "tp pp"
     lines = [family.logical_text(tied), f"section model per {axes}", body]
+    model = "model"  # the params of the model section: its persistent buffers are in no optimizer
+    for t in family.stored(tied):
+        if t.alias in family.buffers:
+            model += f" | except {_megatron_name(body, t.alias)}"
     if distopt and not torch_file:
         lines += [f"section optim per {axes} dp {STATES}",
-                  f"flat optimizer.distributed.bucket_{{bucket}}.{{state}} = model | {DISTOPT} | pad lcm(dp, 128) | split dp"]
+                  f"flat optimizer.distributed.bucket_{{bucket}}.{{state}} = {model} | {DISTOPT} | pad lcm(dp, 128) | split dp"]
     elif distopt and ep:
         lines += [f"section optim per {axes} {STATES}",
-                  f"flat distrib_optim.{{state}} = model | except *.mlp.experts.* | {DISTOPT} | pad lcm(dp * cp, 128) | coalesce",
+                  f"flat distrib_optim.{{state}} = {model} | except *.mlp.experts.* | {DISTOPT} | pad lcm(dp * cp, 128) | coalesce",
                   "", f"section expert_optim per {axes} {STATES}",
-                  f"flat expert_distrib_optim.{{state}} = model | only *.mlp.experts.* | {DISTOPT} | pad lcm(edp, 128) | coalesce"]
+                  f"flat expert_distrib_optim.{{state}} = {model} | only *.mlp.experts.* | {DISTOPT} | pad lcm(edp, 128) | coalesce"]
     elif distopt:
         lines += [f"section optim per {axes} {STATES}",
-                  f"flat distrib_optim.{{state}} = model | {DISTOPT} | pad lcm(dp * cp, 128) | coalesce"]
+                  f"flat distrib_optim.{{state}} = {model} | {DISTOPT} | pad lcm(dp * cp, 128) | coalesce"]
     return "\n".join(lines) + "\n"
+
+
+def _megatron_name(body: str, alias: str) -> str:
+    """A glob of the stored names of the Megatron rule that stores ``alias`` (``*.mlp.router.expert_bias``)."""
+    rule = next(line for line in body.splitlines() if f"-> {alias} " in line)
+    name = rule.split()[0]
+    return "*" + name[name.rindex("}") + 1:] if "}" in name else name
+
+
+def _why_not(family: Family) -> str:
+    return f" ({family.plain_megatron})" if family.plain_megatron else ""
 
 
 def megatron_legacy(family: Family, options: tuple[str, ...]) -> str:
     _one_of(options, (), family, "megatron-legacy")
     if family.megatron_legacy is None:
-        raise SpecError(f"megatron-legacy-{family.name}: no legacy Megatron-LM layout for {family.name}")
+        raise SpecError(f"megatron-legacy-{family.name}: no legacy Megatron-LM layout for {family.name}"
+                        f"{_why_not(family)}")
     return "\n".join([family.logical_text(tied=False), "section model per tp pp", family.megatron_legacy]) + "\n"
 
 
 def torch_dist(family: Family, options: tuple[str, ...]) -> str:
     _one_of(options, (), family, "mcore-dist")
     if family.torch_dist is None:
-        raise SpecError(f"mcore-dist-{family.name}: no torch_dist layout for {family.name}")
+        raise SpecError(f"mcore-dist-{family.name}: no torch_dist layout for {family.name}{_why_not(family)}")
     return "\n".join([family.logical_text(tied=False), "section model", family.torch_dist]) + "\n"
 
 

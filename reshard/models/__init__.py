@@ -10,11 +10,14 @@ A model is never guessed: a config whose ``model_type`` no family claims is refu
 
 A Megatron checkpoint names its family by its args alone (``family_for_megatron_args``): each family's
 ``is_megatron`` asks for exactly what marks it (Qwen2: ``add_qkv_bias``; Qwen3: ``qk_layernorm``; Mistral:
-``window_size``; Mixtral: ``num_experts``), so at most one family matches. A family whose args are another's
-(Phi-3's are a Llama's or a Mistral's, a Mistral without a window a Llama's) is never chosen by args: with no
-carried ``config.json`` the checkpoint reads as the family whose args match exactly, which computes the same
-function; with one, the config decides when its own Megatron args describe the same family
-(``megatron_family_of_config``).
+``window_size``; Mixtral: ``num_experts``; Qwen3-MoE: ``num_experts`` with ``qk_layernorm``; GPT-OSS:
+``quick_geglu`` with ``softmax_type`` learnable; DeepSeek-V3: ``multi_latent_attention`` with ``num_experts``, which
+the other families' checks exclude), so at most one family matches. A family whose args are another's (Phi-3's
+are a Llama's or a Mistral's, a Mistral without a window a Llama's) is never chosen by args: with no carried
+``config.json`` the checkpoint reads as the family whose args match exactly, which computes the same function;
+with one, the config decides when its own Megatron args describe the same family (``megatron_family_of_config``).
+A family whose Megatron layout is Megatron-Bridge's (Gemma, Gemma 2, Gemma 3: ``Family.plain_megatron``) has no
+``is_megatron``: args cannot say it, and only its carried ``config.json`` does.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ FAMILIES = {
     "qwen3": "reshard.models.qwen3",
     "phi3": "reshard.models.phi3",
     "mixtral": "reshard.models.mixtral",
+    "qwen3_moe": "reshard.models.qwen3_moe",
+    "gpt_oss": "reshard.models.gpt_oss",
+    "deepseek_v3": "reshard.models.deepseek_v3",
+    "gemma": "reshard.models.gemma",
+    "gemma2": "reshard.models.gemma2",
+    "gemma3_text": "reshard.models.gemma3_text",
+    "olmo2": "reshard.models.olmo2",
     "gpt2": "reshard.models.gpt2",
 }
 """Family name -> module defining ``FAMILY``."""

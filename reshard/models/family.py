@@ -103,6 +103,17 @@ class Family:
     """The Megatron-core torch_dist global layout's model section body, where it exists."""
     experts: bool = False
     """A mixture-of-experts family: expert tensors split over ``ep`` in Megatron."""
+    buffers: tuple[str, ...] = ()
+    """Aliases of persistent buffers: in the model's state dict, but no parameter (in no optimizer state or flat
+    buffer, never sharded by FSDP); DeepSeek-V3's expert-choice bias."""
+    sizes_from_args: Callable[[Mapping[str, Any], Callable[..., int]], dict[str, int]] | None = None
+    """The sizes a Megatron run's args give beyond Llama's (h, heads, f, layers, vocab), with a reader of one
+    integer arg that refuses a missing or bad one; None where Llama's are all."""
+    plain_megatron: str = ""
+    """What plain megatron-core cannot express of this family, naming the config fields ("" where it can): why
+    the Megatron layouts it lacks (``megatron`` None, or None for ``local``) are refused. Such a family's Megatron
+    layout, where it has one, is Megatron-Bridge's; its args alone cannot say it (``is_megatron`` is None), so a
+    Megatron checkpoint of it is read with its carried ``config.json`` only."""
 
     def stored(self, tied: bool) -> tuple[Tensor, ...]:
         """The tensors a checkpoint of this family stores, with the output projection tied or not."""
@@ -127,7 +138,7 @@ class Family:
 
     def names(self, name: str) -> bool:
         """Whether ``name`` is one of the family's tensor names (any layer, any expert; tied or not)."""
-        return any(re.fullmatch(re.escape(t.name).replace(r"\{i\}", "[0-9]+").replace(r"\{e\}", "[0-9]+"), name)
+        return any(re.fullmatch(re.sub(r"\\\{[A-Za-z_]+\\\}", "[0-9]+", re.escape(t.name)), name)
                    for t in self.tensors)
 
     def by_registration(self, tied: bool) -> list[Tensor]:

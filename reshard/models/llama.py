@@ -89,15 +89,25 @@ def variant(*, qkv_bias: bool = False, qk_norm: bool = False,
     return tuple(by_alias[a] for a in present), tuple(a for a in registration if a in by_alias)
 
 
-def attention_rules(*, local: bool, qkv_bias: bool = False, qk_norm: bool = False) -> list[str]:
+def attention_rules(*, local: bool, qkv_bias: bool = False, qk_norm: bool = False, sinks: bool = False,
+                    o_bias: bool = False, post_norm: bool = False) -> list[str]:
     """Megatron-core's rules for one Llama-style attention block and its input norm, in registration order:
     the norm is ``input_layernorm`` of its own with ``--transformer-impl local``, else fused into
-    ``linear_qkv`` (Transformer Engine's ``layer_norm_weight``, registered after ``linear_proj``)."""
+    ``linear_qkv`` (Transformer Engine's ``layer_norm_weight``, registered after ``linear_proj``). ``sinks``:
+    a learned softmax offset per head (``--softmax-type learnable``), registered with the core attention
+    before ``linear_proj``; ``o_bias``: ``linear_proj``'s bias (``--add-bias-linear``), replicated over tp;
+    ``post_norm``: a norm of the attention's output inside ``linear_proj`` (Megatron-Bridge's
+    ``TERowParallelLinearLayerNorm``: ``post_layernorm``, registered after the linear's weight)."""
     at = "decoder.layers.{i/pp}."
     ln1 = (f"{at}input_layernorm.weight -> ln1 = h" if local else
            f"{at}self_attention.linear_qkv.layer_norm_weight -> ln1 = h")
-    proj = f"{at}self_attention.linear_proj.weight -> o = h (g qpg hd)/tp"
-    rules = [ln1, proj] if local else [proj, ln1]
+    proj = [f"{at}self_attention.core_attention.softmax_offset -> sinks = (g/tp qpg)"] if sinks else []
+    proj.append(f"{at}self_attention.linear_proj.weight -> o = h (g qpg hd)/tp")
+    if o_bias:
+        proj.append(f"{at}self_attention.linear_proj.bias -> o_bias = h")
+    if post_norm:
+        proj.append(f"{at}self_attention.linear_proj.post_layernorm.weight -> post_attn = h")
+    rules = [ln1, *proj] if local else [*proj, ln1]
     rules.append(f"{at}self_attention.linear_qkv.weight = (g/tp [q: qpg hd | k: hd | v: hd]) h")
     if qkv_bias:
         rules.append(f"{at}self_attention.linear_qkv.bias = (g/tp [q_bias: qpg hd | k_bias: hd | v_bias: hd])")
@@ -107,18 +117,22 @@ def attention_rules(*, local: bool, qkv_bias: bool = False, qk_norm: bool = Fals
     return rules
 
 
-def megatron(*, tied: bool = False, local: bool = False, qkv_bias: bool = False, qk_norm: bool = False) -> str:
+def megatron(*, tied: bool = False, local: bool = False, qkv_bias: bool = False, qk_norm: bool = False,
+             post_norms: bool = False) -> str:
     """Megatron-core GPT in Llama style (``--swiglu --normalization RMSNorm``, no biases but ``--add-qkv-bias``,
-    ``--qk-layernorm``), Transformer Engine layers or ``--transformer-impl local``."""
+    ``--qk-layernorm``), Transformer Engine layers or ``--transformer-impl local``; ``post_norms``: norms of the
+    attention's and the MLP's outputs inside ``linear_proj`` and ``linear_fc2`` (Megatron-Bridge's Gemma 2/3:
+    ``post_attn``, ``post_ffn``)."""
     at = "decoder.layers.{i/pp}."
     ln2 = f"{at}pre_mlp_layernorm.weight -> ln2 = h" if local else f"{at}mlp.linear_fc1.layer_norm_weight -> ln2 = h"
     head = "output_layer.weight -> embed @lastonly" if tied else "output_layer.weight -> head @last"
     return "\n".join([
         f"embedding.word_embeddings.weight -> embed @first = {VOCAB}",
-        *attention_rules(local=local, qkv_bias=qkv_bias, qk_norm=qk_norm),
+        *attention_rules(local=local, qkv_bias=qkv_bias, qk_norm=qk_norm, post_norm=post_norms),
         ln2,
         f"{at}mlp.linear_fc1.weight = [gate: f/tp | up: f/tp] h",
         f"{at}mlp.linear_fc2.weight -> down = h f/tp",
+        *([f"{at}mlp.linear_fc2.post_layernorm.weight -> post_ffn = h"] if post_norms else []),
         "decoder.final_layernorm.weight -> norm @last = h",
         f"{head} = {VOCAB}",
     ]) + "\n"
@@ -152,13 +166,15 @@ output_layer.weight -> head = (vocab~vpad) h
 """
 
 
-def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.json") -> dict[str, int]:
-    """h, heads, g, hd, f, vocab, layers from a ``LlamaConfig`` dict.
+def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.json", *,
+                      f_key: str = CONFIG_KEYS["f"]) -> dict[str, int]:
+    """h, heads, g, hd, f, vocab, layers from a ``LlamaConfig`` dict (``f`` from ``f_key``: an MoE family's
+    expert width).
 
     ``g`` defaults to ``heads`` (no GQA) and ``hd`` to ``h // heads``, as ``LlamaConfig`` does. Raises
     CheckpointFormatError listing every missing or non-positive key.
     """
-    keys = {k: v for k, v in CONFIG_KEYS.items() if k not in ("g", "hd")}
+    keys = {k: v for k, v in (CONFIG_KEYS | {"f": f_key}).items() if k not in ("g", "hd")}
     sizes = config_ints(config, keys, (CONFIG_KEYS["g"], CONFIG_KEYS["hd"]), where)
     sizes["g"] = int(config.get("num_key_value_heads") or sizes["heads"])
     sizes["hd"] = int(config.get("head_dim") or sizes["h"] // sizes["heads"])
@@ -222,9 +238,10 @@ def megatron_args(sizes: Mapping[str, int], tied: bool) -> dict[str, Any]:
 
 
 def is_dense(args: Mapping[str, Any]) -> bool:
-    """Llama-style Megatron args: SwiGLU, no experts, no biases but q/k/v's, every layer alike."""
+    """Llama-style Megatron args: SwiGLU, no experts, no biases but q/k/v's, every layer alike, q/k/v attention
+    (not ``--multi-latent-attention``)."""
     return (bool(args.get("swiglu", False)) and not args.get("num_experts") and not args.get("add_bias_linear")
-            and not args.get("window_attn_skip_freq"))
+            and not args.get("window_attn_skip_freq") and not args.get("multi_latent_attention"))
 
 
 def is_megatron(args: Mapping[str, Any]) -> bool:

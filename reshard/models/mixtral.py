@@ -49,26 +49,34 @@ index e < experts
 """
 
 
-def megatron(*, tied: bool = False, local: bool = False) -> str | None:
-    """Megatron-core GPT with Mixtral-style MoE layers (untied output layer)."""
+def megatron(*, tied: bool = False, local: bool = False, biases: bool = False, **attention: bool) -> str | None:
+    """Megatron-core GPT with Mixtral-style MoE layers (untied output layer); ``attention`` as
+    ``llama.attention_rules`` takes it (q/k norms for Qwen3-MoE); ``biases``: the router's and every expert
+    linear's (``--add-bias-linear``: GPT-OSS), fc2's replicated over tp."""
     if tied:
         return None
-    ln1 = ("decoder.layers.{i/pp}.input_layernorm.weight -> ln1 = h" if local else
-           "decoder.layers.{i/pp}.self_attention.linear_qkv.layer_norm_weight -> ln1 = h")
-    first = [ln1, "decoder.layers.{i/pp}.self_attention.linear_proj.weight -> o = h (g qpg hd)/tp"]
-    if not local:  # Transformer Engine's Attention registers linear_proj before the fused norm of linear_qkv
-        first.reverse()
+    at = "decoder.layers.{i/pp}.mlp."
+    expert = at + "experts.local_experts.{e/ep}."
     return "\n".join([
         f"embedding.word_embeddings.weight -> embed @first = {llama.VOCAB}",
-        *first,
-        "decoder.layers.{i/pp}.self_attention.linear_qkv.weight = (g/tp [q: qpg hd | k: hd | v: hd]) h",
+        *llama.attention_rules(local=local, **attention),
         "decoder.layers.{i/pp}.pre_mlp_layernorm.weight -> ln2 = h",
-        "decoder.layers.{i/pp}.mlp.router.weight -> router = experts h",
-        "decoder.layers.{i/pp}.mlp.experts.local_experts.{e/ep}.linear_fc1.weight = [gate: f/tp | up: f/tp] h",
-        "decoder.layers.{i/pp}.mlp.experts.local_experts.{e/ep}.linear_fc2.weight -> down = h f/tp",
+        f"{at}router.weight -> router = experts h",
+        *([f"{at}router.bias -> router_bias = experts"] if biases else []),
+        f"{expert}linear_fc1.weight = [gate: f/tp | up: f/tp] h",
+        *([f"{expert}linear_fc1.bias = [gate_bias: f/tp | up_bias: f/tp]"] if biases else []),
+        f"{expert}linear_fc2.weight -> down = h f/tp",
+        *([f"{expert}linear_fc2.bias -> down_bias = h"] if biases else []),
         "decoder.final_layernorm.weight -> norm @last = h",
         f"output_layer.weight -> head @last = {llama.VOCAB}",
     ]) + "\n"
+
+
+def refuse_tied(config: Mapping[str, Any], where: Path | str, family: str) -> None:
+    """Refuse ``tie_word_embeddings`` for an MoE family whose layout stores its output projection."""
+    if config.get("tie_word_embeddings"):
+        raise CheckpointFormatError(f"{where}: tie_word_embeddings = true: the {family} layout stores its output "
+                                    "projection (lm_head) of its own")
 
 
 def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.json") -> dict[str, int]:
@@ -84,9 +92,19 @@ def config_from_sizes(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, A
     return config
 
 
+def is_moe(args: Mapping[str, Any]) -> bool:
+    """SwiGLU experts (``--num-experts``), no biases but q/k/v's, no window, attention with q/k/v
+    (``--multi-latent-attention`` is DeepSeek-V3's): the common args of the MoE families built on Llama."""
+    return (bool(args.get("swiglu", False)) and bool(args.get("num_experts")) and not args.get("add_bias_linear")
+            and args.get("window_size") is None and not args.get("window_attn_skip_freq")
+            and not args.get("multi_latent_attention"))
+
+
 def is_megatron(args: Mapping[str, Any]) -> bool:
-    """Whether a Megatron run's args describe a Mixtral: SwiGLU experts (``--num-experts``)."""
-    return bool(args.get("swiglu", False)) and bool(args.get("num_experts"))
+    """Whether a Megatron run's args describe a Mixtral: SwiGLU experts without q/k norms (Qwen3-MoE's) or q/k/v
+    biases, routed as Mixtral routes (softmax over the top k: ``--moe-router-pre-softmax`` is another model)."""
+    return (is_moe(args) and not args.get("qk_layernorm") and not args.get("add_qkv_bias")
+            and not args.get("moe_router_pre_softmax"))
 
 
 def config_hints(args: Mapping[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from reshard.models.llama import sizes_from_config
 from reshard.core.resolve import resolve
 from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter, read_header
 from reshard.core.topology import Topology
+from reshard.models import FAMILIES
 
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "num_attention_heads": 2,
@@ -161,10 +162,10 @@ def test_missing_and_misshapen_tensors_are_all_listed(tmp_path: Path, tiny) -> N
         f"  tensor 'lm_head.weight' is missing (spec rule 'lm_head.weight')")
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "granite", None])
+@pytest.mark.parametrize("model_type", ["smollm3", "granite", None])
 def test_a_model_type_no_family_claims_is_never_read_as_llama(tmp_path: Path, tiny, model_type) -> None:
-    """Gemma and Granite store exactly Llama's tensor names; reading them as Llama would drop their embedding
-    scaling (Gemma's (1+w) norms, Granite's multipliers).
+    """SmolLM3 and Granite store exactly Llama's tensor names; reading them as Llama would change them (SmolLM3's
+    layers without RoPE, Granite's multipliers).
 
     Its tensors are read under their own names (a derived layout) and its config travels; a format that
     needs the family refuses it by model type."""
@@ -182,8 +183,7 @@ def test_a_model_type_no_family_claims_is_never_read_as_llama(tmp_path: Path, ti
     with pytest.raises(CheckpointFormatError) as e:
         reshard.convert(root, tmp_path / "meg", format="megatron", to="pp=2")
     assert str(e.value) == (f"{root}: the model is model_type {model_type!r} (its config.json), which no model family "
-                            "reshard knows describes (known: llama, mistral, qwen2, qwen3, phi3, mixtral, gpt2); Megatron stores each "
-                            "family's "
+                            f"reshard knows describes (known: {', '.join(FAMILIES)}); Megatron stores each family's "
                             "tensors its own way, and converting it as another family would change the model: give "
                             "a spec, or convert to a format that keeps every tensor by name (hf, dcp, deepspeed)")
     assert not (tmp_path / "meg").exists()

@@ -27,6 +27,7 @@ from reshard.core.resolve import resolve
 from reshard.core.planner import plan
 from reshard.core.topology import Topology, parse_topology
 from reshard.io.torchfile import TorchDtype
+from reshard.models import FAMILIES
 
 SIZES = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "vocab_div": 8, "layers": 4}
 STATES = ("param", "master", "exp_avg", "exp_avg_sq")
@@ -623,8 +624,7 @@ def test_a_model_no_family_describes_names_its_first_ambiguous_tensor_and_what_t
         "without their split dimensions: which dimension of 'embedding.word_embeddings.weight' "
         f"([{padded_vocab(tp) // tp}, 16] in this file, at tensor_model_parallel_size={tp}) the tensor-parallel "
         "ranks split, if any, is recorded nowhere. Pass --spec <file> with this model's layout, or put the model's "
-        "Hugging Face config.json of a known family (llama, mistral, qwen2, qwen3, phi3, mixtral, gpt2) beside the "
-        "checkpoint")
+        f"Hugging Face config.json of a known family ({', '.join(FAMILIES)}) beside the checkpoint")
 
 
 def test_a_config_json_of_a_known_family_says_what_the_args_do_not(tmp_path):

@@ -74,15 +74,15 @@ def test_a_torch_dist_config_of_another_family_than_its_args_is_refused(tmp_path
     hf_source(tmp_path / "hf")
     reshard.convert(tmp_path / "hf", tmp_path / "dist", format="mcore-dist", to="tp=2")
     config = json.loads((tmp_path / "dist" / "config.json").read_text())
-    (tmp_path / "dist" / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    (tmp_path / "dist" / "config.json").write_text(json.dumps({**config, "model_type": "granite"}))
     with pytest.raises(CheckpointFormatError) as e:
         reshard.open_checkpoint(tmp_path / "dist")
     assert str(e.value) == (
-        f"{tmp_path / 'dist' / 'config.json'}: model_type 'gemma' names no model family reshard knows, but the args "
+        f"{tmp_path / 'dist' / 'config.json'}: model_type 'granite' names no model family reshard knows, but the args "
         f"in {tmp_path / 'dist' / 'common.pt'} describe a llama model (swiglu=True, normalization=RMSNorm, "
         "position_embedding_type=rope, num_experts=None); which one this checkpoint holds is not reshard's guess to "
         "make: remove the config.json of the other model, or give a spec")
-    assert reshard.open_checkpoint(tmp_path / "dist", spec="mcore-dist-llama").model.config["model_type"] == "gemma"
+    assert reshard.open_checkpoint(tmp_path / "dist", spec="mcore-dist-llama").model.config["model_type"] == "granite"
 
 
 def test_a_torch_dist_checkpoint_without_args_takes_its_family_and_sizes_from_the_config(tmp_path):

@@ -1,12 +1,15 @@
 """Every registered model family, Hugging Face <-> Megatron, judged by the real frameworks.
 
 For each family in the registry (a family without a tiny model here fails, so adding one cannot skip it):
-a tiny random model saved by transformers goes to Megatron at tp=2,pp=2, is restaged to tp=1,pp=4 and comes
-back; ``from_pretrained`` gives the same class, no missing or unexpected keys, bit-identical logits and the
+a tiny random model saved by transformers goes to Megatron at tp=2,pp=2 (and ep=2 with experts), is restaged
+to tp=1,pp=4 and comes back; ``from_pretrained`` gives the same class, no missing or unexpected keys, bit-identical logits and the
 source's ``config.json``. The Megatron args record what makes the family (window, biases, q/k norms, RoPE
-scaling), and read back without the carried config they still give a model with identical logits.
+scaling), and read back without the carried config they still give a model with identical logits. Gemma, Gemma 2
+and Gemma 3 go to Megatron-Bridge's layout and read back only with the carried config (no args say Gemma); OLMo 2,
+which Megatron cannot hold, is refused there and goes through DCP instead.
 megatron-core then runs the checkpoint reshard writes in its local layers (tp=1,pp=1) from nothing but its
-args, with strict key matching, and matches transformers' logits.
+args, with strict key matching, and matches transformers' logits; each family it cannot build on CPU is named
+with its reason.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pytest
 from conftest import require
 
 import reshard
+from reshard.errors import CheckpointFormatError, SpecError
 from reshard.models import FAMILIES, get_family
 
 VOCAB = 300  # not a multiple of 128: Megatron pads it
@@ -42,9 +46,60 @@ TINY = {
              {"window_size": (6, 0)}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2},
                 {"num_experts": 4, "moe_router_topk": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": False, "rope_theta": 1e6},
+                  {"qk_layernorm": True, "kv_channels": 32, "num_experts": 4, "moe_router_topk": 2,
+                   "moe_ffn_hidden_size": 32, "moe_router_pre_softmax": True}),
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                 "head_dim": 32, "sliding_window": 6},
+                {"softmax_type": "learnable", "window_size": (5, 0), "window_attn_skip_freq": 2, "kv_channels": 32,
+                 "position_embedding_type": "yarn", "yarn_rotary_scaling_factor": 32.0, "quick_geglu": True,
+                 "activation_func_clamp_value": 7.0, "glu_linear_offset": 1.0, "add_bias_linear": True}),
+    # DeepSeek-V3: MLA (q_lora 48, kv_lora 32, nope 16, rope 8, v 16), one dense layer then 3 MoE layers of 4 routed
+    # experts (top 2 in groups: 2 groups, 1 chosen) and a shared one, yarn; no multi-token prediction.
+    "deepseek_v3": ("DeepseekV3Config", {
+        "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
+        "topk_group": 1, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0, "max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 16}},
+        {"multi_latent_attention": True, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_head_dim": 16,
+         "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "num_experts": 4, "moe_router_topk": 2,
+         "moe_ffn_hidden_size": 32, "ffn_hidden_size": 96, "moe_shared_expert_intermediate_size": 32,
+         "moe_layer_freq": (0, 1, 1, 1), "moe_router_score_function": "sigmoid",
+         "moe_router_enable_expert_bias": True, "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+         "moe_router_topk_scaling_factor": 2.5, "rope_type": "yarn", "rotary_scaling_factor": 4.0,
+         "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # Gemma: head_dim 32 != 64 / 4; Megatron-Bridge's layout and args, the identity in the carried config.json.
+    "gemma": ("GemmaConfig", {"head_dim": 32},
+              {"kv_channels": 32, "layernorm_zero_centered_gamma": True, "gated_linear_unit": True, "swiglu": False,
+               "openai_gelu": True, "untie_embeddings_and_output_weights": False, "norm_epsilon": 1e-6}),
+    "gemma2": ("Gemma2Config", {"head_dim": 32, "sliding_window": 6, "query_pre_attn_scalar": 64},
+               {"kv_channels": 32, "window_size": (5, 0), "window_attn_skip_freq": 2, "softmax_scale": 0.125,
+                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                "layernorm_zero_centered_gamma": True}),
+    "gemma3_text": ("Gemma3TextConfig", {
+        "head_dim": 32, "sliding_window": 6, "query_pre_attn_scalar": 64,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}},
+        {"kv_channels": 32, "qk_layernorm": True, "window_size": (5, 0), "window_attn_skip_freq": 4,
+         "softmax_scale": 0.125, "rotary_base": (10000.0, 1e6), "rope_scaling_factor": 8.0}),
+    "olmo2": ("Olmo2Config", {"head_dim": 32, "pad_token_id": 0, "eos_token_id": 2}, None),  # no Megatron: via DCP
     "gpt2": ("GPT2Config", {"n_embd": 64, "n_head": 4, "n_layer": 4, "n_positions": 64, "vocab_size": VOCAB},
              {"position_embedding_type": "learned_absolute"}),
 }
+
+
+CANNOT_BUILD_ON_CPU = {
+    # A local layout exists (its names and registration order are checked in tests/formats), but megatron-core
+    # 0.16.1 cannot build it without Transformer Engine.
+    "deepseek_v3": "megatron-core 0.16.1 builds MLA's local layers with DotProductAttention, which rejects the "
+                   "k_channels argument MultiLatentAttention passes (MLA runs on Transformer Engine's attention)",
+}
+"""Families with a ``--transformer-impl local`` layout that megatron-core on CPU still cannot run, and why."""
 
 
 def _save_tiny(name: str, path: Path):
@@ -59,8 +114,11 @@ def _save_tiny(name: str, path: Path):
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms away from 1 and biases away from 0, so a misplaced one shows in the logits
         for key, p in model.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 or key.endswith("_bias"):  # GPT-OSS's expert biases are [experts, width]
                 p.add_(torch.randn_like(p) * 0.1)
+        for key, b in model.named_buffers():  # DeepSeek-V3's expert-choice bias, a persistent buffer
+            if key.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
     model.save_pretrained(path)
     return type(model)
 
@@ -80,7 +138,7 @@ def _args(path: Path) -> dict:
 
 
 @pytest.mark.interop
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [n for n in FAMILIES if get_family(n).megatron is not None])
 def test_a_family_goes_to_megatron_and_back_with_identical_logits_and_config(tmp_path, name):
     import torch
     transformers = require("transformers")
@@ -88,8 +146,11 @@ def test_a_family_goes_to_megatron_and_back_with_identical_logits_and_config(tmp
     ids = torch.arange(48).reshape(2, 24) % VOCAB
     _, want = _logits(model_class, tmp_path / "hf", ids)
 
-    reshard.convert(tmp_path / "hf", tmp_path / "m1", format="megatron", to="tp=2,pp=2")
+    experts = get_family(name).experts  # split over ep as well
+    reshard.convert(tmp_path / "hf", tmp_path / "m1", format="megatron",
+                    to="tp=2,pp=2,dp=2,ep=2" if experts else "tp=2,pp=2")
     args = _args(tmp_path / "m1")
+    assert args["expert_model_parallel_size"] == (2 if experts else 1)
     expected = TINY[name][2]
     assert {k: tuple(v) if isinstance(v, list) else v for k, v in args.items() if k in expected} == expected
     reshard.convert(tmp_path / "m1", tmp_path / "m2", to="tp=1,pp=4")
@@ -102,12 +163,40 @@ def test_a_family_goes_to_megatron_and_back_with_identical_logits_and_config(tmp
     assert cls is model_class and torch.equal(got, want)
 
     # Without the carried config.json, the args alone name a family (a Phi-3's: Mistral, the same function)
-    # and rebuild the config.
+    # and rebuild the config; the args of a family plain megatron-core cannot express (Gemma) name none.
     for carried in ("config.json", "generation_config.json"):
         (tmp_path / "m2" / carried).unlink(missing_ok=True)
+    if get_family(name).plain_megatron:
+        with pytest.raises(CheckpointFormatError, match=r"the args describe no model family reshard knows"):
+            reshard.convert(tmp_path / "m2", tmp_path / "bare", format="hf")
+        assert not (tmp_path / "bare").exists()
+        return
     reshard.convert(tmp_path / "m2", tmp_path / "bare", format="hf")
     _, got = _logits(transformers.AutoModelForCausalLM, tmp_path / "bare", ids)
     assert torch.equal(got, want)
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("name", [n for n in FAMILIES if get_family(n).megatron is None])
+def test_a_family_megatron_cannot_hold_is_refused_there_and_goes_through_dcp_with_identical_logits(tmp_path, name):
+    """OLMo 2: a Megatron target is refused before anything is written, naming what Megatron cannot compute; DCP
+    (dp=2) and back keeps its logits bit-identical and its config.json."""
+    import torch
+    transformers = require("transformers")
+    model_class = _save_tiny(name, tmp_path / "hf")
+    ids = torch.arange(48).reshape(2, 24) % VOCAB
+    _, want = _logits(model_class, tmp_path / "hf", ids)
+    with pytest.raises(SpecError, match=rf"^megatron-{name}: no Megatron layout for {name} \(model_type '{name}': "
+                                        r"q_norm and k_norm normalise the whole q and k projections"):
+        reshard.convert(tmp_path / "hf", tmp_path / "meg", format="megatron", to="tp=2,pp=2")
+    assert not (tmp_path / "meg").exists()
+
+    reshard.convert(tmp_path / "hf", tmp_path / "dcp", format="dcp", to="dp=2")
+    reshard.convert(tmp_path / "dcp", tmp_path / "back", format="hf")
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == \
+        json.loads((tmp_path / "hf" / "config.json").read_text())
+    cls, got = _logits(transformers.AutoModelForCausalLM, tmp_path / "back", ids)
+    assert cls is model_class and torch.equal(got, want)
 
 
 @pytest.mark.interop
@@ -119,11 +208,15 @@ def test_megatron_core_runs_the_checkpoints_reshard_writes_and_matches_transform
     require("megatron.core")
     from jobs import run_job
 
-    cases, skipped = [], []
+    cases, skipped = [], {}
     for name in FAMILIES:
         family = get_family(name)
         if family.megatron is None or family.megatron(tied=family.tied_default, local=True) is None:
-            skipped.append(name)  # no --transformer-impl local layout: megatron-core on CPU cannot build it
+            # no --transformer-impl local layout: megatron-core on CPU cannot build it
+            skipped[name] = family.plain_megatron or "laid out for Transformer Engine's names only"
+            continue
+        if name in CANNOT_BUILD_ON_CPU:
+            skipped[name] = CANNOT_BUILD_ON_CPU[name]
             continue
         case = tmp_path / name
         model_class = _save_tiny(name, case / "hf")
@@ -135,7 +228,11 @@ def test_megatron_core_runs_the_checkpoints_reshard_writes_and_matches_transform
         reshard.convert(case / "hf", case / "meg", format="megatron", to="tp=1,pp=1", spec=local)
         shutil.rmtree(case / "hf")
         cases.append(case)
-    assert skipped == ["gpt2"], skipped  # GPT-2 is laid out for Transformer Engine's names only
+    # Not run here, each for its reason: GPT-2 is laid out for Transformer Engine's names only; Gemma's zero-centred
+    # (1 + w) norms exist only in Transformer Engine's layers, and plain megatron-core has no embedding scaling,
+    # post norms or soft-caps (Gemma 2/3; Megatron-Bridge's modules compute them); OLMo 2 has no Megatron layout.
+    assert set(skipped) == {"gpt2", "gemma", "gemma2", "gemma3_text", "olmo2", "deepseek_v3"}, skipped
+    assert all("megatron-core" in why or "Transformer Engine" in why for why in skipped.values()), skipped
     script = Path(__file__).parents[1] / "mcore_family_jobs.py"
     import os
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -145,3 +242,23 @@ def test_megatron_core_runs_the_checkpoints_reshard_writes_and_matches_transform
         result = json.loads((case / "mcore.json").read_text())
         assert result["missing"] == [] and result["unexpected"] == [], (case.name, result)
         assert result["max_diff"] < 1e-5, (case.name, result["max_diff"])
+        assert result["in_registration_order"], case.name
+
+
+@pytest.mark.interop
+def test_deepseek_v3_multi_token_prediction_layers_are_refused_by_name_never_dropped(tmp_path):
+    """A DeepSeek-V3 checkpoint holding its MTP module (``model.layers.{num_hidden_layers}.*``, as the hub files do)
+    is refused before anything is written, naming those tensors: reshard lays out no MTP layer yet."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _save_tiny("deepseek_v3", tmp_path / "hf")
+    (shard,) = (tmp_path / "hf").glob("*.safetensors")
+    tensors = load_file(shard)
+    tensors["model.layers.4.enorm.weight"] = torch.ones(64)
+    tensors["model.layers.4.self_attn.q_a_proj.weight"] = torch.ones(48, 64)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointFormatError, match=r"tensor 'model\.layers\.4\.self_attn\.q_a_proj\.weight' "
+                                                    r"matches no item of spec 'hf-deepseek_v3"):
+        reshard.convert(tmp_path / "hf", tmp_path / "meg", format="megatron", to="tp=2,pp=2,dp=2,ep=2")
+    assert not (tmp_path / "meg").exists()

@@ -17,7 +17,7 @@ from reshard.core.topology import Topology, parse_topology
 from reshard.errors import CheckpointFormatError, TopologyError
 from reshard.formats.base import MAX_COUNT, MAX_SIZE, expect_int, given_sizes
 from reshard.io.torchfile import TorchDtype
-from reshard.models import get_family
+from reshard.models import family_for_megatron_args, get_family
 
 DEFAULT_SEED = 1234  # Megatron's --seed default
 
@@ -125,6 +125,9 @@ def _sizes_from_args(args: Mapping[str, Any], given: Mapping[str, int], topo: To
     }
     if args.get("num_experts"):
         sizes["experts"] = _int_arg(args, "num_experts", where)
+    family = family_for_megatron_args(args)
+    if family is not None and family.sizes_from_args is not None:  # sizes Llama's args do not have (MLA's)
+        sizes.update(family.sizes_from_args(args, arg))
     if get_family("gpt2").is_megatron(args):
         if sizes["g"] != heads:
             raise CheckpointFormatError(f"{where}: num_query_groups={sizes['g']} with num_attention_heads={heads}; "

@@ -116,7 +116,10 @@ _TOP = ("embedding.", "decoder.layers.", "decoder.final_layernorm.", "output_lay
 _LAYER = ("input_layernorm.", "self_attention.", "pre_cross_attn_layernorm.", "cross_attention.",
           "pre_mlp_layernorm.", "mlp.")
 _SUB = {
-    "self_attention.": ("core_attention.", "linear_proj.", "linear_qkv.", "q_layernorm.", "k_layernorm."),
+    # MLASelfAttention (multi_latent_attention.py) adds its projections, then its latent norms.
+    "self_attention.": ("core_attention.", "linear_proj.", "linear_qkv.", "linear_q_proj.", "linear_q_down_proj.",
+                        "linear_q_up_proj.", "linear_kv_down_proj.", "linear_kv_up_proj.", "q_layernorm.",
+                        "k_layernorm.", "kv_layernorm."),
     "mlp.": ("router.", "linear_fc1.", "linear_fc2.", "experts.", "shared_experts."),
 }
 _LAYER_KEY = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
