@@ -4,6 +4,7 @@ family's layout, and write shards, index and configs."""
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +36,10 @@ from reshard.models.config import hf_config
 
 _OWN_NAMES = ("megatron", "mcore-dist")
 """Formats whose tensor names are the framework's (stacked, fused), not the model's: no family, no hf."""
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.([0-9]+)\.")
+"""A decoder layer's index in a Hugging Face tensor name."""
 
 
 class HFFormat:
@@ -104,9 +109,17 @@ class HFFormat:
                                 f"(supported: {', '.join(SUPPORTED)})")
             else:
                 where[item] = Located(file, tensor.data_offset, tensor.dtype)
+        beyond: set[int] = set()
         for name, (file, _) in stored.items():
             if name not in matched:
                 problems.append(f"{file}: tensor '{name}' matches no item of spec '{spec_name}'")
+                layer = _LAYER.search(name)
+                if layer and "layers" in model_sizes and int(layer.group(1)) >= model_sizes["layers"]:
+                    beyond.add(int(layer.group(1)))
+        if beyond:  # DeepSeek-V3's multi-token-prediction layers follow the decoder's in the files
+            problems.insert(0, f"layer(s) {', '.join(map(str, sorted(beyond)))} lie beyond num_hidden_layers "
+                               f"({model_sizes['layers']}): multi-token-prediction (MTP) layers, which reshard does "
+                               "not carry yet and will not drop; convert a checkpoint without them")
         if problems:
             raise CheckpointFormatError(
                 f"{path}: the stored tensors do not match spec '{spec_name}':\n  " + _listing(problems))
