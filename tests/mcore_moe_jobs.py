@@ -25,7 +25,8 @@ the way (device tensors, a synchronize) are redirected to the CPU.
 experts, ``bf16`` trains bf16 weights (fp32 grads and main params), ``bucket_size``
 overlaps the grad reduce with buckets of that size, ``torch_dist`` saves the checkpoint
 with ``dist_checkpointing.save`` as the trainer does (the distributed optimizer's state
-``dp_reshardable``, megatron-core 0.16's default) instead of the torch format, and
+``dp_reshardable``, megatron-core 0.16's default) instead of the torch format (and ``load``
+reads torch_dist with ``dist_checkpointing.load``, as the trainer's ``load_checkpoint`` does), and
 ``next`` dumps once more after a further step (``DUMP/next/rank{r}.pt``).
 """
 
@@ -175,6 +176,8 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
             _save_torch_dist(Path(paths[0]), model, optimizer, args)
         else:
             _save_torch(it_dir, rank, coords, model, optimizer, args, distopt)
+    elif opts["torch_dist"]:
+        _load_torch_dist(Path(paths[0]), model, optimizer)
     else:
         state = torch.load(it_dir / "model_optim_rng.pt", weights_only=False)
         model.load_state_dict(state["model"], strict=True)
@@ -227,6 +230,39 @@ def _save_torch_dist(out: Path, model, optimizer, args) -> None:
     it_dir.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(state, str(it_dir), content_metadata=metadata)
     (out / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+def _load_torch_dist(ckpt: Path, model, optimizer) -> None:
+    """torch_dist, as the trainer's ``load_checkpoint`` reads it: the sharding type from the checkpoint's
+    ``content_metadata``, the model's and the optimizer's sharded state dicts filled by
+    ``dist_checkpointing.load``, then megatron-core's own ``load_state_dict`` calls (``ckpt`` is the
+    checkpoint directory itself, or the directory holding ``iter_XXXXXXX``)."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    it_dir = ckpt if (ckpt / "metadata.json").is_file() else ckpt / f"iter_{ITERATION:07d}"
+    metadata = dist_checkpointing.load_content_metadata(str(it_dir))
+    assert metadata and metadata["distrib_optim_sharding_type"] == "dp_reshardable", metadata
+    # Without Apex or TE, DistributedOptimizer.state_dict (which sharded_state_dict calls) reads each torch
+    # Adam state's 'step', which a freshly built optimizer does not have yet: give every parameter the
+    # state Adam starts from (the trainer's GPU runs use TE's FusedAdam, which keeps the step in its groups).
+    for o in optimizer.chained_optimizers:
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                o.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                        "exp_avg_sq": torch.zeros_like(p)}
+    model_sd = model.sharded_state_dict(metadata=metadata)
+    state = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
+        model_sd, is_loading=True, metadata=metadata)}, str(it_dir))
+    assert state["iteration"] == ITERATION and state["args"].use_distributed_optimizer
+    model.load_state_dict(state["model"], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    # Without Apex or TE, load_state_dict gives every torch Adam state one shared 'step' tensor (which
+    # torch Adam would count once per parameter) and not the groups' value: each its own, from its group.
+    for o in optimizer.chained_optimizers:
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                o.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
 def _step(ddp, optimizer) -> None:

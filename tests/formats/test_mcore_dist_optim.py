@@ -127,6 +127,48 @@ def test_bucket_space_decodes_per_parameter_and_rewrites_as_one_coalesced_buffer
     assert [(g["wd_mult"], g["step"]) for g in groups] == [(1.0, 3.0), (0.0, 3.0)]
 
 
+def test_bucket_space_is_written_back_as_megatron_core_chunks_it_and_reads_as_before(tmp_path):
+    """dp_reshardable at tp 1, dp 2 (several buckets) -> torch_dist at the same layout with zero=1: every bucket
+    tensor under its key, length and dp ranks' chunks (one per parameter piece, one per gap) as stored, the
+    bucket counts and param groups (step in each) carried, common.pt's sharding type; read back, each
+    parameter's main param and moments equal the first checkpoint's."""
+    write_dp_reshardable(tmp_path / "src")
+    reshard.convert(tmp_path / "src", tmp_path / "out", format="mcore-dist", to="tp=1,dp=2,zero=1")
+    have, want = (dcp.FileSystemReader(tmp_path / d).read_metadata().state_dict_metadata for d in ("out", "src"))
+    assert {k for k in have if k.startswith(GROUP)} == {k for k in want if k.startswith(GROUP)}
+    buckets = place([math.prod(s) for _, s in registered(mcore_jobs.padded_vocab(1))], BUCKET_SIZE, 2)
+    for b, (start, end, members) in enumerate(buckets):
+        shard = -(-(end - start) // 128) * 128 // 2  # each dp rank's half of the padded bucket
+        starts = {lo - start for _, lo, _ in members} | {shard}
+        cuts = sorted({x - start for _, lo, hi in members for x in (lo, hi)} | {0, shard} - {end - start})
+        for s in STATES:
+            t = have[f"{GROUP}.gbuf_idx_0.dtype_{DTYPES}.bucket_idx_{b}.{s}"]
+            chunks = sorted((c.offsets[0], c.sizes[0]) for c in t.chunks)
+            assert t.size == (end - start,) and [o for o, _ in chunks] == [x for x in cuts if x < end - start]
+            assert starts <= {o for o, _ in chunks} and sum(n for _, n in chunks) == end - start
+    common = torch.load(tmp_path / "out" / "common.pt", weights_only=False)
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "dp_reshardable"
+    assert common["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
+    again, first = reshard.open_checkpoint(tmp_path / "out"), reshard.open_checkpoint(tmp_path / "src")
+    assert again.progress.step == 3 and again.layout.states == first.layout.states
+    for d in ("src", "out"):
+        reshard.convert(tmp_path / d, tmp_path / f"torch-{d}", format="megatron", to="tp=1,dp=1,zero=1")
+    # and from the torch format's distrib_optim.pt (its param groups and step) to torch_dist at tp 2, and back
+    reshard.convert(tmp_path / "torch-src", tmp_path / "tp2", format="mcore-dist", to="tp=2,dp=1,zero=1")
+    assert reshard.open_checkpoint(tmp_path / "tp2").progress.step == 3
+    reshard.convert(tmp_path / "tp2", tmp_path / "torch-tp2", format="megatron", to="tp=1,dp=1,zero=1")
+    a, b, c = (torch.load(tmp_path / f"torch-{d}" / "iter_0000010" / "mp_rank_00" / "distrib_optim.pt",
+                          weights_only=True)[0] for d in ("src", "out", "tp2"))
+    (x,), (y,), (z,) = a.values(), b.values(), c.values()
+    assert all(torch.equal(x[s], y[s]) and torch.equal(x[s], z[s]) for s in STATES)
+
+
+def test_a_dp_rank_without_a_parameter_in_a_bucket_is_refused_naming_it(tmp_path):
+    write_dp_reshardable(tmp_path / "src")
+    with pytest.raises(CheckpointFormatError, match=r"bucket_idx_\d+: dp rank \d+ of 512 owns no parameter of bucket"):
+        reshard.convert(tmp_path / "src", tmp_path / "out", format="mcore-dist", to="tp=1,dp=512,zero=1")
+
+
 def test_a_per_bucket_numel_unpadded_the_layout_does_not_give_is_refused_naming_the_bucket(tmp_path):
     numels = [math.prod(s) for _, s in registered(mcore_jobs.padded_vocab(1))]
     counts = [end - start for start, end, _ in place(numels, BUCKET_SIZE, 2)]
@@ -200,7 +242,9 @@ def test_real_megatron_core_dp_reshardable_checkpoint_resumes_in_megatron_core_a
     """megatron-core trains one step (bf16 weights, fp32 main params, buckets of 4000 elements) and saves
     torch_dist with its default dp_reshardable optimizer state -> the torch format at another tp/pp/dp, which
     megatron-core loads (one bucket there): every weight, main param, Adam moment and step equal to what the
-    run held, and the step after equal too; -> Hugging Face: every weight bit-exact."""
+    run held, and the step after equal too; from tp 1, dp 2 also -> torch_dist at tp 2, dp 1 with
+    dp_reshardable state in the run's buckets, resumed by megatron-core's dist_checkpointing.load the same
+    way; -> Hugging Face: every weight bit-exact."""
     require("megatron.core")
     from safetensors.torch import load_file
 
@@ -225,6 +269,15 @@ def test_real_megatron_core_dp_reshardable_checkpoint_resumes_in_megatron_core_a
         assert have.keys() == wanted.keys()
         for key, value in wanted.items():
             assert have[key].dtype == value.dtype and torch.equal(have[key], value), (then, key)
+    if tp == 1:  # -> torch_dist at tp 2, dp 1 (dp_reshardable), loaded by megatron-core's dist_checkpointing.load
+        reshard.convert(ckpt, tmp_path / "dist", format="mcore-dist", to="tp=2,dp=1,zero=1")
+        jobs.load(tmp_path / "dist", tmp_path / "dump-dist", tp=2, pp=1, ep=1, dp=1, distopt=True, bucket_size=4000,
+                  torch_dist=True, **run)
+        for now, then in (("dump-src", "dump-dist"), ("dump-src/next", "dump-dist/next")):
+            have, wanted = gathered(tmp_path / then, 1, sizes), gathered(tmp_path / now, 1, sizes)
+            assert have.keys() == wanted.keys()
+            for key, value in wanted.items():
+                assert have[key].dtype == value.dtype and torch.equal(have[key], value), (then, key)
     reshard.convert(ckpt, tmp_path / "hf", format="hf")
     hf = {}
     for f in (tmp_path / "hf").glob("*.safetensors"):

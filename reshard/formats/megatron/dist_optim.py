@@ -30,6 +30,11 @@ resolved at dp 1.
 
 Read so far: one grad buffer per group (one dtype pair, no virtual pipeline chunks), the
 dense optimizer of a model with a torch_dist layout; other keys are refused by name.
+
+Written (``bucket_target``, from the same resolution): each dp rank's shard of each bucket,
+cut at the bucket's unpadded end, one chunk per parameter piece and one per gap, as
+megatron-core 0.16's ``sharded_param_state_dp_reshardable`` saves them, with the bucket
+counts at the target dp; ``dist_optim_target`` makes the target's items of them.
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ from reshard.io.dcp_metadata import DcpMetadata
 from reshard.io.torch_read import read_torch_file
 from reshard.models import Family
 
-__all__ = ["PREFIX", "BucketSpace", "bucket_space"]
+__all__ = ["MAIN_STATE", "PREFIX", "BucketChunk", "BucketSpace", "BucketTarget", "bucket_space", "bucket_target",
+           "buffer_dtypes"]
 
 PREFIX = "optimizer.distributed."
 MAIN_STATE = "param"
@@ -89,8 +95,6 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
         from the layout's (naming the group, the bucket and both numbers), a stored length
         that differs from ``per_bucket_numel_unpadded``, or a missing bucket tensor.
     """
-    from reshard.formats.megatron.args import _bucket_size
-
     where = path / ".metadata"
     if args is None:
         raise CheckpointFormatError(f"{path / 'common.pt'}: no args, so the distributed optimizer's bucket layout "
@@ -116,19 +120,8 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
     dp = expect_int(args.get("data_parallel_size") or 1, "args.data_parallel_size", str(where), lo=1, hi=MAX_COUNT)
     cp = expect_int(args.get("context_parallel_size") or 1, "args.context_parallel_size", str(where), lo=1,
                     hi=MAX_COUNT)
-    local = args.get("transformer_impl") == "local"
-    tied = not args.get("untie_embeddings_and_output_weights", False)
-    coalesced_name = spec_name(family, tied=tied, distopt=True, local=local)  # distrib_optim.pt's
-    bucketed_name = coalesced_name.removesuffix("-torch")  # one item per bucket and dp rank
-    bucket_size = _bucket_size(args, Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp))
-    rank_sizes = {**sizes, "vocab_div": int(args.get("make_vocab_size_divisible_by") or 128),
-                  "bucket_size": bucket_size}
-    topo = Topology(tp=topology.tp, pp=topology.pp)  # bucket contents do not depend on dp
-    states = {"model": (PARAM,), "optim": (MASTER,)}
-    bucketed = _resolve(layout_spec(bucketed_name), topo, rank_sizes, states)
-    coalesced = _resolve(layout_spec(coalesced_name), topo, rank_sizes, states)
-    per_group = _bucket_fragments(bucketed)
-    unpadded = _unpadded(per_group, coalesced)
+    r = _buckets(family, args, sizes, Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp))
+    bucketed_name, bucket_size, per_group, unpadded = r.spec_name, r.bucket_size, r.per_group, r.unpadded
     stored = _stored_unpadded(path, md)
     layout = f"the layout ({bucketed_name}, bucket_size {bucket_size} from args.overlap_grad_reduce/ddp_bucket_size)"
     for group in sorted({g for g, _, _, _ in parsed.values()}):
@@ -156,6 +149,48 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
     _require_every_bucket(parsed, per_group, topology, where)
     return BucketSpace(fragments=out, states={k: MASTER if s == MAIN_STATE else s for k, (_, _, _, s) in parsed.items()},
                        spec_name=bucketed_name, param_groups=_param_groups(path, md))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Buckets:
+    """The buckets of every (tp, pp) group's one grad buffer, as the family's generated specs lay them out."""
+
+    spec_name: str
+    """The bucketed spec (``megatron-<family>[-local]-distopt``)."""
+    bucket_size: int
+    """Elements per bucket from the args (0: one bucket)."""
+    sizes: Mapping[str, int]
+    """The sizes the specs were resolved with (``vocab_div`` and ``bucket_size`` included)."""
+    layout: Layout
+    """The bucketed spec resolved at dp 1: per (tp, pp) and bucket, one item holding the whole bucket."""
+    per_group: Mapping[tuple[int, int], list[list[Fragment]]]
+    """Per (tp, pp), per bucket: its fragments, in elements from the bucket's start (state ``MASTER``)."""
+    unpadded: Mapping[tuple[int, int], list[int]]
+    """Per (tp, pp), each bucket's unpadded length (``per_bucket_numel_unpadded``)."""
+
+
+def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], topology: Topology) -> _Buckets:
+    """Resolve the family's distributed-optimizer specs for ``args``' bucketing at ``topology``'s tp and pp.
+
+    Bucket contents do not depend on dp (only the bucket-end padding does), so the layouts are resolved at
+    dp 1; ``topology``'s dp and cp count only where the args leave the bucket size to the DDP default.
+    """
+    from reshard.formats.megatron.args import _bucket_size
+
+    local = args.get("transformer_impl") == "local"
+    tied = not args.get("untie_embeddings_and_output_weights", False)
+    coalesced_name = spec_name(family, tied=tied, distopt=True, local=local)  # distrib_optim.pt's
+    bucketed_name = coalesced_name.removesuffix("-torch")  # one item per bucket and dp rank
+    bucket_size = _bucket_size(args, topology)
+    rank_sizes = {**sizes, "vocab_div": int(args.get("make_vocab_size_divisible_by") or 128),
+                  "bucket_size": bucket_size}
+    topo = Topology(tp=topology.tp, pp=topology.pp)
+    states = {"model": (PARAM,), "optim": (MASTER,)}
+    bucketed = _resolve(layout_spec(bucketed_name), topo, rank_sizes, states)
+    coalesced = _resolve(layout_spec(coalesced_name), topo, rank_sizes, states)
+    per_group = _bucket_fragments(bucketed)
+    return _Buckets(spec_name=bucketed_name, bucket_size=bucket_size, sizes=rank_sizes, layout=bucketed,
+                    per_group=per_group, unpadded=_unpadded(per_group, coalesced))
 
 
 def _bucket_fragments(layout: Layout) -> dict[tuple[int, int], list[list[Fragment]]]:
@@ -253,3 +288,116 @@ def _param_groups(path: Path, md: DcpMetadata) -> list[dict[str, Any]] | None:
         raise CheckpointFormatError(f"{path / '.metadata'}: '{key}' is {brief(value, 120)}; expected "
                                     "[{'param_groups': [{...}, ...]}]")
     return [dict(_capture(g, f"{path}: {key}")) for g in groups]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketChunk:
+    """One DCP chunk of a ``dp_reshardable`` bucket tensor, as megatron-core's dp rank writes it."""
+
+    key: str
+    """The stored key without its state (``optimizer.distributed.dp_group_idx_I....bucket_idx_B``)."""
+    group: int
+    """The (tp, pp) group ``I`` (``pp_rank * tp + tp_rank``)."""
+    dp: int
+    """The dp rank that writes it."""
+    offset: int
+    """Elements from the bucket's start."""
+    length: int
+    """Elements."""
+    size: int
+    """The bucket tensor's length: the bucket's unpadded elements."""
+    fragments: tuple[Fragment, ...]
+    """The whole bucket's fragments (state ``MASTER``, elements from its start); none fall in a gap chunk."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketTarget:
+    """The ``dp_reshardable`` state a torch_dist target writes: its chunks and each group's bucket counts."""
+
+    chunks: tuple[BucketChunk, ...]
+    dtypes: tuple[str, str]
+    """The grad buffer's (param dtype, grad dtype) torch names: ``("bfloat16", "float32")``."""
+    per_bucket_numel: Mapping[int, list[int]]
+    """Per group, each bucket's padded elements at the target dp."""
+    per_bucket_numel_unpadded: Mapping[int, list[int]]
+    """Per group, each bucket's unpadded elements (the bucket tensors' lengths)."""
+    spec_name: str
+    bucket_size: int
+
+
+def buffer_dtypes(args: Mapping[str, Any]) -> tuple[str, str]:
+    """The dense grad buffer's (param dtype, grad dtype) for a run's args (bf16/fp16 params; fp32 grads with
+    ``accumulate_allreduce_grads_in_fp32``), as ``DistributedDataParallel`` keys its buffers."""
+    param = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
+    return param, "float32" if args.get("accumulate_allreduce_grads_in_fp32") else param
+
+
+def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int],
+                  topology: Topology) -> BucketTarget:
+    """Where megatron-core 0.16 puts each parameter's distributed-optimizer state in ``dp_reshardable``
+    at ``topology`` (tp, pp, dp), for a run with ``args``' bucketing and precision.
+
+    Per (tp, pp) group, bucket and dp rank ``r``: the rank's shard of the bucket,
+    ``[r * L, (r + 1) * L)`` (``L`` the padded bucket over dp) cut at the bucket's unpadded end,
+    split into one chunk per parameter piece and one per gap between them
+    (``sharded_param_state_dp_reshardable``).
+
+    Raises:
+      CheckpointFormatError: a dp rank that owns no parameter of a bucket (megatron-core cannot save
+        such a bucket: 'empty bucket encountered'), naming the group, bucket and rank; fp8 parameters
+        (a second grad buffer); padded buckets for NCCL bus bandwidth.
+    """
+    for flag in ("fp8_param_gather", "ddp_pad_buckets_for_high_nccl_busbw"):
+        if args.get(flag):
+            raise CheckpointFormatError(f"args.{flag} is set: reshard writes dp_reshardable state of one grad buffer "
+                                        "with the default bucket padding only")
+    r = _buckets(family, args, sizes, topology)
+    at_dp = _resolve(layout_spec(r.spec_name), Topology(tp=topology.tp, pp=topology.pp, dp=topology.dp),
+                     r.sizes, {"model": (PARAM,), "optim": (MASTER,)})
+    shard: dict[tuple[int, int, int], int] = {}  # (tp, pp, bucket) -> L
+    for it, info in at_dp.items.items():
+        if it.section == "optim" and dict(it.unit).get("dp") == 0:
+            u = dict(it.unit)
+            shard[(u["tp"], u["pp"], int(it.key.split(".bucket_")[1].split(".")[0]))] = info.shape[0]
+    # A parameter keeps its row-major order in the buffer: it starts where a fragment of it sits, less that
+    # fragment's offset in the parameter, and spans the whole parameter (rows that pad the vocabulary too).
+    param_of = {(f.tensor, f.box.offsets, f.box.lengths, _tp_pp(f.item.unit)):
+                (f.item.key, f.offset, r.layout.items[f.item].numel)
+                for f in r.layout.fragments if f.item.section == "model"}
+    dtypes = buffer_dtypes(args)
+    chunks: list[BucketChunk] = []
+    padded: dict[int, list[int]] = {}
+    unpadded: dict[int, list[int]] = {}
+    for (tp, pp), buckets in sorted(r.per_group.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        group = pp * topology.tp + tp
+        unpadded[group] = list(r.unpadded[(tp, pp)])
+        padded[group] = [shard[(tp, pp, b)] * topology.dp for b in range(len(buckets))]
+        for b, frags in enumerate(buckets):
+            size = r.unpadded[(tp, pp)][b]
+            extents: dict[str, tuple[int, int]] = {}
+            for f in frags:
+                found = param_of.get((f.tensor, f.box.offsets, f.box.lengths, _tp_pp(f.item.unit)))
+                if found is None:  # at dp 1 every fragment of a bucket is a whole model parameter's fragment
+                    raise CheckpointFormatError(f"{r.spec_name}: {f} is no model parameter's fragment")
+                name, in_param, numel = found
+                extents[name] = (f.offset - in_param, f.offset - in_param + numel)
+            key = f"{PREFIX}dp_group_idx_{group}.gbuf_idx_0.dtype_(torch.{dtypes[0]}, torch.{dtypes[1]})" \
+                  f".bucket_idx_{b}"
+            length = shard[(tp, pp, b)]
+            for dp in range(topology.dp):
+                lo, hi = dp * length, min((dp + 1) * length, size)
+                if not any(s < hi and lo < e for s, e in extents.values()):
+                    raise CheckpointFormatError(
+                        f"{key}: dp rank {dp} of {topology.dp} owns no parameter of bucket {b} (elements "
+                        f"[{lo}, {(dp + 1) * length}) of {size}); megatron-core cannot save or load such a bucket "
+                        "('empty bucket encountered'): use a smaller dp or larger buckets")
+                cuts = sorted({lo, hi} | {x for s, e in extents.values() for x in (s, e) if lo < x < hi})
+                chunks += [BucketChunk(key=key, group=group, dp=dp, offset=a, length=z - a, size=size,
+                                       fragments=tuple(frags)) for a, z in zip(cuts, cuts[1:])]
+    return BucketTarget(chunks=tuple(chunks), dtypes=dtypes, per_bucket_numel=padded,
+                        per_bucket_numel_unpadded=unpadded, spec_name=r.spec_name, bucket_size=r.bucket_size)
+
+
+def _tp_pp(unit: tuple[tuple[str, int], ...]) -> tuple[int, int]:
+    u = dict(unit)
+    return u.get("tp", 0), u.get("pp", 0)

@@ -27,7 +27,10 @@ parameter by ``dist_optim``; the step and param groups from its
 MoE models, of derived layouts, or stored otherwise (``dp_zero_gather_scatter``)
 is refused with a message. Writing lays the same global weights out as
 megatron-core's ranks would at the target tp/pp (see
-``McoreDistFormat.target``); optimizer state is not written yet, nor MoE.
+``McoreDistFormat.target``); with ``zero=1`` the distributed optimizer's state
+too, as ``dp_reshardable`` (``dist_optim_target``: the buckets of the target's
+args, chunk for chunk as megatron-core 0.16 saves them, which its torch_dist
+load resumes from). Not written: ``fully_reshardable``, MoE models.
 
 A checkpoint whose args describe no family with a torch_dist layout (and no
 ``config.json`` beside it names one) is laid out from ``.metadata`` alone,
@@ -264,8 +267,11 @@ class McoreDistFormat:
         write: each rank's tensors as the torch-format spec ``megatron-llama``
         places them, one chunk per layer, SwiGLU fc1 as one chunk per half,
         replicated tensors (norms) once, by the lowest rank (dp only changes the
-        rank numbers and ``args``). Weights only: optimizer states are not written
-        (reported as not carried).
+        rank numbers and ``args``). With ``topology.zero`` 1 and optimizer state in
+        the source, that state is written ``dp_reshardable`` for the distributed
+        optimizer (``dist_optim_target.optimizer_target``: buckets from the target
+        args' ``overlap_grad_reduce``/``ddp_bucket_size``, which the resumed run must
+        use too); otherwise weights only (optimizer states reported as not carried).
         """
         from reshard.formats.megatron.args import _padded_vocab, megatron_args
 
@@ -315,9 +321,26 @@ class McoreDistFormat:
             except CheckpointFormatError as e:
                 raise CheckpointFormatError(f"{source.path}: config.json: {e}") from None
         carried = source.extra.get(TORCH_DIST_KEY) if source.format == self.name else None
-        verbatim = carried.extra_states if isinstance(carried, TorchDistState) else None
+        verbatim = list(carried.extra_states if isinstance(carried, TorchDistState) and carried.extra_states
+                        else _extra_states(sizes["layers"]))
         state = TorchDistState(args=args, iteration=int(source.progress.iteration or 0))
-        extra = {"dcp": DcpWrite(chunks=chunks, verbatim=verbatim or _extra_states(sizes["layers"]), planner_data={},
+        if topology.zero == 1 and any(s != PARAM for s in source.layout.states):
+            from reshard.formats.megatron.dist_optim_target import optimizer_target
+
+            if family is None:
+                raise CheckpointFormatError(f"{source.path}: the distributed optimizer's buckets follow the model "
+                                            "family's layout; give no spec to write its state")
+            opt_items, opt_frags, opt_chunks, entries, common = optimizer_target(source, family, args, sizes,
+                                                                                 topology)
+            items.update(opt_items)
+            fragments.extend(opt_frags)
+            chunks.update(opt_chunks)
+            verbatim += entries
+            state.common = {"checkpoint_version": state.checkpoint_version, "iteration": state.iteration, **common}
+            layout = Layout(topology=topology, tensors=MappingProxyType(
+                {n: t for n, t in whole.tensors.items() if n in {f.tensor for f in fragments}}),
+                items=MappingProxyType(items), fragments=tuple(fragments))
+        extra = {"dcp": DcpWrite(chunks=chunks, verbatim=verbatim, planner_data={},
                                  naming=_Naming("", "", frozenset())), TORCH_DIST_KEY: state}
         return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology, sizes=dict(source.sizes),
                       layout=layout, dtypes=dict.fromkeys(items, "float32"), model=carried_identity(source, family),
