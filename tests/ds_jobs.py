@@ -16,7 +16,11 @@ buffer, a persistent int64 buffer and a non-persistent buffer. Options (environm
 - ``RESHARD_DS_BUFFERS``: ``1`` makes ``scale`` and ``seen`` persistent (in the checkpoint), ``0`` not;
 - ``RESHARD_DS_CLIP``: ``gradient_clipping`` in the config when set (unset: DeepSpeed's default, 1.0);
 - ``RESHARD_DS_UNIVERSAL``: ``1`` (through ``run``'s ``options``) loads a universal folder
-  (``"checkpoint": {"load_universal": true}``).
+  (``"checkpoint": {"load_universal": true}``);
+- ``RESHARD_DS_HF``: a Hugging Face model folder (``run``'s ``hf``): the job trains that transformers model
+  instead, built from its ``config.json`` with fresh random weights (so what it holds after ``load`` is the
+  checkpoint's), its output projection tied as transformers ties it; the state has no Adam moments where the
+  checkpoint holds none.
 
 ``custom_module`` gives the model's class to other jobs (``fsdp_any_jobs.py`` trains the same module with
 FSDP2), and ``batch`` the batch of step ``n``: the same ids at every rank and in every framework.
@@ -46,7 +50,7 @@ V, H, F = 40, 8, 12
 
 def run(tmp_path: Path, nproc: int, mode: str, ckpt: Path, out: Path, *, stage: int = 2, dtype: str = "fp32",
         groups: int = 1, frozen: bool = True, buffers: bool = True, clip: float | None = None,
-        script: str = __file__, options: dict[str, str] | None = None) -> None:
+        script: str = __file__, options: dict[str, str] | None = None, hf: Path | None = None) -> None:
     """Run this script (or another job ``script`` taking the same arguments, with its ``options`` in the
     environment) under torchrun with ``nproc`` ranks; fails the test with the job's output."""
     from jobs import run_job
@@ -59,6 +63,8 @@ def run(tmp_path: Path, nproc: int, mode: str, ckpt: Path, out: Path, *, stage: 
            "TORCH_EXTENSIONS_DIR": str(session / "torch-extensions")}
     if clip is not None:
         env["RESHARD_DS_CLIP"] = str(clip)
+    if hf is not None:
+        env["RESHARD_DS_HF"] = str(hf)
     env.update(options or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
            mode, str(ckpt), str(out)]
@@ -126,7 +132,13 @@ def _main() -> None:  # pragma: no cover - runs in the job's processes
     stage, bf16 = int(os.environ["RESHARD_DS_STAGE"]), os.environ["RESHARD_DS_DTYPE"].startswith("bf16")
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = custom_module(os.environ["RESHARD_DS_BUFFERS"] == "1")()
+    if "RESHARD_DS_HF" in os.environ:
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(os.environ["RESHARD_DS_HF"])
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    else:
+        model = custom_module(os.environ["RESHARD_DS_BUFFERS"] == "1")()
     if os.environ["RESHARD_DS_FROZEN"] == "1":
         model.frozen.requires_grad_(False)
     params = param_groups(model, int(os.environ["RESHARD_DS_GROUPS"]))
@@ -142,7 +154,8 @@ def _main() -> None:  # pragma: no cover - runs in the job's processes
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adam, config=config)
 
     def step(n: int) -> float:
-        loss = loss_of(engine(batch(n)))  # the same batch on every rank
+        out = engine(batch(n))  # the same batch on every rank
+        loss = loss_of(getattr(out, "logits", out))  # a transformers model's output holds its logits
         engine.backward(loss)
         engine.step()
         return loss.item()
@@ -158,10 +171,12 @@ def _main() -> None:  # pragma: no cover - runs in the job's processes
             engine.optimizer._hp_optimizer_states_linked = False
             engine.optimizer._lazy_init_hp_params_optimizer_state()
         dump = {}
+        # None before a first step, or loaded from a checkpoint without them (a Hugging Face model's).
+        moments = any("exp_avg" in s for s in engine.optimizer.optimizer.state.values())
         for name, p in engine.module.named_parameters():
             if p.requires_grad:
                 dump[f"{prefix}:{name}:master"] = safe_get_full_fp32_param(p).numpy().copy()
-                for key in ("exp_avg", "exp_avg_sq"):
+                for key in ("exp_avg", "exp_avg_sq") if moments else ():
                     dump[f"{prefix}:{name}:{key}"] = safe_get_full_optimizer_state(p, key).numpy().copy()
             if stage != 3:
                 dump[f"{prefix}:{name}:param"] = bits(p)

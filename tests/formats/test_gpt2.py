@@ -112,7 +112,10 @@ def test_a_gpt2_saved_by_transformers_survives_megatron_and_back(tmp_path):
         assert torch.equal(model(tokens).logits, again(tokens).logits)
 
 
-def test_deepspeed_says_plainly_that_gpt2_is_not_supported_yet(tmp_path):
-    with pytest.raises(reshard.CheckpointFormatError, match="a gpt2 model; the deepspeed format lays out a family.s model "
-                                                          "only where Hugging Face stores its tensors as the model"):
-        make_fixture(tmp_path / "ds", format="deepspeed", to="dp=2", model="tiny-gpt2")
+def test_a_gpt2_in_deepspeed_holds_its_tied_head_as_deepspeed_saves_it(tmp_path):
+    """The head is a copy of wte in the module's state dict, named in shared_params, in no flat buffer."""
+    make_fixture(tmp_path / "ds", format="deepspeed", to="dp=2", model="tiny-gpt2")
+    source = reshard.open_checkpoint(tmp_path / "ds")
+    model = source.extra["ds_model"]
+    assert model.shared == {"lm_head.weight": "transformer.wte.weight"}
+    assert "lm_head.weight" not in model.groups[0] and model.groups[0][0] == "transformer.wte.weight"

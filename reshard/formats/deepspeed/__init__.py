@@ -27,6 +27,11 @@ persistent buffers and tied weights. A pipeline-engine checkpoint is derived ali
 (``deepspeed-llama``, a user's file) lays it out instead, and is needed where DeepSpeed records too little:
 tensor parallelism (how tp split each tensor) and a new pp for the pipeline engine (which layers a stage holds
 is the model's partitioning: ``deepspeed-pipe-<family>``, its family taken from the ``config.json`` beside it).
+A family's layout holds each tensor as the transformers model does (GPT-2's Conv1D weights ``[in, out]``), and
+the output projection of a family that always ties it (Gemma, Gemma 2, Gemma 3, GPT-2) as a DeepSpeed run of
+that model saves it: the embedding once in the flat buffer, ``lm_head.weight`` beside it in the module's state
+dict, named in ``shared_params`` (``derive.model_of_layout``: a family's layout's ``DsModel``, whose ties the
+files record as a derived layout's are).
 
 From a checkpoint of another format, a derived layout puts the tensors with optimizer state in the param
 groups the source's optimizer had when it records them (a DCP checkpoint's ``param_groups``: each group's
@@ -40,7 +45,8 @@ folders by ``reshard.formats.deepspeed.ucp``; the pipeline engine's layer files 
 ``reshard.formats.deepspeed.pipe``.
 
 Not supported, each refused with a message: MoE expert files, tied pipeline modules
-(``tied_modules.*``), ``round_robin_gradients``, ``parameter_alignment``, tp > 1 without a spec that
+(``tied_modules.*``, and so the pipeline engine for a family that ties its head, or stores its tensors other
+than its model holds them: Gemma, GPT-2), ``round_robin_gradients``, ``parameter_alignment``, tp > 1 without a spec that
 splits over tp, another pp or tp for a pipeline of a model no family describes, and (until the planner
 can take the weights of some tensors from their fp32 masters and of others as stored) conversions between
 ZeRO-3 and ZeRO-1/2 of a model with frozen parameters or persistent buffers.

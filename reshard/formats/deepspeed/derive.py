@@ -18,18 +18,20 @@ flatten -> the param it shares) and the module's state dict (its keys in order, 
 Tensor parallelism is not derived: DeepSpeed does not record how tp splits a tensor. ``model_of_source``
 gives the ``DsModel`` of a checkpoint of another format: its tensors in the order it records them, the ones
 with optimizer state (or all of them, when it holds none) in one param group (or in the param groups its
-optimizer had, when it records them: ``foreign_groups``), the rest frozen.
+optimizer had, when it records them: ``foreign_groups``), the rest frozen. ``model_of_layout`` gives the
+``DsModel`` of a family's layout (``reshard.formats.specs``), so that its files record a tied head as a derived
+layout's do (``shared_params``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reshard.core.layout import PARAM
+from reshard.core.layout import PARAM, Layout
 from reshard.core.spec import Spec
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import Source, expect_shape, name_of
@@ -37,7 +39,8 @@ from reshard.formats.derived import Recorded, check_names, derived_spec, logical
 from reshard.io.bounds import brief
 from reshard.io.torchfile import TensorRef
 
-__all__ = ["FRAGMENTS", "MODULE", "OPTIM", "DsModel", "foreign_groups", "model_of_source", "recorded_model",
+__all__ = ["FRAGMENTS", "MODULE", "OPTIM", "DsModel", "foreign_groups", "model_of_layout", "model_of_source",
+           "recorded_model",
            "zero12_text", "zero3_text"]
 
 MODULE = "module"
@@ -257,3 +260,31 @@ def model_of_source(source: Source) -> DsModel:
         groups = tuple(tuple(g.params) for g in told)
     return DsModel(tensors=tuple(tensors), groups=groups, module=tuple((t.name, t.name) for t in tensors),
                    frozen=tuple(t.name for t in tensors if t.name not in kept))
+
+
+# --- from a family's layout -----------------------------------------------------------------------------
+
+
+def model_of_layout(layout: Layout, groups: Sequence[str], module: Sequence[str] = (),
+                    ties: Sequence[tuple[str, str]] = ()) -> DsModel:
+    """The ``DsModel`` of a resolved layout of a family's spec, which has no frozen params and no buffers:
+    each ``groups`` section's params (``param_shapes``: keys and stored shapes, in flat order), then the tied
+    copies (``shared_params``): each key of the ``module`` sections, holding a param group's tensor, and
+    ``ties`` (key, tensor) besides (a ZeRO-3 layout's, which stores no tied copy).
+
+    Raises CheckpointFormatError naming a module key whose tensor no param group holds.
+    """
+    def keys(section: str) -> list[str]:  # a key is an item per tp rank
+        return list(dict.fromkeys(it.key for it in layout.items if it.section == section and it.state == PARAM))
+
+    shapes = {it.key: info.shape for it, info in layout.items.items() if it.state == PARAM}
+    tensor_of = {f.item.key: f.tensor for f in layout.fragments if f.item.section in module}
+    grouped = [keys(s) for s in groups]
+    held = {k for g in grouped for k in g}
+    tied = [*((k, tensor_of[k]) for s in module for k in keys(s)), *ties]
+    for key, name in tied:
+        if name not in held:
+            raise CheckpointFormatError(f"module key '{key}' holds '{name}', which no param group holds: not a "
+                                        "tied weight DeepSpeed records in shared_params")
+    return DsModel(tensors=tuple(Recorded(k, shapes[k]) for g in grouped for k in g),
+                   groups=tuple(tuple(g) for g in grouped), module=(*((k, k) for g in grouped for k in g), *tied))

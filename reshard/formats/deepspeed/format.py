@@ -13,8 +13,9 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from reshard.core.layout import MASTER, PARAM, Item
+from reshard.core.layout import MASTER, PARAM, Item, Layout
 from reshard.core.resolve import resolve
+from reshard.core.spec import Spec
 from reshard.core.topology import Topology, parse_topology
 from reshard.errors import CheckpointFormatError, SpecError, TopologyError
 from reshard.execution.session import WriteSession
@@ -31,7 +32,14 @@ from reshard.formats.base import (
     given_sizes,
     name_of,
 )
-from reshard.formats.deepspeed.derive import DsModel, derived, model_of_source, recorded_model, zero12_text
+from reshard.formats.deepspeed.derive import (
+    DsModel,
+    derived,
+    model_of_layout,
+    model_of_source,
+    recorded_model,
+    zero12_text,
+)
 from reshard.formats.deepspeed.files import (
     _OPTIM_FILE,
     _Files,
@@ -87,6 +95,7 @@ from reshard.formats.deepspeed.zero12 import (
     _ranks,
     _refuse_options,
     _spec_info,
+    _SpecInfo,
     _splits_over,
     _stage,
 )
@@ -286,6 +295,8 @@ class DeepSpeedFormat:
             extra = extra_for_zero12(source, stage, len(info.groups), model_dtype, states[1:], topology.dp)
         if ds_model is not None:
             extra = dataclasses.replace(extra, module_order=tuple(k for k, _ in ds_model.module))
+        else:
+            ds_model = _family_model(spec_name, parsed, layout, info)
         dtypes = {it: model_dtype if it.section in info.model_sections else "float32" for it in layout.items}
         return Target(format=self.name, spec_name=spec_name, spec=parsed, topology=topology, sizes=dict(source.sizes),
                       layout=layout, dtypes=dtypes, model=target_model(source),
@@ -315,6 +326,7 @@ class DeepSpeedFormat:
             extra = dataclasses.replace(extra, module_order=tuple(k for k, _ in model.module))
         dtypes = {it: dtype if it.section in info.model_sections else "float32" for it in layout.items}
         family = family_of(spec) if model is None else None  # a fresh run of a family's model
+        model = model or _family_model(spec, parsed, layout, info)
         return Target(format=self.name, spec_name=spec, spec=parsed, topology=topo, sizes=dict(sizes), layout=layout,
                       model=ModelMeta(family=family.name if family else None), dtypes=dtypes,
                       extra={"deepspeed": extra, **({"ds_model": model} if model else {})})
@@ -420,6 +432,15 @@ def _target_states(source: Source) -> tuple[str, ...]:
         raise CheckpointFormatError(f"a DeepSpeed checkpoint needs the fp32 master weights (state '{MASTER}'); "
                                     f"the source has: {', '.join(source.layout.states)}")
     return (MASTER, *[s for s in src_states if s != MASTER])
+
+
+def _family_model(spec_name: str, spec: Spec, layout: Layout, info: _SpecInfo) -> DsModel | None:
+    """The ``DsModel`` of a family's layout outside the pipeline engine (its param groups, and its tied head for
+    ``shared_params``); None for a user's spec or a pipeline's."""
+    if family_of(spec_name) is None or _is_pipeline(spec):
+        return None
+    groups = [section for section, _ in info.groups]
+    return model_of_layout(layout, groups, [s for s in info.module_sections if s not in groups])
 
 
 def _derived_name(ds_model: DsModel) -> str:

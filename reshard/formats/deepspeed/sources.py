@@ -44,11 +44,11 @@ def target_model(source: Source) -> ModelMeta:
 def family_spec(source: Source, needs: str, suffix: str = "", prefix: str = "deepspeed") -> str:
     """``<prefix>-<family><suffix>`` of a source whose layout is its family's (``needs`` says why it must be)."""
     family = require_family(source, needs)
-    if any(t.hf_dims for t in family.tensors) or family.tied_default:
+    if prefix != "deepspeed" and (any(t.hf_dims for t in family.tensors) or family.tied_default):
         raise CheckpointFormatError(
-            f"{source.path}: a {family.name} model; the deepspeed format lays out a family's model only where "
-            f"Hugging Face stores its tensors as the model holds them, untied (not so for {family.name}): "
-            "convert a DeepSpeed checkpoint of it, or give a spec")
+            f"{source.path}: a {family.name} model; DeepSpeed's pipeline engine is laid out for a family only "
+            f"where Hugging Face stores its tensors as the model holds them, untied (not so for {family.name}: "
+            "a pipeline ties its head through tied_modules): convert a DeepSpeed checkpoint of it, or give a spec")
     require_sizes(source, family.sizes, "deepspeed")
     return f"{prefix}-{family.name}{suffix}"
 

@@ -20,7 +20,7 @@ of trained params are not stored: the fp32 master partitions are the weights, as
 
 Without a spec the layout is derived from the files (``derive.zero3_text``): any model, any number of
 groups, frozen params, buffers and tied weights. With a spec (``deepspeed-<family>-zero3``) the family's
-layout, one group. Checked before any tensor byte is read: the files for every dp rank, ``partition_count``,
+layout, one group, and a tied head (``specs.tied_head``) as a placeholder named in ``shared_params``. Checked before any tensor byte is read: the files for every dp rank, ``partition_count``,
 every rank's ``param_shapes`` against the layout (names, order, shapes), every flat tensor's, buffer's and
 fragment's size, and that ``module`` holds nothing but placeholders besides the buffers. Not supported:
 tp > 1. Written at any dp: from a ZeRO-3 source its own state, from another source a ZeRO-1/2 run's
@@ -61,6 +61,7 @@ from reshard.formats.deepspeed.derive import (
     DsModel,
     derived,
     foreign_groups,
+    model_of_layout,
     model_of_source,
     recorded_model,
     zero3_text,
@@ -87,9 +88,9 @@ from reshard.formats.deepspeed.state import (
     synthesize_extra,
 )
 from reshard.formats.deepspeed.zero12 import _spec_info, _SpecInfo
-from reshard.formats.derived import Recorded, derived_spec_name, is_derived
+from reshard.formats.derived import derived_spec_name, is_derived
 from reshard.formats.identity import write_identity
-from reshard.formats.specs import layout_spec, target_config
+from reshard.formats.specs import family_of, layout_spec, target_config, tied_head
 from reshard.io.bounds import brief
 from reshard.io.torchfile import TensorRef, TensorSpec, TorchSize
 from reshard.models.config import config_sizes
@@ -313,8 +314,10 @@ def extra_from_zero12(source: Source, dtype: str, groups: int = 1) -> Zero3Extra
     hyperparameters (per param group) when the source has them, DeepSpeed 0.19.8's defaults otherwise."""
     carried = source.extra.get("deepspeed") if source.format == "deepspeed" else None
     steps = int(source.progress.step or source.progress.iteration or 0)
+    moments = tuple(s for s in source.layout.states if s not in (PARAM, MASTER))  # none: no Adam step either
     base = carried or _foreign_state(synthesize_extra(groups=groups, dtype=dtype if dtype in ("bfloat16", "float32")
-                                                      else "float32", global_steps=steps), foreign_groups(source))
+                                                      else "float32", states=moments, global_steps=steps),
+                                     foreign_groups(source))
     model_states = copy.deepcopy(base.model_states)
     zero = base.optim_states["optimizer_state_dict"]
     bos = zero.get("base_optimizer_state", {})
@@ -422,11 +425,11 @@ def target_zero3(fmt_name: str, source: Source, topology: Topology, spec: str | 
     topo = Topology(dp=topology.dp, zero=3)
     full = resolve(parsed, topo, source.sizes, states={info.optim_section: (MASTER, *src_states)})
     items = {it: i for it, i in full.items.items() if it.section in _stored_sections(info)}
-    if ds_model is None:  # a family's: its groups' params, nothing outside them
-        groups = tuple(tuple(it.key for it in full.items if it.section == section and it.state == PARAM)
-                       for section, _ in info.groups)
-        tensors = tuple(Recorded(n, full.tensors[n].shape) for n in full.tensors)
-        ds_model = DsModel(tensors=tensors, groups=groups, module=tuple((n, n) for g in groups for n in g))
+    if ds_model is None:  # a family's: its groups' params, and a placeholder of its tied head
+        family = family_of(spec_name)
+        tie = tied_head(family) if family is not None else None
+        ds_model = model_of_layout(full, [section for section, _ in info.groups],
+                                   ties=[(tie[0], tie[1].name)] if tie else [])
     layout = Layout(topology=topo, tensors=full.tensors, items=MappingProxyType(items),
                     fragments=tuple(f for f in full.fragments if f.item in items))
     param_dtype = weights_dtype(source)
