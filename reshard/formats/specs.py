@@ -9,9 +9,12 @@ user's own spec file instead.
 The rules, per format:
 
 - ``hf``: every tensor under its Hugging Face name, unsharded, as Hugging Face stores it.
-- ``deepspeed`` (ZeRO-1/2, ``engine.save_checkpoint``): the module's state dict, and one flat buffer
+- ``deepspeed`` (ZeRO-1/2, ``engine.save_checkpoint``): the module's state dict, each tensor as the
+  model holds it (GPT-2's Conv1D weights ``[in, out]``, as Hugging Face stores them), and one flat buffer
   per param group and state: the group's params flattened in registration order, zero-padded to a
-  multiple of ``2 * dp`` (``nccl_start_alignment_factor``) and split into dp equal partitions. Options:
+  multiple of ``2 * dp`` (``nccl_start_alignment_factor``) and split into dp equal partitions. An
+  always-tied family's output projection (``tied_head``) is in the module's state dict as a copy of the
+  embedding (section ``module``: ``lm_head.weight -> embed``), in no flat buffer. Options:
   ``hf-trainer`` (two param groups, decay and no decay, as transformers' Trainer makes them),
   ``zero3`` (every param padded and split on its own), and the ``deepspeed-pipe`` prefix for the
   pipeline engine (``PipelineModule`` of [embedding, decoder layers, norm, head]: params named
@@ -23,22 +26,26 @@ The rules, per format:
   ``distopt`` the distributed optimizer's buffers: params (not the family's persistent buffers) in reverse
   registration order, each at a multiple of 64 elements, closed into buckets, padded for dp; ``-torch`` as
   ``distrib_optim.pt`` holds them (coalesced per (tp, pp)), without it per dp rank; ``-ep`` gives experts their
-  own buffer. The ``megatron-legacy`` prefix is Megatron-LM's legacy model, ``mcore-dist`` torch_dist's global
-  tensors.
+  own buffer. The ``megatron-legacy`` prefix is Megatron-LM's legacy model.
+- ``mcore-dist`` (Megatron-core ``torch_dist``): the family's ``megatron`` layout with each tensor whole: no tp
+  split, layers stacked on a leading dim ``{i}``, the vocabulary padded to ``vpad`` rows, a tied output layer
+  not stored (it is the embedding's key). Option ``tied``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 from reshard.core.spec import Spec, parse_spec
 from reshard.errors import CheckpointFormatError, SpecError
 from reshard.models import FAMILIES, Family, get_family, known_family
+from reshard.models.family import Tensor
 from reshard.models.catalog import load_spec
 from reshard.models.config import hf_config
 
-__all__ = ["FORMAT_RULES", "layout_spec", "require_family", "spec_names", "spec_text"]
+__all__ = ["FORMAT_RULES", "TIED_HEAD", "layout_spec", "require_family", "spec_names", "spec_text", "tied_head"]
 
 STATES = "states master exp_avg exp_avg_sq"
 DISTOPT = "reverse | align 64 | buckets bucket_size"
@@ -96,22 +103,42 @@ def _no_buffers(family: Family, name: str) -> None:
                         "supported yet)")
 
 
+TIED_HEAD = "lm_head.weight"
+"""The module key of a Hugging Face causal LM's output projection (transformers' ``_tied_weights_keys``)."""
+
+
+def tied_head(family: Family) -> tuple[str, Tensor] | None:
+    """The output projection a Hugging Face model of an always-tied family holds besides its embedding, which
+    Hugging Face never stores: (its module key, the embedding it is: the model's first registered parameter,
+    ``get_input_embeddings()``). None for a family whose output projection is stored, or only tied by its config."""
+    if family.can_tie or not family.tied_default:
+        return None
+    return TIED_HEAD, family.by_registration(tied=True)[0]
+
+
 def deepspeed(family: Family, options: tuple[str, ...]) -> str:
     variant = _one_of(options, ("hf-trainer", "zero3"), family, "deepspeed")
     _no_buffers(family, "-".join(("deepspeed", family.name, *options)))
     tensors = family.by_registration(tied=False)
+
+    def held(t: Tensor, name: str | None = None) -> str:  # as the model holds it: as Hugging Face stores it
+        return f"{name or _layer_local(t.name)}{t.ref} = {t.hf_dims or t.dims}"
+
     lines = [family.logical_text(tied=False), "section model per tp pp"]
     if variant == "hf-trainer":
-        lines += [f"{_layer_local(t.name)}{t.ref} = {t.dims}" for t in tensors if t.decay]
+        lines += [held(t) for t in tensors if t.decay]
         lines += ["", "section nodecay per tp pp"]
-        lines += [f"{_layer_local(t.name)}{t.ref} = {t.dims}" for t in tensors if not t.decay]
-        lines += ["", f"section optim per tp pp dp {STATES}", "flat optimizer.0.{state} = model | pad 2*dp | split dp",
-                  "flat optimizer.1.{state} = nodecay | pad 2*dp | split dp"]
+        lines += [held(t) for t in tensors if not t.decay]
+        flats = ["flat optimizer.0.{state} = model | pad 2*dp | split dp",
+                 "flat optimizer.1.{state} = nodecay | pad 2*dp | split dp"]
     else:
-        lines += [f"{_layer_local(t.name)}{t.ref} = {t.dims}" for t in tensors]
-        flat = ("flat fp32_flat_groups.{state} = model | perparam | split dp" if variant == "zero3" else
-                "flat optimizer.{state} = model | pad 2*dp | split dp")
-        lines += ["", f"section optim per tp pp dp {STATES}", flat]
+        lines += [held(t) for t in tensors]
+        flats = ["flat fp32_flat_groups.{state} = model | perparam | split dp" if variant == "zero3" else
+                 "flat optimizer.{state} = model | pad 2*dp | split dp"]
+    tie = tied_head(family)
+    if tie is not None and variant != "zero3":  # ZeRO-3 keeps a placeholder of it, no tensor
+        lines += ["", "section module per tp pp", held(tie[1], tie[0])]
+    lines += ["", f"section optim per tp pp dp {STATES}", *flats]
     return "\n".join(lines) + "\n"
 
 
@@ -206,10 +233,31 @@ def megatron_legacy(family: Family, options: tuple[str, ...]) -> str:
 
 
 def torch_dist(family: Family, options: tuple[str, ...]) -> str:
-    _one_of(options, (), family, "mcore-dist")
-    if family.torch_dist is None:
-        raise SpecError(f"mcore-dist-{family.name}: no torch_dist layout for {family.name}{_why_not(family)}")
-    return "\n".join([family.logical_text(tied=False), "section model", family.torch_dist]) + "\n"
+    _only(options, ("tied",), family, "mcore-dist")
+    name = "-".join(("mcore-dist", family.name, *options))
+    if not family.torch_dist or family.megatron is None:
+        why = " (a mixture of experts: torch_dist's expert tensors are not laid out yet)" if family.experts else \
+            _why_not(family)
+        raise SpecError(f"{name}: no torch_dist layout for {family.name}{why}")
+    tied = _flag(options, "tied", family)
+    rules = [_whole(rule, name) for rule in family.megatron(tied=tied, local=False).splitlines()]
+    return "\n".join([family.logical_text(tied), "section model", *filter(None, rules)]) + "\n"
+
+
+def _whole(rule: str, name: str) -> str | None:
+    """A Megatron rule as torch_dist stores its tensor: ``/tp`` splits dropped, the stage-local layer index turned
+    into a leading dim (``{i}``), the padded vocabulary ``vpad`` rows, ``@first``/``@last`` dropped; None for the
+    tied output layer, which torch_dist stores as the embedding's key."""
+    target, dims = rule.split(" = ", 1)
+    if "@lastonly" in target:
+        return None
+    target = re.sub(r" @(first|last)\b", "", target)
+    dims = re.sub(r"~\([^()]*\)", "~vpad", re.sub(r"/tp\b", "", dims))
+    if "{i/pp}." in target:
+        target, dims = target.replace("{i/pp}.", ""), "{i} " + dims
+    if re.search(r"[{/](pp|ep|e)\b|@", f"{target} {dims}"):  # a placement this derivation does not know
+        raise SpecError(f"{name}: the Megatron rule '{rule}' has no torch_dist form reshard derives")
+    return f"{target} = {dims}"
 
 
 FORMAT_RULES: dict[str, Callable[[Family, tuple[str, ...]], str]] = {

@@ -99,8 +99,11 @@ class Family:
     """Megatron's mixture-of-experts args from the sizes, the config and the hints (MoE families)."""
     megatron_legacy: str | None = None
     """The body of the legacy (non-mcore) Megatron-LM model section, where it exists."""
-    torch_dist: str | None = None
-    """The Megatron-core torch_dist global layout's model section body, where it exists."""
+    torch_dist: bool = False
+    """Whether megatron-core's torch_dist holds the model as it holds the family's ``megatron`` layout (Transformer
+    Engine names, which megatron-core's local layers map theirs to there), each tensor whole: ``mcore-dist`` derives
+    its layout from that one (``reshard.formats.specs``). False for mixtures of experts and Megatron-Bridge's
+    layouts, which have none yet."""
     experts: bool = False
     """A mixture-of-experts family: expert tensors split over ``ep`` in Megatron."""
     buffers: tuple[str, ...] = ()

@@ -138,6 +138,7 @@ FAMILY = Family(
     tied_default=True,
     can_tie=False,
     megatron=megatron,
+    torch_dist=True,
     sizes_from_config=sizes_from_config,
     config_from_sizes=config_from_sizes,
     megatron_args=megatron_args,

@@ -151,21 +151,6 @@ language_model/encoder/final_norm.weight -> norm @last = h
 language_model/output_layer/weight -> head @last = {VOCAB}
 """
 
-# Megatron-core's torch_dist: whole global tensors, layers stacked on a leading dim, the vocabulary
-# padded to ``vpad`` rows.
-TORCH_DIST = """\
-embedding.word_embeddings.weight -> embed = (vocab~vpad) h
-decoder.layers.self_attention.linear_qkv.layer_norm_weight -> ln1 = {i} h
-decoder.layers.self_attention.linear_qkv.weight = {i} (g [q: qpg hd | k: hd | v: hd]) h
-decoder.layers.self_attention.linear_proj.weight -> o = {i} h (g qpg hd)
-decoder.layers.mlp.linear_fc1.layer_norm_weight -> ln2 = {i} h
-decoder.layers.mlp.linear_fc1.weight = {i} [gate: f | up: f] h
-decoder.layers.mlp.linear_fc2.weight -> down = {i} h f
-decoder.final_layernorm.weight -> norm = h
-output_layer.weight -> head = (vocab~vpad) h
-"""
-
-
 def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.json", *,
                       f_key: str = CONFIG_KEYS["f"]) -> dict[str, int]:
     """h, heads, g, hd, f, vocab, layers from a ``LlamaConfig`` dict (``f`` from ``f_key``: an MoE family's
@@ -362,7 +347,7 @@ FAMILY = Family(
     sizes=SIZES,
     megatron=megatron,
     megatron_legacy=MEGATRON_LEGACY,
-    torch_dist=TORCH_DIST,
+    torch_dist=True,
     sizes_from_config=sizes_from_config,
     config_from_sizes=config_from_sizes,
     megatron_args=megatron_args,

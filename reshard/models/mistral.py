@@ -52,6 +52,7 @@ FAMILY = Family(
     registration=llama.REGISTRATION,
     sizes=llama.SIZES,
     megatron=llama.megatron,
+    torch_dist=True,
     sizes_from_config=llama.sizes_from_config,
     config_from_sizes=config_from_sizes,
     megatron_args=llama.megatron_args,

@@ -54,6 +54,7 @@ FAMILY = Family(
     registration=REGISTRATION,
     sizes=llama.SIZES,
     megatron=llama.megatron,
+    torch_dist=True,
     sizes_from_config=llama.sizes_from_config,
     config_from_sizes=config_from_sizes,
     megatron_args=llama.megatron_args,

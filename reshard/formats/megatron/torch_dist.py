@@ -7,10 +7,15 @@ torch format, every stored key is the *global* tensor: layers stacked on a
 leading dim (``decoder.layers.self_attention.linear_qkv.weight`` is
 ``[layers, g·(qpg+2)·hd, h]``), QKV group-interleaved, SwiGLU fc1 stored as
 ``[gate; up]`` of the whole ffn, the vocabulary padded. DCP's chunks say which
-box of it each rank wrote. The spec ``mcore-dist-llama`` describes the global
-tensors; ``chunk_fragments`` cuts its fragments down to each chunk, so a
-conversion reads just the rows each target needs, in place inside the chunks'
-``torch.save`` archives.
+box of it each rank wrote. The family's spec ``mcore-dist-<family>[-tied]``
+describes the global tensors: the family's Megatron layout with each tensor
+whole (``reshard.formats.specs``), for the dense families megatron-core holds
+(Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, Phi-3,
+and GPT-2 style: LayerNorm weight and bias, every linear's bias, learned
+positions, tied); a tied output layer is no key of its own (it is the
+embedding's). ``chunk_fragments`` cuts the spec's fragments down to each chunk,
+so a conversion reads just the rows each target needs, in place inside the
+chunks' ``torch.save`` archives.
 
 Model sizes come from ``common.pt``'s ``args`` (as Megatron's training loop
 saves them) or from ``sizes``; ``vpad`` is the stored embedding's row count.
@@ -30,7 +35,10 @@ megatron-core's ranks would at the target tp/pp (see
 ``McoreDistFormat.target``); with ``zero=1`` the distributed optimizer's state
 too, as ``dp_reshardable`` (``dist_optim_target``: the buckets of the target's
 args, chunk for chunk as megatron-core 0.16 saves them, which its torch_dist
-load resumes from). Not written: ``fully_reshardable``, MoE models.
+load resumes from). Not written: ``fully_reshardable``; mixture-of-experts
+models and Megatron-Bridge's layouts (Gemma, Gemma 2, Gemma 3), which have no
+torch_dist layout (refused naming the family and why; such a checkpoint is read
+laid out by name, below).
 
 A checkpoint whose args describe no family with a torch_dist layout (and no
 ``config.json`` beside it names one) is laid out from ``.metadata`` alone,
@@ -57,7 +65,7 @@ from reshard.core.geometry import row_major_strides
 from reshard.core.layout import PARAM, Fragment, Item, ItemInfo, Layout, chunk_fragments
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
-from reshard.errors import CheckpointFormatError
+from reshard.errors import CheckpointFormatError, SpecError
 from reshard.execution.session import WriteSession
 from reshard.formats.base import (
     MAX_COUNT,
@@ -97,18 +105,17 @@ from reshard.formats.megatron.dist_derived import optimizer_state as _optimizer_
 from reshard.formats.megatron.dist_optim import PREFIX as BUCKETS
 from reshard.formats.megatron.dist_optim import bucket_space
 from reshard.formats.megatron.identity import agreed_family, carried_identity, read_carried
+from reshard.formats.megatron.specs import _check_shared_embedding_bucket
+from reshard.formats.megatron.specs import spec_name as megatron_spec_name
 from reshard.formats.megatron.state import TORCH_DIST_KEY, TorchDistState, carried_args
-from reshard.formats.specs import layout_spec, require_family
+from reshard.formats.specs import family_of, layout_spec, require_family
 from reshard.io.bounds import brief
 from reshard.io.dcp_metadata import DcpChunk, read_metadata
 from reshard.io.torch_read import read_torch_file
-from reshard.models import llama
+from reshard.models import Family, llama
 
 __all__ = ["FORMAT", "McoreDistFormat"]
 
-SPEC = "mcore-dist-llama"
-RANK_SPEC = "megatron-llama"
-"""Where each rank's tensors are: the torch format's per-rank spec."""
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 _EMBEDDING = "embedding.word_embeddings.weight"
@@ -132,8 +139,10 @@ class McoreDistFormat:
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
         """Read ``metadata.json``, ``common.pt`` and DCP's ``.metadata``; match every stored key to the spec.
 
-        The spec is the model family's (``mcore-dist-llama``) when ``common.pt``'s args describe one (or,
-        without args, a ``config.json`` beside the checkpoint or its parent names one); otherwise the layout
+        The spec is the model family's (``mcore-dist-<family>``, ``-tied`` where the args, or without them the
+        config, tie the output layer to the embedding) when ``common.pt``'s args describe a family with a
+        torch_dist layout (or, without args, a ``config.json`` beside the checkpoint or its parent names one,
+        which the args must agree with); otherwise the layout
         is derived from ``.metadata`` alone (``mcore-dist-derived``, see ``dist_derived``).
         ``Source.model`` carries that ``config.json``, ``generation_config.json`` and tokenizer files.
 
@@ -154,17 +163,18 @@ class McoreDistFormat:
         carried, config_path = read_carried(path, path.parent)
         args = _args_of(common)
         family = agreed_family(args, carried, path / COMMON, config_path, spec=spec)
-        derived = spec is None and (family is None or family.torch_dist is None)
+        derived = spec is None and (family is None or not family.torch_dist)
         if derived:  # a model no family describes: every stored tensor under its own name
             spec_name = DERIVED_SPEC
             spec_ast = derived_spec(derived_text(md, path), self.name, path)
             model_sizes, topology = given_sizes(sizes), _parallel(args, path / COMMON, MAX_COUNT)
         else:
-            spec_name = spec or f"mcore-dist-{family.name}"
+            spec_name = spec or _spec_name(family, _tied(family, args, carried.config))
             spec_ast = layout_spec(spec_name)
             from_config = family.sizes_from_config(carried.config, config_path) \
                 if family and carried.config and args is None else {}  # args, when there are, give the sizes
-            model_sizes, topology = _sizes(path, common, md, {**from_config, **dict(sizes or {})})
+            model_sizes, topology = _sizes(path, common, md, {**from_config, **dict(sizes or {})},
+                                           (family or family_of(spec_name) or llama.FAMILY).sizes)
         whole = resolve(spec_ast, Topology(), model_sizes)
         by_key = {it.key: it for it in whole.items}
         frags_of: dict[Item, list[Fragment]] = {}
@@ -262,9 +272,10 @@ class McoreDistFormat:
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         """Megatron-core's torch_dist layout of ``source``'s model weights at ``topology`` (tp, pp, vpp, dp).
 
-        The stored tensors are the global ones of ``mcore-dist-llama`` (vocabulary
-        padded for the target tp); the chunks are the boxes megatron-core's ranks
-        write: each rank's tensors as the torch-format spec ``megatron-llama``
+        The stored tensors are the global ones of the family's ``mcore-dist-<family>[-tied]``
+        (vocabulary padded for the target tp; tied when the source stores no output
+        projection of its own); the chunks are the boxes megatron-core's ranks
+        write: each rank's tensors as the torch-format spec ``megatron-<family>[-tied]``
         places them, one chunk per layer, SwiGLU fc1 as one chunk per half,
         replicated tensors (norms) once, by the lowest rank (dp only changes the
         rank numbers and ``args``). With ``topology.zero`` 1 and optimizer state in
@@ -272,6 +283,11 @@ class McoreDistFormat:
         optimizer (``dist_optim_target.optimizer_target``: buckets from the target
         args' ``overlap_grad_reduce``/``ddp_bucket_size``, which the resumed run must
         use too); otherwise weights only (optimizer states reported as not carried).
+
+        Raises:
+          CheckpointFormatError: cp or ep > 1; a source whose family is recorded nowhere, or has no torch_dist
+            layout (mixtures of experts, Megatron-Bridge's Gemmas, OLMo 2: named, with the reason); missing
+            sizes; what ``optimizer_target`` refuses.
         """
         from reshard.formats.megatron.args import _padded_vocab, megatron_args
 
@@ -283,19 +299,21 @@ class McoreDistFormat:
                                         "supported yet")
         family = require_family(source, "torch_dist stores each family's tensors its own way (layers stacked, "
                                 "attention fused)") if spec is None else None
-        if family is not None and family.name != "llama":  # its args and tensors are not mcore-dist-llama's
-            raise CheckpointFormatError(f"{source.path}: a {family.name} model; the mcore-dist target writes Llama "
-                                        "models so far (convert to the megatron format instead)")
-        if "transformer.wte.weight" in source.layout.tensors or "lm_head.weight" not in source.layout.tensors:
-            raise CheckpointFormatError(f"{source.path}: the mcore-dist target supports untied Llama-style models so far")
-        require_sizes(source, llama.SIZES, "mcore-dist")
-        sizes = {k: int(source.sizes[k]) for k in llama.SIZES}
+        if family is not None and not family.torch_dist:
+            try:
+                layout_spec(_spec_name(family, False))
+            except SpecError as e:  # names the family and why it has no torch_dist layout
+                raise CheckpointFormatError(f"{source.path}: {e}; convert to the megatron format instead") from None
+        shaped = family or family_of(spec) or llama.FAMILY  # a given spec of no family: Llama's sizes and ranks
+        tied = shaped.tied_in(source.layout.tensors)
+        require_sizes(source, shaped.sizes, "mcore-dist")
+        sizes = {k: int(source.sizes[k]) for k in shaped.sizes}
         src_args = carried_args(source)
         div = int(src_args.get("make_vocab_size_divisible_by") or source.sizes.get("vocab_div", 128))
-        spec_name = spec or SPEC
+        spec_name = spec or _spec_name(shaped, tied)
         spec_ast = layout_spec(spec_name)
         whole = resolve(spec_ast, Topology(), sizes | {"vpad": _padded_vocab(sizes["vocab"], div, topology.tp)})
-        ranks = resolve(layout_spec(RANK_SPEC), topology, sizes | {"vocab_div": div})
+        ranks = resolve(layout_spec(megatron_spec_name(shaped, tied=tied)), topology, sizes | {"vocab_div": div})
         boxes = _chunk_boxes(whole, ranks, topology)
         frags_of: dict[str, list[Fragment]] = {}
         for f in whole.fragments:
@@ -313,8 +331,8 @@ class McoreDistFormat:
         used = {f.tensor for f in fragments}
         layout = Layout(topology=topology, tensors=MappingProxyType({n: t for n, t in whole.tensors.items() if n in used}),
                         items=MappingProxyType(items), fragments=tuple(fragments))
-        args = megatron_args(sizes | {"vocab_div": div}, topology, base=src_args or None,
-                             iteration=int(source.progress.iteration or 0))
+        args = megatron_args(sizes | {"vocab_div": div}, topology, base=src_args or None, tied=tied,
+                             family=shaped.name, iteration=int(source.progress.iteration or 0))
         if family is not None and not src_args:  # rope base and scaling, epsilon: never Megatron's defaults
             try:
                 args.update(family.args_from_config(source.model.config))
@@ -330,6 +348,8 @@ class McoreDistFormat:
             if family is None:
                 raise CheckpointFormatError(f"{source.path}: the distributed optimizer's buckets follow the model "
                                             "family's layout; give no spec to write its state")
+            if tied and topology.pp > 1:
+                _check_shared_embedding_bucket(ranks)
             opt_items, opt_frags, opt_chunks, entries, common = optimizer_target(source, family, args, sizes,
                                                                                  topology)
             items.update(opt_items)
@@ -364,6 +384,20 @@ class McoreDistFormat:
         # may have written it already; writing it again is harmless, listing it twice is not).
         identity = [p for p in write_identity(out, target.model) if p not in written]
         return [*written, Path(COMMON), Path(METADATA_JSON), *identity]
+
+
+def _spec_name(family: Family, tied: bool) -> str:
+    """The generated torch_dist layout of ``family``: ``mcore-dist-<family>[-tied]``."""
+    return f"mcore-dist-{family.name}{'-tied' if tied and family.can_tie else ''}"
+
+
+def _tied(family: Family | None, args: Mapping[str, Any] | None, config: Any) -> bool:
+    """Whether the output layer is the embedding: as the args say (Megatron ties unless
+    ``untie_embeddings_and_output_weights``), else the carried config (the family's default)."""
+    if args is not None:
+        return not args.get("untie_embeddings_and_output_weights", False)
+    default = family.tied_default if family else False
+    return bool(config.get("tie_word_embeddings", default)) if isinstance(config, Mapping) else default
 
 
 def _chunk_boxes(whole: Layout, ranks: Layout, topology: Topology) -> dict[tuple[str, tuple[int, ...]], tuple]:
@@ -489,7 +523,8 @@ def _common(path: Path) -> dict[str, Any]:
     return obj if isinstance(obj, dict) else {}
 
 
-def _sizes(path: Path, common: Mapping[str, Any], md, given: Mapping[str, int]) -> tuple[dict[str, int], Topology]:
+def _sizes(path: Path, common: Mapping[str, Any], md, given: Mapping[str, int],
+           required: tuple[str, ...]) -> tuple[dict[str, int], Topology]:
     from reshard.formats.megatron.args import _sizes_from_args
 
     embedding = md.tensors.get(_EMBEDDING)
@@ -515,7 +550,7 @@ def _sizes(path: Path, common: Mapping[str, Any], md, given: Mapping[str, int]) 
             sizes.setdefault("layers", qkv.size[0])
         if fc1 is not None and len(fc1.size) == 3:
             sizes.setdefault("f", fc1.size[1] // 2)
-        missing = [k for k in llama.SIZES if k not in sizes]
+        missing = [k for k in required if k not in sizes]
         if missing:
             raise CheckpointFormatError(f"{path}: {COMMON} holds no args, so the model sizes {', '.join(missing)} "
                                         "are unknown; give them as sizes")
