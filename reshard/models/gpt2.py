@@ -118,7 +118,47 @@ def megatron_args(sizes: Mapping[str, int], tied: bool) -> dict[str, Any]:
             "max_position_embeddings": int(sizes["positions"]), "position_embedding_type": "learned_absolute",
             "add_position_embedding": True, "use_rotary_position_embeddings": False,
             "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True, "add_qkv_bias": True,
-            "group_query_attention": False, "num_query_groups": None, "layernorm_epsilon": 1e-5}
+            "group_query_attention": False, "num_query_groups": None, "layernorm_epsilon": 1e-5, "openai_gelu": True}
+
+
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
+"""``activation_function`` values that are the tanh approximation Megatron runs with ``--openai-gelu``
+(``gelu`` is the exact one, Megatron's default)."""
+
+
+def args_from_config(config: Any) -> dict[str, Any]:
+    """Megatron args for a ``GPT2Config`` (the source's, carried): its GELU and LayerNorm epsilon.
+
+    Raises:
+      CheckpointFormatError: naming a field Megatron's GPT cannot compute as transformers does (another
+        activation, attention scaled by the inverse layer index or not scaled at all).
+    """
+    if not isinstance(config, Mapping):
+        return {}
+    act = config.get("activation_function", "gelu_new")
+    if act not in (*TANH_GELU, "gelu"):
+        raise CheckpointFormatError(f"activation_function = {act!r}: Megatron's GPT runs exact GELU or its tanh "
+                                    "approximation only; converting would change the model")
+    for key, default in (("scale_attn_by_inverse_layer_idx", False), ("scale_attn_weights", True)):
+        if bool(config.get(key, default)) != default:
+            raise CheckpointFormatError(f"{key} = {config.get(key)!r}: Megatron scales attention by "
+                                        "1/sqrt(head dim) only; converting would change the model")
+    out: dict[str, Any] = {"openai_gelu": act in TANH_GELU}
+    eps = config.get("layer_norm_epsilon")
+    if isinstance(eps, int | float) and not isinstance(eps, bool):
+        out.update(norm_epsilon=eps, layernorm_epsilon=eps)
+    return out
+
+
+def config_hints(args: Mapping[str, Any]) -> dict[str, Any]:
+    """What a ``GPT2Config`` takes from a Megatron run's args: the GELU and the LayerNorm epsilon (the inverse of
+    ``args_from_config``)."""
+    hints: dict[str, Any] = {"tie_word_embeddings": True,
+                             "activation_function": "gelu_new" if args.get("openai_gelu") else "gelu"}
+    eps = args.get("norm_epsilon", args.get("layernorm_epsilon"))
+    if isinstance(eps, int | float) and not isinstance(eps, bool):
+        hints["layer_norm_epsilon"] = eps
+    return hints
 
 
 def is_megatron(args: Mapping[str, Any]) -> bool:
@@ -143,4 +183,6 @@ FAMILY = Family(
     config_from_sizes=config_from_sizes,
     megatron_args=megatron_args,
     is_megatron=is_megatron,
+    config_hints=config_hints,
+    args_from_config=args_from_config,
 )

@@ -119,3 +119,25 @@ def test_a_gpt2_in_deepspeed_holds_its_tied_head_as_deepspeed_saves_it(tmp_path)
     model = source.extra["ds_model"]
     assert model.shared == {"lm_head.weight": "transformer.wte.weight"}
     assert "lm_head.weight" not in model.groups[0] and model.groups[0][0] == "transformer.wte.weight"
+
+
+def test_gpt2s_gelu_and_epsilon_travel_to_megatron_args_and_back() -> None:
+    """transformers' GPT-2 runs tanh GELU (``gelu_new``), Megatron exact GELU unless ``--openai-gelu``: the
+    activation and ``layer_norm_epsilon`` become the args that reproduce them, the args give them back, and what
+    Megatron's GPT cannot compute is refused naming the field."""
+    from reshard.errors import CheckpointFormatError
+    from reshard.models.gpt2 import FAMILY
+
+    args = FAMILY.args_from_config({"activation_function": "gelu_new", "layer_norm_epsilon": 1e-6})
+    assert args == {"openai_gelu": True, "norm_epsilon": 1e-6, "layernorm_epsilon": 1e-6}
+    assert FAMILY.config_hints(args) == {"tie_word_embeddings": True, "activation_function": "gelu_new",
+                                         "layer_norm_epsilon": 1e-6}
+    assert FAMILY.args_from_config({"activation_function": "gelu"})["openai_gelu"] is False
+    assert FAMILY.config_hints({"openai_gelu": False})["activation_function"] == "gelu"
+    assert FAMILY.megatron_args({"h": 8, "heads": 2, "hd": 4, "f": 32, "vocab": 10, "layers": 1, "positions": 4},
+                                True)["openai_gelu"] is True
+    for config, field in (({"activation_function": "relu"}, "activation_function = 'relu'"),
+                          ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx = True"),
+                          ({"scale_attn_weights": False}, "scale_attn_weights = False")):
+        with pytest.raises(CheckpointFormatError, match=field):
+            FAMILY.args_from_config(config)
