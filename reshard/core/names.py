@@ -133,7 +133,8 @@ class Captures:
 
     def stage_of(self, rule: S.Stored) -> int:
         """The stage an ``@stage(expr)`` rule sits on: expr, which must name one of the topology's stages."""
-        assert rule.stage is not None
+        if rule.stage is None:
+            raise self.err(f"'@stage' of {_name(rule)} names no stage ('@stage(1)')", rule.pos)
         n = self.eval(rule.stage)
         if not 0 <= n < self.topo.pp:
             raise TopologyError(f"{_name(rule)}: @stage({n}) is not a stage of pp({self.topo.pp}) "

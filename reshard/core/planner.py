@@ -395,7 +395,7 @@ def _item_json(item: Item) -> dict:
 
 def _info_json(info: ItemInfo) -> dict:
     return {"shape": list(info.shape), "mapped": info.mapped, "fill": info.fill, "rule": info.rule,
-            "tensor": info.tensor}
+            **({"tensor": info.tensor} if info.tensor is not None else {})}
 
 
 def _info_from(d: dict) -> ItemInfo:

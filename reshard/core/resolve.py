@@ -170,7 +170,8 @@ class _Resolver(Captures):
         if st.name in self.indexes:
             raise self.err(f"index '{st.name}' is declared twice", st.pos)
         if st.parent is None:
-            assert st.size is not None
+            if st.size is None:
+                raise self.err(f"index '{st.name}' has no range ('index {st.name} < N')", st.pos)
             self.indexes[st.name] = self.eval(st.size)
             if self.indexes[st.name] < 0:
                 raise self.err(f"index '{st.name}' ranges over {self.indexes[st.name]} values; a range must be >= 0", st.pos)
