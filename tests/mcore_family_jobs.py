@@ -9,7 +9,9 @@ unexpected, and the largest |difference| from transformers' logits over the real
 
 CPU stand-ins, in this process only: ``torch.cuda.current_device`` is "cpu" (rotary embeddings move to it),
 the CUDA RNG tracker's ``fork`` is a null context (attention dropout runs under it, at p=0 in eval mode),
-experts skip Transformer Engine's gemm, and the sliding-window mask is built on the CPU.
+experts skip Transformer Engine's gemm, the sliding-window mask is built on the CPU, and MLA knows Transformer
+Engine is absent (its import of TE's names succeeds without it, as None). MLA's core attention is a CPU one
+(``_cpu_core_attention``): megatron-core's local one refuses MLA's head sizes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def _patch_cpu(torch) -> None:
         return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
 
     fused_softmax.get_sliding_window_causal_mask = window_mask
+
+    from megatron.core.transformer import multi_latent_attention
+    multi_latent_attention.HAVE_TE = False  # its import of Transformer Engine's names succeeds without TE (as None)
 
 
 def _model(args: dict, torch):
@@ -68,6 +73,8 @@ def _model(args: dict, torch):
     for key, value in args.items():  # yarn's fields are read off the config by GPTModel, not TransformerConfig's
         if key.startswith("yarn_"):
             setattr(config, key, value)
+    if args.get("multi_latent_attention"):
+        return _mla_model(args, config, torch)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                     qk_layernorm=bool(args.get("qk_layernorm")), normalization=args["normalization"])
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args["padded_vocab_size"],
@@ -76,6 +83,65 @@ def _model(args: dict, torch):
                     rotary_percent=args.get("rotary_percent", 1.0), rope_scaling=bool(args.get("use_rope_scaling")),
                     rope_scaling_factor=args.get("rope_scaling_factor", 8.0),
                     share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"])
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+              "rotary_base", "rotary_scaling_factor", "original_max_position_embeddings", "mscale", "mscale_all_dim",
+              "beta_fast", "beta_slow")
+"""The MLA fields megatron-core reads off ``MLATransformerConfig`` (its own yarn rotary embedding included)."""
+
+ROUTING_FIELDS = ("moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_router_score_function",
+                  "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+                  "moe_router_topk_scaling_factor", "moe_router_dtype")
+"""DeepSeek-V3's MoE fields: shared experts, dense then MoE layers, sigmoid group-limited routing with the bias."""
+
+
+def _mla_model(args: dict, plain, torch):
+    """A DeepSeek-V3-style GPTModel: megatron-core's MLA layers and its dense/MoE layer pattern, from the args.
+
+    megatron-core 0.16.1's local spec puts ``DotProductAttention`` under MLA, which refuses the ``k_channels`` /
+    ``v_channels`` MLA passes (MLA runs on Transformer Engine's attention). Only that softmax(q k^T * scale) v
+    is replaced here, by ``_CpuCoreAttention``: every MLA projection, norm, the rope split and yarn's scale stay
+    megatron-core's, which is what the checkpoint's layout has to match."""
+    import dataclasses
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    fields = {f.name: getattr(plain, f.name) for f in dataclasses.fields(plain) if f.init}
+    fields.update({k: args[k] for k in MLA_FIELDS + ROUTING_FIELDS if args.get(k) is not None})
+    fields.update(multi_latent_attention=True, moe_layer_freq=list(fields["moe_layer_freq"]))
+    config = MLATransformerConfig(**fields)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args["normalization"])
+    for layer in block.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = _cpu_core_attention(torch)
+    return GPTModel(config=config, transformer_layer_spec=block, vocab_size=args["padded_vocab_size"],
+                    max_sequence_length=args.get("max_position_embeddings") or 4096,
+                    position_embedding_type=args["position_embedding_type"],
+                    share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"])
+
+
+def _cpu_core_attention(torch):
+    """Causal softmax(q k^T * scale) v for MLA's heads (q/k of ``k_channels``, v of ``v_channels``), [s, b, n, d]
+    in, [s, b, n * v_channels] out, as megatron-core's core attention returns it."""
+    from megatron.core.transformer.module import MegatronModule
+
+    class _CpuCoreAttention(MegatronModule):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None,
+                     k_channels=None, v_channels=None, **_):
+            super().__init__(config=config)
+            self.scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask, **_):
+            q, k, v = (t.permute(1, 2, 0, 3).float() for t in (query, key, value))  # [b, n, s, d]
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+            s = scores.shape[-1]
+            scores = scores.masked_fill(torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1), float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)  # [b, n, s, dv]
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+    return _CpuCoreAttention
 
 
 def _case(case: Path, torch) -> dict:

@@ -93,15 +93,6 @@ TINY = {
 }
 
 
-CANNOT_BUILD_ON_CPU = {
-    # A local layout exists (its names and registration order are checked in tests/formats), but megatron-core
-    # 0.16.1 cannot build it without Transformer Engine.
-    "deepseek_v3": "megatron-core 0.16.1 builds MLA's local layers with DotProductAttention, which rejects the "
-                   "k_channels argument MultiLatentAttention passes (MLA runs on Transformer Engine's attention)",
-}
-"""Families with a ``--transformer-impl local`` layout that megatron-core on CPU still cannot run, and why."""
-
-
 def _save_tiny(name: str, path: Path):
     """The family's tiny random model, saved by transformers in fp32; its class."""
     import torch
@@ -215,9 +206,6 @@ def test_megatron_core_runs_the_checkpoints_reshard_writes_and_matches_transform
             # no --transformer-impl local layout: megatron-core on CPU cannot build it
             skipped[name] = family.plain_megatron or "laid out for Transformer Engine's names only"
             continue
-        if name in CANNOT_BUILD_ON_CPU:
-            skipped[name] = CANNOT_BUILD_ON_CPU[name]
-            continue
         case = tmp_path / name
         model_class = _save_tiny(name, case / "hf")
         ids = torch.arange(40).reshape(2, 20) % VOCAB
@@ -231,18 +219,26 @@ def test_megatron_core_runs_the_checkpoints_reshard_writes_and_matches_transform
     # Not run here, each for its reason: GPT-2 is laid out for Transformer Engine's names only; Gemma's zero-centred
     # (1 + w) norms exist only in Transformer Engine's layers, and plain megatron-core has no embedding scaling,
     # post norms or soft-caps (Gemma 2/3; Megatron-Bridge's modules compute them); OLMo 2 has no Megatron layout.
-    assert set(skipped) == {"gpt2", "gemma", "gemma2", "gemma3_text", "olmo2", "deepseek_v3"}, skipped
+    assert set(skipped) == {"gpt2", "gemma", "gemma2", "gemma3_text", "olmo2"}, skipped
     assert all("megatron-core" in why or "Transformer Engine" in why for why in skipped.values()), skipped
+    # A negative control: DeepSeek-V3's args without yarn's attention scale (mscale_all_dim) must not match.
+    control = tmp_path / "deepseek_v3-no-mscale"
+    shutil.copytree(tmp_path / "deepseek_v3", control)
+    (rank_file,) = control.glob("meg/iter_*/mp_rank_*/model_optim_rng.pt")
+    saved = torch.load(rank_file, weights_only=False)  # the file this test just wrote
+    saved["args"].mscale_all_dim = 0.0
+    torch.save(saved, rank_file)
     script = Path(__file__).parents[1] / "mcore_family_jobs.py"
     import os
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    code, output = run_job([sys.executable, str(script), *map(str, cases)], env)
+    code, output = run_job([sys.executable, str(script), *map(str, cases), str(control)], env)
     assert code == 0, output[-4000:]
     for case in cases:
         result = json.loads((case / "mcore.json").read_text())
         assert result["missing"] == [] and result["unexpected"] == [], (case.name, result)
         assert result["max_diff"] < 1e-5, (case.name, result["max_diff"])
         assert result["in_registration_order"], case.name
+    assert json.loads((control / "mcore.json").read_text())["max_diff"] > 1e-3
 
 
 @pytest.mark.interop
