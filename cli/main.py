@@ -35,6 +35,8 @@ FormatOpt = Annotated[str | None, typer.Option("--format", help="destination for
 SpecOpt = Annotated[str | None, typer.Option("--spec", help="destination layout: a generated name (megatron-llama-tied, hf-gpt2, ...) or a spec file by path")]
 SizesOpt = Annotated[str | None, typer.Option("--sizes", help="model sizes the checkpoint does not tell (no config.json), e.g. heads=32,g=8")]
 ShardOpt = Annotated[str | None, typer.Option("--max-shard-size", help="hf: largest safetensors shard, e.g. 5GB (default), 500MB")]
+WorkersOpt = Annotated[str, typer.Option("--workers", help="processes writing byte-balanced shares of the destination "
+                                          "side by side: a number, or auto (as many as help, up to one per core)")]
 VocabPadOpt = Annotated[str | None, typer.Option("--vocab-pad", help="megatron: rows padding the vocab for the target tp: zero or last (copies of the last row); default: the spec's (zeros)")]
 
 
@@ -49,6 +51,15 @@ def _sizes(text: str | None) -> dict[str, int] | None:
             raise ReshardError(f"--sizes: '{part}' is not name=integer (e.g. heads=32,g=8)")
         out_[key.strip()] = int(value)
     return out_
+
+
+def _workers(text: str) -> int | str:
+    """``auto`` or a positive integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ReshardError(f"--workers: '{text}' is not auto or a number of at least 1")
+    return int(text)
 
 
 def _user_errors(fn):
@@ -79,8 +90,9 @@ def convert(
     to: TopologyOpt = None,
     format: FormatOpt = None,
     spec: SpecOpt = None,
-    workers: Annotated[int, typer.Option("--workers", help="processes writing independent work units side by side")] = 1,
-    memory_budget: Annotated[str, typer.Option("--memory-budget", help="memory the conversion may hold, e.g. 512MiB, 4GiB")] = "1GiB",
+    workers: WorkersOpt = "auto",
+    memory_budget: Annotated[str, typer.Option("--memory-budget", help="memory the conversion may hold, workers included, "
+                                               "e.g. 512MiB, 4GiB; auto: three quarters of the memory available")] = "auto",
     sizes: SizesOpt = None,
     max_shard_size: ShardOpt = None,
     vocab_pad: VocabPadOpt = None,
@@ -95,13 +107,13 @@ def convert(
     with --resume continues it."""
     if dry_run:
         _print_plan(reshard.plan(src, to=to, format=format, spec=spec, sizes=_sizes(sizes),
-                                 max_shard_size=max_shard_size, vocab_pad=vocab_pad).to_json())
+                                 max_shard_size=max_shard_size, vocab_pad=vocab_pad).to_json(workers=_workers(workers)))
         return
     columns = (TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("convert", total=None)
         try:
-            result = reshard.convert(src, dst, to=to, format=format, spec=spec, sizes=_sizes(sizes), workers=workers,
+            result = reshard.convert(src, dst, to=to, format=format, spec=spec, sizes=_sizes(sizes), workers=_workers(workers),
                                      memory_budget=memory_budget, max_shard_size=max_shard_size, vocab_pad=vocab_pad,
                                      progress=lambda done, total: bar.update(task, completed=done, total=total),
                                      resume=resume)
@@ -127,10 +139,12 @@ def plan_cmd(
     format: FormatOpt = None,
     spec: SpecOpt = None,
     sizes: SizesOpt = None,
+    workers: WorkersOpt = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="print the plan report as JSON")] = False,
 ) -> None:
-    """Show what moves where: per destination file the bytes, copies and source files; the work units."""
-    report = reshard.plan(src, to=to, format=format, spec=spec, sizes=_sizes(sizes)).to_json()
+    """Show what moves where: per destination file the bytes, copies and source files; the work units; each
+    worker's byte share."""
+    report = reshard.plan(src, to=to, format=format, spec=spec, sizes=_sizes(sizes)).to_json(workers=_workers(workers))
     if as_json:
         out.print_json(json.dumps(report))
     else:
@@ -149,6 +163,13 @@ def _print_plan(report: dict) -> None:
               f"{len(report['work_units'])} independent work units", highlight=False)
     for k, unit in enumerate(report["work_units"]):
         out.print(f"  unit {k}: {', '.join(unit['sources'])} -> {', '.join(unit['destinations'])}", highlight=False)
+    shares = report.get("workers")
+    if shares:
+        out.print(f"{shares['workers']} worker{'s' if shares['workers'] != 1 else ''}, largest byte share "
+                  f"{shares['largest_over_mean']:.2f} x the mean:", highlight=False)
+        for k, row in enumerate(shares["shares"]):
+            out.print(f"  worker {k}: {_bytes(row['bytes'])} in {len(row['files'])} file"
+                      f"{'s' if len(row['files']) != 1 else ''}: {', '.join(row['files'])}", highlight=False)
     if report["dropped_states"]:
         out.print(f"not carried: {', '.join(report['dropped_states'])}", highlight=False)
 

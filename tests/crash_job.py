@@ -12,22 +12,19 @@ POINT is where the process dies, at its N-th occurrence:
   renamed       right after the rename
   worker-close  a worker, after its N-th file, kills the conversion's main process and
                 waits to be killed with it (writes its pid to DST.worker-pid; if it
-                outlives the parent by 5 s it writes DST.worker-survived)
-
-The patches sit at module level so that spawned workers, which import this
-script again, run them too.
+                outlives the parent by 5 s it writes DST.worker-survived); the workers
+                get this fault with their shares (``worker_faults.FaultyWrite``)
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import dataclasses
 import os
 import signal
 import sys
-import time
-from pathlib import Path
 
 import reshard
+import reshard.api.converting
 import reshard.execution.partial
 import reshard.execution.session
 import reshard.io.storage
@@ -47,7 +44,6 @@ def _hit() -> bool:
     return _count[0] == N
 
 
-_in_worker = multiprocessing.current_process().name != "MainProcess"
 _pwrite, _close = reshard.io.storage.OutputFile.pwrite, reshard.io.storage.OutputFile.close
 _journal = reshard.execution.session._append_line
 _start, _write_synced, _replace = reshard.execution.partial.Partial._start, reshard.execution.partial._write_synced, os.replace
@@ -63,11 +59,6 @@ def close(self, **kw):
     digest = _close(self, **kw)
     if POINT == "close" and _hit():
         _kill()
-    if POINT == "worker-close" and _in_worker and _hit():
-        Path(DST + ".worker-pid").write_text(str(os.getpid()))
-        os.kill(os.getppid(), signal.SIGKILL)
-        time.sleep(5)
-        Path(DST + ".worker-survived").write_text(str(os.getpid()))
     return digest
 
 
@@ -99,6 +90,16 @@ def replace(a, b):
         _kill()
 
 
+def worker_shares(*args, **kw):
+    from worker_faults import FaultyWrite
+
+    return [dataclasses.replace(s, write=FaultyWrite(s.write, "kill-parent", N, DST))
+            for s in _worker_shares(*args, **kw)]
+
+
+_worker_shares = reshard.api.converting.worker_shares
+if POINT == "worker-close":
+    reshard.api.converting.worker_shares = worker_shares
 reshard.io.storage.OutputFile.pwrite = pwrite
 reshard.io.storage.OutputFile.close = close
 reshard.execution.session._append_line = journal

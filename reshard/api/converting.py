@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ import xxhash
 
 from reshard import __version__
 from reshard.api.planning import PlanReport, plan
-from reshard.api.workers import run_workers, shares
+from reshard.api.workers import copies_per_share, shares, worker_count, worker_shares
 from reshard.core.topology import Topology
 from reshard.core.units import parse_size
 from reshard.errors import CheckpointFormatError, ReshardError
@@ -30,12 +32,11 @@ from reshard.execution.manifest import (
 )
 from reshard.execution.partial import Partial, partial_path
 from reshard.execution.session import WriteSession
+from reshard.execution.workers import WorkerLost, run_shares
 from reshard.formats import get_format
 from reshard.io.storage import HASH
 
 __all__ = ["ConvertResult", "convert"]
-
-DEFAULT_MEMORY_BUDGET = 1 << 30
 
 Progress = Callable[[int], None]
 
@@ -59,8 +60,8 @@ def convert(
     format: str | None = None,
     spec: str | None = None,
     sizes: Mapping[str, int] | None = None,
-    workers: int = 1,
-    memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
+    workers: int | str = "auto",
+    memory_budget: int | str | None = None,
     max_shard_size: int | str | None = None,
     vocab_pad: str | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -74,7 +75,8 @@ def convert(
     manifest ``reshard.json`` written last: sources, topologies, and per file
     its size and the xxh3-128 of its bytes and of each stored tensor, taken
     while writing. A failed run leaves no ``dst``; one that was killed or
-    interrupted leaves the hidden directory, which ``resume`` continues.
+    interrupted, or whose worker died, leaves the hidden directory, which ``resume``
+    continues (with any number of workers).
 
     Args:
       src: a checkpoint directory in any supported format.
@@ -84,17 +86,21 @@ def convert(
       format: destination format; default: the source's.
       spec: destination spec name or path; default: the format's spec for the model.
       sizes: model sizes the source's metadata lacks.
-      workers: processes writing the plan's independent work units (sets of
-        destination files no two of which share a source file) side by side.
+      workers: processes writing byte-balanced shares of the destination files side by
+        side, from the plan made once here; ``"auto"`` (the default): as many as help,
+        at most one per core, per destination file and per 64 MiB of destination bytes,
+        and as many as the memory budget holds.
       memory_budget: bytes (or ``"512MiB"``, ``"1GiB"``) the conversion may hold,
-        shared by the workers; it sets the window each writer asks for at a time.
-        Too small a budget for the plan is an error before anything is written.
+        shared by the main process and the workers; it sets the window each writer asks
+        for at a time. Default (None or ``"auto"``): three quarters of the memory
+        available (``MemAvailable``). Too small a budget is an error before anything is
+        written, naming the smallest budget that works.
       max_shard_size: hf only: the largest safetensors shard (bytes, or ``"5GB"``;
         default 5GB as transformers), with ``model.safetensors.index.json``.
       vocab_pad: megatron only: ``zero`` or ``last``, what fills the rows that pad the
         vocabulary for the target tp (``last``: copies of the last real row, as Megatron's
         own converter pads); default: the spec's own policy (zeros in the shipped specs).
-      progress: ``progress(done_bytes, total_bytes)`` while writing (one worker).
+      progress: ``progress(done_bytes, total_bytes)`` while writing (workers included).
       resume: continue an interrupted conversion with the same source and options,
         keeping the files it finished whose checksums still verify; if it had
         finished, check ``dst`` against its manifest instead.
@@ -104,8 +110,8 @@ def convert(
     """
     started = time.perf_counter()
     dst = Path(dst)
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ReshardError(f"workers must be an integer of at least 1, got {workers!r}")
+    if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ReshardError(f"workers must be 'auto' or an integer of at least 1, got {workers!r}")
     report = plan(src, to=to, format=format, spec=spec, sizes=sizes, max_shard_size=max_shard_size,
                   vocab_pad=vocab_pad)
     if resume and dst.exists() and not partial_path(dst).exists() and (dst / MANIFEST).exists():
@@ -113,7 +119,8 @@ def convert(
         return ConvertResult(path=dst, report=report, files=files, bytes_read=0, bytes_written=0, reused=len(files),
                              seconds=time.perf_counter() - started)
     _check_destination(Path(src), dst)
-    window = _window_bytes(report, parse_size(memory_budget, "memory budget"), workers)
+    every = sorted({str(f) for f in report.dst_files.values()})
+    count, window = _workers_and_window(report, workers, every, memory_budget)
     target = report.target
     fmt = get_format(target.format)
     options = {"max_shard_size": max_shard_size, "vocab_pad": vocab_pad}
@@ -139,7 +146,7 @@ def convert(
         sources = logical_sources(target.layout, target.dtypes)
         session = WriteSession(journal=tmp, segments=segments_of(sources), window_bytes=window, progress=tick)
         written: dict[Path, str | None] = {Path(rel): e[HASH] for rel, e in kept.items()}
-        parts = shares(report, workers, todo)
+        parts = shares(report, count, todo)
         if len(parts) <= 1:
             with ByteReader() as reader:
                 fill = PlanFill(report.plan, report.source.where, reader)
@@ -152,9 +159,15 @@ def convert(
                 bytes_read = reader.bytes_read
             tensors, segments = tensor_digests(session.item_digests(), report.dst_files), session.segment_digests()
         else:
-            new, bytes_read, tensors, segments = run_workers(parts, src, tmp, to, format, spec, sizes, window,
-                                                              options)
-            written.update(new)
+            results = run_shares(worker_shares(report, parts, tmp, window), progress=tick)
+            items: dict = {}
+            segments = {}
+            for r in results:
+                written.update({Path(f): d for f, d in r.files.items()})
+                items.update(r.items)
+                segments.update(r.segments)
+            bytes_read = sum(r.bytes_read for r in results)
+            tensors = tensor_digests(items, report.dst_files)
             with ByteReader() as reader:  # the files that hold no items: trackers, configs, indexes
                 paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), session, only=())
                 written.update({p: session.digest(tmp / p) for p in paths})
@@ -179,8 +192,8 @@ def convert(
         }
         manifest.pop("work_units", None)
         partial.commit(json.dumps(manifest, indent=1) + "\n")
-    except (KeyboardInterrupt, SystemExit):
-        raise  # interrupted: the partial directory stays for --resume
+    except (KeyboardInterrupt, SystemExit, WorkerLost):
+        raise  # interrupted, or a worker killed: the partial directory stays for --resume
     except BaseException:
         partial.abandon()
         raise
@@ -201,27 +214,76 @@ _BYTES_PER_COPY = 700
 
 _BYTES_PER_FRAGMENT = 500
 
-def _window_bytes(report: PlanReport, budget: int, workers: int) -> int:
-    """The window each writer asks of fill, from the memory budget; an error if the budget cannot hold the plan.
+# A worker's own memory besides its slice of the plan and its windows: the interpreter, the execution
+# and format modules (no torch) and the share as it arrives; measured at 52-55 MiB peak RSS (35 MiB
+# private) for Megatron, DeepSpeed, DCP and torch_dist targets on CPython 3.11.
+_WORKER_BYTES = 64 << 20
 
-    Each process holds the runtime and the plan (estimated from its counts);
-    each writing process also a destination window, the source spans feeding
-    it (at most the window again) and the writer's own buffer: four windows in
-    all. With workers, the main process waits holding its plan, so the budget
-    is split ``workers + 1`` ways.
+_MIB = 1 << 20
+
+
+def _workers_and_window(report: PlanReport, workers: int | str, files: list[str],
+                        memory_budget: int | str | None) -> tuple[int, int]:
+    """How many workers, and the window each writer asks of fill, from the memory budget: for ``auto``
+    workers, as many as help and as the budget holds; an error if the budget cannot hold the plan."""
+    budget = default_memory_budget() if memory_budget in (None, "auto") else parse_size(memory_budget, "memory budget")
+    count = worker_count(report, workers, files)
+    while True:
+        parts = shares(report, count, files)
+        fixed, what = _fixed_bytes(report, parts)
+        writers = max(1, len(parts))
+        if fixed + 4 * writers * _MIB <= budget or workers != "auto" or count == 1:
+            break
+        count -= 1
+    window = min(64 << 20, max(_MIB, (budget - fixed) // (4 * writers)))
+    if fixed + 4 * writers * window > budget:
+        need = math.ceil((fixed + 4 * writers * _MIB) / _MIB)
+        over = f" over {len(parts)} workers" if len(parts) > 1 else ""
+        raise ReshardError(f"memory budget {budget / _MIB:.0f} MiB{over} is below the {need} MiB this conversion needs: "
+                           f"{what} + 4 windows of 1 MiB" + (" each" if len(parts) > 1 else "")
+                           + (f"; give --memory-budget {need}MiB or more, or fewer workers" if len(parts) > 1 else ""))
+    return max(1, len(parts)), window
+
+
+def _fixed_bytes(report: PlanReport, parts: list[list[str]]) -> tuple[int, str]:
+    """What the processes hold besides windows, and how that adds up (for the error naming it).
+
+    The main process holds the runtime and the plan (estimated from its counts). Each writing
+    process also holds a destination window, the source spans feeding it (at most the window
+    again) and the writer's own buffer: four windows in all. Workers hold their own runtime, the
+    target and their slice of the plan; the main process waits holding the whole plan.
     """
-    share = budget // (workers + 1 if workers > 1 else 1)
     fragments = len(report.source.layout.fragments) + len(report.target.layout.fragments)
-    plan_bytes = _BASE_BYTES + _BYTES_PER_COPY * len(report.plan.copies) + _BYTES_PER_FRAGMENT * fragments
-    window = min(64 << 20, max(1 << 20, (share - plan_bytes) // 4))
-    if plan_bytes + 4 * window > share:
-        mib = 1 << 20
-        raise ReshardError(
-            f"memory budget {budget / mib:.0f} MiB{f' over {workers} workers' if workers > 1 else ''} is below the "
-            f"{(plan_bytes + 4 * window) * (budget // share) / mib:.0f} MiB this conversion needs: per process, "
-            f"{_BASE_BYTES / mib:.0f} MiB runtime + {(plan_bytes - _BASE_BYTES) / mib:.0f} MiB plan "
-            f"({len(report.plan.copies):,} copies, {fragments:,} fragments) + 4 windows of {window / mib:.0f} MiB")
-    return window
+    plan_bytes = _BYTES_PER_COPY * len(report.plan.copies) + _BYTES_PER_FRAGMENT * fragments
+    main = (f"{_BASE_BYTES / _MIB:.0f} MiB runtime + {plan_bytes / _MIB:.0f} MiB plan "
+            f"({len(report.plan.copies):,} copies, {fragments:,} fragments)")
+    if len(parts) <= 1:
+        return _BASE_BYTES + plan_bytes, f"per process, {main}"
+    slices = [_WORKER_BYTES + _BYTES_PER_COPY * n + _BYTES_PER_FRAGMENT * len(report.target.layout.fragments)
+              for n in copies_per_share(report, parts)]
+    return (_BASE_BYTES + plan_bytes + sum(slices),
+            f"the main process {main}; per worker, {_WORKER_BYTES / _MIB:.0f} MiB runtime + up to "
+            f"{(max(slices) - _WORKER_BYTES) / _MIB:.0f} MiB of the plan")
+
+
+def default_memory_budget() -> int:
+    """Three quarters of the memory available now (``MemAvailable``; where the system does not say, of
+    the free pages, else of 4 GiB)."""
+    available = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            available = 4 << 30
+    return available * 3 // 4
 
 def _resume_header(report: PlanReport, options: Mapping[str, Any]) -> dict[str, Any]:
     """What identifies a conversion for ``resume``: source, destination, options, the plan, and the

@@ -95,7 +95,10 @@ class PlanReport:
     def work_units(self) -> list[tuple[list[str], list[str]]]:
         return self.plan.work_units(self.src_file, self.dst_file)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, workers: int | str | None = None) -> dict[str, Any]:
+        """The report as JSON; with ``workers`` (a count, or ``"auto"``), also the byte share of each worker
+        a conversion with that many would start (``reshard.api.workers``)."""
+        shares = {} if workers is None else {"workers": self.worker_shares(workers)}
         return {
             "source": {"path": str(self.source.path), "format": self.source.format, "topology": str(self.source.topology),
                        "spec": self.source.spec_name},
@@ -104,7 +107,15 @@ class PlanReport:
             "dropped_states": list(self.dropped_states),
             "files": self.files(),
             "work_units": [{"sources": s, "destinations": d} for s, d in self.work_units()],
+            **shares,
         }
+
+    def worker_shares(self, workers: int | str = "auto") -> dict[str, Any]:
+        """The destination files and bytes each of ``workers`` workers writes, and the largest share over the mean."""
+        from reshard.api.workers import share_table, worker_count
+
+        files = sorted({str(f) for f in self.dst_files.values()})
+        return share_table(self, worker_count(self, workers, files))
 
 def _nothing_lost(source: Source, target: Target) -> None:
     """Fail closed when the target has no place for a tensor the source holds (in a state the target keeps):

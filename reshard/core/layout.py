@@ -60,6 +60,10 @@ class Item:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple:
+        # Built again from its fields when unpickled: string hashes differ from one process to the next.
+        return Item, (self.section, self.unit, self.chunk, self.state, self.key)
+
     def __str__(self) -> str:
         where = ",".join(f"{a}={c}" for a, c in self.unit)
         chunk = f",chunk={self.chunk}" if self.chunk else ""

@@ -208,9 +208,12 @@ class PlanFill(SourceReader):
       plan: the copy plan.
       where: where each source item's bytes are (``Source.where``).
       reader: the byte reader (shared, so bytes read add up across files).
+      dtypes: each destination item's dtype, when the caller has them (``destination_dtypes``); a plan
+        holding only some destination items' copies (a worker's share) needs them.
     """
 
-    def __init__(self, plan: Plan, where: Mapping[Item, Located], reader: ByteReader) -> None:
+    def __init__(self, plan: Plan, where: Mapping[Item, Located], reader: ByteReader,
+                 dtypes: Mapping[Item, str] | None = None) -> None:
         super().__init__(where, reader)
         self._copies: dict[Item, list[Copy]] = defaultdict(list)
         for c in plan.copies:
@@ -220,7 +223,7 @@ class PlanFill(SourceReader):
             starts = np.array([c.dst_offset for c in copies], dtype=np.int64)
             ends = np.array([c.dst_offset + sum((n - 1) * s for n, s in zip(c.lengths, c.dst_strides)) + 1 for c in copies], dtype=np.int64)
             self._extents[dst] = (starts, ends)
-        self.dtypes = destination_dtypes(plan, where)
+        self.dtypes = destination_dtypes(plan, where) if dtypes is None else dtypes
 
     def __call__(self, item: Item, lo: int, hi: int) -> memoryview:
         dtype = uint_dtype(self.dtypes.get(item, "uint8"))

@@ -75,13 +75,21 @@ def test_a_budget_below_what_the_plan_needs_is_an_error_before_writing(tmp_path)
 
 
 def test_a_worker_error_comes_back_with_the_files_it_was_writing(tmp_path):
-    from reshard.api.workers import _worker
+    import dataclasses
 
-    files, error, read, tensors = _worker((str(tmp_path / "missing"), str(tmp_path), "tp=1", None, None, {},
-                                  ["iter_0000000/mp_rank_00/model_optim_rng.pt"], 1 << 20, {}))
-    assert (files, read, tensors) == ({}, 0, ({}, {}))
-    assert error == (f"{tmp_path / 'missing'}: no such file or directory "
-                     "(while writing iter_0000000/mp_rank_00/model_optim_rng.pt)")
+    from reshard.api.workers import shares, worker_shares
+    from reshard.execution.workers import run_shares
+
+    src = tmp_path / "src"
+    make_fixture(src, format="megatron", to="tp=2")
+    report = reshard.plan(src, to="tp=1")
+    (tmp_path / "out").mkdir()
+    share = worker_shares(report, shares(report, 1), tmp_path / "out", 1 << 20)[0]
+    gone = {item: dataclasses.replace(loc, path=tmp_path / "missing.pt") for item, loc in share.where.items()}
+    with pytest.raises(ReshardError) as e:
+        run_shares([dataclasses.replace(share, where=gone)])
+    assert str(e.value) == (f"{tmp_path / 'missing.pt'}: cannot open (No such file or directory) "
+                            "(while writing iter_0000000/mp_rank_00/model_optim_rng.pt)")
 
 
 def test_a_failed_worker_leaves_no_destination(tmp_path, monkeypatch):
@@ -89,11 +97,11 @@ def test_a_failed_worker_leaves_no_destination(tmp_path, monkeypatch):
     make_fixture(src, format="megatron", to="tp=1,pp=2")
     import reshard.api.converting
 
-    def fails(shares, src, tmp, *args):
-        (tmp / "partial.pt").write_bytes(b"x")
+    def fails(shares, progress=None):
+        (shares[0].out / "partial.pt").write_bytes(b"x")
         raise ReshardError("worker died")
 
-    monkeypatch.setattr(reshard.api.converting, "run_workers", fails)
+    monkeypatch.setattr(reshard.api.converting, "run_shares", fails)
     with pytest.raises(ReshardError, match="worker died"):
         reshard.convert(src, tmp_path / "dst", to="tp=1,pp=2", workers=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

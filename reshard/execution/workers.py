@@ -1,0 +1,220 @@
+"""Writing shares of a conversion's destination files in worker processes, from a plan made once.
+
+The parent plans and validates once; each worker gets a ``Share``: its destination files, the plan's
+copies into them, where the source bytes of those copies are, the target to write, and the format's
+``write``. A worker therefore starts at the cost of the interpreter and the imports of this module and
+of the format's package, and plans nothing. Workers read the same source files side by side:
+positioned reads need no coordination.
+
+A worker that reports an error fails the conversion with that error. A worker that dies (killed, or
+exiting without a result) fails it with ``WorkerLost``, after every other worker is stopped: the
+files finished so far stay journaled in the partial directory for ``resume``. Workers die with the
+process that started them (on Linux, where the kernel can be asked to).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from reshard.core.layout import Item
+from reshard.core.planner import Copy, Plan
+from reshard.errors import ReshardError
+from reshard.execution.executor import ByteReader, PlanFill
+from reshard.execution.session import Fill, WriteSession
+from reshard.io.smallfiles import Located
+
+__all__ = ["Share", "ShareResult", "WorkerLost", "run_shares", "write_share"]
+
+Write = Callable[..., list[Path]]
+"""A format's ``write(target, out, fill, session, *, only=...)``."""
+
+
+class WorkerLost(ReshardError):
+    """A worker died without a result (killed, or exited): the finished files are kept for ``resume``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Share:
+    """What one worker writes, and everything it needs to write it without planning."""
+
+    write: Write
+    """The destination format's ``write``."""
+    target: Any
+    """The destination ``Target`` (layout, dtypes, format state), as the parent resolved it."""
+    out: Path
+    """The directory being written (the partial directory), journaled."""
+    files: tuple[str, ...]
+    """This worker's destination files, relative to ``out``."""
+    copies: tuple[Copy, ...]
+    """The plan's copies into the items of ``files``, in the plan's order."""
+    where: Mapping[Item, Located]
+    """Where the source items those copies read are."""
+    segments: Mapping[Item, Sequence[tuple[int, int]]]
+    """Byte ranges inside this share's items to checksum on their own (``WriteSession``)."""
+    window_bytes: int
+    """The most bytes a writer asks of ``fill`` at a time."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShareResult:
+    files: dict[str, str | None]
+    """The files written (relative to ``out``) and the checksum taken of each while writing."""
+    bytes_read: int
+    items: dict[Item, str]
+    """The checksum of each stored tensor written."""
+    segments: dict[tuple[str, int, int], str]
+    """The checksums of the ranges named by the share's ``segments``."""
+
+
+def write_share(share: Share, progress: Callable[[int], None] | None = None) -> ShareResult:
+    """Write one share's files (in this process or thread); ``progress(nbytes)`` after each window."""
+    plan = Plan(src_items={}, dst_items={}, copies=share.copies, tensors={})
+    with WriteSession(journal=share.out, segments=share.segments, window_bytes=share.window_bytes,
+                      progress=progress) as session, ByteReader() as reader:
+        fill: Fill = PlanFill(plan, share.where, reader, dtypes=share.target.dtypes)
+        written = share.write(share.target, share.out, fill, session, only=[Path(f) for f in share.files])
+        return ShareResult(files={str(w): session.digest(share.out / w) for w in written}, bytes_read=reader.bytes_read,
+                           items=session.item_digests(), segments=session.segment_digests())
+
+
+def dumps(value: Any) -> bytes:
+    """A share, or a worker's result, as bytes for the other side of the pipe.
+
+    Layouts and plans hold read-only mappings, which pickle cannot take as they are: they travel as
+    dicts and are made read-only again on arrival.
+    """
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = {**copyreg.dispatch_table, MappingProxyType: _reduce_proxy}
+    pickler.dump(value)
+    return buf.getvalue()
+
+
+def _reduce_proxy(mapping: MappingProxyType) -> tuple:
+    return _proxy, (dict(mapping),)
+
+
+def _proxy(mapping: dict) -> MappingProxyType:
+    return MappingProxyType(mapping)
+
+
+def run_shares(shares: Sequence[Share], progress: Callable[[int], None] | None = None) -> list[ShareResult]:
+    """Write each share in its own worker process; their results in the order of ``shares``.
+
+    A worker is a fresh interpreter that imports this module and, as its share arrives, the format's
+    package: nothing of the caller's ``__main__`` (no main guard needed, no script run twice).
+
+    Raises:
+      ReshardError: the first error a worker reported, naming the files it was writing.
+      WorkerLost: a worker died without a result.
+    Every other worker is stopped before either is raised.
+    """
+    from multiprocessing.connection import Connection, wait
+
+    if not sys.executable:
+        raise ReshardError("cannot start workers: this Python does not know its own executable; use workers=1")
+    # The worker sees the modules this process sees, as multiprocessing's spawn arranges it.
+    code = f"import sys; sys.path[:] = {sys.path!r}; from reshard.execution.workers import _main; _main()"
+    procs: list[subprocess.Popen] = []
+    conns: list[Connection] = []
+    try:
+        for _ in shares:
+            r, w = os.pipe()
+            try:
+                procs.append(subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), str(w)],
+                                              stdin=subprocess.PIPE, pass_fds=(w,)))
+            finally:
+                os.close(w)
+            conns.append(Connection(r, writable=False))
+        for proc, share in zip(procs, shares):  # all started first: they import side by side
+            try:
+                proc.stdin.write(dumps(share))
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass  # it died already: its connection says so below
+        results: list[ShareResult | None] = [None] * len(shares)
+        waiting = {id(c): k for k, c in enumerate(conns)}
+        while waiting:
+            for ready in wait([c for c in conns if id(c) in waiting]):
+                k = waiting[id(ready)]
+                try:
+                    kind, value = pickle.loads(ready.recv_bytes())
+                except EOFError:  # the worker is gone without a result
+                    raise WorkerLost(f"worker {k + 1} of {len(shares)} {_died(procs[k].wait())} while writing "
+                                     f"{_names(shares[k].files)}; the files finished so far are kept: resume the "
+                                     f"conversion (--resume) to write the rest") from None
+                if kind == "progress":
+                    if progress is not None:
+                        progress(value)
+                elif kind == "done":
+                    results[k] = value
+                    del waiting[id(ready)]
+                elif kind == "error":
+                    raise ReshardError(f"{value} (while writing {_names(shares[k].files)})")
+                else:  # a bug in the worker: its traceback
+                    raise RuntimeError(f"worker {k + 1} of {len(shares)} failed while writing "
+                                       f"{_names(shares[k].files)}:\n{value}")
+        return [r for r in results if r is not None]
+    finally:
+        for proc in procs:  # stopped before the caller removes or reuses the directory they write into
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for c in conns:
+            c.close()
+
+
+def _names(files: Collection[str]) -> str:
+    files = list(files)
+    return ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+
+def _died(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed (signal {-code})"
+    return f"exited with code {code} without a result"
+
+
+def _main() -> None:
+    """A worker (``python -c``, argv: the parent's pid, the fd to answer on): die with the parent, read
+    the share from stdin, write it, send back its result or its error."""
+    from multiprocessing.connection import Connection
+
+    _die_with(int(sys.argv[1]))
+    conn = Connection(int(sys.argv[2]), readable=False)
+    try:
+        share = pickle.loads(sys.stdin.buffer.read())
+        result = write_share(share, progress=lambda n: conn.send_bytes(dumps(("progress", n))))
+        conn.send_bytes(dumps(("done", result)))
+    except ReshardError as e:
+        conn.send_bytes(dumps(("error", str(e))))
+    except Exception:
+        conn.send_bytes(dumps(("bug", traceback.format_exc())))
+    finally:
+        conn.close()
+
+
+def _die_with(parent: int) -> None:
+    """A worker dies with the conversion: a killed parent must not leave it writing into the
+    directory a resumed conversion takes over."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)

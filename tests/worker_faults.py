@@ -1,0 +1,55 @@
+"""Faults injected into conversion workers, for the worker tests and ``crash_job.py``.
+
+A ``FaultyWrite`` wraps a format's ``write`` in a worker's share (``dataclasses.replace(share, write=...)``).
+It travels to the worker with the share, so it must be importable there: workers see the test process's
+``sys.path``, which holds this folder.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import reshard.io.storage
+
+
+class FaultyWrite:
+    """Run ``write``, and after the worker's ``n``-th closed file do ``action``:
+
+    - ``kill``: SIGKILL the worker itself (as the OOM killer would);
+    - ``exit``: ``os._exit(1)``, without a result;
+    - ``kill-parent``: SIGKILL the conversion's main process, then wait to be killed with it (writes its
+      pid to ``marker + '.worker-pid'``; if it outlives the parent by 5 s, ``marker + '.worker-survived'``).
+    """
+
+    def __init__(self, write, action: str, n: int = 1, marker: str = "") -> None:
+        self.write, self.action, self.n, self.marker = write, action, n, marker
+
+    def __call__(self, target, out, fill, session=None, **kw):
+        closes = [0]
+        real_close = reshard.io.storage.OutputFile.close
+
+        def close(file, **kwargs):  # patched in the worker process only, which ends with this share
+            digest = real_close(file, **kwargs)
+            closes[0] += 1
+            if closes[0] == self.n:
+                self._act()
+            return digest
+
+        reshard.io.storage.OutputFile.close = close
+        return self.write(target, out, fill, session, **kw)
+
+    def _act(self) -> None:
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.action == "exit":
+            os._exit(1)
+        elif self.action == "kill-parent":
+            Path(self.marker + ".worker-pid").write_text(str(os.getpid()))
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(5)
+            Path(self.marker + ".worker-survived").write_text(str(os.getpid()))
+        else:
+            raise ValueError(f"unknown fault action {self.action!r}")
