@@ -44,8 +44,11 @@ def sizes_for(layers: int, experts: int, tiny: bool) -> dict:
     common = {"ql": 48, "kvl": 32, "nope": 16, "rope": 8, "vd": 16, "shared": 1, "vocab_div": 128,
               "experts": experts}
     if tiny:
-        return {**common, "h": 64, "heads": 4, "f": 96, "fe": 16, "dense": 1, "vocab": 1000, "layers": 4}
-    return {**common, "h": 256, "heads": 8, "f": 512, "fe": 64, "dense": 3, "vocab": 8000, "layers": layers}
+        return {**common, "h": 64, "heads": 4, "f": 96, "fe": 16, "dense": 1, "vocab": 1000, "layers": 4,
+                "hf_layers": 4}
+    # hf_layers: the layers the files hold, multi-token-prediction ones included (none here)
+    return {**common, "h": 256, "heads": 8, "f": 512, "fe": 64, "dense": 3, "vocab": 8000, "layers": layers,
+            "hf_layers": layers}
 
 
 def generate(src: Path, sizes: dict) -> float:

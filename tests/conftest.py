@@ -45,6 +45,17 @@ def require(module: str):
                     "pip install -c constraints.txt -e '.[test,interop]'", pytrace=False)
 
 
+@pytest.fixture
+def mcore_legacy():
+    """The older megatron-core the legacy-format tests run (``mcore_legacy_jobs``), installed beside the test
+    environment's by ``.ci/run``; a missing install fails the test, naming the step that makes it."""
+    import mcore_legacy_jobs
+
+    if problem := mcore_legacy_jobs.missing():
+        pytest.fail(problem, pytrace=False)
+    return mcore_legacy_jobs.install_dir()
+
+
 def logical_values(layout: Layout, states: tuple[str, ...] = ("param",), dtype=np.float32) -> dict:
     """Distinct, position-dependent values for every logical tensor and state.
 

@@ -111,7 +111,8 @@ def _mla_model(args: dict, plain, torch):
 
     fields = {f.name: getattr(plain, f.name) for f in dataclasses.fields(plain) if f.init}
     fields.update({k: args[k] for k in MLA_FIELDS + ROUTING_FIELDS if args.get(k) is not None})
-    fields.update(multi_latent_attention=True, moe_layer_freq=list(fields["moe_layer_freq"]))
+    fields.update(multi_latent_attention=True, moe_layer_freq=list(fields["moe_layer_freq"]),
+                  q_lora_rank=args.get("q_lora_rank"))  # None: queries without compression (linear_q_proj)
     config = MLATransformerConfig(**fields)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args["normalization"])
     for layer in block.layer_specs:

@@ -27,7 +27,9 @@ overlaps the grad reduce with buckets of that size, ``torch_dist`` saves the che
 with ``dist_checkpointing.save`` as the trainer does (the distributed optimizer's state
 ``dp_reshardable``, megatron-core 0.16's default) instead of the torch format (and ``load``
 reads torch_dist with ``dist_checkpointing.load``, as the trainer's ``load_checkpoint`` does), and
-``next`` dumps once more after a further step (``DUMP/next/rank{r}.pt``).
+``next`` dumps once more after a further step (``DUMP/next/rank{r}.pt``), ``weights_only`` saves (and loads,
+strictly: ``StrictHandling.RAISE_ALL``) a torch_dist checkpoint of the model alone (the trainer's
+``--no-save-optim``), and ``qk_norm`` adds per-head q/k RMSNorms (``--qk-layernorm``: Qwen3-MoE style).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from jobs import exit_now, run_ranks
 SIZES = {"h": 32, "heads": 4, "g": 2, "hd": 8, "f": 48, "vocab": 300, "layers": 4, "experts": 4}
 DIVISIBLE_BY = 128
 ITERATION = 10
-OPTIONS = {"dense": False, "bf16": False, "bucket_size": None, "torch_dist": False, "next": False}
+OPTIONS = {"dense": False, "bf16": False, "bucket_size": None, "torch_dist": False, "next": False,
+           "weights_only": False, "qk_norm": False}
 
 
 def padded_vocab(tp: int) -> int:
@@ -88,7 +91,8 @@ def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool, opts: dict = OPTION
         moe_grouped_gemm=False, transformer_impl="local", use_distributed_optimizer=distopt,
         params_dtype="bfloat16" if opts["bf16"] else "float32", bf16=opts["bf16"],
         accumulate_allreduce_grads_in_fp32=opts["bf16"], overlap_grad_reduce=opts["bucket_size"] is not None,
-        ddp_bucket_size=opts["bucket_size"], seed=1234, use_mcore_models=True, use_legacy_models=False)
+        ddp_bucket_size=opts["bucket_size"], seed=1234, use_mcore_models=True, use_legacy_models=False,
+        qk_layernorm=opts["qk_norm"])
 
 
 def _cpu_only(torch) -> None:
@@ -139,9 +143,10 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
         kv_channels=s["hd"], ffn_hidden_size=s["f"], gated_linear_unit=True, activation_func=F.silu,
         normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True, params_dtype=dtype,
         bf16=opts["bf16"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, pipeline_dtype=dtype, **moe)
+        expert_model_parallel_size=ep, pipeline_dtype=dtype, qk_layernorm=opts["qk_norm"], **moe)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-                         num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm"),
+                         num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                         qk_layernorm=opts["qk_norm"]),
                      vocab_size=padded_vocab(tp), max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
                      position_embedding_type="rope")
@@ -173,11 +178,11 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
         _step(ddp, optimizer)
         args = _args(tp, pp, ep, world // (tp * pp), distopt, opts)
         if opts["torch_dist"]:
-            _save_torch_dist(Path(paths[0]), model, optimizer, args)
+            _save_torch_dist(Path(paths[0]), model, None if opts["weights_only"] else optimizer, args)
         else:
             _save_torch(it_dir, rank, coords, model, optimizer, args, distopt)
     elif opts["torch_dist"]:
-        _load_torch_dist(Path(paths[0]), model, optimizer)
+        _load_torch_dist(Path(paths[0]), model, None if opts["weights_only"] else optimizer)
     else:
         state = torch.load(it_dir / "model_optim_rng.pt", weights_only=False)
         model.load_state_dict(state["model"], strict=True)
@@ -224,8 +229,9 @@ def _save_torch_dist(out: Path, model, optimizer, args) -> None:
     metadata = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
                 "chained_optim_avoid_prefix": True}
     model_sd = model.sharded_state_dict(metadata=metadata)
-    state = {"model": model_sd, "args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
-             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)}
+    state = {"model": model_sd, "args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
+    if optimizer is not None:  # None: the model alone (--no-save-optim)
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)
     it_dir = out / f"iter_{ITERATION:07d}"
     it_dir.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(state, str(it_dir), content_metadata=metadata)
@@ -241,6 +247,10 @@ def _load_torch_dist(ckpt: Path, model, optimizer) -> None:
     from megatron.core import dist_checkpointing
 
     it_dir = ckpt if (ckpt / "metadata.json").is_file() else ckpt / f"iter_{ITERATION:07d}"
+    if optimizer is None:  # the model alone, every key on both sides matched (StrictHandling.RAISE_ALL)
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(it_dir), strict="raise_all")
+        model.load_state_dict(state["model"], strict=True)
+        return
     metadata = dist_checkpointing.load_content_metadata(str(it_dir))
     assert metadata and metadata["distrib_optim_sharding_type"] == "dp_reshardable", metadata
     # Without Apex or TE, DistributedOptimizer.state_dict (which sharded_state_dict calls) reads each torch

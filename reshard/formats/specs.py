@@ -26,10 +26,13 @@ The rules, per format:
   ``distopt`` the distributed optimizer's buffers: params (not the family's persistent buffers) in reverse
   registration order, each at a multiple of 64 elements, closed into buckets, padded for dp; ``-torch`` as
   ``distrib_optim.pt`` holds them (coalesced per (tp, pp)), without it per dp rank; ``-ep`` gives experts their
-  own buffer. The ``megatron-legacy`` prefix is Megatron-LM's legacy model.
+  own buffer; ``mtp`` adds the multi-token-prediction layers of a family that has them (size ``hf_layers``). The
+  ``megatron-legacy`` prefix is Megatron-LM's legacy model.
 - ``mcore-dist`` (Megatron-core ``torch_dist``): the family's ``megatron`` layout with each tensor whole: no tp
-  split, layers stacked on a leading dim ``{i}``, the vocabulary padded to ``vpad`` rows, a tied output layer
-  not stored (it is the embedding's key). Option ``tied``.
+  split, layers stacked on a leading dim ``{i}``, SequentialMLP experts on the next one ``{e}`` (numbered
+  globally, no ep split), the vocabulary padded to ``vpad`` rows, a tied output layer not stored (it is the
+  embedding's key). Options ``tied``, and ``local`` (megatron-core's local layers, which key their norms as
+  the next linear's ``layer_norm_weight``: the same layout for dense families, not for MoE ones).
 """
 
 from __future__ import annotations
@@ -186,10 +189,12 @@ def megatron(family: Family, options: tuple[str, ...]) -> str:
     ep = "ep" in options
     distopt = "distopt" in options
     torch_file = "torch" in options
-    _only(options, ("tied", "local", "ep", "distopt", "torch"), family, "megatron")
+    mtp = {"mtp": True} if "mtp" in options else {}  # multi-token-prediction layers (families with hf_layers)
+    _only(options, ("tied", "local", "ep", "distopt", "torch", *(["mtp"] if "hf_layers" in family.sizes else [])),
+          family, "megatron")
     if ep and not (distopt and torch_file) or torch_file and not distopt:
         raise SpecError(f"megatron-{family.name}-{'-'.join(options)}: -ep needs -distopt-torch, -torch needs -distopt")
-    body = family.megatron(tied=tied, local=local) if family.megatron else None
+    body = family.megatron(tied=tied, local=local, **mtp) if family.megatron else None
     if body is None:
         raise SpecError(f"{'-'.join(('megatron', family.name, *options))}: no Megatron layout for {family.name}"
                         f"{' tied' if tied else ''}{' in local layers' if local else ''}{_why_not(family)}")
@@ -197,8 +202,8 @@ def megatron(family: Family, options: tuple[str, ...]) -> str:
     lines = [family.logical_text(tied), f"section model per {axes}", body]
     model = "model"  # the params of the model section: its persistent buffers are in no optimizer
     for t in family.stored(tied):
-        if t.alias in family.buffers:
-            model += f" | except {_megatron_name(body, t.alias)}"
+        if t.alias in family.buffers and (glob := _megatron_name(body, t.alias)):
+            model += f" | except {glob}"
     if distopt and not torch_file:
         lines += [f"section optim per {axes} dp {STATES}",
                   f"flat optimizer.distributed.bucket_{{bucket}}.{{state}} = {model} | {DISTOPT} | pad lcm(dp, 128) | split dp"]
@@ -213,9 +218,12 @@ def megatron(family: Family, options: tuple[str, ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _megatron_name(body: str, alias: str) -> str:
-    """A glob of the stored names of the Megatron rule that stores ``alias`` (``*.mlp.router.expert_bias``)."""
-    rule = next(line for line in body.splitlines() if f"-> {alias} " in line)
+def _megatron_name(body: str, alias: str) -> str | None:
+    """A glob of the stored names of the Megatron rule that stores ``alias`` (``*.mlp.router.expert_bias``); None
+    where no rule does (a layer the option-less layout leaves out: MTP)."""
+    rule = next((line for line in body.splitlines() if f"-> {alias} " in line), None)
+    if rule is None:
+        return None
     name = rule.split()[0]
     return "*" + name[name.rindex("}") + 1:] if "}" in name else name
 
@@ -233,31 +241,56 @@ def megatron_legacy(family: Family, options: tuple[str, ...]) -> str:
 
 
 def torch_dist(family: Family, options: tuple[str, ...]) -> str:
-    _only(options, ("tied",), family, "mcore-dist")
+    _only(options, ("tied", "local"), family, "mcore-dist")
     name = "-".join(("mcore-dist", family.name, *options))
     if not family.torch_dist or family.megatron is None:
-        why = " (a mixture of experts: torch_dist's expert tensors are not laid out yet)" if family.experts else \
-            _why_not(family)
+        why = " (a mixture of experts with layers of several kinds, which torch_dist keys per layer: not laid out " \
+            "yet)" if family.experts and family.megatron is not None else _why_not(family)
         raise SpecError(f"{name}: no torch_dist layout for {family.name}{why}")
-    tied = _flag(options, "tied", family)
-    rules = [_whole(rule, name) for rule in family.megatron(tied=tied, local=False).splitlines()]
+    if "tied" in options and not (family.can_tie or family.tied_default):
+        raise SpecError(f"{name}: no torch_dist layout for {family.name} tied ({family.name} never ties its output "
+                        "projection)")
+    tied, local = _flag(options, "tied", family), "local" in options
+    body = family.megatron(tied=tied, local=local)
+    if body is None:
+        raise SpecError(f"{name}: no torch_dist layout for {family.name}{' in local layers' if local else ''}"
+                        f"{_why_not(family)}")
+    rules = [_whole(rule, name, local) for rule in body.splitlines()]
     return "\n".join([family.logical_text(tied), "section model", *filter(None, rules)]) + "\n"
 
 
-def _whole(rule: str, name: str) -> str | None:
+_LOCAL_KEYS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+              ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+"""How megatron-core's local layers key their norms in torch_dist (the local layer spec's
+``sharded_state_dict_keys_map``): as Transformer Engine's fused ``layer_norm_weight`` of the next linear. In
+dense layers that is Transformer Engine's own key; in MoE layers, whose pre-MLP norm Transformer Engine keeps as a
+module of its own (``pre_mlp_layernorm.weight``), it is not."""
+
+_EXPERT = "experts.local_experts.{e/ep}."
+
+
+def _whole(rule: str, name: str, local: bool = False) -> str | None:
     """A Megatron rule as torch_dist stores its tensor: ``/tp`` splits dropped, the stage-local layer index turned
-    into a leading dim (``{i}``), the padded vocabulary ``vpad`` rows, ``@first``/``@last`` dropped; None for the
-    tied output layer, which torch_dist stores as the embedding's key."""
+    into a leading dim (``{i}``) and a SequentialMLP's local expert number into the next one (``{e}``: megatron-core
+    keys every expert ``experts.experts.``, numbered globally), the padded vocabulary ``vpad`` rows,
+    ``@first``/``@last`` dropped, local layers' norms keyed as they key them (``_LOCAL_KEYS``); None for the tied
+    output layer, which torch_dist stores as the embedding's key."""
     target, dims = rule.split(" = ", 1)
     if "@lastonly" in target:
         return None
     target = re.sub(r" @(first|last)\b", "", target)
     dims = re.sub(r"~\([^()]*\)", "~vpad", re.sub(r"/tp\b", "", dims))
+    lead = []
     if "{i/pp}." in target:
-        target, dims = target.replace("{i/pp}.", ""), "{i} " + dims
+        target, lead = target.replace("{i/pp}.", ""), ["{i}"]
+        if local:
+            for module, key in _LOCAL_KEYS:
+                target = target.replace(f"decoder.layers.{module}", f"decoder.layers.{key}")
+    if _EXPERT in target and lead:
+        target, lead = target.replace(_EXPERT, "experts.experts."), [*lead, "{e}"]
     if re.search(r"[{/](pp|ep|e)\b|@", f"{target} {dims}"):  # a placement this derivation does not know
         raise SpecError(f"{name}: the Megatron rule '{rule}' has no torch_dist form reshard derives")
-    return f"{target} = {dims}"
+    return f"{target} = {' '.join([*lead, dims])}"
 
 
 FORMAT_RULES: dict[str, Callable[[Family, tuple[str, ...]], str]] = {

@@ -46,7 +46,8 @@ _FS = "torch.distributed.checkpoint.filesystem"
 _CLASSES = {(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
                                "BytesStorageMetadata", "MetadataIndex", "StorageMeta")} | {(_FS, "_StorageInfo")} | {
     # Megatron-core caches its save plans in the metadata it writes (kept as plain data, never used).
-    ("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
+    ("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")} | {
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")}  # megatron-core <= 0.15's plan type
 
 
 @dataclass(frozen=True, slots=True)

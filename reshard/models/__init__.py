@@ -42,6 +42,7 @@ FAMILIES = {
     "qwen3_moe": "reshard.models.qwen3_moe",
     "gpt_oss": "reshard.models.gpt_oss",
     "deepseek_v3": "reshard.models.deepseek_v3",
+    "deepseek_v3_noqlora": "reshard.models.deepseek_v3_noqlora",
     "gemma": "reshard.models.gemma",
     "gemma2": "reshard.models.gemma2",
     "gemma3_text": "reshard.models.gemma3_text",
@@ -60,9 +61,10 @@ def get_family(name: str) -> Family:
 
 
 def known_family(config: Mapping[str, Any]) -> Family | None:
-    """The family whose ``model_types`` include the config's ``model_type``, or None."""
+    """The family whose ``model_types`` include the config's ``model_type`` and which ``accepts`` it, or None."""
     model_type = config.get("model_type")
-    return next((get_family(n) for n in FAMILIES if model_type in get_family(n).model_types), None)
+    return next((get_family(n) for n in FAMILIES
+                 if model_type in get_family(n).model_types and get_family(n).accepts(config)), None)
 
 
 def family_for_config(config: Mapping[str, Any], where: str = "config.json") -> Family:
@@ -71,7 +73,7 @@ def family_for_config(config: Mapping[str, Any], where: str = "config.json") -> 
     if family is not None:
         return family
     model_type = config.get("model_type")
-    known = ", ".join(t for n in FAMILIES for t in get_family(n).model_types)
+    known = ", ".join(dict.fromkeys(t for n in FAMILIES for t in get_family(n).model_types))
     raise CheckpointFormatError(f"{where}: model_type {model_type!r} is not a model family reshard knows "
                                 f"(known: {known}); converting it as another family would change the model")
 

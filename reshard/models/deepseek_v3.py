@@ -3,7 +3,7 @@ layers with a dense SwiGLU MLP and the rest with a sigmoid-scored, group-limited
 ``e_score_correction_bias`` is a persistent fp32 buffer that biases the choice of experts only), ``experts``
 routed SwiGLU experts and ``n_shared_experts`` shared ones fused into one MLP. The output projection is stored.
 
-Sizes: ``h``, ``heads``, ``vocab``, ``layers``; MLA's ``ql`` (``q_lora_rank``), ``kvl`` (``kv_lora_rank``),
+Sizes: ``h``, ``heads``, ``vocab``, ``layers``, ``hf_layers`` (with the MTP layers); MLA's ``ql`` (``q_lora_rank``), ``kvl`` (``kv_lora_rank``),
 ``nope`` (``qk_nope_head_dim``), ``rope`` (``qk_rope_head_dim``), ``vd`` (``v_head_dim``); ``f`` the dense
 MLP's width (``intermediate_size``), ``fe`` each expert's (``moe_intermediate_size``), ``shared``
 (``n_shared_experts``: the shared MLP is ``fe * shared`` wide), ``experts`` (``n_routed_experts``) and
@@ -21,29 +21,37 @@ norm is ``input_layernorm`` in both. Dense layers store their MLP as Llama's; Mo
 ``pre_mlp_layernorm``, ``mlp.router.weight`` and ``mlp.router.expert_bias`` (a buffer, in no optimizer),
 SequentialMLP experts over ep as Mixtral's, and ``mlp.shared_experts.linear_fc1`` / ``linear_fc2``.
 
-Refused, naming the field: ``q_lora_rank`` null (``q_proj``: another layout), quantized weights
-(``quantization_config``: FP8 blocks with ``*_scale_inv``), ``rope_interleave`` false, ``attention_bias``,
-routing megatron-core computes differently (``norm_topk_prob`` false with top-k > 1, a group score of
-other than the top 2), and yarn fields it does not carry. Multi-token-prediction layers
-(``model.layers.{layers}.*``) match no rule, so a checkpoint holding them is refused by name.
+Without the queries' compression (``q_lora_rank`` null: ``self_attn.q_proj``, Megatron's ``linear_q_proj``,
+split by head over tp) the model is the family ``deepseek_v3_noqlora``, the same in all else: a config of
+``model_type`` deepseek_v3 is one or the other by its ``q_lora_rank``, Megatron's args by theirs.
+
+Multi-token-prediction (MTP) layers follow the decoder's (``model.layers.{layers}.*``, the size ``hf_layers``
+counting both; ``reshard.models.deepseek_layout``): carried under their own names, and in Megatron as
+megatron-core's MTP block (``--mtp-num-layers``) on the last stage.
+
+Refused, naming the field: quantized weights (``quantization_config``: FP8 blocks with ``*_scale_inv``),
+``rope_interleave`` false, ``attention_bias``, routing megatron-core computes differently (``norm_topk_prob``
+false with top-k > 1, a group score of other than the top 2), and yarn fields it does not carry.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointFormatError
+from reshard.models import deepseek_layout as layout
 from reshard.models import llama, mixtral
 from reshard.models.config import config_ints, require_sizes
-from reshard.models.family import COLWISE, ROWWISE, Family, Tensor
+from reshard.models.family import Family
 
-__all__ = ["FAMILY", "config_from_sizes", "sizes_from_config"]
+__all__ = ["FAMILY", "config_from_sizes", "family", "sizes_from_config"]
 
 SIZES = ("h", "heads", "ql", "kvl", "nope", "rope", "vd", "f", "fe", "shared", "experts", "dense", "vocab",
-         "layers")
+         "layers", "hf_layers")
 
 CONFIG_KEYS = {"h": "hidden_size", "heads": "num_attention_heads", "ql": "q_lora_rank", "kvl": "kv_lora_rank",
                "nope": "qk_nope_head_dim", "rope": "qk_rope_head_dim", "vd": "v_head_dim",
@@ -51,101 +59,13 @@ CONFIG_KEYS = {"h": "hidden_size", "heads": "num_attention_heads", "ql": "q_lora
                "dense": "first_k_dense_replace", "vocab": "vocab_size", "layers": "num_hidden_layers"}
 """Size -> its ``DeepseekV3Config`` key (``experts``: ``n_routed_experts``, or ``num_local_experts``)."""
 
-PREAMBLE = """\
-let qhd = nope + rope
-let kvhd = nope + vd
-let kva = kvl + rope
-let fs = fe * shared
-index i < layers
-index d in i < dense
-index m in i from dense
-index e < experts
-"""
+MTP_KEY = "num_nextn_predict_layers"
+"""The config key counting the MTP layers (transformers' ``num_mtp_layers``)."""
 
-_ATTN = "model.layers.{i}.self_attn."
-_MLP = "model.layers.{d}.mlp."
-_MOE = "model.layers.{m}.mlp."
+BUFFERS = ("router_bias", layout.MTP_PREFIX + "router_bias")
 
-TENSORS = (
-    Tensor(name="model.embed_tokens.weight", alias="embed", dims="vocab h"),
-    Tensor(name="model.layers.{i}.input_layernorm.weight", alias="ln1", dims="h", decay=False),
-    Tensor(name=_ATTN + "q_a_proj.weight", alias="q_a", dims="ql h"),
-    Tensor(name=_ATTN + "q_a_layernorm.weight", alias="q_a_norm", dims="ql", decay=False),
-    Tensor(name=_ATTN + "q_b_proj.weight", alias="q_b", dims="(heads qhd) ql"),
-    Tensor(name=_ATTN + "kv_a_proj_with_mqa.weight", alias="kv_a", dims="kva h"),
-    Tensor(name=_ATTN + "kv_a_layernorm.weight", alias="kv_a_norm", dims="kvl", decay=False),
-    Tensor(name=_ATTN + "kv_b_proj.weight", alias="kv_b", dims="(heads kvhd) kvl"),
-    Tensor(name=_ATTN + "o_proj.weight", alias="o", dims="h (heads vd)"),
-    Tensor(name="model.layers.{i}.post_attention_layernorm.weight", alias="ln2", dims="h", decay=False),
-    Tensor(name=_MLP + "gate_proj.weight", alias="gate", dims="f h", tp=COLWISE),
-    Tensor(name=_MLP + "up_proj.weight", alias="up", dims="f h", tp=COLWISE),
-    Tensor(name=_MLP + "down_proj.weight", alias="down", dims="h f", tp=ROWWISE),
-    Tensor(name=_MOE + "gate.weight", alias="router", dims="experts h"),
-    Tensor(name=_MOE + "gate.e_score_correction_bias", alias="router_bias", dims="experts", decay=False),
-    Tensor(name=_MOE + "experts.{e}.gate_proj.weight", alias="egate", dims="fe h", tp=COLWISE),
-    Tensor(name=_MOE + "experts.{e}.up_proj.weight", alias="eup", dims="fe h", tp=COLWISE),
-    Tensor(name=_MOE + "experts.{e}.down_proj.weight", alias="edown", dims="h fe", tp=ROWWISE),
-    Tensor(name=_MOE + "shared_experts.gate_proj.weight", alias="sgate", dims="fs h", tp=COLWISE),
-    Tensor(name=_MOE + "shared_experts.up_proj.weight", alias="sup", dims="fs h", tp=COLWISE),
-    Tensor(name=_MOE + "shared_experts.down_proj.weight", alias="sdown", dims="h fs", tp=ROWWISE),
-    Tensor(name="model.norm.weight", alias="norm", dims="h", decay=False),
-    Tensor(name="lm_head.weight", alias="head", dims="vocab h"),  # never tied
-)
-
-# DeepseekV3DecoderLayer registers self_attn, mlp (dense: gate, up, down; MoE: experts, gate, shared_experts),
-# then its norms; the router's e_score_correction_bias is a buffer (no parameter).
-REGISTRATION = ("embed", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b", "o", "gate", "up", "down",
-                "egate", "eup", "edown", "router", "sgate", "sup", "sdown", "ln1", "ln2", "norm", "head")
-
-BUFFERS = ("router_bias",)
-
-
-def _attention(at: str, *, local: bool) -> list[str]:
-    """MLA's rules for one layer, in megatron-core's registration order (the input norm, Attention's
-    ``linear_proj``, then MLASelfAttention's projections and, in local layers, its norms)."""
-    down = "/tp" if local else ""  # ColumnParallelLinear in local layers, TELinear (duplicated) in TE's
-    sa = at + "self_attention."
-    rules = [f"{at}input_layernorm.weight -> ln1 = h",
-             f"{sa}linear_proj.weight -> o = h (heads vd)/tp",
-             f"{sa}linear_q_down_proj.weight -> q_a = ql{down} h"]
-    if not local:
-        rules.append(f"{sa}linear_q_up_proj.layer_norm_weight -> q_a_norm = ql")
-    rules += [f"{sa}linear_q_up_proj.weight -> q_b = (heads/tp qhd) ql",
-              f"{sa}linear_kv_down_proj.weight -> kv_a = kva{down} h"]
-    if not local:
-        rules.append(f"{sa}linear_kv_up_proj.layer_norm_weight -> kv_a_norm = kvl")
-    rules.append(f"{sa}linear_kv_up_proj.weight -> kv_b = (heads/tp kvhd) kvl")
-    if local:
-        rules += [f"{sa}q_layernorm.weight -> q_a_norm = ql", f"{sa}kv_layernorm.weight -> kv_a_norm = kvl"]
-    return rules
-
-
-def megatron(*, tied: bool = False, local: bool = False) -> str | None:
-    """Megatron-core GPT with MLA, dense layers then MoE layers (untied output layer), Transformer Engine's
-    layers or ``--transformer-impl local``."""
-    if tied:
-        return None
-    dense, moe = "decoder.layers.{d/pp}.", "decoder.layers.{m/pp}."
-    expert = moe + "mlp.experts.local_experts.{e/ep}."
-    ln2 = f"{dense}pre_mlp_layernorm.weight -> ln2 = h" if local else \
-        f"{dense}mlp.linear_fc1.layer_norm_weight -> ln2 = h"
-    return "\n".join([
-        f"embedding.word_embeddings.weight -> embed @first = {llama.VOCAB}",
-        *_attention(dense, local=local),
-        ln2,
-        f"{dense}mlp.linear_fc1.weight = [gate: f/tp | up: f/tp] h",
-        f"{dense}mlp.linear_fc2.weight -> down = h f/tp",
-        *_attention(moe, local=local),
-        f"{moe}pre_mlp_layernorm.weight -> ln2 = h",
-        f"{moe}mlp.router.weight -> router = experts h",
-        f"{moe}mlp.router.expert_bias -> router_bias = experts",
-        f"{expert}linear_fc1.weight = [egate: fe/tp | eup: fe/tp] h",
-        f"{expert}linear_fc2.weight -> edown = h fe/tp",
-        f"{moe}mlp.shared_experts.linear_fc1.weight = [sgate: fs/tp | sup: fs/tp] h",
-        f"{moe}mlp.shared_experts.linear_fc2.weight -> sdown = h fs/tp",
-        "decoder.final_layernorm.weight -> norm @last = h",
-        f"output_layer.weight -> head @last = {llama.VOCAB}",
-    ]) + "\n"
+NOQLORA = "deepseek_v3_noqlora"
+"""The family of DeepSeek-V3 models without the queries' compression (``q_lora_rank`` null)."""
 
 
 def _number(value: Any) -> bool:
@@ -156,13 +76,18 @@ def _refuse(where: Path | str, field: str, value: Any, why: str) -> CheckpointFo
     return CheckpointFormatError(f"{f'{where}: ' if where else ''}{field} = {json.dumps(value)}: {why}")
 
 
-def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.json") -> dict[str, int]:
-    """The sizes from a ``DeepseekV3Config`` dict.
+def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.json", *,
+                      q_lora: bool = True) -> dict[str, int]:
+    """The sizes from a ``DeepseekV3Config`` dict (``q_lora``: of the family with the queries' compression).
+
+    ``hf_layers`` is ``layers``: the MTP layers the config declares (``num_nextn_predict_layers``) are not in every
+    checkpoint (transformers saves none), so a Hugging Face checkpoint counts the ones its files hold
+    (``reshard.formats.hf``) and a Megatron one its ``mtp_num_layers``.
 
     Raises:
-      CheckpointFormatError: a size missing or invalid, or a model this layout does not hold: no q compression
-        (``q_lora_rank`` null), quantized weights, a tied output projection, no dense or no MoE layer, no
-        shared expert.
+      CheckpointFormatError: a size missing or invalid, or a model this layout does not hold: quantized weights, a
+        tied output projection, no dense or no MoE layer, no shared expert, ``q_lora_rank`` null (set, for the
+        family without the compression).
     """
     mixtral.refuse_tied(config, where, "DeepSeek-V3")
     quantized = config.get("quantization_config")
@@ -171,30 +96,39 @@ def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.jso
         raise _refuse(where, "quantization_config.quant_method", method,
                       "quantized weights (FP8 blocks with *_scale_inv scales); reshard lays out unquantized "
                       "weights only: dequantize them first")
-    if "q_lora_rank" in config and config["q_lora_rank"] is None:
-        raise _refuse(where, "q_lora_rank", None, "queries without compression (self_attn.q_proj) are not laid "
-                      "out yet; the DeepSeek-V3 layout has q_a_proj, q_a_layernorm and q_b_proj")
-    keys = dict(CONFIG_KEYS)
+    if q_lora != (config.get("q_lora_rank") is not None):
+        raise _refuse(where, "q_lora_rank", config.get("q_lora_rank"), (
+            "queries without compression (self_attn.q_proj) are the family " + NOQLORA) if q_lora else (
+            "queries compressed (q_a_proj, q_a_layernorm, q_b_proj) are the family deepseek_v3"))
+    mtp = config.get(MTP_KEY)
+    if mtp is not None and (not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0):
+        raise _refuse(where, MTP_KEY, mtp, "expected a number of layers (0 or more)")
+    keys = {k: v for k, v in CONFIG_KEYS.items() if q_lora or k != "ql"}
     experts_key = "n_routed_experts" if config.get("n_routed_experts") is not None else "num_local_experts"
     sizes = config_ints(config, keys | {"experts": experts_key}, (), where)
     if sizes["dense"] >= sizes["layers"]:
         raise _refuse(where, "first_k_dense_replace", sizes["dense"], f"no mixture-of-experts layer among "
                       f"num_hidden_layers = {sizes['layers']}; reshard lays out dense layers, then MoE layers")
-    return sizes
+    return sizes | {"hf_layers": sizes["layers"]}
 
 
-def config_from_sizes(sizes: Mapping[str, int], dtypes: Any = ()) -> dict[str, Any]:
-    """A ``DeepseekV3Config`` dict for the sizes, without multi-token prediction; the routing
-    (``num_experts_per_tok``, groups, scaling) comes from the source's config or Megatron's args."""
-    require_sizes(sizes, SIZES, "a DeepSeek-V3 config.json")
+def config_from_sizes(sizes: Mapping[str, int], dtypes: Any = (), *, q_lora: bool = True) -> dict[str, Any]:
+    """A ``DeepseekV3Config`` dict for the sizes, its MTP layers those after the decoder's (``hf_layers``); the
+    routing (``num_experts_per_tok``, groups, scaling) comes from the source's config or Megatron's args."""
+    require_sizes(sizes, SIZES if q_lora else _without_ql(SIZES), "a DeepSeek-V3 config.json")
     config = llama.config_from_sizes({"g": sizes["heads"], "hd": sizes["rope"], **sizes}, dtypes)
     for k in ("head_dim", "num_key_value_heads"):
         config.pop(k)
-    config.update({key: int(sizes[var]) for var, key in CONFIG_KEYS.items()})
-    config.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
-                  num_key_value_heads=sizes["heads"], n_routed_experts=sizes["experts"], rms_norm_eps=1e-6,
-                  norm_topk_prob=True, rope_interleave=True, attention_bias=False, num_nextn_predict_layers=0)
+    config.update({key: int(sizes[var]) for var, key in CONFIG_KEYS.items() if var in sizes})
+    config.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", q_lora_rank=config.get(
+        "q_lora_rank"), num_key_value_heads=sizes["heads"], n_routed_experts=sizes["experts"], rms_norm_eps=1e-6,
+        norm_topk_prob=True, rope_interleave=True, attention_bias=False,
+        **{MTP_KEY: int(sizes["hf_layers"]) - int(sizes["layers"])})
     return config
+
+
+def _without_ql(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(n for n in names if n != "ql")
 
 
 # --- Megatron args ------------------------------------------------------------------------------------
@@ -209,21 +143,25 @@ MLA_UNSCALED = {"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0
 
 
 def megatron_args(sizes: Mapping[str, int], tied: bool) -> dict[str, Any]:
-    """Llama's args with MLA (``--multi-latent-attention``, the ranks and head dims; ``qk_layernorm`` is MLA's
-    q/kv latent norms) and the experts' layer pattern and widths."""
+    """Llama's args with MLA (``--multi-latent-attention``, the ranks and head dims, ``q_lora_rank`` None without
+    the queries' compression; ``qk_layernorm`` is MLA's q/kv latent norms), the experts' layer pattern and widths,
+    and the MTP layers (``mtp_num_layers``, None without)."""
     layers, dense = int(sizes["layers"]), int(sizes["dense"])
+    mtp = int(sizes.get("hf_layers", layers)) - layers
     return llama.megatron_args({"g": sizes["heads"], "hd": sizes["h"] // sizes["heads"], **sizes}, tied) | {
-        "multi_latent_attention": True, "qk_layernorm": True, "q_lora_rank": int(sizes["ql"]),
+        "multi_latent_attention": True, "qk_layernorm": True,
+        "q_lora_rank": int(sizes["ql"]) if "ql" in sizes else None,
         "kv_lora_rank": int(sizes["kvl"]), "qk_head_dim": int(sizes["nope"]),
         "qk_pos_emb_head_dim": int(sizes["rope"]), "v_head_dim": int(sizes["vd"]), "norm_epsilon": 1e-6,
         "num_experts": int(sizes["experts"]), "moe_ffn_hidden_size": int(sizes["fe"]),
         "moe_shared_expert_intermediate_size": int(sizes["fe"]) * int(sizes["shared"]),
         "moe_layer_freq": [0] * dense + [1] * (layers - dense), "moe_grouped_gemm": False,
-        "mtp_num_layers": None, **MLA_UNSCALED}
+        "mtp_num_layers": mtp or None, **MLA_UNSCALED}
 
 
 def sizes_from_args(args: Mapping[str, Any], arg: Callable[..., int]) -> dict[str, int]:
-    """The sizes Megatron's args give beyond Llama's (``arg(name)`` reads one, refusing a bad value)."""
+    """The sizes Megatron's args give beyond Llama's (``arg(name)`` reads one, refusing a bad value): MLA's,
+    ``ql`` where the queries are compressed, the experts', ``hf_layers`` with the MTP layers."""
     fe, shared = arg("moe_ffn_hidden_size"), arg("moe_shared_expert_intermediate_size")
     freq = args.get("moe_layer_freq")
     layers = arg("num_layers")
@@ -234,15 +172,19 @@ def sizes_from_args(args: Mapping[str, Any], arg: Callable[..., int]) -> dict[st
     if shared % fe:
         raise CheckpointFormatError(f"args.moe_shared_expert_intermediate_size = {shared} is not a multiple of "
                                     f"moe_ffn_hidden_size = {fe}: no whole number of shared experts")
-    return {"ql": arg("q_lora_rank"), "kvl": arg("kv_lora_rank"), "nope": arg("qk_head_dim"),
-            "rope": arg("qk_pos_emb_head_dim"), "vd": arg("v_head_dim"), "f": arg("ffn_hidden_size"), "fe": fe,
-            "shared": shared // fe, "dense": list(freq).count(0)}
+    mtp = arg("mtp_num_layers") if args.get("mtp_num_layers") else 0
+    ql = {"ql": arg("q_lora_rank")} if args.get("q_lora_rank") is not None else {}
+    return ql | {"kvl": arg("kv_lora_rank"), "nope": arg("qk_head_dim"), "rope": arg("qk_pos_emb_head_dim"),
+                 "vd": arg("v_head_dim"), "f": arg("ffn_hidden_size"), "fe": fe, "shared": shared // fe,
+                 "dense": list(freq).count(0), "hf_layers": layers + mtp}
 
 
-def is_megatron(args: Mapping[str, Any]) -> bool:
-    """Whether a Megatron run's args describe a DeepSeek-V3: MLA with SwiGLU experts, no biases."""
+def is_megatron(args: Mapping[str, Any], *, q_lora: bool = True) -> bool:
+    """Whether a Megatron run's args describe a DeepSeek-V3: MLA with SwiGLU experts, no biases; the queries
+    compressed (``q_lora_rank`` set) or not (``q_lora``)."""
     return (bool(args.get("multi_latent_attention")) and bool(args.get("swiglu")) and bool(args.get("num_experts"))
-            and not args.get("add_bias_linear") and not args.get("add_qkv_bias"))
+            and not args.get("add_bias_linear") and not args.get("add_qkv_bias")
+            and (args.get("q_lora_rank") is not None) == q_lora)
 
 
 def _rope_args(config: Mapping[str, Any], where: Path | str) -> dict[str, Any]:
@@ -365,24 +307,31 @@ def config_hints(args: Mapping[str, Any]) -> dict[str, Any]:
         "routed_scaling_factor": args.get("moe_router_topk_scaling_factor") or 1.0, "norm_topk_prob": True}
 
 
-FAMILY = Family(
-    name="deepseek_v3",
-    model_types=("deepseek_v3",),
-    architectures=("DeepseekV3ForCausalLM",),
-    preamble=PREAMBLE,
-    tensors=TENSORS,
-    registration=REGISTRATION,
-    buffers=BUFFERS,
-    sizes=SIZES,
-    can_tie=False,
-    megatron=megatron,
-    experts=True,
-    sizes_from_config=sizes_from_config,
-    config_from_sizes=config_from_sizes,
-    megatron_args=megatron_args,
-    sizes_from_args=sizes_from_args,
-    is_megatron=is_megatron,
-    config_hints=config_hints,
-    args_from_config=args_from_config,
-    megatron_moe_args=megatron_moe_args,
-)
+def family(*, q_lora: bool) -> Family:
+    """The DeepSeek-V3 family with the queries' compression (``deepseek_v3``) or without (``deepseek_v3_noqlora``)."""
+    tensors = layout.layer_tensors(q_lora) + layout.mtp_tensors(q_lora)
+    return Family(
+        name="deepseek_v3" if q_lora else NOQLORA,
+        model_types=("deepseek_v3",),
+        accepts=lambda config: (config.get("q_lora_rank") is not None) == q_lora,
+        architectures=("DeepseekV3ForCausalLM",),
+        preamble=layout.preamble(),
+        tensors=tensors,
+        registration=layout.registration(q_lora),
+        buffers=BUFFERS,
+        sizes=SIZES if q_lora else _without_ql(SIZES),
+        can_tie=False,
+        megatron=partial(layout.megatron, q_lora=q_lora),
+        experts=True,
+        sizes_from_config=partial(sizes_from_config, q_lora=q_lora),
+        config_from_sizes=partial(config_from_sizes, q_lora=q_lora),
+        megatron_args=megatron_args,
+        sizes_from_args=sizes_from_args,
+        is_megatron=partial(is_megatron, q_lora=q_lora),
+        config_hints=config_hints,
+        args_from_config=args_from_config,
+        megatron_moe_args=megatron_moe_args,
+    )
+
+
+FAMILY = family(q_lora=True)

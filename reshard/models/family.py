@@ -63,6 +63,9 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     """Hugging Face ``config.model_type`` values that are this family."""
+    accepts: Callable[[Mapping[str, Any]], bool] = lambda config: True
+    """Whether a config of one of ``model_types`` is this family's, where families share a ``model_type``
+    (DeepSeek-V3 with and without the queries' compression, told apart by ``q_lora_rank``)."""
     architectures: tuple[str, ...]
     """Hugging Face ``config.architectures`` of this family; the first is what reshard writes."""
     preamble: str
@@ -101,8 +104,9 @@ class Family:
     """The body of the legacy (non-mcore) Megatron-LM model section, where it exists."""
     torch_dist: bool = False
     """Whether megatron-core's torch_dist holds the model as it holds the family's ``megatron`` layout (Transformer
-    Engine names, which megatron-core's local layers map theirs to there), each tensor whole: ``mcore-dist`` derives
-    its layout from that one (``reshard.formats.specs``). False for mixtures of experts and Megatron-Bridge's
+    Engine names, which megatron-core's local layers map theirs to there, but for an MoE layer's pre-MLP norm), each
+    tensor whole, experts stacked: ``mcore-dist`` derives its layout from that one (``reshard.formats.specs``).
+    False for mixtures of experts with layers of several kinds (keyed per layer there) and Megatron-Bridge's
     layouts, which have none yet."""
     experts: bool = False
     """A mixture-of-experts family: expert tensors split over ``ep`` in Megatron."""

@@ -247,6 +247,7 @@ FAMILY = Family(
     can_tie=False,
     megatron=partial(mixtral.megatron, biases=True, qkv_bias=True, sinks=True, o_bias=True),
     experts=True,
+    torch_dist=True,
     sizes_from_config=sizes_from_config,
     config_from_sizes=config_from_sizes,
     megatron_args=megatron_args,

@@ -138,6 +138,7 @@ FAMILY = Family(
     can_tie=False,
     megatron=megatron,
     experts=True,
+    torch_dist=True,
     sizes_from_config=sizes_from_config,
     config_from_sizes=config_from_sizes,
     megatron_args=llama.megatron_args,

@@ -133,6 +133,7 @@ FAMILY = Family(
     can_tie=False,
     megatron=partial(mixtral.megatron, qk_norm=True),
     experts=True,
+    torch_dist=True,
     sizes_from_config=sizes_from_config,
     config_from_sizes=config_from_sizes,
     megatron_args=qwen3.megatron_args,

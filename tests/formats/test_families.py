@@ -19,7 +19,7 @@ from reshard.models import FAMILIES, family_for_config, family_for_megatron_args
 SIZES = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 4, "vocab_div": 8, "positions": 32,
          "experts": 4, "vpad": 128, "bucket_size": 0,
          # DeepSeek-V3's MLA ranks and head dims, expert and shared widths, dense layers
-         "ql": 12, "kvl": 8, "nope": 4, "rope": 2, "vd": 4, "fe": 6, "shared": 1, "dense": 1}
+         "ql": 12, "kvl": 8, "nope": 4, "rope": 2, "vd": 4, "fe": 6, "shared": 1, "dense": 1, "hf_layers": 4}
 
 # Options each format rule is exercised with, and the topologies its layouts must resolve at.
 RULES = {

@@ -13,7 +13,7 @@ import pytest
 import reshard
 from fixtures import make_fixture
 from reshard.errors import CheckpointFormatError
-from reshard.models import family_for_megatron_args, get_family
+from reshard.models import family_for_config, family_for_megatron_args, get_family
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -264,7 +264,7 @@ def test_a_deepseek_v3_config_is_mla_with_group_limited_sigmoid_routing_in_megat
     family = get_family("deepseek_v3")
     sizes = family.sizes_from_config(DEEPSEEK)
     assert sizes == {"h": 64, "heads": 4, "ql": 48, "kvl": 32, "nope": 16, "rope": 8, "vd": 16, "f": 96, "fe": 32,
-                     "shared": 1, "experts": 8, "dense": 1, "vocab": 300, "layers": 4}
+                     "shared": 1, "experts": 8, "dense": 1, "vocab": 300, "layers": 4, "hf_layers": 4}
     args = (family.megatron_args(sizes, False) | family.args_from_config(DEEPSEEK)
             | family.megatron_moe_args(sizes, DEEPSEEK, {}, "config.json"))
     assert {k: args[k] for k in (
@@ -294,7 +294,9 @@ def test_a_deepseek_v3_config_is_mla_with_group_limited_sigmoid_routing_in_megat
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"q_lora_rank": None}, "q_lora_rank = null: queries without compression (self_attn.q_proj) are not laid out"),
+    ({"q_lora_rank": None}, "q_lora_rank = null: queries without compression (self_attn.q_proj) are the family "
+                            "deepseek_v3_noqlora"),
+    ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers = -1: expected a number of layers"),
     ({"quantization_config": {"quant_method": "fp8"}}, 'quantization_config.quant_method = "fp8": quantized weights '
                                                         "(FP8 blocks with *_scale_inv scales)"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings = true: the DeepSeek-V3 layout stores its output"),
@@ -334,3 +336,20 @@ def test_deepseek_v3_routing_megatron_computes_differently_is_refused_naming_the
     family = get_family("deepseek_v3")
     with pytest.raises(CheckpointFormatError, match="^" + re.escape(message)):
         family.megatron_moe_args(family.sizes_from_config(DEEPSEEK), DEEPSEEK | fields, {}, "x")
+
+
+def test_a_deepseek_v3_config_without_q_compression_is_the_noqlora_family_and_megatron_q_lora_rank_none():
+    """``q_lora_rank`` null names the other DeepSeek-V3 family, by config and by Megatron's args, and back."""
+    config = DEEPSEEK | {"q_lora_rank": None, "num_nextn_predict_layers": 1}
+    family = family_for_config(config)
+    assert family.name == "deepseek_v3_noqlora" and family_for_config(DEEPSEEK) is get_family("deepseek_v3")
+    sizes = family.sizes_from_config(config)
+    assert "ql" not in sizes and sizes["hf_layers"] == sizes["layers"]  # MTP layers: counted from the files
+    args = family.megatron_args(sizes | {"hf_layers": 5}, False) | family.args_from_config(config)
+    assert args["q_lora_rank"] is None and args["mtp_num_layers"] == 1
+    assert family_for_megatron_args(args) is family
+    assert family_for_megatron_args(args | {"q_lora_rank": 48}) is get_family("deepseek_v3")
+    built = family.config_from_sizes(sizes | {"hf_layers": 5})
+    assert built["q_lora_rank"] is None and built["num_nextn_predict_layers"] == 1
+    with pytest.raises(CheckpointFormatError, match=r"^config\.json: q_lora_rank = 48: queries compressed"):
+        family.sizes_from_config(DEEPSEEK)

@@ -15,7 +15,6 @@ from conftest import require
 from safetensors.torch import load_file
 
 import reshard
-from reshard.errors import CheckpointFormatError
 from reshard.fixtures import make_fixture
 from reshard.formats.specs import spec_text
 from reshard.io.dcp_metadata import read_metadata
@@ -68,16 +67,6 @@ def test_a_tied_model_round_trips_through_torch_dist_without_an_output_layer(tmp
     assert source.spec_name == {"tiny-gpt2": "mcore-dist-gpt2", "tiny-llama-tied": "mcore-dist-llama-tied"}[model]
     check = reshard.verify(tmp_path / "hf", tmp_path / "dist", states=("param",))
     assert check.identical and check.compared == len(source.layout.tensors), check.differences
-
-
-def test_a_mixture_of_experts_is_refused_by_the_torch_dist_target_naming_its_family(tmp_path):
-    make_fixture(tmp_path / "hf", format="hf", model="tiny-mixtral")
-    with pytest.raises(CheckpointFormatError) as e:
-        reshard.convert(tmp_path / "hf", tmp_path / "dist", format="mcore-dist", to="tp=2")
-    assert str(e.value) == (f"{tmp_path / 'hf'}: mcore-dist-mixtral: no torch_dist layout for mixtral (a mixture of "
-                            "experts: torch_dist's expert tensors are not laid out yet); convert to the megatron "
-                            "format instead")
-    assert not (tmp_path / "dist").exists()
 
 
 # --- real megatron-core ----------------------------------------------------------------------------------------

@@ -72,6 +72,14 @@ TINY = {
          "moe_router_enable_expert_bias": True, "moe_router_num_groups": 2, "moe_router_group_topk": 1,
          "moe_router_topk_scaling_factor": 2.5, "rope_type": "yarn", "rotary_scaling_factor": 4.0,
          "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # DeepSeek-V3 without the queries' compression (q_lora_rank null: q_proj, Megatron's linear_q_proj), yarn off.
+    "deepseek_v3_noqlora": ("DeepseekV3Config", {
+        "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 2,
+        "topk_group": 1, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0, "max_position_embeddings": 64},
+        {"multi_latent_attention": True, "q_lora_rank": None, "kv_lora_rank": 32, "num_experts": 4,
+         "moe_layer_freq": (0, 1, 1, 1), "rope_type": "rope", "mtp_num_layers": None}),
     # Gemma: head_dim 32 != 64 / 4; Megatron-Bridge's layout and args, the identity in the carried config.json.
     "gemma": ("GemmaConfig", {"head_dim": 32},
               {"kv_channels": 32, "layernorm_zero_centered_gamma": True, "gated_linear_unit": True, "swiglu": False,
@@ -242,20 +250,48 @@ def test_megatron_core_runs_the_checkpoints_reshard_writes_and_matches_transform
 
 
 @pytest.mark.interop
-def test_deepseek_v3_multi_token_prediction_layers_are_refused_by_name_never_dropped(tmp_path):
-    """A DeepSeek-V3 checkpoint holding its MTP module (``model.layers.{num_hidden_layers}.*``, as the hub files do)
-    is refused before anything is written, naming those tensors: reshard lays out no MTP layer yet."""
+def test_deepseek_v3_multi_token_prediction_layers_go_to_megatron_and_back_byte_identical(tmp_path):
+    """A DeepSeek-V3 checkpoint holding its MTP layer (``model.layers.{num_hidden_layers}.*``, as the hub files do;
+    transformers builds no MTP module, so the tensors are written into its safetensors here, deterministic random)
+    goes to Megatron's MTP block (tp=2,pp=2,ep=2, then tp=1,pp=4) and back: every tensor byte-identical, the same
+    config.json, and transformers (which ignores the MTP layer) gives bit-identical logits."""
+    import numpy as np
     import torch
     from safetensors.torch import load_file, save_file
 
-    _save_tiny("deepseek_v3", tmp_path / "hf")
+    from reshard.core.resolve import resolve
+    from reshard.core.topology import Topology
+    from reshard.formats.specs import layout_spec
+
+    model_class = _save_tiny("deepseek_v3", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     (shard,) = (tmp_path / "hf").glob("*.safetensors")
     tensors = load_file(shard)
-    tensors["model.layers.4.enorm.weight"] = torch.ones(64)
-    tensors["model.layers.4.self_attn.q_a_proj.weight"] = torch.ones(48, 64)
+    family = get_family("deepseek_v3")
+    sizes = family.sizes_from_config(config) | {"hf_layers": 5}
+    rng = np.random.default_rng(0)
+    for name, t in resolve(layout_spec("hf-deepseek_v3"), Topology(), sizes).tensors.items():
+        if name.startswith("model.layers.4."):
+            tensors[name] = torch.from_numpy(rng.standard_normal(t.shape).astype(np.float32))
     save_file(tensors, shard, metadata={"format": "pt"})
-    with pytest.raises(CheckpointFormatError, match=r"(?s)layer\(s\) 4 lie beyond num_hidden_layers \(4\): "
-                                                    r"multi-token-prediction \(MTP\) layers.*tensor "
-                                                    r"'model\.layers\.4\.self_attn\.q_a_proj\.weight' matches no item"):
-        reshard.convert(tmp_path / "hf", tmp_path / "meg", format="megatron", to="tp=2,pp=2,dp=2,ep=2")
-    assert not (tmp_path / "meg").exists()
+
+    reshard.convert(tmp_path / "hf", tmp_path / "m1", format="megatron", to="tp=2,pp=2,dp=2,ep=2")
+    assert _args(tmp_path / "m1")["mtp_num_layers"] == 1
+    reshard.convert(tmp_path / "m1", tmp_path / "m2", to="tp=1,pp=4")
+    reshard.convert(tmp_path / "m2", tmp_path / "back", format="hf")
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == config
+    back = {}
+    for f in (tmp_path / "back").glob("*.safetensors"):
+        back |= load_file(f)
+    assert sorted(back) == sorted(tensors)
+    assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in tensors.items())
+
+    ids = torch.arange(48).reshape(2, 24) % VOCAB
+    with torch.no_grad():
+        logits = []
+        for path in (tmp_path / "hf", tmp_path / "back"):
+            model, info = model_class.from_pretrained(path, output_loading_info=True)
+            assert not info["missing_keys"] and all(k.startswith("model.layers.4.") for k in info["unexpected_keys"])
+            logits.append(model.eval()(ids).logits)
+    assert torch.equal(logits[0], logits[1])

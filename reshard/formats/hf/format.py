@@ -80,6 +80,8 @@ class HFFormat:
             spec_name = hf_spec_name(family, config, config_path)
             spec_obj = layout_spec(spec_name)
         model_sizes = family.sizes_from_config(config, config_path) if family else {}
+        if family is not None and "hf_layers" in family.sizes:  # MTP layers: the ones the files hold
+            model_sizes["hf_layers"] = _hf_layers(stored, model_sizes["layers"], path)
         model_sizes = check_sizes(model_sizes, config_path, counts=dict.fromkeys(("layers", "experts"), len(stored)))
         model_sizes.update(given_sizes(sizes))
         if layout is None:
@@ -116,10 +118,10 @@ class HFFormat:
                 layer = _LAYER.search(name)
                 if layer and "layers" in model_sizes and int(layer.group(1)) >= model_sizes["layers"]:
                     beyond.add(int(layer.group(1)))
-        if beyond:  # DeepSeek-V3's multi-token-prediction layers follow the decoder's in the files
+        if beyond:  # layers after the decoder's: multi-token prediction, in a family without it
             problems.insert(0, f"layer(s) {', '.join(map(str, sorted(beyond)))} lie beyond num_hidden_layers "
-                               f"({model_sizes['layers']}): multi-token-prediction (MTP) layers, which reshard does "
-                               "not carry yet and will not drop; convert a checkpoint without them")
+                               f"({model_sizes['layers']}), which the {family.name} family has no layers for "
+                               "(multi-token-prediction layers are DeepSeek-V3's)")
         if problems:
             raise CheckpointFormatError(
                 f"{path}: the stored tensors do not match spec '{spec_name}':\n  " + _listing(problems))
@@ -236,6 +238,22 @@ class HFFormat:
         return {it: Path(where[it.key]) for it in items}
 
 FORMAT = HFFormat()
+
+
+def _hf_layers(stored: Mapping[str, Any], layers: int, where: Path) -> int:
+    """The layers a checkpoint numbers: the decoder's and the multi-token-prediction (MTP) layers after them,
+    which a config may declare (``num_nextn_predict_layers``) and the files still lack (transformers saves none).
+
+    Raises:
+      CheckpointFormatError: the layers after the decoder's are not numbered on from it (a gap).
+    """
+    after = sorted({n for name in stored if (m := _LAYER.search(name)) and (n := int(m.group(1))) >= layers})
+    gap = next((n for k, n in enumerate(after) if n != layers + k), None)
+    if gap is not None:
+        raise CheckpointFormatError(f"{where}: layer {gap} follows the decoder's {layers} layers without layer "
+                                    f"{layers + after.index(gap)}; multi-token-prediction layers are numbered on "
+                                    f"from num_hidden_layers ({layers})")
+    return layers + len(after)
 
 
 def hf_spec_name(family: Family | None, config: Mapping[str, Any], where: Path) -> str:

@@ -142,7 +142,8 @@ class MegatronFormat:
                 raise CheckpointFormatError(
                     f"{first_path}: a mixture-of-experts model with tied embeddings; the {family.name} family is "
                     "untied: give a spec for this one")
-            spec = spec_name(family, local=args.get("transformer_impl") == "local", distopt=distopt, ep=topo.ep)
+            spec = spec_name(family, local=args.get("transformer_impl") == "local", distopt=distopt, ep=topo.ep,
+                             mtp=bool(args.get("mtp_num_layers")))
         if spec is None and _is_legacy(first):
             if tied or distopt:
                 raise CheckpointFormatError(
@@ -289,7 +290,7 @@ class MegatronFormat:
         legacy = meg and is_legacy(source.spec_name) and spec is None
         local = meg and is_local(source.spec_name)
         name = spec or spec_name(family, tied=tied, distopt=topology.zero == 1, ep=topology.ep, local=local,
-                                 legacy=legacy)
+                                 legacy=legacy, mtp=sizes.get("hf_layers", 0) > sizes.get("layers", 0))
         spec_ast = layout_spec(name)
         distopt = _has_flat(spec_ast)
         per_ep = _per_ep(spec_ast)

@@ -24,11 +24,12 @@ from reshard.models import Family
 
 
 def spec_name(family: Family, *, tied: bool = False, distopt: bool = False, ep: int = 1, local: bool = False,
-              legacy: bool = False) -> str:
+              legacy: bool = False, mtp: bool = False) -> str:
     """The generated layout (``reshard.formats.specs``) of a Megatron checkpoint of ``family``: Megatron-core
-    (``-local`` with ``--transformer-impl local``) or the legacy model; ``-tied`` output layer; with the
-    distributed optimizer, one coalesced buffer (``-distopt-torch``), or at ep > 1 a dense and an expert
-    buffer (``-ep-distopt-torch``), as ``distrib_optim.pt`` holds them."""
+    (``-local`` with ``--transformer-impl local``) or the legacy model; ``-tied`` output layer; ``-mtp`` with
+    multi-token-prediction layers (``args.mtp_num_layers``); with the distributed optimizer, one coalesced buffer
+    (``-distopt-torch``), or at ep > 1 a dense and an expert buffer (``-ep-distopt-torch``), as
+    ``distrib_optim.pt`` holds them."""
     if legacy:
         return f"megatron-legacy-{family.name}"
     parts = ["megatron", family.name]
@@ -36,6 +37,8 @@ def spec_name(family: Family, *, tied: bool = False, distopt: bool = False, ep: 
         parts.append("tied")
     if local:
         parts.append("local")
+    if mtp:
+        parts.append("mtp")
     if distopt:
         parts += [*(["ep"] if ep > 1 and family.experts else []), "distopt", "torch"]
     return "-".join(parts)
@@ -112,7 +115,7 @@ def _resolve(spec: Spec, topo: Topology, sizes: Mapping[str, int], states: Mappi
 # GPTModel registers embedding, decoder (layers, then final_layernorm), output_layer;
 # TransformerLayer its norms and sublayers; Attention registers core_attention and
 # linear_proj before SelfAttention adds linear_qkv (megatron/core/transformer/attention.py).
-_TOP = ("embedding.", "decoder.layers.", "decoder.final_layernorm.", "output_layer.")
+_TOP = ("embedding.", "decoder.layers.", "decoder.final_layernorm.", "mtp.layers.", "output_layer.")
 _LAYER = ("input_layernorm.", "self_attention.", "pre_cross_attn_layernorm.", "cross_attention.",
           "pre_mlp_layernorm.", "mlp.")
 _SUB = {
@@ -128,9 +131,21 @@ _LAYER_KEY = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
 _LOCAL_EXPERT = re.compile(r"experts\.local_experts\.([0-9]{1,9})\.linear_fc([12])\.")
 
 
+# MultiTokenPredictionLayer (multi_token_prediction.py) registers enorm, hnorm, eh_proj, its transformer layer
+# (a decoder layer's names), final_layernorm; GPTModel registers the MTP block between decoder and output layer.
+_MTP_KEY = re.compile(r"mtp\.layers\.([0-9]+)\.(enorm|hnorm|eh_proj|transformer_layer|final_layernorm)\.(.*)")
+_MTP_PARTS = ("enorm", "hnorm", "eh_proj", "transformer_layer", "final_layernorm")
+
+
 def _mcore_rank(key: str) -> tuple[int, ...] | None:
     """Sort key of a state-dict key in Megatron-core's registration order; None if unknown."""
     extra = int(key.endswith("._extra_state"))
+    mtp = _MTP_KEY.fullmatch(key)
+    if mtp is not None:
+        inner = _mcore_rank(f"decoder.layers.0.{mtp.group(3)}") if mtp.group(2) == "transformer_layer" else \
+            (1, 0, 0, 0, 0, 0, extra)
+        return None if inner is None else (_TOP.index("mtp.layers."), int(mtp.group(1)),
+                                           _MTP_PARTS.index(mtp.group(2)), *inner[2:])
     m = _LAYER_KEY.fullmatch(key)
     if m is None:
         top = next((k for k, p in enumerate(_TOP) if key.startswith(p)), None)

@@ -12,8 +12,10 @@ describes the global tensors: the family's Megatron layout with each tensor
 whole (``reshard.formats.specs``), for the dense families megatron-core holds
 (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, Phi-3,
 and GPT-2 style: LayerNorm weight and bias, every linear's bias, learned
-positions, tied); a tied output layer is no key of its own (it is the
-embedding's). ``chunk_fragments`` cuts the spec's fragments down to each chunk,
+positions, tied) and the mixtures of experts with SequentialMLP experts
+(Mixtral, Qwen3-MoE, GPT-OSS: experts stacked after the layers, ``dist_moe``;
+``-local`` for megatron-core's local layers, as ``args.transformer_impl`` says);
+a tied output layer is no key of its own (it is the embedding's). ``chunk_fragments`` cuts the spec's fragments down to each chunk,
 so a conversion reads just the rows each target needs, in place inside the
 chunks' ``torch.save`` archives.
 
@@ -28,15 +30,17 @@ same global tensors and chunks as the weights; ``param`` is the fp32 master
 copy; the step from ``common.pt``'s param groups) and the default
 ``dp_reshardable`` bucket space (``optimizer.distributed.*``, decoded per
 parameter by ``dist_optim``; the step and param groups from its
-``optimizer`` entry, carried to a torch-format target). Bucket-space state of
+``optimizer`` entry, carried to a torch-format target), and megatron-core
+0.8-0.14's default ``fully_sharded_model_space`` (``model_space``). Bucket-space state of
 MoE models, of derived layouts, or stored otherwise (``dp_zero_gather_scatter``)
 is refused with a message. Writing lays the same global weights out as
 megatron-core's ranks would at the target tp/pp (see
 ``McoreDistFormat.target``); with ``zero=1`` the distributed optimizer's state
 too, as ``dp_reshardable`` (``dist_optim_target``: the buckets of the target's
 args, chunk for chunk as megatron-core 0.16 saves them, which its torch_dist
-load resumes from). Not written: ``fully_reshardable``; mixture-of-experts
-models and Megatron-Bridge's layouts (Gemma, Gemma 2, Gemma 3), which have no
+load resumes from). Not written: ``fully_reshardable``; the distributed
+optimizer's state of mixture-of-experts models (their weights are, at ep 1);
+DeepSeek-V3 and Megatron-Bridge's layouts (Gemma, Gemma 2, Gemma 3), which have no
 torch_dist layout (refused naming the family and why; such a checkpoint is read
 laid out by name, below).
 
@@ -102,9 +106,12 @@ from reshard.formats.megatron.dist_derived import (
     write_common,
 )
 from reshard.formats.megatron.dist_derived import optimizer_state as _optimizer_state
+from reshard.formats.megatron.dist_moe import bucket_refusal, extra_states, is_local
+from reshard.formats.megatron.dist_moe import spec_name as _spec_name
 from reshard.formats.megatron.dist_optim import PREFIX as BUCKETS
 from reshard.formats.megatron.dist_optim import bucket_space
 from reshard.formats.megatron.identity import agreed_family, carried_identity, read_carried
+from reshard.formats.megatron.model_space import common_param_groups, flat_fragments, flat_ranges, is_model_space
 from reshard.formats.megatron.specs import _check_shared_embedding_bucket
 from reshard.formats.megatron.specs import spec_name as megatron_spec_name
 from reshard.formats.megatron.state import TORCH_DIST_KEY, TorchDistState, carried_args
@@ -150,8 +157,9 @@ class McoreDistFormat:
           CheckpointFormatError: another backend, missing model sizes, a stored
             key the spec does not know (or the reverse), a global shape that
             differs from the spec's, optimizer state in neither the
-            ``fully_reshardable`` nor the ``dp_reshardable`` format, or bucket
-            sizes that differ from the layout's (``dist_optim.bucket_space``).
+            ``fully_reshardable``, ``dp_reshardable`` nor ``fully_sharded_model_space``
+            format, bucket sizes that differ from the layout's (``dist_optim.bucket_space``),
+            or model-space ranges off the weights' chunk grid (``model_space``).
         """
         path = Path(path)
         backend = _read_json(path / METADATA_JSON).get("sharded_backend")
@@ -169,7 +177,7 @@ class McoreDistFormat:
             spec_ast = derived_spec(derived_text(md, path), self.name, path)
             model_sizes, topology = given_sizes(sizes), _parallel(args, path / COMMON, MAX_COUNT)
         else:
-            spec_name = spec or _spec_name(family, _tied(family, args, carried.config))
+            spec_name = spec or _spec_name(family, _tied(family, args, carried.config), is_local(args))
             spec_ast = layout_spec(spec_name)
             from_config = family.sizes_from_config(carried.config, config_path) \
                 if family and carried.config and args is None else {}  # args, when there are, give the sizes
@@ -187,11 +195,11 @@ class McoreDistFormat:
         bucket = sorted(k for k in [*md.tensors, *md.byte_entries] if k.startswith(BUCKETS))
         buckets = None
         if bucket and (derived or family is None or family.experts or not any(k in md.tensors for k in bucket)):
-            problems.append(f"optimizer state in the distributed optimizer's bucket space ({len(bucket)} keys, e.g. "
-                            f"'{bucket[0]}') is read as dp_reshardable's tensors of a dense model of a known family "
-                            "only; save with --dist-ckpt-optim-fully-reshardable, or convert the weights alone")
+            problems.append(bucket_refusal(bucket, None if derived else family))
         elif bucket:
             buckets = bucket_space(path, md, args, family, model_sizes, topology)
+        model_space = not derived and is_model_space(md)  # megatron-core 0.8-0.14's flattened ranges
+        flat = flat_ranges(md, {k: whole.items[it].shape for k, it in by_key.items()}, problems) if model_space else {}
         archives: dict[str, Any] = {}
         verbatim: list[_Verbatim] = []
         chunks: dict[Item, tuple] = {}
@@ -200,6 +208,11 @@ class McoreDistFormat:
                 if buckets is None:
                     continue
                 state, whole_frags, rule = buckets.states[key], buckets.fragments[key], buckets.spec_name
+            elif model_space and key.startswith("optimizer."):
+                if key not in flat:
+                    continue  # flat_ranges listed why
+                whole_item = by_key[flat[key].model_key]
+                state, whole_frags, rule = flat[key].state, frags_of.get(whole_item, []), whole.items[whole_item].rule
             elif derived and t.size == ():
                 verbatim.append(_Verbatim(key, t, _entry_bytes(path, md, key, ())[0]))
                 continue
@@ -228,7 +241,8 @@ class McoreDistFormat:
                 if 0 in c.sizes:
                     continue
                 item = Item("model", (), 0, state, f"{key}@{','.join(map(str, c.offsets))}")
-                mine = [replace(f, state=state) for f in chunk_fragments(whole_frags, t.size, c.offsets, c.sizes, item)]
+                mine = flat_fragments(flat[key], whole_frags, c, item, f"{path / '.metadata'}: '{key}'") if key in flat \
+                    else [replace(f, state=state) for f in chunk_fragments(whole_frags, t.size, c.offsets, c.sizes, item)]
                 if not mine and key.startswith(BUCKETS):  # a gap between parameters: arbitrary bytes, never read
                     continue
                 ref = _chunk_ref(path, md, key, c, t, archives, problems)
@@ -259,7 +273,8 @@ class McoreDistFormat:
         verbatim += [_Verbatim(k, None, _entry_bytes(path, md, k, None)[0]) for k in md.byte_entries
                      if derived or "._extra_state/shard_" in k]
         state = TorchDistState(args=args or {}, iteration=progress.iteration, extra_states=verbatim,
-                               param_groups=buckets.param_groups if buckets else None)
+                               param_groups=buckets.param_groups if buckets else
+                               common_param_groups(common, str(path / COMMON)) if model_space else None)
         if derived:
             state.common, state.chunks = carried_common(common, path / COMMON), chunks
             state.planner_data = dict(md.planner_data)
@@ -296,7 +311,8 @@ class McoreDistFormat:
         bad = [f"{a}({topology.degree(a)})" for a in ("cp", "ep") if topology.degree(a) > 1]
         if bad:
             raise CheckpointFormatError(f"the mcore-dist target writes tp, pp, vpp and dp; {', '.join(bad)} is not "
-                                        "supported yet")
+                                        "supported yet (torch_dist holds every expert whole, numbered globally: "
+                                        "write it at ep=1 and megatron-core loads it at any ep)")
         family = require_family(source, "torch_dist stores each family's tensors its own way (layers stacked, "
                                 "attention fused)") if spec is None else None
         if family is not None and not family.torch_dist:
@@ -310,10 +326,12 @@ class McoreDistFormat:
         sizes = {k: int(source.sizes[k]) for k in shaped.sizes}
         src_args = carried_args(source)
         div = int(src_args.get("make_vocab_size_divisible_by") or source.sizes.get("vocab_div", 128))
-        spec_name = spec or _spec_name(shaped, tied)
+        local = is_local(src_args) and shaped.experts if spec is None else spec.endswith("-local")
+        spec_name = spec or _spec_name(shaped, tied, local)
         spec_ast = layout_spec(spec_name)
         whole = resolve(spec_ast, Topology(), sizes | {"vpad": _padded_vocab(sizes["vocab"], div, topology.tp)})
-        ranks = resolve(layout_spec(megatron_spec_name(shaped, tied=tied)), topology, sizes | {"vocab_div": div})
+        ranks = resolve(layout_spec(megatron_spec_name(shaped, tied=tied, local=local)), topology,
+                        sizes | {"vocab_div": div})
         boxes = _chunk_boxes(whole, ranks, topology)
         frags_of: dict[str, list[Fragment]] = {}
         for f in whole.fragments:
@@ -338,9 +356,14 @@ class McoreDistFormat:
                 args.update(family.args_from_config(source.model.config))
             except CheckpointFormatError as e:
                 raise CheckpointFormatError(f"{source.path}: config.json: {e}") from None
+            if family.experts and family.megatron_moe_args:  # the routing: from the config or hints
+                args.update(family.megatron_moe_args(sizes, source.model.config or {}, source.model.hints,
+                                                     source.path))
+        if shaped.experts and is_local(args) != local:
+            args["transformer_impl"] = "local" if local else "transformer_engine"
         carried = source.extra.get(TORCH_DIST_KEY) if source.format == self.name else None
         verbatim = list(carried.extra_states if isinstance(carried, TorchDistState) and carried.extra_states
-                        else _extra_states(sizes["layers"]))
+                        else extra_states(whole, sizes))
         state = TorchDistState(args=args, iteration=int(source.progress.iteration or 0))
         if topology.zero == 1 and any(s != PARAM for s in source.layout.states):
             from reshard.formats.megatron.dist_optim_target import optimizer_target
@@ -384,11 +407,6 @@ class McoreDistFormat:
         # may have written it already; writing it again is harmless, listing it twice is not).
         identity = [p for p in write_identity(out, target.model) if p not in written]
         return [*written, Path(COMMON), Path(METADATA_JSON), *identity]
-
-
-def _spec_name(family: Family, tied: bool) -> str:
-    """The generated torch_dist layout of ``family``: ``mcore-dist-<family>[-tied]``."""
-    return f"mcore-dist-{family.name}{'-tied' if tied and family.can_tie else ''}"
 
 
 def _tied(family: Family | None, args: Mapping[str, Any] | None, config: Any) -> bool:
@@ -481,27 +499,10 @@ def _local_box(fr: Fragment, shape: tuple[int, ...]) -> tuple[tuple[int, ...], t
     return tuple(lo), tuple(hi)
 
 
-def _extra_states(layers: int) -> list[_Verbatim]:
-    """The per-layer ``_extra_state`` bytes entries megatron-core's linear layers save (``[None]`` without TE)."""
-    import io
-
-    import torch
-
-    buf = io.BytesIO()
-    torch.save([None], buf)
-    data = buf.getvalue()
-    mods = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
-    return [_Verbatim(f"decoder.layers.{m}._extra_state/shard_{i}_{layers}", None, data)
-            for i in range(layers) for m in mods]
-
-
 def _group_step(common: Mapping[str, Any], where: Path) -> int | None:
-    """Adam's step count, which torch_dist keeps per param group in common.pt (fully_reshardable)."""
-    optimizer = common.get("optimizer")
-    inner = optimizer.get("optimizer") if isinstance(optimizer, Mapping) else None
-    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
-    step = groups[0].get("step") if isinstance(groups, list) and groups and isinstance(groups[0], Mapping) else None
-    return _step_of(step, where)
+    """Adam's step count, which torch_dist keeps per param group in common.pt (the model-space formats)."""
+    groups = common_param_groups(common, str(where))
+    return _step_of(groups[0].get("step") if groups else None, where)
 
 
 def _step_of(step: Any, where: Path) -> int | None:
