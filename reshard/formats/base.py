@@ -79,6 +79,11 @@ class Progress:
     lr: float | None = None
     """The learning rate of the first param group."""
 
+    @property
+    def step_count(self) -> float:
+        """Adam's step where no param group records its own: the step, else the iteration, else 0."""
+        return float(self.step or self.iteration or 0)
+
 
 @dataclass(slots=True, kw_only=True)
 class Source:

@@ -241,6 +241,12 @@ class SmallTensor:
 
         return SmallTensor(dtype, (), np.array(value, dtype=dtype).tobytes())
 
+    def to_torch(self):
+        """The tensor it was, as a torch tensor of its own memory."""
+        import torch
+
+        return torch.frombuffer(bytearray(self.data), dtype=getattr(torch, self.dtype)).reshape(self.shape).clone()
+
     def value(self) -> float:
         value = scalar_value(self.data, self.dtype) if self.shape in ((), (1,)) else None
         if value is None:

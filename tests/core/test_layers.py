@@ -1,7 +1,8 @@
 """The layers are folders and imports only go down: a module imports nothing from a layer above its own.
 
-Order, bottom to top: errors, core, io, models, execution, formats, api, the fixtures (simulated ranks) and
-the command line. The core (spec language, resolution, planner) imports no torch and no format.
+Order, bottom to top: errors, core, io, models, execution, formats, api, torch (loading into a running job),
+the fixtures (simulated ranks), the command line and ``python -m reshard`` (``reshard/__main__.py``, running the
+command line). The core (spec language, resolution, planner) imports no torch and no format.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["reshard.errors", "reshard.core", "reshard.io", "reshard.models", "reshard.execution", "reshard.formats",
-          "reshard.api", "reshard.fixtures", "reshard.cli"]
+          "reshard.api", "reshard.torch", "reshard.fixtures", "reshard.cli",
+          "reshard.__main__"]
 FOLDERS = {"reshard": "reshard", "cli": "reshard.cli", "fixtures": "reshard.fixtures"}
 
 

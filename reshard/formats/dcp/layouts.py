@@ -35,7 +35,7 @@ from reshard.io.dcp_metadata import (
     DcpChunk,
     DcpTensor,
 )
-from reshard.io.torch_types import SmallTensor, TensorSpec
+from reshard.io.torch_types import TensorSpec
 from reshard.io.torch_write import TorchFileWriter
 
 
@@ -71,7 +71,7 @@ def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: 
         return out
     optimized = {f.tensor for f in source.layout.fragments if f.state in opt_states}
     names = [n for n in names if n in optimized]  # the optimizer's parameters: never a buffer
-    step = float(source.progress.step or source.progress.iteration or 0)
+    step = source.progress.step_count
     scalar = DcpTensor("float32", (), (DcpChunk((), ()),))
     default = _Verbatim("", scalar, saved(torch.tensor(step, dtype=torch.float32)))
     groups = _carried_groups(source, names)
@@ -80,7 +80,7 @@ def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: 
         for g in groups:
             s = g.step
             per_name.update(dict.fromkeys(g.params, default if s is None else _Verbatim(
-                "", DcpTensor(s.dtype, (), (DcpChunk((), ()),)), saved(_scalar_tensor(s)))))
+                "", DcpTensor(s.dtype, (), (DcpChunk((), ()),)), saved(s.to_torch()))))
         for name in names:
             out.append(_Verbatim(naming.key(name, "step"), per_name[name].tensor, per_name[name].data))
         for g, group in enumerate(groups):
@@ -109,13 +109,6 @@ def _carried_groups(source: Source, names: list[str]) -> tuple[ParamGroup, ...]:
     groups = optimizer_groups(source)
     listed = [p for g in groups for p in g.params]
     return groups if sorted(listed) == sorted(names) else ()
-
-
-def _scalar_tensor(s: SmallTensor):
-    """A carried 0-d tensor (a DeepSpeed group's Adam ``step``) as the torch tensor it was."""
-    import torch
-
-    return torch.frombuffer(bytearray(s.data), dtype=getattr(torch, s.dtype)).reshape(s.shape).clone()
 
 
 def _module_facts(source: Source, names: list[str]) -> tuple[dict[str, str], frozenset[str]]:

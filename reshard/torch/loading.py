@@ -1,0 +1,273 @@
+"""``load_into``: fill a running job's model and optimizer from any checkpoint, each rank reading its bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from reshard.api.planning import open_checkpoint
+from reshard.core.dtypes import itemsize
+from reshard.core.layout import MASTER, PARAM, common_views
+from reshard.core.planner import plan as make_plan
+from reshard.errors import PlanError, ReshardError
+from reshard.execution.executor import ByteReader, PlanFill
+from reshard.formats.base import Source
+from reshard.torch.shards import Shard, local_tensor, rank_layout, shard_of
+
+__all__ = ["LoadReport", "load_into"]
+
+_WINDOW = 64 << 20
+"""Bytes read per window of one local shard: what a load holds in memory beyond the job's own tensors."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadReport:
+    """What one rank loaded, and what it read to do it."""
+
+    bytes_read: int
+    """Tensor bytes this rank read from the checkpoint (metadata excluded)."""
+    share: int
+    """Bytes of the boxes this rank holds, in the checkpoint's dtypes: what it needs to read at least."""
+    reads: int
+    """Read calls made for them."""
+    tensors: int
+    """Local shards filled (model tensors and optimizer states)."""
+    states: tuple[str, ...]
+    """The checkpoint states they were filled from (``master`` or ``param`` for the model, then the
+    optimizer's)."""
+    missing: tuple[str, ...] = ()
+    """Model keys the checkpoint does not hold, left as they were (``strict=False`` only)."""
+
+
+def load_into(model: Any, optimizer: Any, src: str | Path, *,
+              names: Mapping[str, str] | Callable[[str], str] | None = None,
+              strict: bool = True) -> LoadReport:
+    """Fill ``model``'s (and ``optimizer``'s) tensors on this rank from checkpoint ``src``, reading only its bytes.
+
+    Called on every rank of a job, after the model is parallelized (FSDP2 ``fully_shard``,
+    ``parallelize_module``, a 2-D mesh) and the optimizer built, at any world size: each rank plans
+    the boxes its DTensors hold against the checkpoint's layout and reads just those bytes. The
+    state dicts are ``torch.distributed.checkpoint.state_dict``'s (``get_state_dict``, keyed by
+    fully-qualified names, then ``set_state_dict``), so the result is what ``dcp.load`` gives from
+    the same checkpoint converted to DCP: the model takes the checkpoint's fp32 master copy where it
+    has one (else its weights), cast to the parameter's dtype as ``copy_`` casts; each Adam moment
+    its own state; each parameter's ``step`` the checkpoint's (its optimizer's step or iteration
+    count where it records no per-parameter step). The optimizer's hyperparameters (``lr``,
+    betas, groups) are the job's own and are left as they are. No collective is needed beyond
+    those ``set_state_dict`` makes.
+
+    Args:
+      model: the parallelized ``torch.nn.Module``.
+      optimizer: its ``torch.optim.Optimizer``, or None to load the model only.
+      src: a checkpoint of any supported format (Megatron, DeepSpeed, DCP, Hugging Face safetensors).
+      names: the checkpoint's tensor name for a model fqn (a mapping or a function), where they differ;
+        by default a key is its own name. Checkpoints of a model family name their tensors as Hugging
+        Face does, whatever the framework stores, so a Megatron or DeepSpeed checkpoint of a Llama
+        loads into ``LlamaForCausalLM`` as it is.
+      strict: refuse a model key the checkpoint lacks and a checkpoint tensor the model lacks (False:
+        leave the first as it is, ignore the second).
+
+    Returns:
+      A ``LoadReport``: the bytes this rank read and its share.
+
+    Raises:
+      ReshardError: a tensor missing on either side, shapes that differ (naming the key and both
+        shapes), an optimizer with no optimizer state in ``src``, or any error reading ``src``.
+
+    >>> from reshard.torch import load_into                              # doctest: +SKIP
+    >>> report = load_into(model, optimizer, "ckpt/iter_0000100")       # doctest: +SKIP
+    >>> report.bytes_read <= 1.25 * report.share                        # doctest: +SKIP
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    source = open_checkpoint(src)
+    held = {(f.tensor, f.state) for f in source.layout.fragments if f.item in source.where}
+    opt_states = {s for _, s in held} - {PARAM, MASTER}
+    if optimizer is not None and not opt_states:
+        raise ReshardError(f"{source.path}: this {source.format} checkpoint holds no optimizer state (only the "
+                           "model's weights); pass optimizer=None to load the model alone")
+    if optimizer is None:
+        msd, osd = get_model_state_dict(model), None
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+    rename = _renamer(names)
+    shards, locals_, chosen, missing = _model_shards(msd, source, held, rename)
+    problems: list[str] = []
+    if osd is not None:
+        _optimizer_shards(osd, source, held, rename, chosen, shards, locals_, problems)
+    problems += _shape_problems(shards, source)
+    if strict and missing:
+        problems += [f"model key '{k}'{_as(k, rename)} is not in the checkpoint" for k in missing]
+    if strict:
+        used = {s.tensor for s in shards}
+        problems += [f"checkpoint tensor '{n}' has no key in the model" for n in sorted(
+            {t for t, s in held if s in (PARAM, MASTER) and not source.layout.tensors[t].blob} - used)]
+    if problems:
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise ReshardError(f"{source.path}: cannot load this {source.format} checkpoint into the model:\n  "
+                           + "\n  ".join(problems[:20]) + more)
+    bytes_read, share, reads = _fill(source, shards, locals_)
+    if osd is not None:
+        _set_steps(osd, source, rename, chosen)
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+    else:
+        set_model_state_dict(model, msd)
+    return LoadReport(bytes_read=bytes_read, share=share, reads=reads, tensors=len(shards),
+                      states=tuple(sorted({s.state for s in shards}, key=lambda s: (s not in (MASTER, PARAM), s))),
+                      missing=tuple(missing))
+
+
+def _renamer(names: Mapping[str, str] | Callable[[str], str] | None) -> Callable[[str], str]:
+    if names is None:
+        return lambda key: key
+    if isinstance(names, Mapping):
+        return lambda key: names.get(key, key)
+    return names
+
+
+def _as(key: str, rename: Callable[[str], str]) -> str:
+    return "" if rename(key) == key else f" (checkpoint tensor '{rename(key)}')"
+
+
+def _model_shards(msd: Mapping[str, Any], source: Source, held: set[tuple[str, str]],
+                  rename: Callable[[str], str]) -> tuple[list[Shard], dict, dict[str, str], list[str]]:
+    """The model's shards: per group of keys sharing storage (a tied weight), one shard, filled from the
+    first of their names the checkpoint holds, from its fp32 master where it has one (the copy FSDP2
+    keeps), else its weights. Returns the shards, their local tensors by item, each key's checkpoint
+    name (aliases included) and the keys the checkpoint lacks."""
+    import torch
+
+    groups: dict[Any, list[str]] = {}
+    for key, value in msd.items():
+        if torch.is_tensor(value):
+            local = local_tensor(value)
+            ident = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)) \
+                if local.numel() else key
+            groups.setdefault(ident, []).append(key)
+    shards: list[Shard] = []
+    locals_: dict = {}
+    chosen: dict[str, str] = {}
+    missing: list[str] = []
+    for keys in groups.values():
+        key = next((k for k in keys if _holds(source, held, rename(k), PARAM, msd[k])), None)
+        if key is None:
+            missing.append(keys[0])
+            continue
+        name = rename(key)
+        chosen.update(dict.fromkeys(keys, name))
+        shape, offsets, lengths = shard_of(key, msd[key])
+        s = Shard(key=key, tensor=name, state=MASTER if (name, MASTER) in held else PARAM, shape=shape,
+                  offsets=offsets, lengths=lengths)
+        shards.append(s)
+        locals_[s.item] = local_tensor(msd[key])
+    return shards, locals_, chosen, missing
+
+
+def _optimizer_shards(osd: Mapping[str, Any], source: Source, held: set[tuple[str, str]],
+                      rename: Callable[[str], str], chosen: Mapping[str, str], shards: list[Shard], locals_: dict,
+                      problems: list[str]) -> None:
+    """Each parameter's optimizer state tensors (``exp_avg``, ...) as shards of the checkpoint's same state;
+    the scalar ``step`` is set apart (``_set_steps``)."""
+    import torch
+
+    for key, per in osd.get("state", {}).items():
+        name = chosen.get(key, rename(key))
+        for state, value in per.items():
+            if state == "step" or not torch.is_tensor(value):
+                continue
+            if not _holds(source, held, name, state, value):
+                problems.append(f"optimizer state '{state}' of '{key}' is not in the checkpoint (it holds "
+                                f"{sorted({s for t, s in held if t == name}) or 'nothing of that tensor'})")
+                continue
+            shape, offsets, lengths = shard_of(f"{key}.{state}", value)
+            s = Shard(key=key, tensor=name, state=state, shape=shape, offsets=offsets, lengths=lengths)
+            shards.append(s)
+            locals_[s.item] = local_tensor(value)
+
+
+def _holds(source: Source, held: set[tuple[str, str]], name: str, state: str, value: Any) -> bool:
+    """Whether the checkpoint holds tensor ``name`` in ``state`` (the model's: in its master copy or its weights);
+    a tensor with no elements needs only to be there (it has no bytes in any state)."""
+    if value.numel() == 0:
+        return name in source.layout.tensors
+    if state in (PARAM, MASTER):
+        return (name, MASTER) in held or (name, PARAM) in held
+    return (name, state) in held
+
+
+def _shape_problems(shards: list[Shard], source: Source) -> list[str]:
+    out = []
+    for s in shards:
+        have = source.layout.tensors[s.tensor].shape
+        if have != s.shape:
+            out.append(f"'{s.key}' [{s.state}]: the model's shape is {list(s.shape)}, the checkpoint's '{s.tensor}' "
+                       f"is {list(have)}")
+    return out
+
+
+def _fill(source: Source, shards: list[Shard], locals_: Mapping) -> tuple[int, int, int]:
+    """Plan this rank's boxes against the checkpoint, prove the plan, and read each box into its local tensor
+    window by window. Returns (bytes read, share in bytes, reads)."""
+    import torch
+
+    src_layout, dst_layout = common_views(source.layout, rank_layout(shards))
+    p = make_plan(src_layout, dst_layout)
+    try:
+        p.validate()
+    except PlanError as e:
+        raise PlanError(f"{source.path}: {e}") from None
+    share = 0
+    with ByteReader() as reader, torch.no_grad():
+        fill = PlanFill(p, source.where, reader)
+        for s in shards:
+            if s.numel == 0:
+                continue
+            local = locals_[s.item]
+            dtype = fill.dtypes[s.item]
+            size = itemsize(dtype)
+            share += s.numel * size
+            as_torch = getattr(torch, dtype)
+            if not local.is_contiguous():
+                data = bytearray(fill(s.item, 0, s.numel))
+                local.copy_(torch.frombuffer(data, dtype=as_torch).reshape(s.lengths))
+                continue
+            flat = local.view(-1)
+            step = max(1, _WINDOW // size)
+            for lo in range(0, s.numel, step):
+                hi = min(s.numel, lo + step)
+                flat[lo:hi].copy_(torch.frombuffer(fill(s.item, lo, hi), dtype=as_torch))
+        return reader.bytes_read, share, reader.reads
+
+
+def _set_steps(osd: Mapping[str, Any], source: Source, rename: Callable[[str], str],
+               chosen: Mapping[str, str]) -> None:
+    """Each parameter's Adam ``step``, as a DCP checkpoint of ``source`` records it: its param group's step
+    where the checkpoint keeps its optimizer's groups (DCP, DeepSpeed), else the checkpoint's step or
+    iteration count."""
+    import torch
+
+    from reshard.formats.dcp import optimizer_groups as dcp_groups
+    from reshard.formats.deepspeed import optimizer_groups as ds_groups
+
+    per_name: dict[str, Any] = {}
+    for g in dcp_groups(source) or ds_groups(source):
+        if g.step is not None:
+            value = g.step.to_torch()
+            per_name.update(dict.fromkeys(g.params, value))
+    default = torch.tensor(source.progress.step_count, dtype=torch.float32)
+    for key, per in osd.get("state", {}).items():
+        step = per.get("step")
+        if step is None:
+            continue
+        value = per_name.get(chosen.get(key, rename(key)), default)
+        if torch.is_tensor(step):
+            step.copy_(value)
+        else:
+            per["step"] = type(step)(value.item())
