@@ -4,7 +4,7 @@ Importable (no side effects) and runnable as a script: ``python tests/mcore_dist
 holds ``meg/`` (a tp=1, pp=1 torch-format checkpoint in megatron-core's local layers) and ``dist/`` (a torch_dist
 checkpoint of the same model). One process (world size 1, gloo) builds a ``GPTModel`` from the rank file's args
 (``mcore_family_jobs``), loads the rank file's state dict strictly, saves its own torch_dist to ``real/`` with
-``dist_checkpointing.save``, then builds the model again, loads ``dist/`` with ``dist_checkpointing.load``
+``dist_checkpointing.save`` (with the rank file's ``args`` and ``iteration``, as the trainer saves them), then builds the model again, loads ``dist/`` with ``dist_checkpointing.load``
 (``strict="raise_all"``: a key missing on either side is an error) and writes ``result.json``: the weights that
 differ from the first model's.
 """
@@ -35,7 +35,8 @@ def main(case: Path) -> None:
     model = family_jobs._model(args, torch)
     model.load_state_dict(saved["model"], strict=True)
     (case / "real").mkdir()
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, str(case / "real"))
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "args": saved["args"], "checkpoint_version": 3.0,
+                             "iteration": saved["iteration"]}, str(case / "real"))
     again = family_jobs._model(args, torch)
     loaded = dist_checkpointing.load({"model": again.sharded_state_dict()}, str(case / "dist"), strict="raise_all")
     again.load_state_dict(loaded["model"], strict=True)

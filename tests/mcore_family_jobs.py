@@ -106,18 +106,21 @@ def _mla_model(args: dict, plain, torch):
     import dataclasses
 
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     fields = {f.name: getattr(plain, f.name) for f in dataclasses.fields(plain) if f.init}
     fields.update({k: args[k] for k in MLA_FIELDS + ROUTING_FIELDS if args.get(k) is not None})
     fields.update(multi_latent_attention=True, moe_layer_freq=list(fields["moe_layer_freq"]),
-                  q_lora_rank=args.get("q_lora_rank"))  # None: queries without compression (linear_q_proj)
+                  q_lora_rank=args.get("q_lora_rank"),  # None: queries without compression (linear_q_proj)
+                  mtp_num_layers=args.get("mtp_num_layers"))  # the MTP block, built on the CPU core attention too
     config = MLATransformerConfig(**fields)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args["normalization"])
     for layer in block.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = _cpu_core_attention(torch)
+    mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False) if config.mtp_num_layers else None
     return GPTModel(config=config, transformer_layer_spec=block, vocab_size=args["padded_vocab_size"],
+                    mtp_block_spec=mtp,
                     max_sequence_length=args.get("max_position_embeddings") or 4096,
                     position_embedding_type=args["position_embedding_type"],
                     share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"])

@@ -30,6 +30,11 @@ reads torch_dist with ``dist_checkpointing.load``, as the trainer's ``load_check
 ``next`` dumps once more after a further step (``DUMP/next/rank{r}.pt``), ``weights_only`` saves (and loads,
 strictly: ``StrictHandling.RAISE_ALL``) a torch_dist checkpoint of the model alone (the trainer's
 ``--no-save-optim``), and ``qk_norm`` adds per-head q/k RMSNorms (``--qk-layernorm``: Qwen3-MoE style).
+``fully_reshardable`` saves (and expects to load) the distributed optimizer's torch_dist state as
+``fully_reshardable`` (the trainer's ``--dist-ckpt-optim-fully-reshardable``, gathered over dp as by
+default), and ``family`` (with ``dense``) builds another family of ``mcore_jobs.FAMILIES`` instead of
+Llama: ``gpt2`` (LayerNorm with biases, biases on every linear, GELU, learned positions, tied) or ``qwen2``
+(q/k/v biases, tied).
 """
 
 from __future__ import annotations
@@ -41,12 +46,13 @@ import sys
 from pathlib import Path
 
 from jobs import exit_now, run_ranks
+from mcore_jobs import FAMILIES
 
 SIZES = {"h": 32, "heads": 4, "g": 2, "hd": 8, "f": 48, "vocab": 300, "layers": 4, "experts": 4}
 DIVISIBLE_BY = 128
 ITERATION = 10
 OPTIONS = {"dense": False, "bf16": False, "bucket_size": None, "torch_dist": False, "next": False,
-           "weights_only": False, "qk_norm": False}
+           "weights_only": False, "qk_norm": False, "fully_reshardable": False, "family": "llama"}
 
 
 def padded_vocab(tp: int) -> int:
@@ -80,7 +86,7 @@ def _job(args: list[str]) -> None:
 def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool, opts: dict = OPTIONS) -> argparse.Namespace:
     s = SIZES
     experts = None if opts["dense"] else s["experts"]
-    return argparse.Namespace(
+    args = argparse.Namespace(
         num_layers=s["layers"], hidden_size=s["h"], ffn_hidden_size=s["f"], moe_ffn_hidden_size=s["f"],
         num_attention_heads=s["heads"], group_query_attention=True, num_query_groups=s["g"], kv_channels=s["hd"],
         vocab_size=s["vocab"], padded_vocab_size=padded_vocab(tp), make_vocab_size_divisible_by=DIVISIBLE_BY,
@@ -92,7 +98,9 @@ def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool, opts: dict = OPTION
         params_dtype="bfloat16" if opts["bf16"] else "float32", bf16=opts["bf16"],
         accumulate_allreduce_grads_in_fp32=opts["bf16"], overlap_grad_reduce=opts["bucket_size"] is not None,
         ddp_bucket_size=opts["bucket_size"], seed=1234, use_mcore_models=True, use_legacy_models=False,
-        qk_layernorm=opts["qk_norm"])
+        qk_layernorm=opts["qk_norm"], dist_ckpt_optim_fully_reshardable=opts["fully_reshardable"])
+    vars(args).update(FAMILIES[opts["family"]])
+    return args
 
 
 def _cpu_only(torch) -> None:
@@ -106,6 +114,7 @@ def _cpu_only(torch) -> None:
                 k["device"] = "cpu"
             return _make(*a, **k)
         setattr(torch, name, on_cpu)
+    torch.Tensor.cuda = lambda self, *a, **k: self  # fully_reshardable's save gathers "on the GPU"
     type_of = torch.Tensor.type
 
     def cuda_type(self, *a, **k):  # the optimizers check for torch.cuda.*Tensor
@@ -138,18 +147,22 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
     experts = None if opts["dense"] else s["experts"]
     dtype = torch.bfloat16 if opts["bf16"] else torch.float32
     moe = {"num_moe_experts": experts, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather"} if experts else {}
+    a = _args(tp, pp, ep, world // (tp * pp), distopt, opts)  # the family's structure
     config = TransformerConfig(
-        num_layers=s["layers"], hidden_size=s["h"], num_attention_heads=s["heads"], num_query_groups=s["g"],
-        kv_channels=s["hd"], ffn_hidden_size=s["f"], gated_linear_unit=True, activation_func=F.silu,
-        normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True, params_dtype=dtype,
-        bf16=opts["bf16"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, pipeline_dtype=dtype, qk_layernorm=opts["qk_norm"], **moe)
+        num_layers=s["layers"], hidden_size=s["h"], num_attention_heads=s["heads"], num_query_groups=a.num_query_groups,
+        kv_channels=s["hd"], ffn_hidden_size=s["f"], gated_linear_unit=a.swiglu,
+        activation_func=F.silu if a.swiglu else F.gelu, normalization=a.normalization,
+        add_bias_linear=a.add_bias_linear, add_qkv_bias=getattr(a, "add_qkv_bias", False),
+        use_cpu_initialization=True, params_dtype=dtype, bf16=opts["bf16"], tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, pipeline_dtype=dtype,
+        qk_layernorm=opts["qk_norm"], **moe)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-                         num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                         num_experts=experts, moe_grouped_gemm=False, normalization=a.normalization,
                          qk_layernorm=opts["qk_norm"]),
                      vocab_size=padded_vocab(tp), max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope")
+                     post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
+                     position_embedding_type=a.position_embedding_type)
     if opts["bf16"]:  # as the trainer's get_model does: every parameter bf16 (norms included)
         from megatron.core.transformer.module import Float16Module
 
@@ -178,11 +191,12 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
         _step(ddp, optimizer)
         args = _args(tp, pp, ep, world // (tp * pp), distopt, opts)
         if opts["torch_dist"]:
-            _save_torch_dist(Path(paths[0]), model, None if opts["weights_only"] else optimizer, args)
+            _save_torch_dist(Path(paths[0]), model, None if opts["weights_only"] else optimizer, args,
+                             _sharding(opts))
         else:
             _save_torch(it_dir, rank, coords, model, optimizer, args, distopt)
     elif opts["torch_dist"]:
-        _load_torch_dist(Path(paths[0]), model, None if opts["weights_only"] else optimizer)
+        _load_torch_dist(Path(paths[0]), model, None if opts["weights_only"] else optimizer, _sharding(opts))
     else:
         state = torch.load(it_dir / "model_optim_rng.pt", weights_only=False)
         model.load_state_dict(state["model"], strict=True)
@@ -221,13 +235,22 @@ def _save_torch(it_dir: Path, rank: int, coords: dict, model, optimizer, args, d
             (it_dir.parent.parent / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
 
 
-def _save_torch_dist(out: Path, model, optimizer, args) -> None:
+def _sharding(opts: dict) -> dict:
+    """The sharded state dict metadata the trainer builds (``_build_sharded_state_dict_metadata``) and saves as
+    ``content_metadata``: the distributed optimizer's state ``dp_reshardable``, or ``fully_reshardable``."""
+    if opts["fully_reshardable"]:
+        return {"distrib_optim_sharding_type": "fully_reshardable",
+                "distrib_optim_fully_reshardable_mem_efficient": False, "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True}
+    return {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True}
+
+
+def _save_torch_dist(out: Path, model, optimizer, args, metadata: dict) -> None:
     """torch_dist, as the trainer's ``save_checkpoint`` writes it: ``iter_XXXXXXX`` with the model's and the
-    optimizer's sharded state dicts (the distributed optimizer's state ``dp_reshardable``) and ``args``."""
+    optimizer's sharded state dicts (the distributed optimizer's state as ``metadata`` says) and ``args``."""
     from megatron.core import dist_checkpointing
 
-    metadata = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
-                "chained_optim_avoid_prefix": True}
     model_sd = model.sharded_state_dict(metadata=metadata)
     state = {"model": model_sd, "args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
     if optimizer is not None:  # None: the model alone (--no-save-optim)
@@ -238,7 +261,7 @@ def _save_torch_dist(out: Path, model, optimizer, args) -> None:
     (out / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
 
 
-def _load_torch_dist(ckpt: Path, model, optimizer) -> None:
+def _load_torch_dist(ckpt: Path, model, optimizer, expected: dict) -> None:
     """torch_dist, as the trainer's ``load_checkpoint`` reads it: the sharding type from the checkpoint's
     ``content_metadata``, the model's and the optimizer's sharded state dicts filled by
     ``dist_checkpointing.load``, then megatron-core's own ``load_state_dict`` calls (``ckpt`` is the
@@ -252,7 +275,7 @@ def _load_torch_dist(ckpt: Path, model, optimizer) -> None:
         model.load_state_dict(state["model"], strict=True)
         return
     metadata = dist_checkpointing.load_content_metadata(str(it_dir))
-    assert metadata and metadata["distrib_optim_sharding_type"] == "dp_reshardable", metadata
+    assert metadata == expected, (metadata, expected)
     # Without Apex or TE, DistributedOptimizer.state_dict (which sharded_state_dict calls) reads each torch
     # Adam state's 'step', which a freshly built optimizer does not have yet: give every parameter the
     # state Adam starts from (the trainer's GPU runs use TE's FusedAdam, which keeps the step in its groups).
@@ -266,7 +289,21 @@ def _load_torch_dist(ckpt: Path, model, optimizer) -> None:
         model_sd, is_loading=True, metadata=metadata)}, str(it_dir))
     assert state["iteration"] == ITERATION and state["args"].use_distributed_optimizer
     model.load_state_dict(state["model"], strict=True)
+    full = metadata["distrib_optim_sharding_type"] == "fully_reshardable"
+    for o in optimizer.chained_optimizers if full else ():
+        # Without Apex or TE, fully_reshardable's load copies every state the torch Adam holds, 'step' too,
+        # which that format keeps in the param groups only: leave it out of the copy.
+        def without_step(p, tensors, _o=o, _set=o._set_main_param_and_optimizer_states):
+            group, order = _o.model_param_group_index_map[p]
+            held = _o.optimizer.state[_o.optimizer.param_groups[group]["params"][order]]
+            step = held.pop("step", None)
+            _set(p, tensors)
+            if step is not None:
+                held["step"] = step
+        o._set_main_param_and_optimizer_states = without_step
     optimizer.load_state_dict(state["optimizer"])
+    for o in optimizer.chained_optimizers if full else ():
+        del o._set_main_param_and_optimizer_states
     # Without Apex or TE, load_state_dict gives every torch Adam state one shared 'step' tensor (which
     # torch Adam would count once per parameter) and not the groups' value: each its own, from its group.
     for o in optimizer.chained_optimizers:

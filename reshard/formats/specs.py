@@ -29,10 +29,12 @@ The rules, per format:
   own buffer; ``mtp`` adds the multi-token-prediction layers of a family that has them (size ``hf_layers``). The
   ``megatron-legacy`` prefix is Megatron-LM's legacy model.
 - ``mcore-dist`` (Megatron-core ``torch_dist``): the family's ``megatron`` layout with each tensor whole: no tp
-  split, layers stacked on a leading dim ``{i}``, SequentialMLP experts on the next one ``{e}`` (numbered
-  globally, no ep split), the vocabulary padded to ``vpad`` rows, a tied output layer not stored (it is the
-  embedding's key). Options ``tied``, and ``local`` (megatron-core's local layers, which key their norms as
-  the next linear's ``layer_norm_weight``: the same layout for dense families, not for MoE ones).
+  split, layers stacked on a leading dim ``{i}`` (or, for layers of several kinds, DeepSeek-V3's dense and MoE
+  ones, each keyed by its global number: ``decoder.layers.{m}.``), SequentialMLP experts on the next leading
+  dim ``{e}`` (numbered globally, no ep split), the vocabulary padded to ``vpad`` rows, a tied output layer not
+  stored (it is the embedding's key). Options ``tied``, ``local`` (megatron-core's local layers, which key the
+  norms of fused-QKV attention as the next linear's ``layer_norm_weight``: the same layout for dense families,
+  not for MoE ones; MLA's keep their module names) and ``mtp`` (the MTP block, ``mtp.layers.{k}.``).
 """
 
 from __future__ import annotations
@@ -192,8 +194,8 @@ def megatron(family: Family, options: tuple[str, ...]) -> str:
     mtp = {"mtp": True} if "mtp" in options else {}  # multi-token-prediction layers (families with hf_layers)
     _only(options, ("tied", "local", "ep", "distopt", "torch", *(["mtp"] if "hf_layers" in family.sizes else [])),
           family, "megatron")
-    if ep and not (distopt and torch_file) or torch_file and not distopt:
-        raise SpecError(f"megatron-{family.name}-{'-'.join(options)}: -ep needs -distopt-torch, -torch needs -distopt")
+    if (ep or torch_file) and not distopt:
+        raise SpecError(f"megatron-{family.name}-{'-'.join(options)}: -ep and -torch need -distopt")
     body = family.megatron(tied=tied, local=local, **mtp) if family.megatron else None
     if body is None:
         raise SpecError(f"{'-'.join(('megatron', family.name, *options))}: no Megatron layout for {family.name}"
@@ -204,17 +206,20 @@ def megatron(family: Family, options: tuple[str, ...]) -> str:
     for t in family.stored(tied):
         if t.alias in family.buffers and (glob := _megatron_name(body, t.alias)):
             model += f" | except {glob}"
-    if distopt and not torch_file:
-        lines += [f"section optim per {axes} dp {STATES}",
-                  f"flat optimizer.distributed.bucket_{{bucket}}.{{state}} = {model} | {DISTOPT} | pad lcm(dp, 128) | split dp"]
-    elif distopt and ep:
-        lines += [f"section optim per {axes} {STATES}",
-                  f"flat distrib_optim.{{state}} = {model} | except *.mlp.experts.* | {DISTOPT} | pad lcm(dp * cp, 128) | coalesce",
-                  "", f"section expert_optim per {axes} {STATES}",
-                  f"flat expert_distrib_optim.{{state}} = {model} | only *.mlp.experts.* | {DISTOPT} | pad lcm(edp, 128) | coalesce"]
-    elif distopt:
-        lines += [f"section optim per {axes} {STATES}",
-                  f"flat distrib_optim.{{state}} = {model} | {DISTOPT} | pad lcm(dp * cp, 128) | coalesce"]
+    # The distributed optimizer's buffers: one of every param, or at ep > 1 the dense params' and the experts' (a
+    # buffer of their own over the expert-data-parallel group); per dp rank, or coalesced as distrib_optim.pt.
+    buffers = [("optim", "", " | except *.mlp.experts.*", "dp"), ("expert_optim", "expert_", " | only *.mlp.experts.*",
+                                                                  "edp")] if ep else [("optim", "", "", "dp")]
+    for k, (section, prefix, chosen, group) in enumerate(buffers if distopt else []):
+        lines += [""] if k else []
+        if torch_file:
+            lines += [f"section {section} per {axes} {STATES}",
+                      f"flat {prefix}distrib_optim.{{state}} = {model}{chosen} | {DISTOPT} | pad lcm("
+                      f"{'dp * cp' if group == 'dp' else group}, 128) | coalesce"]
+        else:
+            lines += [f"section {section} per {axes} {group} {STATES}",
+                      f"flat optimizer.distributed.{prefix}bucket_{{bucket}}.{{state}} = {model}{chosen} | {DISTOPT} | "
+                      f"pad lcm({group}, 128) | split {group}"]
     return "\n".join(lines) + "\n"
 
 
@@ -241,52 +246,66 @@ def megatron_legacy(family: Family, options: tuple[str, ...]) -> str:
 
 
 def torch_dist(family: Family, options: tuple[str, ...]) -> str:
-    _only(options, ("tied", "local"), family, "mcore-dist")
+    mtp = {"mtp": True} if "mtp" in options else {}  # multi-token-prediction layers (families with hf_layers)
+    _only(options, ("tied", "local", *(["mtp"] if "hf_layers" in family.sizes else [])), family, "mcore-dist")
     name = "-".join(("mcore-dist", family.name, *options))
     if not family.torch_dist or family.megatron is None:
-        why = " (a mixture of experts with layers of several kinds, which torch_dist keys per layer: not laid out " \
-            "yet)" if family.experts and family.megatron is not None else _why_not(family)
-        raise SpecError(f"{name}: no torch_dist layout for {family.name}{why}")
+        raise SpecError(f"{name}: no torch_dist layout for {family.name}{_why_not(family)}")
     if "tied" in options and not (family.can_tie or family.tied_default):
         raise SpecError(f"{name}: no torch_dist layout for {family.name} tied ({family.name} never ties its output "
                         "projection)")
     tied, local = _flag(options, "tied", family), "local" in options
-    body = family.megatron(tied=tied, local=local)
+    body = family.megatron(tied=tied, local=local, **mtp)
     if body is None:
         raise SpecError(f"{name}: no torch_dist layout for {family.name}{' in local layers' if local else ''}"
                         f"{_why_not(family)}")
-    rules = [_whole(rule, name, local) for rule in body.splitlines()]
+    per_layer = _SEVERAL_KINDS.search(body) is not None
+    keys_map = local and "self_attention.linear_qkv." in body
+    rules = [_whole(rule, name, keys_map, per_layer) for rule in body.splitlines()]
     return "\n".join([family.logical_text(tied), "section model", *filter(None, rules)]) + "\n"
 
 
 _LOCAL_KEYS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
               ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
-"""How megatron-core's local layers key their norms in torch_dist (the local layer spec's
+"""How megatron-core's local layers with fused-QKV attention key their norms in torch_dist (the local layer spec's
 ``sharded_state_dict_keys_map``): as Transformer Engine's fused ``layer_norm_weight`` of the next linear. In
 dense layers that is Transformer Engine's own key; in MoE layers, whose pre-MLP norm Transformer Engine keeps as a
-module of its own (``pre_mlp_layernorm.weight``), it is not."""
+module of its own (``pre_mlp_layernorm.weight``), it is not. Its local MLA layers have no such map: their norms
+keep their module names."""
 
 _EXPERT = "experts.local_experts.{e/ep}."
 
+_SEVERAL_KINDS = re.compile(r"decoder\.layers\.\{(?!i/)[a-z]\w*/pp\}\.")
+"""A decoder layer of one kind among several (DeepSeek-V3's dense ``{d/pp}`` and MoE ``{m/pp}`` layers): megatron-core
+keys such a model's layers per layer in torch_dist (``TransformerBlock.sharded_state_dict``: ``moe_layer_freq`` a
+list makes the layers ``non_homogeneous_layers``)."""
 
-def _whole(rule: str, name: str, local: bool = False) -> str | None:
+_STAGE_LAYER = re.compile(r"\{([a-z]\w*)/pp\}\.")
+
+
+def _whole(rule: str, name: str, keys_map: bool = False, per_layer: bool = False) -> str | None:
     """A Megatron rule as torch_dist stores its tensor: ``/tp`` splits dropped, the stage-local layer index turned
-    into a leading dim (``{i}``) and a SequentialMLP's local expert number into the next one (``{e}``: megatron-core
-    keys every expert ``experts.experts.``, numbered globally), the padded vocabulary ``vpad`` rows,
-    ``@first``/``@last`` dropped, local layers' norms keyed as they key them (``_LOCAL_KEYS``); None for the tied
-    output layer, which torch_dist stores as the embedding's key."""
+    into a leading dim (``{i}``), or with ``per_layer`` (layers of several kinds) into the global layer number in
+    the key (``decoder.layers.{m}.``), a SequentialMLP's local expert number into the next leading dim (``{e}``:
+    megatron-core keys every expert ``experts.experts.``, numbered globally), the padded vocabulary ``vpad`` rows,
+    ``@first``/``@last`` dropped, with ``keys_map`` local layers' norms keyed as they key them (``_LOCAL_KEYS``);
+    None for the tied output layer and the MTP stage's embedding copy, which torch_dist stores as the embedding's
+    key."""
     target, dims = rule.split(" = ", 1)
     if "@lastonly" in target:
         return None
     target = re.sub(r" @(first|last)\b", "", target)
     dims = re.sub(r"~\([^()]*\)", "~vpad", re.sub(r"/tp\b", "", dims))
     lead = []
-    if "{i/pp}." in target:
+    layer = _STAGE_LAYER.search(target)
+    if layer and per_layer:
+        target = target.replace(layer.group(0), f"{{{layer.group(1)}}}.")
+    elif layer and layer.group(1) == "i":
         target, lead = target.replace("{i/pp}.", ""), ["{i}"]
-        if local:
+        if keys_map:
             for module, key in _LOCAL_KEYS:
                 target = target.replace(f"decoder.layers.{module}", f"decoder.layers.{key}")
-    if _EXPERT in target and lead:
+    if _EXPERT in target:
         target, lead = target.replace(_EXPERT, "experts.experts."), [*lead, "{e}"]
     if re.search(r"[{/](pp|ep|e)\b|@", f"{target} {dims}"):  # a placement this derivation does not know
         raise SpecError(f"{name}: the Megatron rule '{rule}' has no torch_dist form reshard derives")

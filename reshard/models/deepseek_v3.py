@@ -19,7 +19,9 @@ projections are split over tp by head, ``linear_proj`` by its input; the down pr
 (``ColumnParallelLinear``), the norms then modules of their own (``q_layernorm``, ``kv_layernorm``). The input
 norm is ``input_layernorm`` in both. Dense layers store their MLP as Llama's; MoE layers a
 ``pre_mlp_layernorm``, ``mlp.router.weight`` and ``mlp.router.expert_bias`` (a buffer, in no optimizer),
-SequentialMLP experts over ep as Mixtral's, and ``mlp.shared_experts.linear_fc1`` / ``linear_fc2``.
+SequentialMLP experts over ep as Mixtral's, and ``mlp.shared_experts.linear_fc1`` / ``linear_fc2``. In
+megatron-core's torch_dist the layers, of two kinds, are keyed one by one by their global number
+(``decoder.layers.{n}.``, not stacked): ``mcore-dist-deepseek_v3`` is derived from this layout as every family's is.
 
 Without the queries' compression (``q_lora_rank`` null: ``self_attn.q_proj``, Megatron's ``linear_q_proj``,
 split by head over tp) the model is the family ``deepseek_v3_noqlora``, the same in all else: a config of
@@ -323,6 +325,7 @@ def family(*, q_lora: bool) -> Family:
         can_tie=False,
         megatron=partial(layout.megatron, q_lora=q_lora),
         experts=True,
+        torch_dist=True,
         sizes_from_config=partial(sizes_from_config, q_lora=q_lora),
         config_from_sizes=partial(config_from_sizes, q_lora=q_lora),
         megatron_args=megatron_args,

@@ -389,3 +389,18 @@ def test_a_derived_torch_dist_checkpoint_loads_in_megatron_core_at_another_dp(tm
         assert got.keys() == want.keys()
         for k, v in want.items():
             assert torch.equal(got[k], v), (tp, k)
+
+
+def test_a_tp_rank_holding_only_vocabulary_padding_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """Vocab 50 padded to 256 rows at tp=2: rank 1's embedding rows are all padding. megatron-core writes that
+    chunk; reshard cannot place it, so it refuses instead of writing a checkpoint without it."""
+    import fixtures
+
+    tiny = fixtures.MODELS["tiny-llama"]
+    monkeypatch.setitem(fixtures.MODELS, "tiny-vocab", fixtures.Model(tiny.spec, {**tiny.sizes, "vocab": 50}))
+    fixtures.make_fixture(tmp_path / "hf", format="hf", model="tiny-vocab", states=("param",))
+    with pytest.raises(CheckpointFormatError, match=r"embedding\.word_embeddings\.weight.*holds only padding at this "
+                                                    r"tp \(2\)"):
+        reshard.convert(tmp_path / "hf", tmp_path / "dist", format="mcore-dist", to="tp=2")
+    assert not (tmp_path / "dist").exists()
+    reshard.convert(tmp_path / "hf", tmp_path / "dist1", format="mcore-dist", to="tp=1")  # one rank holds it all

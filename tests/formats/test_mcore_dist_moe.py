@@ -62,9 +62,6 @@ def test_moe_torch_dist_layouts_stack_experts_after_layers_and_key_local_norms_a
             "decoder.layers.mlp.experts.experts.linear_fc2.bias -> down_bias = {i} {e} h",
             "decoder.layers.self_attention.core_attention.softmax_offset -> sinks = {i} (g qpg)"} <= \
         rules("mcore-dist-gpt_oss")
-    with pytest.raises(SpecError, match=r"^mcore-dist-deepseek_v3: no torch_dist layout for deepseek_v3 \(a mixture "
-                       r"of experts with layers of several kinds, which torch_dist keys per layer: not laid out yet\)$"):
-        spec_text("mcore-dist-deepseek_v3")
     with pytest.raises(SpecError, match=r"^mcore-dist-mixtral-tied: no torch_dist layout for mixtral tied"):
         spec_text("mcore-dist-mixtral-tied")
 

@@ -179,10 +179,15 @@ def test_a_per_bucket_numel_unpadded_the_layout_does_not_give_is_refused_naming_
         reshard.open_checkpoint(tmp_path / "src")
 
 
-def gathered(dump_dir, pp: int, sizes: dict) -> dict[tuple[str, str], torch.Tensor]:
+_TP_SPLIT = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias", "linear_proj.weight",
+             "linear_fc2.weight", "word_embeddings.weight", "output_layer.weight")
+
+
+def gathered(dump_dir, pp: int, sizes: dict, gated: bool = True) -> dict[tuple[str, str], torch.Tensor]:
     """(global name, ``value`` or optimizer state) -> the whole tensor, from every rank's dump of megatron-core's
     own parameters and distributed-optimizer shards: dp pieces joined, tp shards stitched as the layers split
-    them (fc1 per half), the vocabulary's padding rows dropped; replicas must agree, every element be held."""
+    them (fc1 per half when ``gated``), the vocabulary's padding rows dropped; replicas must agree, every
+    element be held."""
     held: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor, torch.Size]] = {}
     for f in sorted(dump_dir.glob("rank*.pt")):
         d = torch.load(f, weights_only=False)
@@ -201,12 +206,12 @@ def gathered(dump_dir, pp: int, sizes: dict) -> dict[tuple[str, str], torch.Tens
     out: dict[tuple[str, str], torch.Tensor] = {}
     for name, state in sorted({(n, s) for n, s, _ in held}):
         shards = [held[(name, state, t)] for t in range(len({t for n, s, t in held if (n, s) == (name, state)}))]
-        if state == "step" or len(shards[0][2]) == 1:  # replicated over tp
+        if state == "step" or not name.endswith(_TP_SPLIT):  # replicated over tp
             assert all(torch.equal(h[0], shards[0][0]) for h in shards), (name, state)
             out[(name, state)] = shards[0][0]
             continue
         local = [h.view(shape) for h, _, shape in shards]
-        if name.endswith("linear_fc1.weight"):
+        if gated and name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
             halves = [x.chunk(2) for x in local]
             whole = torch.cat([g for g, _ in halves] + [u for _, u in halves])
         else:

@@ -19,12 +19,12 @@ How megatron-core 0.16 stores an MoE layer there (``SequentialMLP.sharded_state_
   ``args.transformer_impl``.
 
 Layers of several kinds (``--moe-layer-freq`` as a list: DeepSeek-V3's dense layers first) are keyed per
-global layer (``decoder.layers.{n}.``: TransformerBlock's ``non_homogeneous_layers``), which no generated
-layout describes yet. Grouped-GEMM experts (``--moe-grouped-gemm``) store other keys and are not read.
+global layer (``decoder.layers.{n}.``: TransformerBlock's ``non_homogeneous_layers``; ``dist_layers``).
+Grouped-GEMM experts (``--moe-grouped-gemm``) store other keys and are not read.
 
-The distributed optimizer's ``dp_reshardable`` state of an MoE model (a ChainedOptimizer: the dense
+The distributed optimizer's ``dp_reshardable`` state of an MoE model (a ChainedOptimizer at ep > 1: the dense
 optimizer's buckets, ``chained_0.``, and the expert optimizer's over the expert-data-parallel group,
-``chained_1.``) is not read yet (``bucket_refusal``).
+``chained_1.``) is read and written by ``dist_optim`` and ``dist_optim_target``.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ from typing import Any
 
 from reshard.core.layout import Layout
 from reshard.formats.dcp.reading import _Verbatim
+from reshard.formats.megatron.dist_layers import layer_extra_states
 from reshard.models import Family
 
 __all__ = ["bucket_refusal", "extra_states", "is_local", "spec_name"]
 
-_LINEAR = re.compile(r"(decoder\.layers\..*\.linear_[a-z0-9_]+)\.weight")
+_LINEAR = re.compile(r"(decoder\.layers\.(?![0-9]).*\.linear_[a-z0-9_]+)\.weight")  # stacked layers
 _EXPERTS = ".experts.experts."
 
 
@@ -49,11 +50,13 @@ def is_local(args: Mapping[str, Any] | None) -> bool:
     return bool(args) and args.get("transformer_impl") == "local"
 
 
-def spec_name(family: Family, tied: bool, local: bool = False) -> str:
-    """The generated torch_dist layout of ``family``: ``mcore-dist-<family>[-tied][-local]``; ``-local`` only
-    for a mixture of experts, the one kind of family whose local layers key a tensor otherwise."""
+def spec_name(family: Family, tied: bool, local: bool = False, mtp: bool = False) -> str:
+    """The generated torch_dist layout of ``family``: ``mcore-dist-<family>[-tied][-local][-mtp]``; ``-local`` only
+    for a mixture of experts, the one kind of family whose local layers key a tensor otherwise; ``-mtp`` with
+    multi-token-prediction layers (a family with ``hf_layers``)."""
     tie = "-tied" if tied and family.can_tie else ""
-    return f"mcore-dist-{family.name}{tie}{'-local' if local and family.experts else ''}"
+    return f"mcore-dist-{family.name}{tie}{'-local' if local and family.experts else ''}" \
+        f"{'-mtp' if mtp and 'hf_layers' in family.sizes else ''}"
 
 
 def extra_states(whole: Layout, sizes: Mapping[str, int]) -> list[_Verbatim]:
@@ -74,16 +77,11 @@ def extra_states(whole: Layout, sizes: Mapping[str, int]) -> list[_Verbatim]:
                         for e in range(experts)]
             else:
                 out.append(_Verbatim(f"{module}._extra_state/shard_{i}_{layers}", None, data))
-    return out
+    return out + layer_extra_states(whole, sizes, data)  # layers keyed one by one (dist_layers)
 
 
-def bucket_refusal(keys: list[str], family: Family | None) -> str:
+def bucket_refusal(keys: list[str]) -> str:
     """Why the distributed optimizer's bucket-space state ``keys`` is not read (a problem line of ``open``)."""
-    if family is not None and family.experts:
-        return (f"optimizer state in the distributed optimizer's bucket space ({len(keys)} keys, e.g. '{keys[0]}'): "
-                f"a mixture of experts' dp_reshardable state (the dense and the expert optimizer's buckets) is not "
-                "read yet; save with --dist-ckpt-optim-fully-reshardable, or without optimizer state "
-                "(--no-save-optim) to convert the weights")
     return (f"optimizer state in the distributed optimizer's bucket space ({len(keys)} keys, e.g. '{keys[0]}') is "
-            "read as dp_reshardable's tensors of a dense model of a known family only; save with "
+            "read as dp_reshardable's tensors of a model of a known family only; save with "
             "--dist-ckpt-optim-fully-reshardable, or convert the weights alone")

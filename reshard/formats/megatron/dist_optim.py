@@ -17,24 +17,29 @@ fp32 main copy (reshard's ``MASTER``). Beside them, bytes entries of the group:
 ``{dtype pair: [elements per bucket]}``) and ``optimizer`` (``[{'param_groups': [...]}]``,
 each group with the Adam ``step``).
 
+A mixture of experts at ep > 1 has two distributed optimizers (megatron-core's
+``ChainedOptimizer``, whose dp_reshardable keys always carry ``chained_{k}.``):
+``chained_0.`` the dense params' buffer, sharded over dp, groups numbered as above (every
+ep rank holds the same one); ``chained_1.`` the experts' (``allreduce`` False), a buffer of
+their own with buckets of their own, sharded over the expert-data-parallel group (each
+bucket padded to ``lcm(edp, 128)``), groups numbered by rank in the expert tp-ep-pp group,
+``tp_rank + tp * (ep_rank + ep * pp_rank)``, each with its own ``per_bucket_numel[_unpadded]``
+and ``optimizer`` entries. At ep 1 the experts are dense params: one optimizer, no prefix.
+
 The layout is not stored; it is the one the torch format's ``distrib_optim.pt`` has,
 bucket by bucket. The generated Megatron spec of the family with the distributed
-optimizer (``megatron-<family>[-local]-distopt``, one item per bucket) gives each
-bucket's fragments; the same family's ``-distopt-torch`` spec (the buckets coalesced,
-each cut at its unpadded end) gives each bucket's unpadded length, which must equal the
-stored ``per_bucket_numel_unpadded``. Both come from the spec language's ``flat``
-statements, so the bucket rules live in one place. The bucketing inputs come from
-``common.pt``'s ``args`` (``overlap_grad_reduce``, ``ddp_bucket_size``,
-``transformer_impl``); bucket positions do not depend on the dp size, so the layouts are
-resolved at dp 1.
+optimizer (``megatron-<family>[-local][-ep]-distopt``, one item per bucket and dp rank,
+``-ep`` a dense and an expert section) gives each bucket's fragments; the same family's
+``-distopt-torch`` spec (the buckets coalesced, each cut at its unpadded end) gives each
+bucket's unpadded length, which must equal the stored ``per_bucket_numel_unpadded``. Both
+come from the spec language's ``flat`` statements, so the bucket rules live in one place.
+The bucketing inputs come from ``common.pt``'s ``args`` (``overlap_grad_reduce``,
+``ddp_bucket_size``, ``transformer_impl``, ``expert_model_parallel_size``); bucket
+positions do not depend on the dp size, so the layouts are resolved at dp and edp 1.
 
-Read so far: one grad buffer per group (one dtype pair, no virtual pipeline chunks), the
-dense optimizer of a model with a torch_dist layout; other keys are refused by name.
-
-Written (``bucket_target``, from the same resolution): each dp rank's shard of each bucket,
-cut at the bucket's unpadded end, one chunk per parameter piece and one per gap, as
-megatron-core 0.16's ``sharded_param_state_dp_reshardable`` saves them, with the bucket
-counts at the target dp; ``dist_optim_target`` makes the target's items of them.
+Read so far: one grad buffer per optimizer and group (one dtype pair, no virtual pipeline
+chunks), experts split over tp like dense layers (``expert_tensor_parallel_size`` = tp);
+other keys are refused by name. ``dist_optim_target`` writes the same layout.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reshard.core.layout import MASTER, PARAM, Fragment, Layout
+from reshard.core.layout import MASTER, PARAM, Fragment, Item, Layout
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import MAX_COUNT, expect_int
@@ -58,15 +63,24 @@ from reshard.io.dcp_metadata import DcpMetadata
 from reshard.io.torch_read import read_torch_file
 from reshard.models import Family
 
-__all__ = ["MAIN_STATE", "PREFIX", "BucketChunk", "BucketSpace", "BucketTarget", "bucket_space", "bucket_target",
-           "buffer_dtypes"]
+__all__ = ["DENSE", "EXPERT", "MAIN_STATE", "PREFIX", "Buffer", "BucketSpace", "bucket_space", "is_bucket_key"]
 
 PREFIX = "optimizer.distributed."
 MAIN_STATE = "param"
 """The bucket tensors' name for the fp32 main params: reshard's ``MASTER``."""
-_BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_([0-9]{1,9})\.gbuf_idx_([0-9]{1,9})\.dtype_(\(.*\))"
-                         r"\.bucket_idx_([0-9]{1,9})\.([A-Za-z_][A-Za-z0-9_]*)")
-_OBJECT_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_([0-9]{1,9})\.([A-Za-z_]+)/shard_0_1")
+_CHAINED = r"(?:chained_([0-9]{1,9})\.)?"
+_BUCKET_KEY = re.compile(_CHAINED + r"optimizer\.distributed\.dp_group_idx_([0-9]{1,9})\.gbuf_idx_([0-9]{1,9})"
+                         r"\.dtype_(\(.*\))\.bucket_idx_([0-9]{1,9})\.([A-Za-z_][A-Za-z0-9_]*)")
+_OBJECT_KEY = re.compile(_CHAINED + r"optimizer\.distributed\.dp_group_idx_([0-9]{1,9})\.([A-Za-z_]+)/shard_0_1")
+_BUCKET_ITEM = re.compile(r"optimizer\.distributed\.(?:expert_)?bucket_([0-9]+)\.")
+DENSE, EXPERT = "optim", "expert_optim"
+"""The sections of the family's distributed-optimizer specs: the dense buffer's and (ep > 1) the experts'."""
+
+
+def is_bucket_key(key: str) -> bool:
+    """Whether a stored key is the distributed optimizer's bucket-space state (a ChainedOptimizer's ``chained_{k}.``
+    included)."""
+    return key.startswith(PREFIX) or re.match(r"chained_[0-9]{1,9}\." + re.escape(PREFIX), key) is not None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,51 +97,88 @@ class BucketSpace:
     """The first group's optimizer param groups (``step`` included), None if not saved."""
 
 
+Buffer = tuple[str, int, int, int]
+"""One grad buffer of a model-parallel rank: (section, tp, pp, ep) of the family's distributed-optimizer spec."""
+
+
+def _buffer(chain: int | None, group: int, topology: Topology) -> Buffer:
+    """The buffer a (chained) optimizer's ``dp_group_idx`` holds. The dense optimizer (the only one, or
+    ``chained_0``) numbers its groups by rank in the tp-pp group, ``pp_rank * tp + tp_rank`` (every ep rank holds
+    the same dense buffer: ep 0's); the expert optimizer (``chained_1``, ep > 1) by rank in the expert tp-ep-pp
+    group, ``tp_rank + tp * (ep_rank + ep * pp_rank)``."""
+    tp = topology.tp
+    if chain == 1:
+        return EXPERT, group % tp, group // (tp * topology.ep), group // tp % topology.ep
+    return DENSE, group % tp, group // tp, 0
+
+
+def _describe(prefix: str, group: int, buffer: Buffer) -> str:
+    section, tp, pp, ep = buffer
+    where = f"tp={tp}, pp={pp}" + (f", ep={ep}, the expert buffer" if section == EXPERT else "")
+    return f"{prefix}dp_group_idx_{group} ({where})"
+
+
 def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, family: Family,
                  sizes: Mapping[str, int], topology: Topology) -> BucketSpace:
     """Decode the ``dp_reshardable`` keys of ``md`` into per-parameter fragments.
 
-    ``sizes`` are the model's (from ``common.pt``'s args); ``topology`` gives tp and pp.
+    ``sizes`` are the model's (from ``common.pt``'s args); ``topology`` gives tp and pp, the args ep.
+    A mixture of experts at ep > 1 has two optimizers (megatron-core's ChainedOptimizer): ``chained_0.``
+    the dense params' buffer, ``chained_1.`` the experts' (their own buckets, sharded over the
+    expert-data-parallel group); at ep 1 the experts are in the one dense buffer.
 
     Raises:
-      CheckpointFormatError: no args, an unknown or unsupported key (another grad buffer,
-        a group beyond tp * pp), a bucket count or ``per_bucket_numel_unpadded`` that differs
-        from the layout's (naming the group, the bucket and both numbers), a stored length
-        that differs from ``per_bucket_numel_unpadded``, or a missing bucket tensor.
+      CheckpointFormatError: no args, an unknown or unsupported key (another grad buffer, a group beyond the
+        model-parallel ranks, a third chained optimizer, expert tensor parallelism other than tp), a bucket count
+        or ``per_bucket_numel_unpadded`` that differs from the layout's (naming the buffer, the bucket and both
+        numbers), a stored length that differs from ``per_bucket_numel_unpadded``, or a missing bucket tensor.
     """
     where = path / ".metadata"
     if args is None:
         raise CheckpointFormatError(f"{path / 'common.pt'}: no args, so the distributed optimizer's bucket layout "
                                     "(bucket size, layer implementation) is unknown; the dp_reshardable optimizer "
                                     "state cannot be decoded")
-    keys = [k for k in md.tensors if k.startswith(PREFIX)]
-    parsed: dict[str, tuple[int, int, int, str]] = {}
+    ep = _expert_parallel(args, family, where)
+    topology = Topology(tp=topology.tp, pp=topology.pp, ep=ep, dp=ep)
+    keys = [k for k in md.tensors if is_bucket_key(k)]
+    parsed: dict[str, tuple[str, int, Buffer, int, str]] = {}  # key -> (prefix, group, buffer, bucket, state)
+    chains = {m.group(1) for k in keys if (m := _BUCKET_KEY.fullmatch(k))}
+    want_chains = {"0", "1"} if ep > 1 else {None}
+    if keys and chains != want_chains:
+        have = " and ".join(f"chained_{c}" if c else "unchained" for c in sorted(chains, key=str))
+        raise CheckpointFormatError(
+            f"{where}: the distributed optimizer's state is under {have} keys (e.g. '{keys[0]}'); at expert "
+            f"parallelism {ep} megatron-core saves "
+            f"{'a dense (chained_0.) and an expert (chained_1.) optimizer' if ep > 1 else 'one, unprefixed'}"
+            " (several dense optimizers, one per model chunk, are not read)")
     for key in keys:
         m = _BUCKET_KEY.fullmatch(key)
         if m is None:
             raise CheckpointFormatError(f"{where}: '{key}' is distributed-optimizer state reshard does not read "
-                                        "(expected optimizer.distributed.dp_group_idx_I.gbuf_idx_G.dtype_D."
-                                        "bucket_idx_B.<state>)")
-        group, gbuf, bucket, state = int(m.group(1)), int(m.group(2)), int(m.group(4)), m.group(5)
+                                        "(expected [chained_K.]optimizer.distributed.dp_group_idx_I.gbuf_idx_G."
+                                        "dtype_D.bucket_idx_B.<state>)")
+        chain, group, gbuf, bucket, state = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(5)), m.group(6)
         if gbuf:
             raise CheckpointFormatError(
                 f"{where}: '{key}': a second grad buffer (another dtype pair, or a virtual pipeline chunk); "
-                "reshard reads dp_reshardable state of one buffer per (tp, pp) group so far")
-        if group >= topology.tp * topology.pp:
-            raise CheckpointFormatError(f"{where}: '{key}': group {group}, but tp({topology.tp}) * pp({topology.pp}) "
-                                        f"= {topology.tp * topology.pp} groups")
-        parsed[key] = (group, bucket, md.tensors[key].size[0] if len(md.tensors[key].size) == 1 else -1, state)
+                "reshard reads dp_reshardable state of one buffer per optimizer and model-parallel rank so far")
+        chain_no = None if chain is None else int(chain)
+        groups = topology.tp * topology.pp * (ep if chain_no == 1 else 1)
+        if group >= groups:
+            raise CheckpointFormatError(f"{where}: '{key}': group {group}, but the optimizer has {groups} "
+                                        f"model-parallel ranks (tp {topology.tp}, pp {topology.pp}"
+                                        f"{f', ep {ep}' if chain_no == 1 else ''})")
+        parsed[key] = (f"chained_{chain}." if chain is not None else "", group, _buffer(chain_no, group, topology),
+                       bucket, state)
     dp = expect_int(args.get("data_parallel_size") or 1, "args.data_parallel_size", str(where), lo=1, hi=MAX_COUNT)
     cp = expect_int(args.get("context_parallel_size") or 1, "args.context_parallel_size", str(where), lo=1,
                     hi=MAX_COUNT)
-    r = _buckets(family, args, sizes, Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp))
-    bucketed_name, bucket_size, per_group, unpadded = r.spec_name, r.bucket_size, r.per_group, r.unpadded
+    r = _buckets(family, args, sizes, topology, Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp))
     stored = _stored_unpadded(path, md)
-    layout = f"the layout ({bucketed_name}, bucket_size {bucket_size} from args.overlap_grad_reduce/ddp_bucket_size)"
-    for group in sorted({g for g, _, _, _ in parsed.values()}):
-        tp_pp = (group % topology.tp, group // topology.tp)
-        counted, want = stored.get(group), unpadded.get(tp_pp, [])
-        name = f"dp_group_idx_{group} (tp={tp_pp[0]}, pp={tp_pp[1]})"
+    layout = f"the layout ({r.spec_name}, bucket_size {r.bucket_size} from args.overlap_grad_reduce/ddp_bucket_size)"
+    for prefix, group, buffer in sorted({(p, g, b) for p, g, b, _, _ in parsed.values()}):
+        counted, want = stored.get((prefix, group)), r.unpadded.get(buffer, [])
+        name = _describe(prefix, group, buffer)
         if counted is None:
             raise CheckpointFormatError(f"{where}: {name} has bucket tensors but no per_bucket_numel_unpadded")
         if len(counted) != len(want):
@@ -138,54 +189,71 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
                 raise CheckpointFormatError(f"{where}: {name} bucket {b}: per_bucket_numel_unpadded says {have} "
                                             f"elements, {layout} gives {computed}")
     out: dict[str, tuple[Fragment, ...]] = {}
-    for key, (group, bucket, length, state) in parsed.items():
-        mine = per_group[(group % topology.tp, group // topology.tp)]
+    for key, (prefix, group, buffer, bucket, state) in parsed.items():
+        mine = r.per_group[buffer]
         if bucket >= len(mine):
-            raise CheckpointFormatError(f"{where}: '{key}': bucket {bucket}, but the group has {len(mine)} buckets")
-        if length != stored[group][bucket]:
-            raise CheckpointFormatError(f"{where}: '{key}' is {list(md.tensors[key].size)}, per_bucket_numel_unpadded "
-                                        f"says bucket {bucket} holds {stored[group][bucket]} elements")
+            raise CheckpointFormatError(f"{where}: '{key}': bucket {bucket}, but the buffer has {len(mine)} buckets")
+        size = md.tensors[key].size
+        if len(size) != 1 or size[0] != stored[(prefix, group)][bucket]:
+            raise CheckpointFormatError(f"{where}: '{key}' is {list(size)}, per_bucket_numel_unpadded "
+                                        f"says bucket {bucket} holds {stored[(prefix, group)][bucket]} elements")
         out[key] = tuple(mine[bucket])
-    _require_every_bucket(parsed, per_group, topology, where)
-    return BucketSpace(fragments=out, states={k: MASTER if s == MAIN_STATE else s for k, (_, _, _, s) in parsed.items()},
-                       spec_name=bucketed_name, param_groups=_param_groups(path, md))
+    _require_every_bucket(parsed, r.per_group, topology, where)
+    return BucketSpace(fragments=out, states={k: MASTER if v[4] == MAIN_STATE else v[4] for k, v in parsed.items()},
+                       spec_name=r.spec_name, param_groups=_param_groups(path, md))
+
+
+def _expert_parallel(args: Mapping[str, Any], family: Family, where: Path) -> int:
+    """The run's ep (1 for a dense family); expert tensor parallelism must be tp (the experts' buffers are laid out
+    at tp)."""
+    if not family.experts:
+        return 1
+    ep = expect_int(args.get("expert_model_parallel_size") or 1, "args.expert_model_parallel_size", str(where), lo=1,
+                    hi=MAX_COUNT)
+    etp = args.get("expert_tensor_parallel_size")
+    if ep > 1 and etp is not None and etp != (args.get("tensor_model_parallel_size") or 1):
+        raise CheckpointFormatError(f"{where}: args.expert_tensor_parallel_size is {brief(etp)}, not tp: "
+                                    "dp_reshardable state of experts split otherwise than dense layers is not read")
+    return ep
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Buckets:
-    """The buckets of every (tp, pp) group's one grad buffer, as the family's generated specs lay them out."""
+    """The buckets of every grad buffer, as the family's generated specs lay them out."""
 
     spec_name: str
-    """The bucketed spec (``megatron-<family>[-local]-distopt``)."""
+    """The bucketed spec (``megatron-<family>[-local][-ep]-distopt``)."""
     bucket_size: int
     """Elements per bucket from the args (0: one bucket)."""
     sizes: Mapping[str, int]
     """The sizes the specs were resolved with (``vocab_div`` and ``bucket_size`` included)."""
     layout: Layout
-    """The bucketed spec resolved at dp 1: per (tp, pp) and bucket, one item holding the whole bucket."""
-    per_group: Mapping[tuple[int, int], list[list[Fragment]]]
-    """Per (tp, pp), per bucket: its fragments, in elements from the bucket's start (state ``MASTER``)."""
-    unpadded: Mapping[tuple[int, int], list[int]]
-    """Per (tp, pp), each bucket's unpadded length (``per_bucket_numel_unpadded``)."""
+    """The bucketed spec resolved at dp 1 (and edp 1): per buffer and bucket, one item holding the whole bucket."""
+    per_group: Mapping[Buffer, list[list[Fragment]]]
+    """Per buffer, per bucket: its fragments, in elements from the bucket's start (state ``MASTER``)."""
+    unpadded: Mapping[Buffer, list[int]]
+    """Per buffer, each bucket's unpadded length (``per_bucket_numel_unpadded``)."""
 
 
-def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], topology: Topology) -> _Buckets:
-    """Resolve the family's distributed-optimizer specs for ``args``' bucketing at ``topology``'s tp and pp.
+def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], topology: Topology,
+             run: Topology) -> _Buckets:
+    """Resolve the family's distributed-optimizer specs for ``args``' bucketing at ``topology``'s tp, pp and ep.
 
-    Bucket contents do not depend on dp (only the bucket-end padding does), so the layouts are resolved at
-    dp 1; ``topology``'s dp and cp count only where the args leave the bucket size to the DDP default.
+    Bucket contents do not depend on dp (only the bucket-end padding does), so the layouts are resolved with dp
+    and edp 1 (cp stands in for ep, which must divide dp * cp); ``run``'s dp and cp count only where the args
+    leave the bucket size to the DDP default.
     """
     from reshard.formats.megatron.args import _bucket_size
 
     local = args.get("transformer_impl") == "local"
     tied = not args.get("untie_embeddings_and_output_weights", False)
-    coalesced_name = spec_name(family, tied=tied, distopt=True, local=local)  # distrib_optim.pt's
+    coalesced_name = spec_name(family, tied=tied, distopt=True, ep=topology.ep, local=local)  # distrib_optim.pt's
     bucketed_name = coalesced_name.removesuffix("-torch")  # one item per bucket and dp rank
-    bucket_size = _bucket_size(args, topology)
+    bucket_size = _bucket_size(args, run)
     rank_sizes = {**sizes, "vocab_div": int(args.get("make_vocab_size_divisible_by") or 128),
                   "bucket_size": bucket_size}
-    topo = Topology(tp=topology.tp, pp=topology.pp)
-    states = {"model": (PARAM,), "optim": (MASTER,)}
+    topo = Topology(tp=topology.tp, pp=topology.pp, ep=topology.ep, cp=topology.ep)
+    states = {"model": (PARAM,), "optim": (MASTER,), "expert_optim": (MASTER,)}
     bucketed = _resolve(layout_spec(bucketed_name), topo, rank_sizes, states)
     coalesced = _resolve(layout_spec(coalesced_name), topo, rank_sizes, states)
     per_group = _bucket_fragments(bucketed)
@@ -193,52 +261,58 @@ def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], 
                     per_group=per_group, unpadded=_unpadded(per_group, coalesced))
 
 
-def _bucket_fragments(layout: Layout) -> dict[tuple[int, int], list[list[Fragment]]]:
-    """Per (tp, pp): per bucket, the fragments of its flat item (``optimizer.distributed.bucket_{b}.master``)."""
-    out: dict[tuple[int, int], dict[int, list[Fragment]]] = {}
+def _buffer_of(item: Item) -> Buffer:
+    u = dict(item.unit)
+    return item.section, u["tp"], u["pp"], u.get("ep", 0)
+
+
+def _bucket_item(item: Item) -> int:
+    """The bucket a flat item of the bucketed spec holds (``optimizer.distributed.[expert_]bucket_{b}.<state>``)."""
+    return int(_BUCKET_ITEM.match(item.key).group(1))
+
+
+def _bucket_fragments(layout: Layout) -> dict[Buffer, list[list[Fragment]]]:
+    """Per buffer: per bucket, the fragments of its flat item (``optimizer.distributed.[expert_]bucket_{b}.master``)."""
+    out: dict[Buffer, dict[int, list[Fragment]]] = {}
     for it in layout.items:
-        if it.section == "optim" and it.chunk == 0:
-            u = dict(it.unit)
-            out.setdefault((u["tp"], u["pp"]), {})[int(it.key.split(".bucket_")[1].split(".")[0])] = []
+        if it.section in (DENSE, EXPERT) and it.chunk == 0:
+            out.setdefault(_buffer_of(it), {})[_bucket_item(it)] = []
     for f in layout.fragments:
-        if f.item.section == "optim":
-            u = dict(f.item.unit)
-            out[(u["tp"], u["pp"])][int(f.item.key.split(".bucket_")[1].split(".")[0])].append(f)
+        if f.item.section in (DENSE, EXPERT):
+            out[_buffer_of(f.item)][_bucket_item(f.item)].append(f)
     return {g: [by_b[b] for b in sorted(by_b)] for g, by_b in out.items()}
 
 
-def _unpadded(per_group: Mapping[tuple[int, int], list[list[Fragment]]],
-              coalesced: Layout) -> dict[tuple[int, int], list[int]]:
-    """Per (tp, pp), each bucket's unpadded length: where the coalesced buffer puts the bucket's fragments.
+def _unpadded(per_group: Mapping[Buffer, list[list[Fragment]]], coalesced: Layout) -> dict[Buffer, list[int]]:
+    """Per buffer, each bucket's unpadded length: where the coalesced buffer puts the bucket's fragments.
 
-    The coalesced item (``distrib_optim.master``) joins the buckets, each cut at its unpadded
+    The coalesced item (``[expert_]distrib_optim.master``) joins the buckets, each cut at its unpadded
     end; a bucket starts where the same fragment sits in it, minus its offset in the bucket.
     """
-    at: dict[tuple[int, int], dict[tuple, int]] = {}
-    total: dict[tuple[int, int], int] = {}
+    at: dict[Buffer, dict[tuple, int]] = {}
+    total: dict[Buffer, int] = {}
     for it, info in coalesced.items.items():
-        if it.section == "optim" and it.chunk == 0:
-            u = dict(it.unit)
-            total[(u["tp"], u["pp"])] = info.shape[0]
+        if it.section in (DENSE, EXPERT) and it.chunk == 0:
+            total[_buffer_of(it)] = info.shape[0]
     for f in coalesced.fragments:
-        if f.item.section == "optim":
-            u = dict(f.item.unit)
-            at.setdefault((u["tp"], u["pp"]), {})[(f.tensor, f.box.offsets, f.box.lengths)] = f.offset
+        if f.item.section in (DENSE, EXPERT):
+            at.setdefault(_buffer_of(f.item), {})[(f.tensor, f.box.offsets, f.box.lengths)] = f.offset
     out = {}
     for g, buckets in per_group.items():
         if not all(buckets):
-            raise CheckpointFormatError(f"tp={g[0]}, pp={g[1]}: the layout has a bucket without parameters")
+            raise CheckpointFormatError(f"{g[0]} tp={g[1]}, pp={g[2]}, ep={g[3]}: the layout has a bucket without "
+                                        "parameters")
         starts = [at[g][(f.tensor, f.box.offsets, f.box.lengths)] - f.offset for f in (b[0] for b in buckets)]
         out[g] = [end - start for start, end in zip(starts, [*starts[1:], total[g]])]
     return out
 
 
-def _stored_unpadded(path: Path, md: DcpMetadata) -> dict[int, list[int]]:
-    """Per group, ``per_bucket_numel_unpadded`` of its one grad buffer, as stored."""
-    out: dict[int, list[int]] = {}
+def _stored_unpadded(path: Path, md: DcpMetadata) -> dict[tuple[str, int], list[int]]:
+    """Per (``chained_{k}.`` prefix or "", group), ``per_bucket_numel_unpadded`` of its one grad buffer, as stored."""
+    out: dict[tuple[str, int], list[int]] = {}
     for key in md.byte_entries:
         m = _OBJECT_KEY.fullmatch(key)
-        if m is None or m.group(2) != "per_bucket_numel_unpadded":
+        if m is None or m.group(3) != "per_bucket_numel_unpadded":
             continue
         value = _object(path, md, key)
         buffers = value[0] if isinstance(value, list) and len(value) == 1 else None
@@ -248,24 +322,26 @@ def _stored_unpadded(path: Path, md: DcpMetadata) -> dict[int, list[int]]:
                                                    for n in counts):
             raise CheckpointFormatError(f"{path / '.metadata'}: '{key}' is {brief(value, 120)}; expected [[{{dtype "
                                         "pair: [elements per bucket]}]] for one grad buffer")
-        out[int(m.group(1))] = counts
+        out[(f"chained_{m.group(1)}." if m.group(1) is not None else "", int(m.group(2)))] = counts
     return out
 
 
-def _require_every_bucket(parsed: Mapping[str, tuple[int, int, int, str]],
-                          per_group: Mapping[tuple[int, int], list[list[Fragment]]], topology: Topology,
+def _require_every_bucket(parsed: Mapping[str, tuple[str, int, Buffer, int, str]],
+                          per_group: Mapping[Buffer, list[list[Fragment]]], topology: Topology,
                           where: Path) -> None:
-    """Every group, bucket and state the checkpoint has a tensor of: all buckets of every group."""
-    states = sorted({s for _, _, _, s in parsed.values()})
-    have = {(g, b, s) for g, b, _, s in parsed.values()}
-    for group in range(topology.tp * topology.pp):
-        tp_pp = (group % topology.tp, group // topology.tp)
-        for b in range(len(per_group.get(tp_pp, []))):
-            for s in states:
-                if (group, b, s) not in have:
-                    raise CheckpointFormatError(
-                        f"{where}: no tensor for dp_group_idx_{group} (tp={tp_pp[0]}, pp={tp_pp[1]}) bucket {b} "
-                        f"state '{s}' (other buckets have one)")
+    """Every buffer, bucket and state the checkpoint has a tensor of: all buckets of every optimizer's groups."""
+    states = sorted({v[4] for v in parsed.values()})
+    have = {(prefix, g, b, s) for prefix, g, _, b, s in parsed.values()}
+    chains = [(None, 1)] if topology.ep == 1 else [(0, 1), (1, topology.ep)]
+    for chain, ep in chains:
+        prefix = "" if chain is None else f"chained_{chain}."
+        for group in range(topology.tp * topology.pp * ep):
+            buffer = _buffer(chain, group, topology)
+            for b in range(len(per_group.get(buffer, []))):
+                for s in states:
+                    if (prefix, group, b, s) not in have:
+                        raise CheckpointFormatError(f"{where}: no tensor for {_describe(prefix, group, buffer)} "
+                                                    f"bucket {b} state '{s}' (other buckets have one)")
 
 
 def _object(path: Path, md: DcpMetadata, key: str) -> Any:
@@ -277,9 +353,11 @@ def _object(path: Path, md: DcpMetadata, key: str) -> Any:
 
 
 def _param_groups(path: Path, md: DcpMetadata) -> list[dict[str, Any]] | None:
-    """The param groups (Adam's ``step`` in each) of the first group's ``optimizer`` entry; None without one."""
-    key = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
-    if key not in md.byte_entries:
+    """The param groups (Adam's ``step`` in each) of the (dense) first group's ``optimizer`` entry; None without
+    one."""
+    key = next((k for k in (f"{c}optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1" for c in ("", "chained_0."))
+                if k in md.byte_entries), None)
+    if key is None:
         return None
     value = _object(path, md, key)
     inner = value[0] if isinstance(value, list) and len(value) == 1 else None
@@ -288,116 +366,3 @@ def _param_groups(path: Path, md: DcpMetadata) -> list[dict[str, Any]] | None:
         raise CheckpointFormatError(f"{path / '.metadata'}: '{key}' is {brief(value, 120)}; expected "
                                     "[{'param_groups': [{...}, ...]}]")
     return [dict(_capture(g, f"{path}: {key}")) for g in groups]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BucketChunk:
-    """One DCP chunk of a ``dp_reshardable`` bucket tensor, as megatron-core's dp rank writes it."""
-
-    key: str
-    """The stored key without its state (``optimizer.distributed.dp_group_idx_I....bucket_idx_B``)."""
-    group: int
-    """The (tp, pp) group ``I`` (``pp_rank * tp + tp_rank``)."""
-    dp: int
-    """The dp rank that writes it."""
-    offset: int
-    """Elements from the bucket's start."""
-    length: int
-    """Elements."""
-    size: int
-    """The bucket tensor's length: the bucket's unpadded elements."""
-    fragments: tuple[Fragment, ...]
-    """The whole bucket's fragments (state ``MASTER``, elements from its start); none fall in a gap chunk."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BucketTarget:
-    """The ``dp_reshardable`` state a torch_dist target writes: its chunks and each group's bucket counts."""
-
-    chunks: tuple[BucketChunk, ...]
-    dtypes: tuple[str, str]
-    """The grad buffer's (param dtype, grad dtype) torch names: ``("bfloat16", "float32")``."""
-    per_bucket_numel: Mapping[int, list[int]]
-    """Per group, each bucket's padded elements at the target dp."""
-    per_bucket_numel_unpadded: Mapping[int, list[int]]
-    """Per group, each bucket's unpadded elements (the bucket tensors' lengths)."""
-    spec_name: str
-    bucket_size: int
-
-
-def buffer_dtypes(args: Mapping[str, Any]) -> tuple[str, str]:
-    """The dense grad buffer's (param dtype, grad dtype) for a run's args (bf16/fp16 params; fp32 grads with
-    ``accumulate_allreduce_grads_in_fp32``), as ``DistributedDataParallel`` keys its buffers."""
-    param = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
-    return param, "float32" if args.get("accumulate_allreduce_grads_in_fp32") else param
-
-
-def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int],
-                  topology: Topology) -> BucketTarget:
-    """Where megatron-core 0.16 puts each parameter's distributed-optimizer state in ``dp_reshardable``
-    at ``topology`` (tp, pp, dp), for a run with ``args``' bucketing and precision.
-
-    Per (tp, pp) group, bucket and dp rank ``r``: the rank's shard of the bucket,
-    ``[r * L, (r + 1) * L)`` (``L`` the padded bucket over dp) cut at the bucket's unpadded end,
-    split into one chunk per parameter piece and one per gap between them
-    (``sharded_param_state_dp_reshardable``).
-
-    Raises:
-      CheckpointFormatError: a dp rank that owns no parameter of a bucket (megatron-core cannot save
-        such a bucket: 'empty bucket encountered'), naming the group, bucket and rank; fp8 parameters
-        (a second grad buffer); padded buckets for NCCL bus bandwidth.
-    """
-    for flag in ("fp8_param_gather", "ddp_pad_buckets_for_high_nccl_busbw"):
-        if args.get(flag):
-            raise CheckpointFormatError(f"args.{flag} is set: reshard writes dp_reshardable state of one grad buffer "
-                                        "with the default bucket padding only")
-    r = _buckets(family, args, sizes, topology)
-    at_dp = _resolve(layout_spec(r.spec_name), Topology(tp=topology.tp, pp=topology.pp, dp=topology.dp),
-                     r.sizes, {"model": (PARAM,), "optim": (MASTER,)})
-    shard: dict[tuple[int, int, int], int] = {}  # (tp, pp, bucket) -> L
-    for it, info in at_dp.items.items():
-        if it.section == "optim" and dict(it.unit).get("dp") == 0:
-            u = dict(it.unit)
-            shard[(u["tp"], u["pp"], int(it.key.split(".bucket_")[1].split(".")[0]))] = info.shape[0]
-    # A parameter keeps its row-major order in the buffer: it starts where a fragment of it sits, less that
-    # fragment's offset in the parameter, and spans the whole parameter (rows that pad the vocabulary too).
-    param_of = {(f.tensor, f.box.offsets, f.box.lengths, _tp_pp(f.item.unit)):
-                (f.item.key, f.offset, r.layout.items[f.item].numel)
-                for f in r.layout.fragments if f.item.section == "model"}
-    dtypes = buffer_dtypes(args)
-    chunks: list[BucketChunk] = []
-    padded: dict[int, list[int]] = {}
-    unpadded: dict[int, list[int]] = {}
-    for (tp, pp), buckets in sorted(r.per_group.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        group = pp * topology.tp + tp
-        unpadded[group] = list(r.unpadded[(tp, pp)])
-        padded[group] = [shard[(tp, pp, b)] * topology.dp for b in range(len(buckets))]
-        for b, frags in enumerate(buckets):
-            size = r.unpadded[(tp, pp)][b]
-            extents: dict[str, tuple[int, int]] = {}
-            for f in frags:
-                found = param_of.get((f.tensor, f.box.offsets, f.box.lengths, _tp_pp(f.item.unit)))
-                if found is None:  # at dp 1 every fragment of a bucket is a whole model parameter's fragment
-                    raise CheckpointFormatError(f"{r.spec_name}: {f} is no model parameter's fragment")
-                name, in_param, numel = found
-                extents[name] = (f.offset - in_param, f.offset - in_param + numel)
-            key = f"{PREFIX}dp_group_idx_{group}.gbuf_idx_0.dtype_(torch.{dtypes[0]}, torch.{dtypes[1]})" \
-                  f".bucket_idx_{b}"
-            length = shard[(tp, pp, b)]
-            for dp in range(topology.dp):
-                lo, hi = dp * length, min((dp + 1) * length, size)
-                if not any(s < hi and lo < e for s, e in extents.values()):
-                    raise CheckpointFormatError(
-                        f"{key}: dp rank {dp} of {topology.dp} owns no parameter of bucket {b} (elements "
-                        f"[{lo}, {(dp + 1) * length}) of {size}); megatron-core cannot save or load such a bucket "
-                        "('empty bucket encountered'): use a smaller dp or larger buckets")
-                cuts = sorted({lo, hi} | {x for s, e in extents.values() for x in (s, e) if lo < x < hi})
-                chunks += [BucketChunk(key=key, group=group, dp=dp, offset=a, length=z - a, size=size,
-                                       fragments=tuple(frags)) for a, z in zip(cuts, cuts[1:])]
-    return BucketTarget(chunks=tuple(chunks), dtypes=dtypes, per_bucket_numel=padded,
-                        per_bucket_numel_unpadded=unpadded, spec_name=r.spec_name, bucket_size=r.bucket_size)
-
-
-def _tp_pp(unit: tuple[tuple[str, int], ...]) -> tuple[int, int]:
-    u = dict(unit)
-    return u.get("tp", 0), u.get("pp", 0)

@@ -17,7 +17,7 @@ from reshard.errors import CheckpointFormatError
 from reshard.formats.base import Source
 from reshard.formats.megatron.args import DEFAULT_SEED, megatron_args
 from reshard.formats.megatron.files import CHECKPOINT_VERSION
-from reshard.formats.megatron.param_groups import _default_param_groups, _group_is_no_wd, _no_wd
+from reshard.formats.megatron.param_groups import _default_param_groups, _expert_groups
 from reshard.formats.megatron.rng import _fresh_rng
 from reshard.formats.megatron.specs import (
     _EXPERT_NUM,
@@ -110,9 +110,7 @@ def _target_state(source: Source, topology: Topology, layout: Layout, args: dict
     if chained:
         expert_groups = [dict(g) for g in (opt.expert_param_groups or [])]
         if not expert_groups:  # the dense groups as the expert optimizer has them: only those with members
-            classes = {_no_wd(k, shape) for k, shape in expert_keys}
-            expert_groups = [{**g, "is_expert_parallel": True} for k, g in enumerate(groups)
-                             if _group_is_no_wd(g, f"{source.path}: optimizer", k) in classes]
+            expert_groups = _expert_groups(groups, expert_keys, f"{source.path}: optimizer")
     elif opt.expert_param_groups:  # back to one optimizer: every param in the dense groups
         groups = [{**g, "is_expert_parallel": False} for g in groups]
     every_group = groups + (expert_groups or [])

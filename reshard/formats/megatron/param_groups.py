@@ -53,6 +53,15 @@ def _assign_groups(groups: Sequence[Mapping[str, Any]], params: list[tuple[str, 
     return out
 
 
+
+def _expert_groups(groups: Sequence[Mapping[str, Any]], expert_params: list[tuple[str, tuple[int, ...]]],
+                   where: str) -> list[dict[str, Any]]:
+    """The expert optimizer's param groups as megatron-core makes them beside the dense ones (ep > 1): the dense
+    groups that would hold one of ``expert_params`` (stored key, shape), with ``is_expert_parallel`` set."""
+    classes = {_no_wd(k, shape) for k, shape in expert_params}
+    return [{**g, "is_expert_parallel": True} for k, g in enumerate(groups) if _group_is_no_wd(g, where, k) in classes]
+
+
 def _default_param_groups(args: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The optimizer's param groups as Megatron builds them: weight-decayed params, then the rest (wd_mult 0).
 

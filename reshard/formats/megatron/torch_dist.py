@@ -14,7 +14,8 @@ whole (``reshard.formats.specs``), for the dense families megatron-core holds
 and GPT-2 style: LayerNorm weight and bias, every linear's bias, learned
 positions, tied) and the mixtures of experts with SequentialMLP experts
 (Mixtral, Qwen3-MoE, GPT-OSS: experts stacked after the layers, ``dist_moe``;
-``-local`` for megatron-core's local layers, as ``args.transformer_impl`` says);
+``-local`` for megatron-core's local layers, as ``args.transformer_impl`` says),
+and DeepSeek-V3, whose layers are keyed one by one (``dist_layers``; ``-mtp`` with its MTP block);
 a tied output layer is no key of its own (it is the embedding's). ``chunk_fragments`` cuts the spec's fragments down to each chunk,
 so a conversion reads just the rows each target needs, in place inside the
 chunks' ``torch.save`` archives.
@@ -28,19 +29,20 @@ Optimizer state saved by the distributed optimizer is read in both of its
 formats: ``fully_reshardable`` (``optimizer.state.<state>.<model key>``, the
 same global tensors and chunks as the weights; ``param`` is the fp32 master
 copy; the step from ``common.pt``'s param groups) and the default
-``dp_reshardable`` bucket space (``optimizer.distributed.*``, decoded per
-parameter by ``dist_optim``; the step and param groups from its
+``dp_reshardable`` bucket space (``[chained_K.]optimizer.distributed.*``, an MoE's dense
+and expert buffers, decoded per parameter by ``dist_optim``; the step and param groups from its
 ``optimizer`` entry, carried to a torch-format target), and megatron-core
 0.8-0.14's default ``fully_sharded_model_space`` (``model_space``). Bucket-space state of
-MoE models, of derived layouts, or stored otherwise (``dp_zero_gather_scatter``)
+derived layouts, or stored otherwise (``dp_zero_gather_scatter``)
 is refused with a message. Writing lays the same global weights out as
 megatron-core's ranks would at the target tp/pp (see
 ``McoreDistFormat.target``); with ``zero=1`` the distributed optimizer's state
 too, as ``dp_reshardable`` (``dist_optim_target``: the buckets of the target's
 args, chunk for chunk as megatron-core 0.16 saves them, which its torch_dist
-load resumes from). Not written: ``fully_reshardable``; the distributed
-optimizer's state of mixture-of-experts models (their weights are, at ep 1);
-DeepSeek-V3 and Megatron-Bridge's layouts (Gemma, Gemma 2, Gemma 3), which have no
+load resumes from; for a mixture of experts at the target's ep, whose experts have buffers
+of their own at ep > 1). ``fully_reshardable`` on request (``dist_full``, which also refuses such state saved shifted by
+megatron-core's multi-bucket bug). Not written:
+Megatron-Bridge's layouts (Gemma, Gemma 2, Gemma 3), which have no
 torch_dist layout (refused naming the family and why; such a checkpoint is read
 laid out by name, below).
 
@@ -65,7 +67,6 @@ from types import MappingProxyType
 from typing import Any
 
 from reshard.core.dtypes import SUPPORTED
-from reshard.core.geometry import row_major_strides
 from reshard.core.layout import PARAM, Fragment, Item, ItemInfo, Layout, chunk_fragments
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
@@ -106,10 +107,12 @@ from reshard.formats.megatron.dist_derived import (
     write_common,
 )
 from reshard.formats.megatron.dist_derived import optimizer_state as _optimizer_state
+from reshard.formats.megatron.dist_full import FULL, check_buckets, full_target, sharding_of
+from reshard.formats.megatron.dist_layers import mtp_layers, with_mtp
+from reshard.formats.megatron.dist_chunks import chunk_boxes
 from reshard.formats.megatron.dist_moe import bucket_refusal, extra_states, is_local
 from reshard.formats.megatron.dist_moe import spec_name as _spec_name
-from reshard.formats.megatron.dist_optim import PREFIX as BUCKETS
-from reshard.formats.megatron.dist_optim import bucket_space
+from reshard.formats.megatron.dist_optim import bucket_space, is_bucket_key
 from reshard.formats.megatron.identity import agreed_family, carried_identity, read_carried
 from reshard.formats.megatron.model_space import common_param_groups, flat_fragments, flat_ranges, is_model_space
 from reshard.formats.megatron.specs import _check_shared_embedding_bucket
@@ -177,10 +180,12 @@ class McoreDistFormat:
             spec_ast = derived_spec(derived_text(md, path), self.name, path)
             model_sizes, topology = given_sizes(sizes), _parallel(args, path / COMMON, MAX_COUNT)
         else:
-            spec_name = spec or _spec_name(family, _tied(family, args, carried.config), is_local(args))
+            spec_name = spec or _spec_name(family, _tied(family, args, carried.config), is_local(args),
+                                           mtp_layers(md.tensors) > 0)
             spec_ast = layout_spec(spec_name)
             from_config = family.sizes_from_config(carried.config, config_path) \
                 if family and carried.config and args is None else {}  # args, when there are, give the sizes
+            from_config = with_mtp(from_config, md.tensors)
             model_sizes, topology = _sizes(path, common, md, {**from_config, **dict(sizes or {})},
                                            (family or family_of(spec_name) or llama.FAMILY).sizes)
         whole = resolve(spec_ast, Topology(), model_sizes)
@@ -192,10 +197,10 @@ class McoreDistFormat:
         fragments: list[Fragment] = []
         where: dict[Item, Located] = {}
         problems: list[str] = []
-        bucket = sorted(k for k in [*md.tensors, *md.byte_entries] if k.startswith(BUCKETS))
+        bucket = sorted(k for k in [*md.tensors, *md.byte_entries] if is_bucket_key(k))
         buckets = None
-        if bucket and (derived or family is None or family.experts or not any(k in md.tensors for k in bucket)):
-            problems.append(bucket_refusal(bucket, None if derived else family))
+        if bucket and (derived or family is None or not any(k in md.tensors for k in bucket)):
+            problems.append(bucket_refusal(bucket))
         elif bucket:
             buckets = bucket_space(path, md, args, family, model_sizes, topology)
         model_space = not derived and is_model_space(md)  # megatron-core 0.8-0.14's flattened ranges
@@ -204,7 +209,7 @@ class McoreDistFormat:
         verbatim: list[_Verbatim] = []
         chunks: dict[Item, tuple] = {}
         for key, t in md.tensors.items():
-            if key.startswith(BUCKETS):
+            if is_bucket_key(key):
                 if buckets is None:
                     continue
                 state, whole_frags, rule = buckets.states[key], buckets.fragments[key], buckets.spec_name
@@ -243,7 +248,7 @@ class McoreDistFormat:
                 item = Item("model", (), 0, state, f"{key}@{','.join(map(str, c.offsets))}")
                 mine = flat_fragments(flat[key], whole_frags, c, item, f"{path / '.metadata'}: '{key}'") if key in flat \
                     else [replace(f, state=state) for f in chunk_fragments(whole_frags, t.size, c.offsets, c.sizes, item)]
-                if not mine and key.startswith(BUCKETS):  # a gap between parameters: arbitrary bytes, never read
+                if not mine and is_bucket_key(key):  # a gap between parameters: arbitrary bytes, never read
                     continue
                 ref = _chunk_ref(path, md, key, c, t, archives, problems)
                 if ref is None:
@@ -260,6 +265,8 @@ class McoreDistFormat:
         if problems:
             raise CheckpointFormatError(f"{path}: the torch_dist checkpoint does not match spec '{spec_name}':\n  "
                                         + "\n  ".join(problems[:20]))
+        if not derived and family is not None:  # fully_reshardable saved from shifted offsets: refused
+            check_buckets(path, args, family, model_sizes, topology, items, fragments, where)
         used = {f.tensor for f in fragments}
         layout = Layout(topology=topology, tensors=MappingProxyType({n: t for n, t in whole.tensors.items() if n in used}),
                         items=MappingProxyType(items), fragments=tuple(fragments))
@@ -274,7 +281,7 @@ class McoreDistFormat:
                      if derived or "._extra_state/shard_" in k]
         state = TorchDistState(args=args or {}, iteration=progress.iteration, extra_states=verbatim,
                                param_groups=buckets.param_groups if buckets else
-                               common_param_groups(common, str(path / COMMON)) if model_space else None)
+                               common_param_groups(common, str(path / COMMON)))
         if derived:
             state.common, state.chunks = carried_common(common, path / COMMON), chunks
             state.planner_data = dict(md.planner_data)
@@ -284,7 +291,8 @@ class McoreDistFormat:
                       sizes=model_sizes, layout=layout, where=where, model=model, progress=progress,
                       extra={TORCH_DIST_KEY: state})
 
-    def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
+    def target(self, source: Source, topology: Topology, *, spec: str | None = None,
+               dist_optim: str | None = None) -> Target:
         """Megatron-core's torch_dist layout of ``source``'s model weights at ``topology`` (tp, pp, vpp, dp).
 
         The stored tensors are the global ones of the family's ``mcore-dist-<family>[-tied]``
@@ -300,19 +308,20 @@ class McoreDistFormat:
         use too); otherwise weights only (optimizer states reported as not carried).
 
         Raises:
-          CheckpointFormatError: cp or ep > 1; a source whose family is recorded nowhere, or has no torch_dist
-            layout (mixtures of experts, Megatron-Bridge's Gemmas, OLMo 2: named, with the reason); missing
-            sizes; what ``optimizer_target`` refuses.
+          CheckpointFormatError: cp > 1, ep > 1 without zero=1; a source whose family is recorded nowhere, or has
+            no torch_dist layout (mixtures of experts, Megatron-Bridge's Gemmas, OLMo 2: named, with the reason);
+            missing sizes; what ``optimizer_target`` refuses.
         """
         from reshard.formats.megatron.args import _padded_vocab, megatron_args
 
         if spec is None and source.format == self.name and is_derived(source.spec_name):
             return derived_target(source, topology)
-        bad = [f"{a}({topology.degree(a)})" for a in ("cp", "ep") if topology.degree(a) > 1]
-        if bad:
+        bad = [f"{a}({topology.degree(a)})" for a in ("cp", "ep")
+               if topology.degree(a) > 1 and (a, topology.zero) != ("ep", 1)]
+        if bad:  # the distributed optimizer's buffers (zero=1) depend on ep; the weights do not
             raise CheckpointFormatError(f"the mcore-dist target writes tp, pp, vpp and dp; {', '.join(bad)} is not "
-                                        "supported yet (torch_dist holds every expert whole, numbered globally: "
-                                        "write it at ep=1 and megatron-core loads it at any ep)")
+                                        "supported yet without zero=1 (torch_dist holds every expert whole, numbered "
+                                        "globally: write it at ep=1 and megatron-core loads it at any ep)")
         family = require_family(source, "torch_dist stores each family's tensors its own way (layers stacked, "
                                 "attention fused)") if spec is None else None
         if family is not None and not family.torch_dist:
@@ -326,13 +335,14 @@ class McoreDistFormat:
         sizes = {k: int(source.sizes[k]) for k in shaped.sizes}
         src_args = carried_args(source)
         div = int(src_args.get("make_vocab_size_divisible_by") or source.sizes.get("vocab_div", 128))
-        local = is_local(src_args) and shaped.experts if spec is None else spec.endswith("-local")
-        spec_name = spec or _spec_name(shaped, tied, local)
+        local = is_local(src_args) and shaped.experts if spec is None else "local" in spec.split("-")
+        mtp = sizes.get("hf_layers", 0) > sizes.get("layers", 0) if spec is None else "mtp" in spec.split("-")
+        spec_name = spec or _spec_name(shaped, tied, local, mtp)
         spec_ast = layout_spec(spec_name)
         whole = resolve(spec_ast, Topology(), sizes | {"vpad": _padded_vocab(sizes["vocab"], div, topology.tp)})
-        ranks = resolve(layout_spec(megatron_spec_name(shaped, tied=tied, local=local)), topology,
+        ranks = resolve(layout_spec(megatron_spec_name(shaped, tied=tied, local=local, mtp=mtp)), topology,
                         sizes | {"vocab_div": div})
-        boxes = _chunk_boxes(whole, ranks, topology)
+        boxes = chunk_boxes(whole, ranks, topology)
         frags_of: dict[str, list[Fragment]] = {}
         for f in whole.fragments:
             frags_of.setdefault(f.item.key, []).append(f)
@@ -365,16 +375,22 @@ class McoreDistFormat:
         verbatim = list(carried.extra_states if isinstance(carried, TorchDistState) and carried.extra_states
                         else extra_states(whole, sizes))
         state = TorchDistState(args=args, iteration=int(source.progress.iteration or 0))
+        if dist_optim is not None and topology.zero != 1:
+            raise CheckpointFormatError(f"dist_optim '{dist_optim}' is the distributed optimizer's format: give zero=1")
         if topology.zero == 1 and any(s != PARAM for s in source.layout.states):
             from reshard.formats.megatron.dist_optim_target import optimizer_target
 
             if family is None:
                 raise CheckpointFormatError(f"{source.path}: the distributed optimizer's buckets follow the model "
                                             "family's layout; give no spec to write its state")
-            if tied and topology.pp > 1:
-                _check_shared_embedding_bucket(ranks)
-            opt_items, opt_frags, opt_chunks, entries, common = optimizer_target(source, family, args, sizes,
-                                                                                 topology)
+            if sharding_of(args, dist_optim) == FULL:  # model space: the weights' chunks, per state
+                (opt_items, opt_frags, opt_chunks, common), entries = full_target(source, family, args, items,
+                                                                                  fragments, chunks), []
+            else:
+                if tied and topology.pp > 1:
+                    _check_shared_embedding_bucket(ranks)
+                opt_items, opt_frags, opt_chunks, entries, common = optimizer_target(source, family, args, sizes,
+                                                                                     topology)
             items.update(opt_items)
             fragments.extend(opt_frags)
             chunks.update(opt_chunks)
@@ -416,87 +432,6 @@ def _tied(family: Family | None, args: Mapping[str, Any] | None, config: Any) ->
         return not args.get("untie_embeddings_and_output_weights", False)
     default = family.tied_default if family else False
     return bool(config.get("tie_word_embeddings", default)) if isinstance(config, Mapping) else default
-
-
-def _chunk_boxes(whole: Layout, ranks: Layout, topology: Topology) -> dict[tuple[str, tuple[int, ...]], tuple]:
-    """``(global key, offsets) -> (sizes, writing rank)``: where each rank's tensors sit in the global ones.
-
-    Each stored item of the per-rank layout is cut into blocks of fragments
-    whose bounding boxes overlap (QKV's interleaved parts are one block,
-    SwiGLU fc1's stacked halves two, as megatron-core writes them); a block's
-    translation into the global tensor places its chunk. A chunk several
-    ranks hold is written by the lowest rank.
-    """
-    global_of: dict[tuple[str, str], list[Fragment]] = {}
-    for f in whole.fragments:
-        global_of.setdefault((f.tensor, f.state), []).append(f)
-    per_item: dict[Item, list[Fragment]] = {}
-    for f in ranks.fragments:
-        if not f.fill:
-            per_item.setdefault(f.item, []).append(f)
-    out: dict[tuple[str, tuple[int, ...]], tuple] = {}
-    for item, frags in per_item.items():
-        shape = ranks.items[item].shape
-        rank = topology.rank(**{a: c for a, c in item.unit if a in ("tp", "pp", "dp", "cp")})
-        boxes = [_local_box(fr, shape) for fr in frags]
-        for members in _overlapping(boxes):
-            places = {_place(frags[k], shape, whole, global_of) for k in members}
-            if len(places) != 1:
-                raise CheckpointFormatError(f"{item}: parts of one stored block land in the global tensors at "
-                                            f"{sorted(places)}; it cannot be written as one chunk")
-            key, lead_pos, move = places.pop()
-            lo, hi = (0,) * len(shape), shape  # one block: the whole tensor, padding included
-            if len(members) < len(frags):
-                lo = tuple(min(boxes[k][0][d] for k in members) for d in range(len(shape)))
-                hi = tuple(max(boxes[k][1][d] for k in members) for d in range(len(shape)))
-            offsets = tuple(lead_pos) + tuple(m + l for m, l in zip(move, lo))
-            sizes = (1,) * len(lead_pos) + tuple(h - l for l, h in zip(lo, hi))
-            known = out.get((key, offsets))
-            if known is None or rank < known[1]:
-                out[(key, offsets)] = (sizes, rank)
-    return out
-
-
-def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[list[int]]:
-    """Groups of boxes connected by overlap: interleaved parts (QKV) stay one block, stacked halves (fc1) do not."""
-    groups: list[list[int]] = []
-    for k, (lo, hi) in enumerate(boxes):
-        hits = [g for g in groups if any(all(a < d and c < b for a, b, c, d in zip(lo, hi, *boxes[j])) for j in g)]
-        merged = [k] + [j for g in hits for j in g]
-        groups = [g for g in groups if g not in hits] + [sorted(merged)]
-    return groups
-
-
-def _place(fr: Fragment, shape: tuple[int, ...], whole: Layout, global_of) -> tuple:
-    """(global key, its leading stacked index, translation from the rank's tensor into the global one)."""
-    gf = next(g for g in global_of[(fr.tensor, fr.state)]
-              if all(go <= o and o + n <= go + gn for o, n, go, gn
-                     in zip(fr.box.offsets, fr.box.lengths, g.box.offsets, g.box.lengths)))
-    gshape = whole.items[gf.item].shape
-    flat = gf.offset + sum((o - go) * st for o, go, st in zip(fr.box.offsets, gf.box.offsets, gf.strides))
-    pos_g, pos_r = _unravel(flat, gshape), _unravel(fr.offset, shape)
-    lead = len(gshape) - len(shape)
-    return gf.item.key, pos_g[:lead], tuple(a - b for a, b in zip(pos_g[lead:], pos_r))
-
-
-def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    out = []
-    for n in reversed(shape):
-        flat, r = divmod(flat, n)
-        out.append(r)
-    return tuple(reversed(out))
-
-
-def _local_box(fr: Fragment, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The bounding box, in the dims of its item, of the elements a fragment covers."""
-    strides = row_major_strides(shape)
-    lo = list(_unravel(fr.offset, shape))
-    hi = [x + 1 for x in lo]
-    for n, st in zip(fr.box.lengths, fr.strides):
-        if n > 1:
-            d = next(d for d in range(len(shape)) if strides[d] <= st and shape[d] > 1)
-            hi[d] += (n - 1) * (st // strides[d])
-    return tuple(lo), tuple(hi)
 
 
 def _group_step(common: Mapping[str, Any], where: Path) -> int | None:
