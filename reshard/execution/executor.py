@@ -1,45 +1,64 @@
 """Carry out a plan against files: read only the spans the plan names, window by window.
 
 The only module besides the format adapters that opens checkpoint files.
-``ByteReader`` is the whole read surface (``pread`` on cached descriptors,
-every byte counted); ``PlanFill`` answers a writer's ``fill(item, lo, hi)``
-by cutting the plan's copies into that window of the destination item,
-collecting the contiguous runs of source bytes they need, merging runs of one
-source item that touch (or nearly), and reading each merged span once. Memory
-is one window plus the source spans feeding it.
+``ByteReader`` is the whole read surface (positioned reads on cached
+descriptors, every byte and every read call counted); ``PlanFill`` answers a
+writer's ``fill(item, lo, hi)`` (or fills a caller's buffer in place,
+``fill_into``) by cutting the plan's copies into that window of the
+destination item and reading the source bytes they need in few, large reads:
+
+- a run of source bytes at least ``_DIRECT_RUN`` long that is contiguous in
+  the destination too is read straight into the destination;
+- the other runs are grouped by file and coalesced (``Coalescing``, in
+  ``reshard.execution.coalescing``): runs that
+  overlap or touch merge, and runs apart by a gap of at most ``max_gap`` merge
+  too, smallest gap first, while the gap bytes read along stay within the
+  slack (of the whole plan's bytes, for a ``PlanFill``). A merged span is one
+  read: a vectored read that puts each run in its place in the destination
+  and the gaps in a small discard buffer, or, where the destination holds the
+  runs in another order (a transposed store) or two copies read the same
+  bytes, a read into a reused buffer from which the pieces are copied out.
+
+Memory is the destination window plus, per thread, the discard buffer and one
+buffer of the largest span read through it (at most the window without slack,
+at most ``max_span`` with it). Fills of one
+``PlanFill`` may run in several threads at once (reads release the GIL): each
+thread has its own buffers, and the reader's counts and the gap budget are locked.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import os
+import threading
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 
 from reshard.core.dtypes import itemsize
-from reshard.core.geometry import restrict
+from reshard.core.geometry import restrict, row_major_strides
 from reshard.core.layout import Item
 from reshard.core.planner import Copy, Plan
-from reshard.errors import CheckpointFormatError
+from reshard.errors import CheckpointFormatError, ReshardError
 from reshard.execution.arrays import view
+from reshard.execution.coalescing import Coalescing, GapBudget, coalesce, gap_sizes, runs_in_place, segments
 from reshard.io.smallfiles import Located
 
 __all__ = ["ByteReader", "PlanFill", "SourceReader", "destination_dtypes", "uint_dtype"]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
-# Runs of one source item closer than this many bytes are read as one span. Zero:
-# read exactly the bytes needed (overlapping and touching runs still merge); raise
-# it to trade gap bytes for fewer syscalls on sparse (transposed) layouts.
-_MERGE_GAP = 0
-
 # A source run of at least this many bytes that is contiguous in the destination too is read
-# straight into the destination window (no gather buffer, no second copy).
+# straight into the destination window, on its own.
 _DIRECT_RUN = 256 << 10
+
+_DISCARD = 256 << 10  # the buffer gap bytes are read into (a longer gap takes several descriptors)
+_BUFFER_STEP = 1 << 20
+_IOV_MAX = 1024  # buffers one vectored read takes (Linux's IOV_MAX; POSIX guarantees 16)
 
 
 def uint_dtype(dtype: str) -> np.dtype:
@@ -54,41 +73,73 @@ class ByteReader:
     """Reads byte ranges of files and counts them; the whole read surface.
 
     Paths are kept open (a checkpoint has a bounded number of files) and read
-    with ``os.pread`` so concurrent windows never share a file position.
+    with ``os.preadv`` so concurrent windows never share a file position.
+    ``bytes_read`` (every byte read, gaps read through included) and ``reads``
+    (read calls) add up across threads.
     """
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
         self.bytes_read = 0
         self.reads = 0
 
-    def read_into(self, path: Path, offset: int, out: memoryview) -> None:
+    def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
-        if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise CheckpointFormatError(f"{path}: cannot open ({e.strerror})") from None
-            self._fds[path] = fd
+        if fd is not None:
+            return fd
+        with self._lock:  # two threads opening one path keep one descriptor
+            fd = self._fds.get(path)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError as e:
+                    raise CheckpointFormatError(f"{path}: cannot open ({e.strerror})") from None
+                self._fds[path] = fd
+            return fd
+
+    def read_into(self, path: Path, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``path`` from byte ``offset`` on."""
+        self.read_vectored(path, offset, [out])
+
+    def read_vectored(self, path: Path, offset: int, buffers: list[memoryview]) -> None:
+        """Fill ``buffers``, in order, with the consecutive bytes of ``path`` from byte ``offset`` on."""
         if offset < 0:
             raise CheckpointFormatError(f"{path}: a read at byte {offset}, before the file's start")
-        done = 0
-        while done < len(out):
+        fd = self._fd(path)
+        total = sum(len(b) for b in buffers)
+        done, calls, k = 0, 0, 0
+        while k < len(buffers):
+            batch = buffers[k:k + _IOV_MAX]
+            want = sum(len(b) for b in batch)
             try:
-                n = os.preadv(fd, [out[done:]], offset + done)
+                n = os.preadv(fd, batch, offset + done)
             except (OSError, OverflowError) as e:  # an offset past what the OS can address
-                raise CheckpointFormatError(f"{path}: cannot read {len(out) - done} bytes at byte {offset + done} "
+                raise CheckpointFormatError(f"{path}: cannot read {total - done} bytes at byte {offset + done} "
                                             f"({getattr(e, 'strerror', None) or e})") from None
-            if n == 0:
-                raise CheckpointFormatError(f"{path}: file ends at byte {offset + done}, expected {len(out) - done} more bytes")
+            calls += 1
+            if n == 0 and want:
+                raise CheckpointFormatError(f"{path}: file ends at byte {offset + done}, expected {total - done} more bytes")
             done += n
-        self.bytes_read += len(out)
-        self.reads += 1
+            if n == want:
+                k += len(batch)
+                continue
+            for b in batch:  # a short read: go on from inside the buffer it stopped in
+                if n < len(b):
+                    buffers = [b[n:], *buffers[k + 1:]]
+                    k = 0
+                    break
+                n -= len(b)
+                k += 1
+        with self._lock:
+            self.bytes_read += total
+            self.reads += calls
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def __enter__(self) -> ByteReader:
         return self
@@ -130,22 +181,48 @@ def destination_dtypes(plan: Plan, where: Mapping[Item, Located]) -> dict[Item, 
 
 
 class SourceReader:
-    """Strided regions of source items, read with as few reads as their runs allow.
+    """Strided regions of source items, read with as few reads as their runs and the coalescing allow.
 
     Args:
       where: where each source item's bytes are (``Source.where``).
       reader: the byte reader (shared, so bytes read add up across files).
+      coalescing: how runs of one file merge into one read.
+      budget: the gap bytes all fills may read through together; None: the coalescing's slack per fill.
     """
 
-    def __init__(self, where: Mapping[Item, Located], reader: ByteReader) -> None:
+    def __init__(self, where: Mapping[Item, Located], reader: ByteReader, coalescing: Coalescing | None = None,
+                 budget: GapBudget | None = None) -> None:
         self.where = where
         self.reader = reader
+        self.coalescing = coalescing or Coalescing()
+        self.budget = budget
+        self._local = threading.local()  # each thread's span and discard buffers
 
-    def _read_direct(self, region: _Region, out: np.ndarray, at: int, dst_strides: tuple[int, ...]) -> bool:
-        """Read a region straight into the destination window when each of its contiguous source runs is
-        contiguous there too and long enough to be worth its own read; False to gather it instead."""
+    def read_region(self, item: Item, base: int, strides: tuple[int, ...], lengths: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """The elements of a strided region of a source item, as an array of shape ``lengths``."""
+        out = np.empty(math.prod(lengths), dtype=dtype)
+        self._fill([(_Region(item, base, strides, lengths), 0, row_major_strides(lengths))], out)
+        return out.reshape(lengths)
+
+    def _fill(self, pieces: list[tuple[_Region, int, tuple[int, ...]]], out: np.ndarray) -> None:
+        """Read each piece ``(source region, destination offset, destination strides)`` into ``out``."""
+        gathered = [p for p in pieces if not self._read_direct(p[0], out, p[1], p[2])]
+        if gathered:
+            self._gather(gathered, out)
+
+    def _located(self, item: Item, size: int) -> Located:
+        loc = self.where.get(item)
+        if loc is None:
+            raise CheckpointFormatError(f"source item {item} has no location in the checkpoint")
+        if size != itemsize(loc.dtype):
+            raise CheckpointFormatError(f"{item}: stored as {loc.dtype}, copied as {size}-byte elements")
+        return loc
+
+    def _direct(self, region: _Region, size: int, dst_strides: tuple[int, ...]) -> bool:
+        """Whether each contiguous source run of a region (of ``size``-byte elements) is contiguous in the
+        destination too and long enough to be read there on its own."""
         outer, inner, run = region.split()
-        if run * out.itemsize < _DIRECT_RUN or len(outer) > 1:
+        if run * size < _DIRECT_RUN or len(outer) > 1:
             return False
         # Inner axes must keep the same compact layout in the destination.
         step = 1
@@ -154,8 +231,14 @@ class SourceReader:
                 return False
             step *= region.lengths[k]
         loc = self.where.get(region.item)
-        if loc is None or out.itemsize != itemsize(loc.dtype):
+        return loc is not None and size == itemsize(loc.dtype)
+
+    def _read_direct(self, region: _Region, out: np.ndarray, at: int, dst_strides: tuple[int, ...]) -> bool:
+        """Read a region straight into the destination window when ``_direct`` allows; False to gather it instead."""
+        if not self._direct(region, out.itemsize, dst_strides):
             return False
+        outer, _, run = region.split()
+        loc = self.where[region.item]
         size = out.itemsize
         flat = memoryview(out).cast("B")
         if not outer:
@@ -167,38 +250,115 @@ class SourceReader:
             self.reader.read_into(loc.path, loc.offset + src * size, flat[dst * size:(dst + run) * size])
         return True
 
-    def read_region(self, item: Item, base: int, strides: tuple[int, ...], lengths: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """The elements of a strided region of a source item, as an array of shape ``lengths``."""
-        region = _Region(item, base, strides, lengths)
-        return self._read([region], dtype).get(region)
+    def _runs(self, pieces: list[tuple[_Region, int, tuple[int, ...]]], size: int) -> tuple[dict, dict, list[int], int]:
+        """Per file, the pieces reading it and their runs ``(first bytes, length in bytes)``; each piece's first
+        byte in its file; and the bytes the runs hold."""
+        pieces_of: dict[Path, list[int]] = defaultdict(list)
+        runs: dict[Path, list[tuple[np.ndarray, int]]] = defaultdict(list)
+        firsts: list[int] = []
+        needed = 0
+        for k, (region, _, _) in enumerate(pieces):
+            loc = self._located(region.item, size)
+            starts, run = region.runs()
+            pieces_of[loc.path].append(k)
+            runs[loc.path].append((loc.offset + starts * size, run * size))
+            firsts.append(loc.offset + region.base * size)
+            needed += len(starts) * run * size
+        return pieces_of, runs, firsts, needed
 
-    def _read(self, regions: list[_Region], dtype: np.dtype) -> _Window:
-        """Read what ``regions`` need: their contiguous runs, merged per source item, each byte once."""
-        runs: dict[Item, list[tuple[int, int]]] = defaultdict(list)
-        for r in regions:
-            loc = self.where.get(r.item)
-            if loc is None:
-                raise CheckpointFormatError(f"source item {r.item} has no location in the checkpoint")
-            if dtype.itemsize != itemsize(loc.dtype):
-                raise CheckpointFormatError(f"{r.item}: stored as {loc.dtype}, copied as {dtype.itemsize}-byte elements")
-            starts, run = r.runs()
-            runs[r.item] += [(int(s), int(s) + run) for s in starts]
-        window = _Window(dtype)
-        gap = _MERGE_GAP // dtype.itemsize  # 0: only overlapping or touching runs merge
-        for item, spans in runs.items():
-            spans.sort()
-            merged = [list(spans[0])]
-            for a, b in spans[1:]:
-                if a <= merged[-1][1] + gap:
-                    merged[-1][1] = max(merged[-1][1], b)
-                else:
-                    merged.append([a, b])
-            loc = self.where[item]
-            for a, b in merged:
-                buf = np.empty(b - a, dtype=dtype)
-                self.reader.read_into(loc.path, loc.offset + a * dtype.itemsize, memoryview(buf).cast("B"))
-                window.add(item, a, buf)
-        return window
+    def _gather(self, pieces: list[tuple[_Region, int, tuple[int, ...]]], out: np.ndarray) -> None:
+        """Read what ``pieces`` need as coalesced spans per file, and put each piece in place."""
+        size = out.itemsize
+        pieces_of, runs, firsts, needed = self._runs(pieces, size)
+        spans = coalesce(runs, needed, self.coalescing, self.budget)
+        for path, (starts, ends) in spans.items():
+            work: list[list[tuple]] = [[] for _ in starts]
+            for k in pieces_of[path]:
+                region, at, dst_strides = pieces[k]
+                _assign(firsts[k], region.strides, region.lengths, at, dst_strides, size, starts, ends, work)
+            for start, end, subs in zip(starts, ends, work):
+                if not self._read_in_place(path, start, end, subs, out):
+                    self._read_span(path, start, end, subs, out)
+
+    def _read_in_place(self, path: Path, start: int, end: int, subs: list[tuple], out: np.ndarray) -> bool:
+        """Read bytes ``[start, end)`` of ``path`` with one vectored read that puts each run of ``subs`` in its
+        place in ``out`` and the gaps in the discard buffer; False (nothing read) where the runs are short,
+        not laid out the same in the destination, or read twice."""
+        size = out.itemsize
+        src_parts, dst_parts = [], []
+        run = None
+        for first, strides, lengths, at, dst_strides in subs:
+            got = runs_in_place(first, strides, lengths, at * size, dst_strides, size)
+            if got is None:
+                return False
+            s, d, n = got
+            if run is None:
+                run = n
+            elif n != run:
+                return False
+            src_parts.append(s)
+            dst_parts.append(d)
+        src = np.concatenate(src_parts) if len(src_parts) > 1 else src_parts[0]
+        dst = np.concatenate(dst_parts) if len(dst_parts) > 1 else dst_parts[0]
+        if len(src) > 1:
+            order = np.argsort(src, kind="stable")
+            src, dst = src[order], dst[order]
+            if (src[1:] < src[:-1] + run).any():  # two pieces read the same bytes
+                return False
+        flat = memoryview(out).cast("B")
+        discard = self._discard()
+        buffers: list[memoryview] = []
+        pos = start
+        for s, d in zip(src.tolist(), dst.tolist()):
+            while pos < s:
+                n = min(s - pos, _DISCARD)
+                buffers.append(discard[:n])
+                pos += n
+            buffers.append(flat[d:d + run])
+            pos = s + run
+        if pos != end:
+            raise RuntimeError(f"span [{start}, {end}) of {path} ends at byte {pos}")  # a bug, not the data
+        self.reader.read_vectored(path, start, buffers)
+        return True
+
+    def _read_span(self, path: Path, start: int, end: int, subs: list[tuple], out: np.ndarray) -> None:
+        """Read bytes ``[start, end)`` of ``path`` once into the span buffer and copy the pieces ``subs`` (each
+        ``(first byte, source strides, lengths, destination offset, destination strides)``, strides in
+        elements) out of it."""
+        size = out.itemsize
+        n = end - start
+        buf = getattr(self._local, "span", None)
+        if buf is None or len(buf) < n:  # grown to the largest span read, never shrunk
+            buf = self._local.span = np.empty(-(-n // _BUFFER_STEP) * _BUFFER_STEP, dtype=np.uint8)
+        self.reader.read_into(path, start, memoryview(buf)[:n])
+        for first, strides, lengths, at, dst_strides in subs:
+            src = np.ndarray(lengths, dtype=out.dtype, buffer=buf, offset=first - start,
+                             strides=tuple(s * size for s in strides))
+            view(out, at, dst_strides, lengths)[...] = src
+
+    def _discard(self) -> memoryview:
+        buf = getattr(self._local, "discard", None)
+        if buf is None:
+            buf = self._local.discard = memoryview(bytearray(_DISCARD))
+        return buf
+
+
+def _assign(first: int, strides: tuple[int, ...], lengths: tuple[int, ...], at: int, dst_strides: tuple[int, ...],
+            size: int, starts: list[int], ends: list[int], work: list[list[tuple]]) -> None:
+    """Add a region (its first byte in the file, element strides and lengths; its destination offset and
+    strides) to the work of the span that holds it, or, when it straddles spans, its slices along its
+    outermost axis, each to its own (every contiguous run lies inside one span)."""
+    last = first + (sum((n - 1) * s for n, s in zip(lengths, strides)) + 1) * size
+    j = bisect.bisect_right(starts, first) - 1
+    if last <= ends[j]:
+        work[j].append((first, strides, lengths, at, dst_strides))
+        return
+    k = max(range(len(lengths)), key=lambda a: (lengths[a] > 1, strides[a]))
+    if lengths[k] == 1:
+        raise RuntimeError(f"a run of {last - first} bytes at byte {first} lies in no span read")  # a bug, not the data
+    one = lengths[:k] + (1,) + lengths[k + 1:]
+    for i in range(lengths[k]):
+        _assign(first + i * strides[k] * size, strides, one, at + i * dst_strides[k], dst_strides, size, starts, ends, work)
 
 
 class PlanFill(SourceReader):
@@ -210,11 +370,15 @@ class PlanFill(SourceReader):
       reader: the byte reader (shared, so bytes read add up across files).
       dtypes: each destination item's dtype, when the caller has them (``destination_dtypes``); a plan
         holding only some destination items' copies (a worker's share) needs them.
+      coalescing: how runs of one source file merge into one read; its slack is taken over the whole
+        plan (every window of it, filled once, reads at most ``1 + slack`` times the plan's bytes).
     """
 
     def __init__(self, plan: Plan, where: Mapping[Item, Located], reader: ByteReader,
-                 dtypes: Mapping[Item, str] | None = None) -> None:
-        super().__init__(where, reader)
+                 dtypes: Mapping[Item, str] | None = None, coalescing: Coalescing | None = None) -> None:
+        coalescing = coalescing or Coalescing()
+        needed = sum(c.numel * itemsize(where[c.src].dtype) for c in plan.copies if c.src in where)
+        super().__init__(where, reader, coalescing, GapBudget(int(coalescing.slack * needed)))
         self._copies: dict[Item, list[Copy]] = defaultdict(list)
         for c in plan.copies:
             self._copies[c.dst].append(c)
@@ -227,6 +391,57 @@ class PlanFill(SourceReader):
 
     def __call__(self, item: Item, lo: int, hi: int) -> memoryview:
         dtype = uint_dtype(self.dtypes.get(item, "uint8"))
+        pieces, covered = self._pieces(item, lo, hi)
+        out = np.empty(hi - lo, dtype=dtype) if covered == hi - lo else np.zeros(hi - lo, dtype=dtype)
+        self._fill(pieces, out)
+        return memoryview(out).cast("B")
+
+    def fill_into(self, item: Item, lo: int, hi: int, out: np.ndarray) -> None:
+        """Fill ``out`` in place with the item's elements ``[lo, hi)`` (row-major), padding zeroed.
+
+        ``out`` is a writable, contiguous 1-D array of ``hi - lo`` elements of the item's element
+        size (any dtype of that size: the bits are copied).
+        """
+        dtype = uint_dtype(self.dtypes.get(item, "uint8"))
+        if out.ndim != 1 or len(out) != hi - lo or out.itemsize != dtype.itemsize or not out.flags.c_contiguous \
+                or not out.flags.writeable:
+            raise ReshardError(f"{item}: elements [{lo}, {hi}) need a writable contiguous 1-D buffer of {hi - lo} "
+                               f"{dtype.itemsize}-byte elements, got shape {out.shape} of {out.dtype}")
+        out = out.view(dtype)
+        pieces, covered = self._pieces(item, lo, hi)
+        if covered != hi - lo:
+            out[...] = 0
+        self._fill(pieces, out)
+
+    def fit_gaps(self, windows: Iterable[tuple[Item, int, int]]) -> int:
+        """Make the fills of ``windows`` (each ``(item, lo, hi)``, elements) read through every gap up to the
+        largest size whose gaps in all of them, smallest first, fit the slack; returns that size in bytes.
+
+        Each gap read through saves one read call, so the slack goes to the smallest gaps of all the
+        windows (the other ranks' halves of row-split weights), not to whichever window is filled first;
+        the result depends only on ``windows``, not on the order or the threads they are filled in.
+        """
+        gaps = []
+        for item, lo, hi in windows:
+            size = uint_dtype(self.dtypes.get(item, "uint8")).itemsize
+            pieces = [p for p in self._pieces(item, lo, hi)[0] if not self._direct(p[0], size, p[2])]
+            if pieces:
+                runs = self._runs(pieces, size)[1]
+                gaps.append(gap_sizes({path: segments(r) for path, r in runs.items()}))
+        sizes = np.sort(np.concatenate(gaps)) if gaps else np.empty(0, dtype=np.int64)
+        sizes = sizes[sizes <= self.coalescing.max_gap]
+        allowance = self.budget.left if self.budget is not None else 0
+        n = int(np.searchsorted(np.cumsum(sizes), allowance, side="right"))
+        # Gaps equal to the n-th are all read through, or none: the last size that fits whole.
+        while n and n < len(sizes) and sizes[n] == sizes[n - 1]:
+            n -= 1
+        largest = int(sizes[n - 1]) if n else 0
+        self.coalescing = dataclasses.replace(self.coalescing, max_gap=largest)
+        return largest
+
+    def _pieces(self, item: Item, lo: int, hi: int) -> tuple[list[tuple[_Region, int, tuple[int, ...]]], int]:
+        """The source regions of the copies into the item's elements ``[lo, hi)``, each with its offset in the
+        window and its destination strides, and how many of the window's elements they cover."""
         pieces = []
         copies = self._copies.get(item)
         if copies:
@@ -237,16 +452,7 @@ class PlanFill(SourceReader):
                     src_base = c.src_offset + sum((o - b) * s for o, b, s in zip(offs, c.box.offsets, c.src_strides))
                     pieces.append((_Region(c.src, src_base, c.src_strides, lens), base - lo, c.dst_strides))
         covered = sum(math.prod(r.lengths) for r, _, _ in pieces)  # pieces never overlap in the destination
-        out = np.empty(hi - lo, dtype=dtype) if covered == hi - lo else np.zeros(hi - lo, dtype=dtype)
-        gathered = []
-        for region, at, strides in pieces:
-            if not self._read_direct(region, out, at, strides):
-                gathered.append((region, at, strides))
-        if gathered:
-            window = self._read([r for r, _, _ in gathered], dtype)
-            for region, at, strides in gathered:
-                view(out, at, strides, region.lengths)[...] = window.get(region)
-        return memoryview(out).cast("B")
+        return pieces, covered
 
 
 class _Region:
@@ -268,45 +474,9 @@ class _Region:
         return [k for _, k in axes], inner, run
 
     def runs(self) -> tuple[np.ndarray, int]:
+        """The first element of each contiguous run, and the runs' length, in elements."""
         outer, _, run = self.split()
         starts = np.array([self.base], dtype=np.int64)
         for k in outer:
             starts = (starts[:, None] + np.arange(self.lengths[k], dtype=np.int64) * self.strides[k]).ravel()
         return starts, run
-
-
-class _Window:
-    """Source bytes read for one destination window: merged spans per item, by start element."""
-
-    def __init__(self, dtype: np.dtype) -> None:
-        self.dtype = dtype
-        self.spans: dict[Item, tuple[list[int], list[np.ndarray]]] = defaultdict(lambda: ([], []))
-
-    def add(self, item: Item, start: int, buf: np.ndarray) -> None:
-        starts, bufs = self.spans[item]
-        starts.append(start)
-        bufs.append(buf)
-
-    def _locate(self, item: Item, start: int) -> tuple[np.ndarray, int]:
-        starts, bufs = self.spans[item]
-        k = bisect.bisect_right(starts, start) - 1
-        return bufs[k], start - starts[k]
-
-    def get(self, r: _Region) -> np.ndarray:
-        last = r.base + sum((n - 1) * s for n, s in zip(r.lengths, r.strides))
-        buf, at = self._locate(r.item, r.base)
-        if at + last - r.base < len(buf):  # the whole region sits in one span
-            return view(buf, at, r.strides, r.lengths)
-        outer, inner, run = r.split()
-        out = np.empty(r.lengths, dtype=self.dtype)
-        starts, _ = r.runs()
-        sel: list = [slice(None)] * len(r.lengths)
-        inner_shape = tuple(r.lengths[k] for k in inner)
-        order = [inner.index(k) for k in sorted(inner)]
-        for idx, start in zip(np.ndindex(*(r.lengths[k] for k in outer)), starts):
-            buf, at = self._locate(r.item, int(start))
-            for i, k in zip(idx, outer):
-                sel[k] = i
-            block = buf[at : at + run].reshape(inner_shape).transpose(order)
-            out[tuple(sel)] = block.reshape(tuple(r.lengths[k] for k in sorted(inner)))
-        return out

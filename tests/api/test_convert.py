@@ -116,7 +116,7 @@ def test_load_reads_about_one_ranks_share(tmp_path):
     assert {it.unit for it in mine.tensors} == {(("tp", 1), ("pp", 1))}
     share = sum(t.numel() * t.element_size() for t in mine.tensors.values())
     assert share < total / 6
-    assert share <= mine.bytes_read <= 1.1 * share
+    assert share <= mine.bytes_read <= 1.25 * share  # gaps between the runs it needs are read through (RANK_LOAD)
     # The returned tensors are what a full conversion writes for that rank.
     reshard.convert(src, tmp_path / "all", to="tp=4,pp=2")
     written = stored_bytes(tmp_path / "all")

@@ -1,0 +1,122 @@
+"""One rank's load against reading the whole checkpoint, in one process, warm cache.
+
+Generates a Hugging Face Llama-shaped checkpoint (bf16, hidden 2048, ffn 5632,
+GQA 16/4 heads, vocab 32000; about 595 MiB at 4 layers, four safetensors
+shards), reads it once to warm the page cache, then measures in this one
+process, interleaved, ``--repeat`` rounds each:
+
+- every shard read whole (``readinto`` one reused buffer);
+- ``safetensors.torch.load_file`` of every shard plus a ``clone()`` of every tensor;
+- ``reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron")`` on 1 and 2 threads.
+
+Prints a markdown table: median wall time, its ratio to the faster way of
+reading everything, bytes read over the rank's share, read calls.
+
+    python bench/rank_load.py [--layers 4] [--repeat 5] [--keep DIR] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def generate(src: Path, layers: int, tiny: bool) -> None:
+    import fixtures
+    import reshard
+
+    if src.exists():
+        return
+    sizes = ({"h": 128, "heads": 4, "g": 2, "hd": 32, "f": 352, "vocab": 1000, "layers": 4, "vocab_div": 128} if tiny else
+             {"h": 2048, "heads": 16, "g": 4, "hd": 128, "f": 5632, "vocab": 32000, "layers": layers, "vocab_div": 128})
+    fixtures.MODELS["bench-llama"] = fixtures.Model("hf-llama", sizes)
+    one = src.with_name(src.name + "-one")
+    fixtures.make_fixture(one, format="hf", to="tp=1", model="bench-llama", states=("param",))
+    reshard.convert(one, src, format="hf", max_shard_size="200KiB" if tiny else "160MiB")
+    shutil.rmtree(one)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (4: about 595 MiB)")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds; the table shows medians")
+    ap.add_argument("--keep", type=Path, help="write the checkpoint under this directory and keep it")
+    ap.add_argument("--tiny", action="store_true", help="a checkpoint of a few MiB (a smoke test)")
+    args = ap.parse_args()
+    import torch
+    from safetensors.torch import load_file
+
+    import reshard
+
+    base = args.keep or Path(tempfile.mkdtemp(prefix="reshard-bench-", dir=os.environ.get("TMPDIR")))
+    src = base / "hf"
+    try:
+        generate(src, args.layers, args.tiny)
+        files = sorted(src.glob("*.safetensors"))
+        total = sum(f.stat().st_size for f in files)
+        buf = bytearray(max(f.stat().st_size for f in files))
+
+        def whole() -> dict:
+            view = memoryview(buf)
+            for f in files:
+                with f.open("rb", buffering=0) as fh:
+                    fh.readinto(view[:f.stat().st_size])
+            return {}
+
+        def safetensors_clone() -> dict:
+            for f in files:
+                _ = {k: v.clone() for k, v in load_file(f).items()}
+            return {}
+
+        def load(threads: int):
+            def run() -> dict:
+                m = reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron", threads=threads)
+                share = sum(t.numel() * t.element_size() for t in m.tensors.values())
+                return {"read": m.bytes_read, "reads": m.reads, "share": share}
+            return run
+
+        runs = {"read every file whole (readinto one buffer)": whole,
+                "safetensors load_file + clone, every file": safetensors_clone,
+                "reshard.load rank 3 of tp=2,pp=2, 1 thread": load(1),
+                "reshard.load rank 3 of tp=2,pp=2, 2 threads": load(2)}
+        for run in runs.values():  # warm the page cache and the imports
+            run()
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        figures: dict[str, dict] = {}
+        for _ in range(args.repeat):
+            for name, run in runs.items():
+                t0 = time.perf_counter()
+                figures[name] = run()
+                times[name].append(time.perf_counter() - t0)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        floor = min(med["read every file whole (readinto one buffer)"], med["safetensors load_file + clone, every file"])
+        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
+              f"torch {torch.__version__}")
+        print(f"checkpoint: Hugging Face Llama-shaped, {len(files)} safetensors shards, {total / 2**20:.0f} MiB; warm cache\n")
+        print("| run | wall s | vs reading everything | read MiB | read / share | read calls |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name in runs:
+            f = figures[name]
+            read = f"{f['read'] / 2**20:.0f} | {f['read'] / f['share']:.2f} | {f['reads']}" if f else f"{total / 2**20:.0f} | | {len(files)}"
+            print(f"| {name} | {med[name]:.3f} | {med[name] / floor:.2f} | {read} |")
+        share = next(f["share"] for f in figures.values() if f)
+        print(f"\nmedians of {args.repeat} rounds, interleaved; the rank's share is {share / 2**20:.0f} MiB "
+              f"({share / total:.2f} of the checkpoint: the floor of the ratio); 'vs reading everything' is "
+              f"against the faster of the first two rows")
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
