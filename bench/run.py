@@ -12,6 +12,10 @@
   Qwen2-shaped model to DCP and back against ``cp -r``.
 - ``moe_memory.py``: 256 experts per layer, Hugging Face -> Megatron ep=8,pp=4 -> back under a memory
   budget: peak RSS against the budget, byte-identical round trip.
+- ``rank_load.py``: ``reshard.load`` of rank 3 of tp=2,pp=2 from a 595 MiB Hugging Face checkpoint, against
+  reading every file whole and ``safetensors`` ``load_file`` + ``clone``, in one process, warm cache;
+- ``torchrun.py``: ``torchrun -m reshard convert`` at 1, 2 and 4 ranks on this host: wall time and the
+  ratio to one rank, outputs byte-identical to one process's.
 
     python bench/run.py            # the README's tables (several minutes, about 12 GB of disk)
     python bench/run.py --tiny     # a smoke test of the same scripts on checkpoints of a few MiB
@@ -44,6 +48,8 @@ def main() -> None:
         ("Planning a 405B-shaped checkpoint", ["plan_405b.py", "--validate"]),
         ("Models no family describes", ["any_model.py", *(["--tiny"] if args.tiny else [])]),
         ("A mixture of experts at ep=8 under a memory budget", ["moe_memory.py", *(["--tiny"] if args.tiny else [])]),
+        ("A conversion across torchrun ranks", ["torchrun.py", *(["--tiny"] if args.tiny else [])]),
+        ("One rank's load against reading everything", ["rank_load.py", *small]),
     ]
     if not args.tiny and importable("deepspeed"):
         steps.append(("DeepSpeed ZeRO-2 against ds_to_universal", ["deepspeed_universal.py"]))

@@ -22,6 +22,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 import reshard
+from reshard.api.distributed import RankLost, launched_rank
 from reshard.api.inspecting import inspect_spec
 from reshard.core.layout import PARAM
 from reshard.errors import ReshardError
@@ -37,6 +38,7 @@ SizesOpt = Annotated[str | None, typer.Option("--sizes", help="model sizes the c
 ShardOpt = Annotated[str | None, typer.Option("--max-shard-size", help="hf: largest safetensors shard, e.g. 5GB (default), 500MB")]
 WorkersOpt = Annotated[str, typer.Option("--workers", help="processes writing byte-balanced shares of the destination "
                                           "side by side: a number, or auto (as many as help, up to one per core)")]
+DistOptimOpt = Annotated[str | None, typer.Option("--dist-optim", help="mcore-dist with zero=1: the distributed optimizer's state as dp_reshardable or fully_reshardable; default: the source run's (dp_reshardable)")]
 VocabPadOpt = Annotated[str | None, typer.Option("--vocab-pad", help="megatron: rows padding the vocab for the target tp: zero or last (copies of the last row); default: the spec's (zeros)")]
 
 
@@ -96,6 +98,7 @@ def convert(
     sizes: SizesOpt = None,
     max_shard_size: ShardOpt = None,
     vocab_pad: VocabPadOpt = None,
+    dist_optim: DistOptimOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; read and write nothing")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="continue an interrupted conversion to DST, keeping the files it "
                                          "finished whose checksums verify")] = False,
@@ -104,27 +107,40 @@ def convert(
 
     The output appears at DST only when complete. A conversion that is killed or
     interrupted leaves a hidden .DST.reshard-partial beside it; the same command
-    with --resume continues it."""
+    with --resume continues it.
+
+    Under torchrun (torchrun ... -m reshard convert ...), on one host or many, the
+    ranks write byte-balanced shares of DST side by side; rank 0 reports."""
     if dry_run:
         _print_plan(reshard.plan(src, to=to, format=format, spec=spec, sizes=_sizes(sizes),
-                                 max_shard_size=max_shard_size, vocab_pad=vocab_pad).to_json(workers=_workers(workers)))
+                                 max_shard_size=max_shard_size, vocab_pad=vocab_pad, dist_optim=dist_optim).to_json(workers=_workers(workers)))
         return
+    follower = launched_rank() != 0  # a torchrun rank other than 0: rank 0 reports progress, the result and errors
     columns = (TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+    with Progress(*columns, console=err, transient=True, disable=follower or not err.is_terminal) as bar:
         task = bar.add_task("convert", total=None)
         try:
             result = reshard.convert(src, dst, to=to, format=format, spec=spec, sizes=_sizes(sizes), workers=_workers(workers),
                                      memory_budget=memory_budget, max_shard_size=max_shard_size, vocab_pad=vocab_pad,
+                                     dist_optim=dist_optim,
                                      progress=lambda done, total: bar.update(task, completed=done, total=total),
                                      resume=resume)
         except KeyboardInterrupt:
-            err.print(f"interrupted: {dst} was not written; the same command with --resume continues where this "
-                      "one stopped", highlight=False)
+            if not follower:
+                err.print(f"interrupted: {dst} was not written; the same command with --resume continues where this "
+                          "one stopped", highlight=False)
             raise typer.Exit(code=130) from None
+        except ReshardError as e:
+            if follower and not isinstance(e, RankLost):
+                raise typer.Exit(code=2) from None  # rank 0 prints it
+            raise
     r = result.report
+    if r is None:  # a rank other than 0
+        return
     out.print(f"wrote {result.path} ({r.target.format}, {r.target.topology}) from {r.source.path} "
               f"({r.source.format}, {r.source.topology}): {len(result.files)} files, {_bytes(result.bytes_written)} "
               f"in {result.seconds:.1f} s, {_bytes(result.bytes_read)} read"
+              + (f" by {result.ranks} ranks" if result.ranks > 1 else "")
               + (f"; {result.reused} files kept from the interrupted conversion" if result.reused else ""),
               highlight=False)
     if r.dropped_states:

@@ -14,6 +14,7 @@ from typing import Any
 import xxhash
 
 from reshard import __version__
+from reshard.api.distributed import Ranks, join_ranks
 from reshard.api.planning import PlanReport, plan
 from reshard.api.workers import copies_per_share, shares, worker_count, worker_shares
 from reshard.core.topology import Topology
@@ -44,13 +45,17 @@ Progress = Callable[[int], None]
 @dataclass(frozen=True, slots=True)
 class ConvertResult:
     path: Path
-    report: PlanReport
+    report: PlanReport | None
+    """The plan; None on the ranks other than 0 of a conversion across ranks, which get only their slice."""
     files: dict[str, dict[str, Any]]
+    """Every file of the destination with its size and checksum (on a rank other than 0: the files it wrote)."""
     bytes_read: int
     bytes_written: int
     seconds: float
     reused: int = 0
     """Files an interrupted conversion had written that ``resume`` kept (verified by checksum)."""
+    ranks: int = 1
+    """The torchrun ranks the conversion was split over (1: this process alone, with its workers)."""
 
 def convert(
     src: str | Path,
@@ -64,8 +69,10 @@ def convert(
     memory_budget: int | str | None = None,
     max_shard_size: int | str | None = None,
     vocab_pad: str | None = None,
+    dist_optim: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     resume: bool = False,
+    distributed: bool | None = None,
 ) -> ConvertResult:
     """Rewrite the checkpoint ``src`` for topology ``to`` (and ``format``) at ``dst``.
 
@@ -100,30 +107,68 @@ def convert(
       vocab_pad: megatron only: ``zero`` or ``last``, what fills the rows that pad the
         vocabulary for the target tp (``last``: copies of the last real row, as Megatron's
         own converter pads); default: the spec's own policy (zeros in the shipped specs).
+      dist_optim: mcore-dist with ``zero=1`` only: the distributed optimizer's torch_dist format,
+        ``dp_reshardable`` or ``fully_reshardable``; default: as the target args ask (``fully_reshardable``
+        if the source run used ``--dist-ckpt-optim-fully-reshardable``), else ``dp_reshardable``.
       progress: ``progress(done_bytes, total_bytes)`` while writing (workers included).
       resume: continue an interrupted conversion with the same source and options,
         keeping the files it finished whose checksums still verify; if it had
         finished, check ``dst`` against its manifest instead.
+      distributed: split the conversion over the ranks of a torchrun job, called on every
+        rank with the same arguments (``reshard.api.distributed``): rank 0 plans, each rank
+        writes a byte-balanced share of the destination files into the partial directory
+        (one process each: ``workers`` must be ``auto`` or 1), rank 0 writes the manifest
+        and reports ``progress`` for all. Default (None): when torchrun started more than
+        one rank (``WORLD_SIZE``), or a process group of more than one rank is initialized;
+        ``False``: this process alone.
 
     Raises:
       ReshardError: anything about the inputs, named with file, tensor and reason.
+      RankLost: across ranks, a rank died or stopped answering; ``resume`` continues.
     """
     started = time.perf_counter()
     dst = Path(dst)
+    ranks = join_ranks(distributed)
+    if ranks is None:
+        return _convert(src, dst, to=to, format=format, spec=spec, sizes=sizes, workers=workers,
+                        memory_budget=memory_budget, max_shard_size=max_shard_size, vocab_pad=vocab_pad,
+                        dist_optim=dist_optim,
+                        progress=progress, resume=resume, started=started, ranks=None)
+    with ranks:
+        if ranks.rank != 0:
+            mine, files = ranks.follow()
+            return ConvertResult(path=dst, report=None, files=files, bytes_read=mine.bytes_read if mine else 0,
+                                 bytes_written=sum(f["bytes"] for f in files.values()),
+                                 seconds=time.perf_counter() - started, ranks=ranks.size)
+        with ranks.leading():
+            return _convert(src, dst, to=to, format=format, spec=spec, sizes=sizes, workers=workers,
+                            memory_budget=memory_budget, max_shard_size=max_shard_size, vocab_pad=vocab_pad,
+                            dist_optim=dist_optim,
+                            progress=progress, resume=resume, started=started, ranks=ranks)
+
+
+def _convert(src: str | Path, dst: Path, *, to, format, spec, sizes, workers, memory_budget, max_shard_size,
+             vocab_pad, dist_optim, progress, resume: bool, started: float, ranks: Ranks | None) -> ConvertResult:
+    """``convert`` in this process (with its workers), or as rank 0 of ``ranks``."""
     if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ReshardError(f"workers must be 'auto' or an integer of at least 1, got {workers!r}")
+    if ranks is not None and workers not in ("auto", 1):
+        raise ReshardError(f"workers={workers} across {ranks.size} torchrun ranks: each rank writes its share in one "
+                           f"process; start more ranks per host (--nproc-per-node) instead")
     report = plan(src, to=to, format=format, spec=spec, sizes=sizes, max_shard_size=max_shard_size,
-                  vocab_pad=vocab_pad)
+                  vocab_pad=vocab_pad, dist_optim=dist_optim)
     if resume and dst.exists() and not partial_path(dst).exists() and (dst / MANIFEST).exists():
         files = _finished(dst, report)  # done before: killed after its rename, or run twice
         return ConvertResult(path=dst, report=report, files=files, bytes_read=0, bytes_written=0, reused=len(files),
                              seconds=time.perf_counter() - started)
     _check_destination(Path(src), dst)
     every = sorted({str(f) for f in report.dst_files.values()})
-    count, window = _workers_and_window(report, workers, every, memory_budget)
+    # across ranks, this host's ranks share its memory budget as workers would
+    count, window = _workers_and_window(report, workers if ranks is None else ranks.local_size, every, memory_budget)
     target = report.target
     fmt = get_format(target.format)
     options = {"max_shard_size": max_shard_size, "vocab_pad": vocab_pad}
+    options |= {"dist_optim": dist_optim} if dist_optim else {}
     partial = Partial(dst, _resume_header(report, options), resume=resume, manifest=MANIFEST)
     tmp = partial.path
     session: WriteSession | None = None
@@ -146,8 +191,8 @@ def convert(
         sources = logical_sources(target.layout, target.dtypes)
         session = WriteSession(journal=tmp, segments=segments_of(sources), window_bytes=window, progress=tick)
         written: dict[Path, str | None] = {Path(rel): e[HASH] for rel, e in kept.items()}
-        parts = shares(report, count, todo)
-        if len(parts) <= 1:
+        parts = shares(report, count if ranks is None else ranks.size, todo)
+        if len(parts) <= 1 and ranks is None:
             with ByteReader() as reader:
                 fill = PlanFill(report.plan, report.source.where, reader)
                 if not kept:
@@ -159,7 +204,8 @@ def convert(
                 bytes_read = reader.bytes_read
             tensors, segments = tensor_digests(session.item_digests(), report.dst_files), session.segment_digests()
         else:
-            results = run_shares(worker_shares(report, parts, tmp, window), progress=tick)
+            results = (run_shares if ranks is None else ranks.run_shares)(worker_shares(report, parts, tmp, window),
+                                                                          progress=tick)
             items: dict = {}
             segments = {}
             for r in results:
@@ -203,7 +249,7 @@ def convert(
         partial.release()
     size = sum(f["bytes"] for rel, f in files.items() if rel not in kept)
     return ConvertResult(path=dst, report=report, files=files, bytes_read=bytes_read, bytes_written=size,
-                         reused=len(kept), seconds=time.perf_counter() - started)
+                         reused=len(kept), seconds=time.perf_counter() - started, ranks=ranks.size if ranks else 1)
 
 # Resident memory of a process with numpy, networkx, reshard and torch (some formats regenerate
 # RNG state with it) loaded, and per planned copy and fragment (dataclasses, boxes, tuples,

@@ -9,10 +9,11 @@ from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from reshard.core.dtypes import itemsize
-from reshard.core.layout import MASTER, PARAM, Item, common_views, with_state_alias
+from reshard.core.layout import MASTER, PARAM, Item, Layout, common_views, with_state_alias
 from reshard.core.planner import Plan
 from reshard.core.planner import plan as make_plan
 from reshard.core.topology import Topology, parse_topology
@@ -37,7 +38,8 @@ def _topology(to: str | Topology | None, default: Topology) -> Topology:
     return parse_topology(to) if isinstance(to, str) else to
 
 def _target(source: Source, to: str | Topology | None, format: str | None, spec: str | None,
-            max_shard_size: int | str | None = None, vocab_pad: str | None = None) -> Target:
+            max_shard_size: int | str | None = None, vocab_pad: str | None = None,
+            dist_optim: str | None = None) -> Target:
     fmt = get_format(format or source.format)
     same = fmt.name == source.format
     topology = _topology(to, source.topology if same else Topology())
@@ -46,7 +48,11 @@ def _target(source: Source, to: str | Topology | None, format: str | None, spec:
         topology = dataclasses.replace(topology, zero=source.topology.zero)
     if vocab_pad is not None and fmt.name != "megatron":
         raise ReshardError(f"vocab_pad applies to the megatron format (its padded vocabulary), not {fmt.name}")
-    target = fmt.target(source, topology, spec=spec, **({"vocab_pad": vocab_pad} if vocab_pad else {}))
+    if dist_optim is not None and fmt.name != "mcore-dist":
+        raise ReshardError(f"dist_optim applies to the mcore-dist format (the distributed optimizer's torch_dist "
+                           f"state), not {fmt.name}")
+    target = fmt.target(source, topology, spec=spec, **({"vocab_pad": vocab_pad} if vocab_pad else {}),
+                        **({"dist_optim": dist_optim} if dist_optim else {}))
     if max_shard_size is not None:
         if target.format != "hf":
             raise ReshardError(f"max_shard_size applies to the hf format (safetensors shards), not {target.format}")
@@ -146,14 +152,14 @@ def _nothing_lost(source: Source, target: Target) -> None:
 
 def plan(src: str | Path, *, to: str | Topology | None = None, format: str | None = None, spec: str | None = None,
          sizes: Mapping[str, int] | None = None, max_shard_size: int | str | None = None,
-         vocab_pad: str | None = None) -> PlanReport:
+         vocab_pad: str | None = None, dist_optim: str | None = None) -> PlanReport:
     """What converting ``src`` to topology ``to`` (in ``format``) moves where, without reading tensor data.
 
     >>> report = plan("ckpt/", to="tp=1,pp=4")   # doctest: +SKIP
     >>> report.plan.summary()["copies"]          # doctest: +SKIP
     """
     with _collector_paused():
-        return _plan(src, to, format, spec, sizes, max_shard_size, vocab_pad)
+        return _plan(src, to, format, spec, sizes, max_shard_size, vocab_pad, dist_optim=dist_optim)
 
 
 @contextmanager
@@ -176,9 +182,13 @@ def _collector_paused() -> Iterator[None]:
 
 
 def _plan(src: str | Path, to: str | Topology | None, format: str | None, spec: str | None,
-          sizes: Mapping[str, int] | None, max_shard_size: int | str | None, vocab_pad: str | None) -> PlanReport:
+          sizes: Mapping[str, int] | None, max_shard_size: int | str | None, vocab_pad: str | None,
+          dist_optim: str | None = None,
+          rank: int | None = None) -> PlanReport:
+    """The plan of a conversion; with ``rank``, of just the items that rank of the target holds (what
+    ``load`` reads), validated as a whole plan is, and naming no destination files (none is written)."""
     source = open_checkpoint(src, sizes=sizes)
-    target = _target(source, to, format, spec, max_shard_size, vocab_pad)
+    target = _target(source, to, format, spec, max_shard_size, vocab_pad, dist_optim)
     held = set(source.layout.states)
     source.layout, target.layout = common_views(source.layout, target.layout)
     trained = {f.tensor for f in source.layout.fragments if f.state not in (PARAM, MASTER)}
@@ -193,9 +203,22 @@ def _plan(src: str | Path, to: str | Topology | None, format: str | None, spec: 
         # masters are their weights, as zero_to_fp32 reads them.
         source.layout = with_state_alias(source.layout, MASTER, PARAM)
     _nothing_lost(source, target)
+    if rank is not None:
+        target.layout = _rank_layout(target.layout, target.topology, rank)
     p = make_plan(source.layout, target.layout)
     p.validate()
     target.dtypes = destination_dtypes(p, source.where)
     dropped = tuple(sorted(held - set(target.layout.states)))
-    files = get_format(target.format).files_of(target)
+    files = get_format(target.format).files_of(target) if rank is None else {}
     return PlanReport(source=source, target=target, plan=p, dropped_states=dropped, dst_files=files)
+
+
+def _rank_layout(layout: Layout, topo: Topology, rank: int) -> Layout:
+    """``layout`` cut down to the items rank ``rank`` of ``topo`` holds: those whose unit is its coordinates."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < topo.world_size:
+        raise ReshardError(f"rank {rank} is outside world_size {topo.world_size} of {topo}")
+    coords = topo.coords(rank)
+    items = {it: info for it, info in layout.items.items() if all(coords.get(a) == c for a, c in it.unit)}
+    order = {k: kept for k, v in layout.order.items() if (kept := tuple(it for it in v if it in items))}
+    return Layout(topology=layout.topology, tensors=layout.tensors, items=MappingProxyType(items),
+                  fragments=tuple(f for f in layout.fragments if f.item in items), order=order)

@@ -30,3 +30,4 @@ def test_the_benchmark_runs_and_reads_each_needed_byte_once():
     assert "**total (resolve + plan)**" in sections["Planning a 405B-shaped checkpoint"]
     assert "round trip byte-identical: True" in sections["Models no family describes"]
     assert "weights are byte-identical" in sections["A mixture of experts at ep=8 under a memory budget"]
+    assert "byte-identical to the one-process conversion's: True" in sections["A conversion across torchrun ranks"]
