@@ -103,11 +103,10 @@ def write_dp_reshardable(path, *, unpadded: list[int] | None = None) -> dict[str
     return values
 
 
-def test_bucket_space_decodes_per_parameter_and_rewrites_as_one_coalesced_buffer(tmp_path):
-    """Several buckets at dp 2, NaN in every gap -> the torch format at tp 1, dp 1 with one bucket: each
-    parameter's main param and Adam moments where the hand layout puts them, zeros between; the step and
-    param groups carried."""
-    values = write_dp_reshardable(tmp_path / "src")
+def check_one_coalesced_buffer(tmp_path, values: dict) -> None:
+    """``tmp_path / "src"`` (step 3, two param groups) converted to the torch format at tp 1, dp 1: each
+    parameter's main param and Adam moments (``values``) where the hand layout puts them in the one coalesced
+    buffer, zeros between; the step and param groups carried."""
     src = reshard.open_checkpoint(tmp_path / "src")
     assert src.layout.states == ("exp_avg", "exp_avg_sq", "master", "param") and src.progress.step == 3
     reshard.convert(tmp_path / "src", tmp_path / "out", format="megatron", to="tp=1,dp=1,zero=1")
@@ -125,6 +124,14 @@ def test_bucket_space_decodes_per_parameter_and_rewrites_as_one_coalesced_buffer
         assert torch.equal(buffer[s], want), s
     groups = torch.load(rank / "model_optim_rng.pt", weights_only=False)["optimizer"]["optimizer"]["param_groups"]
     assert [(g["wd_mult"], g["step"]) for g in groups] == [(1.0, 3.0), (0.0, 3.0)]
+
+
+def test_bucket_space_decodes_per_parameter_and_rewrites_as_one_coalesced_buffer(tmp_path):
+    """Several buckets at dp 2, NaN in every gap -> the torch format at tp 1, dp 1 with one bucket: each
+    parameter's main param and Adam moments where the hand layout puts them, zeros between; the step and
+    param groups carried."""
+    values = write_dp_reshardable(tmp_path / "src")
+    check_one_coalesced_buffer(tmp_path, values)
 
 
 def test_bucket_space_is_written_back_as_megatron_core_chunks_it_and_reads_as_before(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import require
-from test_mcore_dist_optim import STATES, gathered, place, registered
+from test_mcore_dist_optim import STATES, check_one_coalesced_buffer, gathered, registered
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 import reshard
@@ -80,23 +80,7 @@ def test_model_space_state_decodes_per_parameter_with_the_groups_step(tmp_path):
     """Model-space state (one cell per tensor) -> the torch format at tp 1, dp 1 with one bucket: each parameter's
     main param and Adam moments where the hand layout puts them; the step and param groups from common.pt."""
     values = write_model_space(tmp_path / "src")
-    src = reshard.open_checkpoint(tmp_path / "src")
-    assert src.layout.states == ("exp_avg", "exp_avg_sq", "master", "param") and src.progress.step == 3
-    reshard.convert(tmp_path / "src", tmp_path / "out", format="megatron", to="tp=1,dp=1,zero=1")
-    rank = tmp_path / "out" / "iter_0000010" / "mp_rank_00"
-    (buffer,) = torch.load(rank / "distrib_optim.pt", weights_only=True)[0].values()
-    params = registered(mcore_jobs.padded_vocab(1))
-    ((start, end, members),) = place([math.prod(shape) for _, shape in params], 0, 1)
-    for s in STATES:
-        want = torch.zeros(end)
-        for k, lo, hi in members:
-            value = values[s][k].clone()
-            if params[k][0] in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                value[S["vocab"]:] = 0  # rows that pad the vocabulary: not the model's, written as zeros
-            want[lo:hi] = value.flatten()
-        assert torch.equal(buffer[s], want), s
-    groups = torch.load(rank / "model_optim_rng.pt", weights_only=False)["optimizer"]["optimizer"]["param_groups"]
-    assert [(g["wd_mult"], g["step"]) for g in groups] == [(1.0, 3.0), (0.0, 3.0)]
+    check_one_coalesced_buffer(tmp_path, values)
 
 
 def test_one_dimensional_flattened_state_is_refused_naming_key_and_file(tmp_path):
