@@ -56,6 +56,7 @@ def _model(args: dict, torch):
            "moe_router_pre_softmax": bool(args.get("moe_router_pre_softmax")),
            "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "none"} if experts else {}
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from megatron.core.transformer.utils import openai_gelu
 
     window = args.get("window_size")
     quick = bool(args.get("quick_geglu"))  # GPT-OSS: x * sigmoid(1.702 x), linear half offset, both clamped
@@ -63,7 +64,8 @@ def _model(args: dict, torch):
         num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
         num_attention_heads=args["num_attention_heads"], num_query_groups=args["num_query_groups"],
         kv_channels=args["kv_channels"], gated_linear_unit=args["swiglu"] or quick,
-        activation_func=quick_gelu if quick else F.silu, glu_linear_offset=args.get("glu_linear_offset", 0.0),
+        activation_func=quick_gelu if quick else F.silu if args["swiglu"] else openai_gelu if args.get("openai_gelu")
+        else F.gelu, glu_linear_offset=args.get("glu_linear_offset", 0.0),
         activation_func_clamp_value=args.get("activation_func_clamp_value"),
         softmax_type=args.get("softmax_type", "vanilla"), window_attn_skip_freq=args.get("window_attn_skip_freq"),
         normalization=args["normalization"], layernorm_epsilon=args["norm_epsilon"],

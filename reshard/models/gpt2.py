@@ -61,28 +61,35 @@ VOCAB = "(vocab~(vocab_div*tp))/tp h"
 
 
 def megatron(*, tied: bool = True, local: bool = False) -> str | None:
-    """Megatron-core GPT in GPT-2 style (``--position-embedding-type learned_absolute``, LayerNorm, biases)."""
-    if not tied or local:
+    """Megatron-core GPT in GPT-2 style (``--position-embedding-type learned_absolute``, LayerNorm, biases): the
+    norms fused into the next linear as Transformer Engine's ``layer_norm_weight``/``layer_norm_bias``, or with
+    ``--transformer-impl local`` modules of their own (``input_layernorm``, ``pre_mlp_layernorm``), registered
+    first in the layer."""
+    if not tied:
         return None
-    return f"""\
-embedding.word_embeddings.weight -> wte @first = {VOCAB}
-embedding.position_embeddings.weight -> wpe @first = positions h
-decoder.layers.{{i/pp}}.self_attention.linear_proj.weight -> attn_out = h (heads hd)/tp
-decoder.layers.{{i/pp}}.self_attention.linear_proj.bias -> attn_out_bias = h
-decoder.layers.{{i/pp}}.self_attention.linear_qkv.layer_norm_weight -> ln1 = h
-decoder.layers.{{i/pp}}.self_attention.linear_qkv.layer_norm_bias -> ln1_bias = h
-decoder.layers.{{i/pp}}.self_attention.linear_qkv.weight -> qkv = (heads/tp three hd) h
-decoder.layers.{{i/pp}}.self_attention.linear_qkv.bias -> qkv_bias = (heads/tp three hd)
-decoder.layers.{{i/pp}}.mlp.linear_fc1.layer_norm_weight -> ln2 = h
-decoder.layers.{{i/pp}}.mlp.linear_fc1.layer_norm_bias -> ln2_bias = h
-decoder.layers.{{i/pp}}.mlp.linear_fc1.weight -> fc = f/tp h
-decoder.layers.{{i/pp}}.mlp.linear_fc1.bias -> fc_bias = f/tp
-decoder.layers.{{i/pp}}.mlp.linear_fc2.weight -> mlp_out = h f/tp
-decoder.layers.{{i/pp}}.mlp.linear_fc2.bias -> mlp_out_bias = h
-decoder.final_layernorm.weight -> ln_f @last = h
-decoder.final_layernorm.bias -> ln_f_bias @last = h
-output_layer.weight -> wte @lastonly = {VOCAB}
-"""
+    at = "decoder.layers.{i/pp}."
+    ln1 = [f"{at}input_layernorm.weight -> ln1 = h", f"{at}input_layernorm.bias -> ln1_bias = h"] if local else \
+        [f"{at}self_attention.linear_qkv.layer_norm_weight -> ln1 = h",
+         f"{at}self_attention.linear_qkv.layer_norm_bias -> ln1_bias = h"]
+    ln2 = [f"{at}pre_mlp_layernorm.weight -> ln2 = h", f"{at}pre_mlp_layernorm.bias -> ln2_bias = h"] if local else \
+        [f"{at}mlp.linear_fc1.layer_norm_weight -> ln2 = h", f"{at}mlp.linear_fc1.layer_norm_bias -> ln2_bias = h"]
+    proj = [f"{at}self_attention.linear_proj.weight -> attn_out = h (heads hd)/tp",
+            f"{at}self_attention.linear_proj.bias -> attn_out_bias = h"]
+    return "\n".join([
+        f"embedding.word_embeddings.weight -> wte @first = {VOCAB}",
+        "embedding.position_embeddings.weight -> wpe @first = positions h",
+        *([*ln1, *proj] if local else [*proj, *ln1]),
+        f"{at}self_attention.linear_qkv.weight -> qkv = (heads/tp three hd) h",
+        f"{at}self_attention.linear_qkv.bias -> qkv_bias = (heads/tp three hd)",
+        *ln2,
+        f"{at}mlp.linear_fc1.weight -> fc = f/tp h",
+        f"{at}mlp.linear_fc1.bias -> fc_bias = f/tp",
+        f"{at}mlp.linear_fc2.weight -> mlp_out = h f/tp",
+        f"{at}mlp.linear_fc2.bias -> mlp_out_bias = h",
+        "decoder.final_layernorm.weight -> ln_f @last = h",
+        "decoder.final_layernorm.bias -> ln_f_bias @last = h",
+        f"output_layer.weight -> wte @lastonly = {VOCAB}",
+    ]) + "\n"
 
 
 def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.json") -> dict[str, int]:

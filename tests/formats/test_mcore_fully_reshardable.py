@@ -82,14 +82,15 @@ def _equal_runs(tmp_path, pairs, pp: int, sizes: dict, gated: bool) -> None:
 
 
 @pytest.mark.interop
-@pytest.mark.parametrize("family,sharding", [("qwen2", "fully_reshardable"), ("qwen2", "dp_reshardable")])
-def test_real_dp_reshardable_qwen2_resumes_in_megatron_core_at_tp2(tmp_path, family, sharding):
-    """megatron-core trains one step of a Qwen2 style (q/k/v biases, tied) model at tp 1, dp 2 in buckets and
+@pytest.mark.parametrize("family,sharding", [("qwen2", "fully_reshardable"), ("qwen2", "dp_reshardable"),
+                                             ("gpt2", "dp_reshardable")])
+def test_real_dp_reshardable_run_resumes_in_megatron_core_at_tp2(tmp_path, family, sharding):
+    """megatron-core trains one step of a Qwen2 style (q/k/v biases, tied) or GPT-2 style (LayerNorm, biases,
+    learned positions, tied) model at tp 1, dp 2 in buckets and
     saves dp_reshardable -> torch_dist at tp 2, dp 1 with the optimizer state fully_reshardable (resumed with
     other buckets: one) or dp_reshardable (in the run's buckets), loaded by megatron-core's
     dist_checkpointing.load: every weight, main param, Adam moment and step equal to what the run held, and
-    the next step equal too. (GPT-2 style runs of megatron-core's local layers have no Megatron layout in
-    reshard yet, so their bucket space is not read.)"""
+    the next step equal too."""
     require("megatron.core")
     import mcore_moe_jobs as jobs
 
@@ -98,7 +99,8 @@ def test_real_dp_reshardable_qwen2_resumes_in_megatron_core_at_tp2(tmp_path, fam
               torch_dist=True, **run)
     ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
     src = reshard.open_checkpoint(ckpt)
-    assert src.spec_name == f"mcore-dist-{family}-tied" and src.progress.step == 1
+    tied = "" if family == "gpt2" else "-tied"  # GPT-2 is always tied: its layout names no option for it
+    assert src.spec_name == f"mcore-dist-{family}{tied}" and src.progress.step == 1
     assert any(k.endswith(".bucket_idx_2.param") for k in dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
     reshard.convert(ckpt, tmp_path / "dist", format="mcore-dist", to="tp=2,dp=1,zero=1", dist_optim=sharding)
     full = sharding == "fully_reshardable"
