@@ -65,9 +65,10 @@ def save(out: Path, dump: Path, tp: int, dp: int, **options) -> None:
         raise RuntimeError(f"megatron-core {VERSION} job {args} failed ({code}):\n{output[-4000:]}")
 
 
-def _save_model_space(out: Path, model, optimizer, args) -> None:
+def _save_model_space(out: Path, model, optimizer, args, metadata: dict | None = None) -> None:
     """torch_dist as the 0.14 trainer saves it: the model's and the optimizer's sharded state dicts, the
-    optimizer's state in its default sharding type (no ``distrib_optim_sharding_type`` given to it)."""
+    optimizer's state in its default sharding type (no ``distrib_optim_sharding_type`` given to it: the
+    ``metadata`` the 0.16 run would pass is not this version's)."""
     import megatron.core
     from megatron.core import dist_checkpointing
 
