@@ -435,14 +435,26 @@ class _Resolver(Captures):
             mapped += math.prod(lens)
             frags.append((name, Box(offs, lens), base, strides, fill))
         empty = self.empty_tensor(rule, global_values) if not frags and 0 in shape else None
+        stored = self.stored_shape(rule, shape)
         out = []
         for state in states:
             item = Item(sec.name, unit, chunk, state, key)
-            self.add_item(item, ItemInfo(shape=shape, mapped=mapped, rule=rule.pattern.text, tensor=empty), rule.pos)
+            self.add_item(item, ItemInfo(shape=stored, mapped=mapped, rule=rule.pattern.text, tensor=empty), rule.pos)
             for name, box, base, strides, fill in frags:
                 self.add_frag(Fragment(tensor=name, state=state, box=box, item=item, offset=base, strides=strides, fill=fill), sec)
             out.append(item)
         return out
+
+    def stored_shape(self, rule: S.Stored, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The item's shape: its dims' extents, or the rule's ``as (...)``, a row-major reshape of them (the
+        elements keep the dims' order)."""
+        if rule.shape is None:
+            return shape
+        stored = tuple(self.eval(e) for e in rule.shape)
+        if math.prod(stored) != math.prod(shape):
+            raise self.err(f"{rule.pattern.text}: 'as' shape {stored} holds {math.prod(stored)} elements but its dims "
+                           f"{shape} hold {math.prod(shape)}", rule.shape[0].pos)
+        return stored
 
     def empty_tensor(self, rule: S.Stored, values: dict[str, object]) -> str | None:
         """The logical tensor a stored rule of no elements holds, which no fragment can say."""

@@ -17,7 +17,8 @@ Grammar (one statement per line; ``#`` starts a comment)::
                | 'section' NAME ['per' NAME*] ['states' NAME*]
                | 'blob' PATTERN ['regenerate']            non-tensor state, as bytes
                | 'flat' PATTERN '=' NAME ('|' flatop)*    a flat buffer built from a section
-               | PATTERN ['->' REF] ['@' place] '=' dims      a stored tensor (-> and @ in any order)
+               | PATTERN ['->' REF] ['@' place] '=' dims ['as' '(' expr (',' expr)* ')']
+                                                          a stored tensor (-> and @ in any order)
     place     := 'first' | 'last' | 'lastonly'              pipeline stage (lastonly: last, if not also first)
                | 'stage' '(' expr ')'                     the stage of that number (0 .. pp-1)
     dims      := 'scalar' | term+
@@ -374,7 +375,17 @@ def _statement(ln: _Line) -> Statement:
             stage = _expr(ln)
             ln.expect(")", "to close '@stage('")
     ln.expect("=", "after the stored tensor name")
-    return Stored(pattern, ref, place, _dims(ln), pattern.pos, stage)
+    dims = _dims(ln)
+    if not _at_shape(ln):
+        return Stored(pattern, ref, place, dims, pattern.pos, stage)
+    ln.next()
+    ln.expect("(", "after 'as' (the stored shape: 'as (h, n)')")
+    return Stored(pattern, ref, place, dims, pattern.pos, stage, _exprs(ln, "'as ('"))
+
+
+def _at_shape(ln: _Line) -> bool:
+    # 'as (' after a stored rule's dims starts its stored shape: 'as' is no axis name there.
+    return ln.peek().kind == "name" and ln.peek().text == "as" and ln.peek(1).text == "("
 
 
 def _keyword_follows(ln: _Line) -> bool:
@@ -453,7 +464,7 @@ def _terms(ln: _Line, stop: tuple[str, ...]) -> tuple[Term, ...]:
     out: list[Term] = []
     while True:
         tok = ln.peek()
-        if tok.kind == "end" or (tok.kind == "punct" and tok.text in stop):
+        if tok.kind == "end" or (tok.kind == "punct" and tok.text in stop) or _at_shape(ln):
             return tuple(out)
         out.append(_term(ln))
 
@@ -493,12 +504,7 @@ def _term(ln: _Line) -> Term:
                 ln.next()
                 if ln.at("("):
                     ln.next()
-                    ws = [_expr(ln)]
-                    while ln.at(","):
-                        ln.next()
-                        ws.append(_expr(ln))
-                    ln.expect(")", "to close the widths")
-                    mode, widths = "widths", tuple(ws)
+                    mode, widths = "widths", _exprs(ln, "the widths")
                 else:
                     m = ln.name("'chunk' or '(widths)' after ':'")
                     if m.text not in ("chunk", "even"):
@@ -545,6 +551,16 @@ def _flatop(ln: _Line) -> FlatOp:
 # Expressions: precedence climbing over + - and * / //.
 
 
+def _exprs(ln: _Line, opened: str) -> tuple[Expr, ...]:
+    """``expr (',' expr)* ')'``: after an opening '(' (``opened`` says which, for the message)."""
+    out = [_expr(ln)]
+    while ln.at(","):
+        ln.next()
+        out.append(_expr(ln))
+    ln.expect(")", f"to close {opened}")
+    return tuple(out)
+
+
 def _expr(ln: _Line) -> Expr:
     left = _prod(ln)
     while ln.peek().kind == "punct" and ln.peek().text in ("+", "-"):
@@ -572,12 +588,7 @@ def _eatom(ln: _Line) -> Expr:
             if tok.text not in FUNCTIONS:
                 raise ln.fail(f"unknown function '{tok.text}' (expected one of: {', '.join(FUNCTIONS)})", tok)
             ln.next()
-            args = [_expr(ln)]
-            while ln.at(","):
-                ln.next()
-                args.append(_expr(ln))
-            ln.expect(")", f"to close {tok.text}(")
-            return Call(tok.text, tuple(args), ln.pos(tok))
+            return Call(tok.text, _exprs(ln, f"{tok.text}("), ln.pos(tok))
         return Var(tok.text, ln.pos(tok))
     if tok.kind == "punct" and tok.text == "(":
         ln.next()

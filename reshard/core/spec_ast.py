@@ -252,6 +252,7 @@ class Stored:
     dims: tuple[Term, ...] | None
     pos: Pos
     stage: Expr | None = None  # the stage number of '@stage(expr)'
+    shape: tuple[Expr, ...] | None = None  # 'as (...)': the stored shape, a row-major reshape of dims
 
 
 @dataclass(frozen=True, slots=True)

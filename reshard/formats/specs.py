@@ -192,14 +192,23 @@ def megatron(family: Family, options: tuple[str, ...]) -> str:
     distopt = "distopt" in options
     torch_file = "torch" in options
     mtp = {"mtp": True} if "mtp" in options else {}  # multi-token-prediction layers (families with hf_layers)
-    _only(options, ("tied", "local", "ep", "distopt", "torch", *(["mtp"] if "hf_layers" in family.sizes else [])),
-          family, "megatron")
+    # How megatron-core stores the routed experts (reshard.models.moe_experts): SequentialMLP without an option.
+    impl = {"experts": o for o in options if o in ("grouped", "tegrouped")}
+    _only(options, ("tied", "local", "ep", "distopt", "torch", *(["mtp"] if "hf_layers" in family.sizes else []),
+                    *(["grouped", "tegrouped"] if family.experts else [])), family, "megatron")
     if (ep or torch_file) and not distopt:
         raise SpecError(f"megatron-{family.name}-{'-'.join(options)}: -ep and -torch need -distopt")
-    body = family.megatron(tied=tied, local=local, **mtp) if family.megatron else None
+    if "grouped" in options and "tegrouped" in options:
+        raise SpecError(f"megatron-{family.name}-{'-'.join(options)}: -grouped and -tegrouped exclude each other")
+    if "tegrouped" in options and distopt:
+        raise SpecError(f"megatron-{family.name}-{'-'.join(options)}: no -distopt with -tegrouped: Transformer "
+                        "Engine registers every local expert's fc1 before any fc2, and the spec language registers "
+                        "expert by expert, so the optimizer's buffers would be misplaced")
+    body = family.megatron(tied=tied, local=local, **mtp, **impl) if family.megatron else None
     if body is None:
         raise SpecError(f"{'-'.join(('megatron', family.name, *options))}: no Megatron layout for {family.name}"
-                        f"{' tied' if tied else ''}{' in local layers' if local else ''}{_why_not(family)}")
+                        f"{' tied' if tied else ''}{' in local layers' if local else ''}"
+                        f"{''.join(f' with {v} experts' for v in impl.values())}{_why_not(family)}")
     axes = "tp pp ep" if family.experts else "tp pp"
     lines = [family.logical_text(tied), f"section model per {axes}", body]
     model = "model"  # the params of the model section: its persistent buffers are in no optimizer

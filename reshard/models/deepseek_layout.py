@@ -21,7 +21,7 @@ a copy of the first stage's, which the MTP layers embed the next tokens with), s
 
 from __future__ import annotations
 
-from reshard.models import llama
+from reshard.models import llama, moe_experts
 from reshard.models.family import COLWISE, ROWWISE, Tensor
 
 __all__ = ["layer_tensors", "megatron", "mtp_tensors", "preamble", "registration"]
@@ -125,15 +125,14 @@ def _attention(at: str, a: str, *, q_lora: bool, local: bool) -> list[str]:
     return rules
 
 
-def _moe(at: str, a: str) -> list[str]:
-    """A MoE layer's MLP rules: the pre-MLP norm, the router and its expert bias, SequentialMLP experts over ep,
-    the shared experts."""
-    expert = at + "mlp.experts.local_experts.{e/ep}."
+def _moe(at: str, a: str, experts: str) -> list[str]:
+    """A MoE layer's MLP rules: the pre-MLP norm, the router and its expert bias, the routed experts over ep as
+    ``experts`` stores them (``reshard.models.moe_experts``), the shared experts."""
+    routed = moe_experts.expert_rules(f"{at}mlp.", "fe", (f"{a}egate", f"{a}eup", f"{a}edown"), impl=experts)
     return [f"{at}pre_mlp_layernorm.weight -> {a}ln2 = h",
             f"{at}mlp.router.weight -> {a}router = experts h",
             f"{at}mlp.router.expert_bias -> {a}router_bias = experts",
-            f"{expert}linear_fc1.weight = [{a}egate: fe/tp | {a}eup: fe/tp] h",
-            f"{expert}linear_fc2.weight -> {a}edown = h fe/tp",
+            *(routed or ()),
             f"{at}mlp.shared_experts.linear_fc1.weight = [{a}sgate: fs/tp | {a}sup: fs/tp] h",
             f"{at}mlp.shared_experts.linear_fc2.weight -> {a}sdown = h fs/tp"]
 
@@ -144,11 +143,12 @@ def _last(rule: str) -> str:
     return f"{name} @last {rest}"
 
 
-def megatron(*, q_lora: bool, tied: bool = False, local: bool = False, mtp: bool = False) -> str | None:
+def megatron(*, q_lora: bool, tied: bool = False, local: bool = False, mtp: bool = False,
+             experts: str = "sequential") -> str | None:
     """Megatron-core GPT with MLA, dense layers then MoE layers (untied output layer), Transformer Engine's
     layers or ``--transformer-impl local``; with ``mtp``, the MTP block and the last stage's embedding copy
     (without it, a model with MTP layers has no place for them: a conversion to it is refused naming them)."""
-    if tied:
+    if tied or (local and experts == "tegrouped"):
         return None
     dense, moe = "decoder.layers.{d/pp}.", "decoder.layers.{m/pp}."
     ln2 = f"{dense}pre_mlp_layernorm.weight -> ln2 = h" if local else \
@@ -162,14 +162,14 @@ def megatron(*, q_lora: bool, tied: bool = False, local: bool = False, mtp: bool
         f"{dense}mlp.linear_fc1.weight = [gate: f/tp | up: f/tp] h",
         f"{dense}mlp.linear_fc2.weight -> down = h f/tp",
         *_attention(moe, "", q_lora=q_lora, local=local),
-        *_moe(moe, ""),
+        *_moe(moe, "", experts),
         "decoder.final_layernorm.weight -> norm @last = h"]
     at = "mtp.layers.{t+0-layers}."  # megatron-core numbers its MTP layers from 0
     layer = at + "transformer_layer."
     rules += [] if not mtp else [_last(r) for r in [
         f"{at}enorm.weight -> mtp_enorm = h", f"{at}hnorm.weight -> mtp_hnorm = h",
         f"{at}eh_proj.weight -> mtp_eh_proj = h/tp h2",
-        *_attention(layer, MTP_PREFIX, q_lora=q_lora, local=local), *_moe(layer, MTP_PREFIX),
+        *_attention(layer, MTP_PREFIX, q_lora=q_lora, local=local), *_moe(layer, MTP_PREFIX, experts),
         f"{at}final_layernorm.weight -> mtp_norm = h"]]
     rules.append(f"output_layer.weight -> head @last = {llama.VOCAB}")
     return "\n".join(rules) + "\n"

@@ -9,6 +9,7 @@ replicated over tp) and the rank's local experts, each a SwiGLU MLP split over t
 Experts are split over ep: rank e holds experts ``e*E/ep .. (e+1)*E/ep - 1`` as ``local_experts.0 ..
 E/ep - 1``; everything else is replicated over ep. With ``--transformer-impl local`` the input norm is
 a module of its own (``input_layernorm``) instead of Transformer Engine's fused ``layer_norm_weight``.
+Grouped-GEMM experts (``--moe-grouped-gemm``) are the same tensors stored as ``reshard.models.moe_experts`` says.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointFormatError
-from reshard.models import llama
+from reshard.models import llama, moe_experts
 from reshard.models.config import config_ints
 from reshard.models.family import COLWISE, ROWWISE, Family, Tensor
 
@@ -49,24 +50,24 @@ index e < experts
 """
 
 
-def megatron(*, tied: bool = False, local: bool = False, biases: bool = False, **attention: bool) -> str | None:
+def megatron(*, tied: bool = False, local: bool = False, biases: bool = False, experts: str = "sequential",
+             **attention: bool) -> str | None:
     """Megatron-core GPT with Mixtral-style MoE layers (untied output layer); ``attention`` as
     ``llama.attention_rules`` takes it (q/k norms for Qwen3-MoE); ``biases``: the router's and every expert
-    linear's (``--add-bias-linear``: GPT-OSS), fc2's replicated over tp."""
-    if tied:
-        return None
+    linear's (``--add-bias-linear``: GPT-OSS), fc2's replicated over tp; ``experts``: how megatron-core stores
+    them (``reshard.models.moe_experts``), None where it cannot."""
     at = "decoder.layers.{i/pp}.mlp."
-    expert = at + "experts.local_experts.{e/ep}."
+    rules = moe_experts.expert_rules(at, "f", ("gate", "up", "down"), impl=experts,
+                                     biases=("gate_bias", "up_bias", "down_bias") if biases else None)
+    if tied or rules is None or (local and experts == "tegrouped"):
+        return None
     return "\n".join([
         f"embedding.word_embeddings.weight -> embed @first = {llama.VOCAB}",
         *llama.attention_rules(local=local, **attention),
         "decoder.layers.{i/pp}.pre_mlp_layernorm.weight -> ln2 = h",
         f"{at}router.weight -> router = experts h",
         *([f"{at}router.bias -> router_bias = experts"] if biases else []),
-        f"{expert}linear_fc1.weight = [gate: f/tp | up: f/tp] h",
-        *([f"{expert}linear_fc1.bias = [gate_bias: f/tp | up_bias: f/tp]"] if biases else []),
-        f"{expert}linear_fc2.weight -> down = h f/tp",
-        *([f"{expert}linear_fc2.bias -> down_bias = h"] if biases else []),
+        *rules,
         "decoder.final_layernorm.weight -> norm @last = h",
         f"output_layer.weight -> head @last = {llama.VOCAB}",
     ]) + "\n"

@@ -1,4 +1,4 @@
-"""Every layout fact L1-L18 (LAYOUTS.md Part A) as a spec, moved between two topologies.
+"""Every layout fact L1-L19 (LAYOUTS.md Part A) as a spec, moved between two topologies.
 
 Each test lays arange-valued logical tensors out under topology A, plans A -> B,
 carries the plan out in memory and checks bit-exactness both ways
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import assert_round_trip, items_by_key, layouts, logical_values
 
+from reshard.errors import SpecError
 from reshard.execution.arrays import scatter
 
 
@@ -515,3 +516,36 @@ stack -> layers.{i}.w = {i}/pp h
     stage1_chunk1 = next(v for it, v in items.items() if it.unit == (("pp", 1),) and it.chunk == 1)
     np.testing.assert_array_equal(stage1_chunk1.reshape(2, 2)[1], values[("layers.7.w", "param")])
     assert_round_trip(a, b, values)
+
+
+def test_l19_stored_shape_is_a_row_major_reshape_of_the_dims():
+    # Megatron's legacy GroupedMLP: weight1 [h, E/ep * 2f/tp] holding [E/ep][h][gate f/tp | up f/tp] in that order.
+    text = """
+index e < experts
+logical experts.{e}.gate as gate = f h
+logical experts.{e}.up as up = f h
+section model per ep tp
+weight1 = {e}/ep h [gate: f/tp | up: f/tp] as (h, 2*experts*f/(ep*tp))
+"""
+    sizes = {"experts": 4, "f": 4, "h": 3}
+    a, b = layouts(text, sizes, "ep=2,dp=2,tp=2", "ep=1,tp=1")
+    values = logical_values(a)
+    assert_round_trip(a, b, values)
+    items = scatter(a, values)
+    for r, t in ((0, 0), (1, 1), (1, 0)):
+        got = items_by_key(a, items, ep=r, tp=t)["weight1"]
+        rows = slice(2 * t, 2 * t + 2)
+        want = np.stack([np.concatenate([values[(f"experts.{e}.{p}", "param")][rows].T for p in ("gate", "up")], 1)
+                         for e in (2 * r, 2 * r + 1)])
+        assert got.shape == (3, 8)
+        np.testing.assert_array_equal(got, want.reshape(3, 8))
+
+
+def test_l19_a_stored_shape_of_another_element_count_is_an_error():
+    text = """
+logical w = f h
+section model per tp
+w = f/tp h as (h, f)
+"""
+    with pytest.raises(SpecError, match=r"'as' shape \(3, 4\) holds 12 elements but its dims \(2, 3\) hold 6"):
+        layouts(text, {"f": 4, "h": 3}, "tp=2", "tp=1")

@@ -93,8 +93,11 @@ with biases and sinks; ``-local`` with
 ``--transformer-impl local``,
 ``moe_spec`` picks one; sizes with ``experts``).
 
-Not supported yet (each raises ``CheckpointFormatError`` saying so): ``--moe-grouped-gemm``
-experts, experts with their own tp (``--expert-tensor-parallel-size`` other than tp), MoE
+Grouped-GEMM experts (``--moe-grouped-gemm``): ``GroupedMLP``'s ``weight1``/``weight2`` (``-grouped``) and
+``TEGroupedMLP``'s ``weight{e}`` (``-tegrouped``, without the distributed optimizer), chosen from the args
+(``reshard.models.moe_experts``).
+
+Not supported yet (each raises ``CheckpointFormatError`` saying so): experts with their own tp (``--expert-tensor-parallel-size`` other than tp), MoE
 with tied embeddings, context parallelism > 1, torch_dist/DCP
 checkpoints, other ``ChainedOptimizer``s than the dense + expert pair,
 distrib_optim.pt files before ``buckets_coalesced`` (megatron-core < 0.7),

@@ -63,9 +63,6 @@ def _topology_from_args(args: Mapping[str, Any], where: str, ranks: int) -> Topo
         raise CheckpointFormatError(
             f"{where}: expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}; "
             "experts split over their own tp are not supported yet")
-    if args.get("num_experts") and args.get("moe_grouped_gemm"):
-        raise CheckpointFormatError(f"{where}: --moe-grouped-gemm experts (GroupedMLP weight1/weight2) are not "
-                                    "supported yet; the SequentialMLP experts (local_experts.N) are")
     if cp > 1:
         raise CheckpointFormatError(f"{where}: context_parallel_size={cp} is not supported yet")
     world = _int_arg(args, "world_size", where, 0, lo=0, hi=MAX_COUNT * ranks)

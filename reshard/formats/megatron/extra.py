@@ -174,6 +174,7 @@ def _model_order(layout: Layout, topology: Topology, extra_state: Mapping[str, M
             u = dict(it.unit)
             out.setdefault((u["tp"], u["pp"], u.get("ep", 0), it.chunk), []).append((it.key, it))
     local_experts = experts // topology.ep if experts else 0
+    modules = {it.key.rpartition(".")[0] for it in layout.items if it.section == "model"}
     places = topology.layer_placement(layers)
     last = (topology.pp - 1, topology.vpp - 1)
     for name, per_tp in extra_state.items():
@@ -190,6 +191,8 @@ def _model_order(layout: Layout, topology: Topology, extra_state: Mapping[str, M
             rank = _mcore_rank(name)
             stage, chunk = (0, 0) if rank is not None and rank[0] == 0 else last
             key = name
+        if ".mlp.experts." in key and key.endswith("._extra_state") and key[:-len("._extra_state")] not in modules:
+            continue  # experts the target stores otherwise (SequentialMLP's as grouped GEMM): that module is gone
         values = list(per_tp.values())
         for t in range(topology.tp):
             if topology.tp == src_tp and t in per_tp:

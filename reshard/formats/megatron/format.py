@@ -52,6 +52,7 @@ from reshard.formats.megatron.specs import (
     _per_ep,
     _resolve,
     _with_vocab_pad,
+    experts_of,
     is_legacy,
     is_local,
     spec_name,
@@ -60,6 +61,7 @@ from reshard.formats.megatron.state import KEY, MegatronState, carried_args, sta
 from reshard.formats.megatron.writer import _Writer
 from reshard.formats.specs import layout_spec, require_family, source_family
 from reshard.io.bounds import brief
+from reshard.models import moe_experts
 
 
 class MegatronFormat:
@@ -143,7 +145,7 @@ class MegatronFormat:
                     f"{first_path}: a mixture-of-experts model with tied embeddings; the {family.name} family is "
                     "untied: give a spec for this one")
             spec = spec_name(family, local=args.get("transformer_impl") == "local", distopt=distopt, ep=topo.ep,
-                             mtp=bool(args.get("mtp_num_layers")))
+                             mtp=bool(args.get("mtp_num_layers")), experts=moe_experts.impl_from_args(args))
         if spec is None and _is_legacy(first):
             if tied or distopt:
                 raise CheckpointFormatError(
@@ -331,6 +333,8 @@ class MegatronFormat:
             args.update(use_legacy_models=is_legacy(name), use_mcore_models=not is_legacy(name))
         if is_local(name) != local:
             args["transformer_impl"] = "local" if is_local(name) else "transformer_engine"
+        if moe:
+            args.update(moe_experts.args_for(experts_of(name)))
         sizes["bucket_size"] = _bucket_size(args, topology) if distopt else 0
         if vocab_pad is not None:
             if vocab_pad not in ("zero", "last"):

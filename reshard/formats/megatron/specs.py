@@ -24,12 +24,12 @@ from reshard.models import Family
 
 
 def spec_name(family: Family, *, tied: bool = False, distopt: bool = False, ep: int = 1, local: bool = False,
-              legacy: bool = False, mtp: bool = False) -> str:
+              legacy: bool = False, mtp: bool = False, experts: str = "sequential") -> str:
     """The generated layout (``reshard.formats.specs``) of a Megatron checkpoint of ``family``: Megatron-core
     (``-local`` with ``--transformer-impl local``) or the legacy model; ``-tied`` output layer; ``-mtp`` with
     multi-token-prediction layers (``args.mtp_num_layers``); with the distributed optimizer, one coalesced buffer
     (``-distopt-torch``), or at ep > 1 a dense and an expert buffer (``-ep-distopt-torch``), as
-    ``distrib_optim.pt`` holds them."""
+    ``distrib_optim.pt`` holds them; ``experts``: ``-grouped`` or ``-tegrouped`` (``reshard.models.moe_experts``)."""
     if legacy:
         return f"megatron-legacy-{family.name}"
     parts = ["megatron", family.name]
@@ -39,6 +39,8 @@ def spec_name(family: Family, *, tied: bool = False, distopt: bool = False, ep: 
         parts.append("local")
     if mtp:
         parts.append("mtp")
+    if experts != "sequential" and family.experts:
+        parts.append(experts)
     if distopt:
         parts += [*(["ep"] if ep > 1 and family.experts else []), "distopt", "torch"]
     return "-".join(parts)
@@ -47,6 +49,12 @@ def spec_name(family: Family, *, tied: bool = False, distopt: bool = False, ep: 
 def is_local(name: str) -> bool:
     """Whether a generated Megatron layout is of megatron-core's local layers."""
     return name.startswith("megatron-") and "local" in name.split("-")[2:]
+
+
+def experts_of(name: str) -> str:
+    """How a generated Megatron layout stores its experts: ``grouped``, ``tegrouped`` or ``sequential``."""
+    options = name.split("-")[2:] if name.startswith("megatron-") else []
+    return next((o for o in ("grouped", "tegrouped") if o in options), "sequential")
 
 
 def is_legacy(name: str) -> bool:
