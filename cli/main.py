@@ -87,7 +87,8 @@ def _bytes(n: int) -> str:
 @app.command()
 @_user_errors
 def convert(
-    src: Annotated[Path, typer.Argument(help="source checkpoint directory")],
+    src: Annotated[str, typer.Argument(help="source checkpoint directory, or an fsspec URL (s3://..., "
+                                        "hf and dcp)")],
     dst: Annotated[Path, typer.Argument(help="destination directory (must not exist, or be empty)")],
     to: TopologyOpt = None,
     format: FormatOpt = None,
@@ -150,7 +151,8 @@ def convert(
 @app.command("plan")
 @_user_errors
 def plan_cmd(
-    src: Annotated[Path, typer.Argument(help="source checkpoint directory")],
+    src: Annotated[str, typer.Argument(help="source checkpoint directory, or an fsspec URL (s3://..., "
+                                        "hf and dcp)")],
     to: TopologyOpt = None,
     format: FormatOpt = None,
     spec: SpecOpt = None,

@@ -35,6 +35,7 @@ from reshard.execution.partial import Partial, partial_path
 from reshard.execution.session import WriteSession
 from reshard.execution.workers import WorkerLost, run_shares
 from reshard.formats import get_format
+from reshard.io.location import as_path, is_url
 from reshard.io.storage import HASH
 
 __all__ = ["ConvertResult", "convert"]
@@ -86,7 +87,8 @@ def convert(
     continues (with any number of workers).
 
     Args:
-      src: a checkpoint directory in any supported format.
+      src: a checkpoint directory in any supported format, or an fsspec URL (``s3://bucket/ckpt``) of an hf or
+        dcp one, read with range requests.
       dst: the directory to create; must not exist, or be empty.
       to: the destination topology (``"tp=2,pp=2,dp=4"``); default: the source's
         for the same format, unsharded for hf.
@@ -127,7 +129,10 @@ def convert(
       RankLost: across ranks, a rank died or stopped answering; ``resume`` continues.
     """
     started = time.perf_counter()
-    dst = Path(dst)
+    if is_url(dst):
+        raise ReshardError(f"{dst}: reshard writes a local directory (or a file:// URL); object storage (an fsspec "
+                           "URL) works as a source only: convert to a local directory and upload it")
+    dst = as_path(dst)
     ranks = join_ranks(distributed)
     if ranks is None:
         return _convert(src, dst, to=to, format=format, spec=spec, sizes=sizes, workers=workers,
@@ -161,7 +166,8 @@ def _convert(src: str | Path, dst: Path, *, to, format, spec, sizes, workers, me
         files = _finished(dst, report)  # done before: killed after its rename, or run twice
         return ConvertResult(path=dst, report=report, files=files, bytes_read=0, bytes_written=0, reused=len(files),
                              seconds=time.perf_counter() - started)
-    _check_destination(Path(src), dst)
+    if not is_url(src):
+        _check_destination(Path(src), dst)
     every = sorted({str(f) for f in report.dst_files.values()})
     # across ranks, this host's ranks share its memory budget as workers would
     count, window = _workers_and_window(report, workers if ranks is None else ranks.local_size, every, memory_budget)

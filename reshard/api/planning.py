@@ -22,13 +22,15 @@ from reshard.errors import PlanError, ReshardError
 from reshard.execution.executor import destination_dtypes
 from reshard.formats import detect_format, get_format
 from reshard.formats.base import Source, Target
+from reshard.io.location import UrlPath, as_path
 
 __all__ = ["PlanReport", "open_checkpoint", "plan"]
 
 
-def open_checkpoint(path: str | Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
-    """Detect a checkpoint's format and read its metadata (no tensor data)."""
-    path = Path(path)
+def open_checkpoint(path: str | Path | UrlPath, *, spec: str | None = None,
+                    sizes: Mapping[str, int] | None = None) -> Source:
+    """Detect a checkpoint's format and read its metadata (no tensor data); ``path`` may be an fsspec URL."""
+    path = as_path(path)
     with _collector_paused():
         return detect_format(path).open(path, spec=spec, sizes=sizes)
 

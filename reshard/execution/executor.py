@@ -46,6 +46,7 @@ from reshard.core.planner import Copy, Plan
 from reshard.errors import CheckpointFormatError, ReshardError
 from reshard.execution.arrays import view
 from reshard.execution.coalescing import Coalescing, GapBudget, coalesce, gap_sizes, runs_in_place, segments
+from reshard.io.location import UrlPath
 from reshard.io.smallfiles import Located
 
 __all__ = ["ByteReader", "PlanFill", "SourceReader", "destination_dtypes", "uint_dtype"]
@@ -73,7 +74,9 @@ class ByteReader:
     """Reads byte ranges of files and counts them; the whole read surface.
 
     Paths are kept open (a checkpoint has a bounded number of files) and read
-    with ``os.preadv`` so concurrent windows never share a file position.
+    with ``os.preadv`` so concurrent windows never share a file position. A
+    file in object storage (``reshard.io.location.UrlPath``) is read with one
+    range request per read.
     ``bytes_read`` (every byte read, gaps read through included) and ``reads``
     (read calls) add up across threads.
     """
@@ -106,6 +109,9 @@ class ByteReader:
         """Fill ``buffers``, in order, with the consecutive bytes of ``path`` from byte ``offset`` on."""
         if offset < 0:
             raise CheckpointFormatError(f"{path}: a read at byte {offset}, before the file's start")
+        if isinstance(path, UrlPath):
+            self._read_url(path, offset, buffers)
+            return
         fd = self._fd(path)
         total = sum(len(b) for b in buffers)
         done, calls, k = 0, 0, 0
@@ -134,6 +140,21 @@ class ByteReader:
         with self._lock:
             self.bytes_read += total
             self.reads += calls
+
+    def _read_url(self, path: UrlPath, offset: int, buffers: list[memoryview]) -> None:
+        """One range request for the consecutive bytes of ``buffers``, placed in them in order."""
+        total = sum(len(b) for b in buffers)
+        data = memoryview(path.read_range(offset, total))
+        if len(data) != total:
+            raise CheckpointFormatError(f"{path}: file ends at byte {offset + len(data)}, expected "
+                                        f"{total - len(data)} more bytes")
+        at = 0
+        for b in buffers:
+            b.cast("B")[:] = data[at:at + len(b)]
+            at += len(b)
+        with self._lock:
+            self.bytes_read += total
+            self.reads += 1
 
     def close(self) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import Format
+from reshard.io.location import UrlPath
 
 __all__ = ["FORMATS", "detect_format", "get_format"]
 
@@ -26,6 +27,8 @@ FORMATS = {
     "ucp": "reshard.formats.deepspeed.ucp",
 }
 PLANNED = ()
+URL_FORMATS = ("hf", "dcp")
+"""The formats read from object storage (an fsspec URL as the source); the others read local paths."""
 
 
 def get_format(name: str) -> Format:
@@ -38,8 +41,10 @@ def get_format(name: str) -> Format:
     return importlib.import_module(module).FORMAT
 
 
-def detect_format(path: Path) -> Format:
-    """The format of the checkpoint directory ``path``."""
+def detect_format(path: Path | UrlPath) -> Format:
+    """The format of the checkpoint directory ``path`` (local, or in object storage)."""
+    if isinstance(path, UrlPath):
+        return _detect_url(path)
     if not path.exists():
         if path.is_symlink():
             what = "a symbolic link loop, which cannot be read" if _is_loop(path) else "a symbolic link to nothing"
@@ -53,6 +58,21 @@ def detect_format(path: Path) -> Format:
         if fmt.detect(path):
             return fmt
     raise CheckpointFormatError(f"{path}: not a checkpoint reshard recognizes (looked for: {', '.join(FORMATS)})")
+
+
+def _detect_url(path: UrlPath) -> Format:
+    """The format of a checkpoint in object storage: the formats whose readers take URLs."""
+    for name in URL_FORMATS:
+        fmt = get_format(name)
+        if fmt.detect(path):
+            torch_dist = importlib.import_module(FORMATS["mcore-dist"]).METADATA_JSON
+            if name == "dcp" and (path / torch_dist).is_file():  # locally this would be read as mcore-dist
+                break
+            return fmt
+    if not path.is_dir():
+        raise CheckpointFormatError(f"{path}: no such checkpoint directory in object storage")
+    raise CheckpointFormatError(f"{path}: not a checkpoint reshard reads from object storage (looked for: "
+                                f"{', '.join(URL_FORMATS)}; other formats are read from a local copy)")
 
 
 def _is_loop(path: Path) -> bool:

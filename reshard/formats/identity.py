@@ -17,6 +17,7 @@ from typing import Any
 
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import ModelMeta
+from reshard.io.location import as_path
 from reshard.io.smallfiles import read_json
 
 __all__ = ["CONFIG_NAME", "GENERATION_CONFIG_NAME", "TOKENIZER_FILES", "read_identity", "write_identity"]
@@ -35,19 +36,19 @@ def read_identity(*dirs: Path) -> ModelMeta:
     """The model identity in the first of ``dirs`` holding a ``config.json``: the config (any model type),
     the generation config and the tokenizer files beside it. Empty when no directory has a config."""
     for d in dirs:
-        config_path = Path(d) / CONFIG_NAME
+        config_path = as_path(d) / CONFIG_NAME
         if not config_path.is_file():
             continue
         config = read_json(config_path)
         if not isinstance(config, dict):
             raise CheckpointFormatError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
-        generation = Path(d) / GENERATION_CONFIG_NAME
+        generation = as_path(d) / GENERATION_CONFIG_NAME
         gen = read_json(generation) if generation.is_file() else None
         if gen is not None and not isinstance(gen, dict):
             raise CheckpointFormatError(f"{generation}: expected a JSON object, got {type(gen).__name__}")
         files: dict[str, bytes] = {}
         for name in TOKENIZER_FILES:
-            p = Path(d) / name
+            p = as_path(d) / name
             if p.is_file():
                 if p.stat().st_size > _FILE_LIMIT:
                     raise CheckpointFormatError(f"{p}: {p.stat().st_size} bytes, more than a tokenizer file holds")

@@ -35,6 +35,7 @@ from typing import Any
 
 from reshard.errors import CheckpointFormatError
 from reshard.io.bounds import FieldError, brief, check_count, check_range, check_shape
+from reshard.io.location import UrlPath, as_path
 from reshard.io.pickle_scan import check_pickle
 from reshard.io.torch_types import _DTYPE_ALIASES, _DTYPE_NAMES, _ITEMSIZE
 
@@ -304,13 +305,14 @@ def _check_file_name(fqn: str, name: object) -> None:
         raise _Bad(f"the storage of '{fqn}' names {brief(name, 80)}, which is not a valid file name") from None
 
 
-def read_metadata(directory: Path) -> DcpMetadata:
+def read_metadata(directory: Path | UrlPath) -> DcpMetadata:
     """The ``.metadata`` of the checkpoint ``directory``, its storage entries checked against their files.
 
     An entry whose file exists must lie inside it; a missing file is left to the reader of the
     data to name. Raises CheckpointFormatError naming the ``.metadata`` file.
     """
-    path = Path(directory) / METADATA_NAME
+    directory = as_path(directory)
+    path = directory / METADATA_NAME
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -320,7 +322,7 @@ def read_metadata(directory: Path) -> DcpMetadata:
     for (fqn, _), s in md.storage.items():
         if s.relative_path not in sizes:
             try:
-                st = os.stat(Path(directory) / s.relative_path)
+                st = (directory / s.relative_path).stat()
                 sizes[s.relative_path] = st.st_size if stat.S_ISREG(st.st_mode) else None
             except OSError:
                 sizes[s.relative_path] = None

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from reshard.core.dtypes import DTYPES, ITEMSIZE, SAFETENSORS_CODES
 from reshard.core.units import parse_size
 from reshard.errors import CheckpointFormatError
 from reshard.io.bounds import FieldError, check_count, check_offset, check_shape
+from reshard.io.location import UrlPath, file_size
 from reshard.io.storage import OutputFile
 
 __all__ = [
@@ -123,15 +123,15 @@ def read_header(path: str | Path, *, offset: int = 0) -> SafetensorsHeader:
     >>> read_header("model.safetensors").tensors["lm_head.weight"].dtype   # doctest: +SKIP
     'bfloat16'
     """
-    path = Path(path)
+    path = path if isinstance(path, UrlPath) else Path(path)
     try:
         with path.open("rb") as f:
             try:
                 check_offset("safetensors offset", check_count("safetensors offset", offset),
-                             os.fstat(f.fileno()).st_size)
+                             file_size(f))
             except FieldError as e:
                 raise _error(path, str(e)) from None
-            size = os.fstat(f.fileno()).st_size - offset
+            size = file_size(f) - offset
             f.seek(offset)
             if size < _N_LEN:
                 raise _error(path, f"file is {size} bytes, shorter than the 8-byte header length")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import collections
 import io
-import os
 import pickle
 import re
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import numpy as np
 
 from reshard.errors import CheckpointFormatError
 from reshard.io.bounds import FieldError, brief, check_count, check_offset, check_range, check_shape
+from reshard.io.location import RemoteFile, UrlPath, file_size, pread
 from reshard.io.pickle_scan import check_pickle
 from reshard.io.torch_types import (
     _ALLOWED,
@@ -313,20 +313,21 @@ class _Archive:
 
     def __init__(self, path: Path, fh, base: int = 0, size: int | None = None) -> None:
         self.path, self.base = path, base
-        total = os.fstat(fh.fileno()).st_size
+        fd = fh if isinstance(fh, RemoteFile) else fh.fileno()
+        total = file_size(fh)
         check_count("archive offset", base)
         if size is None:
             check_offset("archive offset", base, total)
             size = total - base
         check_range("archive offset", base, check_count("archive length", size), total)
         self.size = size
-        magic = os.pread(fh.fileno(), min(4, size), base)
+        magic = pread(fd, min(4, size), base)
         if magic != b"PK\x03\x04":
             if magic[:1] == b"\x80":
                 raise _BadFileError("written in the legacy torch.save format (_use_new_zipfile_serialization=False), "
                            "which reshard does not read; re-save it with a current torch.save")
             raise _BadFileError("not a zip archive, so not a torch.save file (those start with PK\\x03\\x04)")
-        self.zip = ZipReader(fh.fileno(), base, size, end="the file" if (base, size) == (0, total) else "the archive")
+        self.zip = ZipReader(fd, base, size, end="the file" if (base, size) == (0, total) else "the archive")
         names = list(self.zip.entries)
         if not names or "/" not in names[0]:
             raise _BadFileError("zip archive is not a torch.save file: its records are not under one directory")
@@ -512,7 +513,7 @@ def read_torch_file(path: str | Path, *, offset: int = 0, length: int | None = N
         >>> ref = sd["model"]["embedding.word_embeddings.weight"]
         >>> ref.dtype, ref.shape, ref.data_offset  # read ref.nbytes bytes there when ref.is_contiguous
     """
-    path = Path(path)
+    path = path if isinstance(path, UrlPath) else Path(path)
     try:
         with path.open("rb") as fh:
             archive = _Archive(path, fh, offset, length)

@@ -24,12 +24,12 @@ other than stored (0) and deflated (8) are refused.
 
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 from dataclasses import dataclass
 
 from reshard.io.bounds import FieldError, check_count, check_range
+from reshard.io.location import RemoteFile, pread
 
 __all__ = ["DEFLATED", "STORED", "ZipEntry", "ZipReader"]
 
@@ -60,13 +60,14 @@ class ZipEntry:
 
 
 class ZipReader:
-    """The records of the zip archive at bytes ``[base, base + size)`` of the open file ``fd``.
+    """The records of the zip archive at bytes ``[base, base + size)`` of the open file ``fd`` (a descriptor,
+    or a ``RemoteFile`` in object storage).
 
     Raises ``FieldError`` on the first field that breaks a rule above; ``end`` names the
     archive's extent in those messages ("the file", or "the archive" for one inside a larger file).
     """
 
-    def __init__(self, fd: int, base: int, size: int, *, end: str = "the file") -> None:
+    def __init__(self, fd: int | RemoteFile, base: int, size: int, *, end: str = "the file") -> None:
         self.fd, self.base, self.size, self.end = fd, base, size, end
         self.entries: dict[str, ZipEntry] = {}
         """By name, in central directory order."""
@@ -76,7 +77,7 @@ class ZipReader:
     def read(self, offset: int, length: int, field: str) -> bytes:
         """Bytes ``[offset, offset + length)`` of the archive, after checking they lie inside it."""
         check_range(field, offset, length, self.size, end=self.end)
-        data = os.pread(self.fd, length, self.base + offset)
+        data = pread(self.fd, length, self.base + offset)
         if len(data) != length:  # the file shrank since we took its size
             raise FieldError(f"{field}: the file ends at byte {self.base + offset + len(data)} (truncated while read?)")
         return data

@@ -63,6 +63,7 @@ from reshard.io.dcp_metadata import (
     read_metadata,
     write_metadata,
 )
+from reshard.io.location import as_path
 from reshard.io.torch_types import SmallTensor, TensorSpec
 from reshard.io.torch_write import TorchFileWriter
 from reshard.models.config import config_sizes
@@ -74,7 +75,7 @@ class DcpFormat:
     name = "dcp"
 
     def detect(self, path: Path) -> bool:
-        path = Path(path)
+        path = as_path(path)
         return (path / METADATA_NAME).is_file()
 
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
@@ -86,7 +87,7 @@ class DcpFormat:
             metadata, an optimizer state for no parameter, or a transformed
             (compressed) entry; each naming the key and file.
         """
-        path = Path(path)
+        path = as_path(path)
         if spec is not None:
             raise CheckpointFormatError(f"{path}: a DCP checkpoint describes its own layout; --spec does not apply to it")
         md = read_metadata(path)

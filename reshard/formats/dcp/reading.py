@@ -4,7 +4,6 @@ bytes of each chunk located inside its ``torch.save`` archive."""
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from reshard.io.dcp_metadata import (
     DcpStorage,
     DcpTensor,
 )
+from reshard.io.location import pread
 from reshard.io.safetensors_io import read_header
 from reshard.io.torch_read import read_torch_file
 from reshard.io.torch_types import SmallTensor, TensorRef, scalar_value
@@ -158,8 +158,8 @@ def _entry_bytes(path: Path, md: DcpMetadata, key: str, offsets: tuple[int, ...]
     if not file.is_file():  # never open a FIFO or a device: reading it could block or never end
         raise CheckpointFormatError(f"{file}: missing or not a regular file (the metadata puts '{key}' there)")
     try:
-        with open(file, "rb") as f:
-            data = os.pread(f.fileno(), s.length, s.offset)
+        with file.open("rb") as f:
+            data = pread(f, s.length, s.offset)
     except OSError as e:
         raise CheckpointFormatError(f"{file}: cannot read '{key}': {e.strerror or e}") from e
     if len(data) != s.length:
@@ -178,8 +178,8 @@ def _chunk_ref(path: Path, md: DcpMetadata, key: str, c: DcpChunk, t: DcpTensor,
     file = path / s.relative_path
     if not file.is_file():
         raise CheckpointFormatError(f"{file}: missing (the metadata puts '{key}' there)")
-    with open(file, "rb") as f:
-        magic = os.pread(f.fileno(), 4, s.offset)
+    with file.open("rb") as f:
+        magic = pread(f, 4, s.offset)
     if magic == b"PK\x03\x04":
         ref = read_torch_file(file, offset=s.offset, length=s.length)
     else:

@@ -29,6 +29,7 @@ from reshard.formats.derived import (
 from reshard.formats.hf.files import _check_param_only, _listing, _shard_plan, _stored_tensors, _target_dtypes
 from reshard.formats.identity import CONFIG_NAME, read_identity, write_identity
 from reshard.formats.specs import layout_spec, require_family, source_family, spec_text
+from reshard.io.location import as_path
 from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter
 from reshard.models import Family, known_family
 from reshard.models.config import hf_config
@@ -48,7 +49,7 @@ class HFFormat:
     name = "hf"
 
     def detect(self, path: Path) -> bool:
-        path = Path(path)
+        path = as_path(path)
         return (path / CONFIG_NAME).is_file() and ((path / WEIGHTS_NAME).is_file() or (path / INDEX_NAME).is_file())
 
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
@@ -64,7 +65,7 @@ class HFFormat:
             tied and no tied spec is shipped, or the stored tensors do not
             match the spec (all mismatches listed, each with its file).
         """
-        path = Path(path)
+        path = as_path(path)
         config_path = path / CONFIG_NAME
         model = read_identity(path)
         config = model.config or {}
