@@ -198,8 +198,10 @@ def _plan(src: str | Path, to: str | Topology | None, format: str | None, spec: 
     if MASTER in target.layout.states and MASTER not in source.layout.states and all(
             source.where[it].dtype == "float32" for it in weights if it in source.where):
         # fp32 weights with no separate master copy (FSDP2, fp32 runs) are the master copy: of the trained
-        # params (those with optimizer state; all, when none has), not of frozen params or buffers.
-        source.layout = with_state_alias(source.layout, PARAM, MASTER, only=trained or None)
+        # params (those with optimizer state; when none has, those the target keeps a master of), not of frozen
+        # params or buffers.
+        mastered = {f.tensor for f in target.layout.fragments if f.state == MASTER}
+        source.layout = with_state_alias(source.layout, PARAM, MASTER, only=trained or mastered)
     elif PARAM in target.layout.states and MASTER in source.layout.states:
         # Trained params stored only as fp32 masters (DeepSpeed ZeRO-3, beside frozen params' weights): the
         # masters are their weights, as zero_to_fp32 reads them.

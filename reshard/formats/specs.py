@@ -14,7 +14,9 @@ The rules, per format:
   per param group and state: the group's params flattened in registration order, zero-padded to a
   multiple of ``2 * dp`` (``nccl_start_alignment_factor``) and split into dp equal partitions. An
   always-tied family's output projection (``tied_head``) is in the module's state dict as a copy of the
-  embedding (section ``module``: ``lm_head.weight -> embed``), in no flat buffer. Options:
+  embedding (section ``module``: ``lm_head.weight -> embed``), in no flat buffer; a family's persistent buffers
+  are in the module's state dict too (section ``buffers``, named in ``buffer_names``; under ``zero3`` whole in
+  every rank's model file), in no flat buffer. Options:
   ``hf-trainer`` (two param groups, decay and no decay, as transformers' Trainer makes them),
   ``zero3`` (every param padded and split on its own), and the ``deepspeed-pipe`` prefix for the
   pipeline engine (``PipelineModule`` of [embedding, decoder layers, norm, head]: params named
@@ -50,7 +52,7 @@ from reshard.models.family import Tensor
 from reshard.models.catalog import load_spec
 from reshard.models.config import hf_config
 
-__all__ = ["FORMAT_RULES", "TIED_HEAD", "layout_spec", "require_family", "spec_names", "spec_text", "tied_head"]
+__all__ = ["BUFFERS", "FORMAT_RULES", "TIED_HEAD", "layout_spec", "require_family", "spec_names", "spec_text", "tied_head"]
 
 STATES = "states master exp_avg exp_avg_sq"
 DISTOPT = "reverse | align 64 | buckets bucket_size"
@@ -99,13 +101,14 @@ def _hf_order(family: Family, tied: bool):
 
 # --- deepspeed ---------------------------------------------------------------------------------------
 
-def _no_buffers(family: Family, name: str) -> None:
-    """DeepSpeed's layouts put the whole module section into flat buffers; a family with persistent buffers
-    (which no optimizer holds) is not laid out so yet."""
-    if family.buffers:
-        raise SpecError(f"{name}: no DeepSpeed layout for {family.name} (its persistent buffers "
-                        f"{', '.join(family.buffers)} are in the module's state dict but in no flat buffer; not "
-                        "supported yet)")
+BUFFERS = "buffers"
+"""The section of a family's DeepSpeed layout that holds its persistent buffers: in the module's state dict
+(``buffer_names``), in no flat buffer."""
+
+
+def _buffers(family: Family) -> list[Tensor]:
+    """The family's persistent buffers (``Family.buffers``), in the order it stores them."""
+    return [t for t in family.stored(tied=False) if t.alias in family.buffers]
 
 
 TIED_HEAD = "lm_head.weight"
@@ -123,7 +126,6 @@ def tied_head(family: Family) -> tuple[str, Tensor] | None:
 
 def deepspeed(family: Family, options: tuple[str, ...]) -> str:
     variant = _one_of(options, ("hf-trainer", "zero3"), family, "deepspeed")
-    _no_buffers(family, "-".join(("deepspeed", family.name, *options)))
     tensors = family.by_registration(tied=False)
 
     def held(t: Tensor, name: str | None = None) -> str:  # as the model holds it: as Hugging Face stores it
@@ -140,6 +142,8 @@ def deepspeed(family: Family, options: tuple[str, ...]) -> str:
         lines += [held(t) for t in tensors]
         flats = ["flat fp32_flat_groups.{state} = model | perparam | split dp" if variant == "zero3" else
                  "flat optimizer.{state} = model | pad 2*dp | split dp"]
+    if buffers := _buffers(family):  # ZeRO-3: whole in every rank's model file
+        lines += ["", f"section {BUFFERS} per tp pp" + " dp" * (variant == "zero3"), *(held(t) for t in buffers)]
     tie = tied_head(family)
     if tie is not None and variant != "zero3":  # ZeRO-3 keeps a placeholder of it, no tensor
         lines += ["", "section module per tp pp", held(tie[1], tie[0])]
@@ -149,7 +153,11 @@ def deepspeed(family: Family, options: tuple[str, ...]) -> str:
 
 def deepspeed_pipe(family: Family, options: tuple[str, ...]) -> str:
     _one_of(options, (), family, "deepspeed-pipe")
-    _no_buffers(family, f"deepspeed-pipe-{family.name}")
+    if family.buffers:
+        raise SpecError(f"deepspeed-pipe-{family.name}: no DeepSpeed pipeline layout for {family.name} (its "
+                        f"persistent buffers {', '.join(family.buffers)} would be in the layer files' state dicts, "
+                        "which the pipeline layout does not place buffers in yet; the deepspeed-"
+                        f"{family.name} layouts hold them)")
     tensors = family.by_registration(tied=False)
     layered = [t for t in tensors if "{i}" in t.name]
     first = tensors[:tensors.index(layered[0])]

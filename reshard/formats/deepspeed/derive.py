@@ -19,8 +19,8 @@ Tensor parallelism is not derived: DeepSpeed does not record how tp splits a ten
 gives the ``DsModel`` of a checkpoint of another format: its tensors in the order it records them, the ones
 with optimizer state (or all of them, when it holds none) in one param group (or in the param groups its
 optimizer had, when it records them: ``foreign_groups``), the rest frozen. ``model_of_layout`` gives the
-``DsModel`` of a family's layout (``reshard.formats.specs``), so that its files record a tied head as a derived
-layout's do (``shared_params``).
+``DsModel`` of a family's layout (``reshard.formats.specs``), so that its files record a tied head and persistent
+buffers as a derived layout's do (``shared_params``, ``buffer_names``).
 """
 
 from __future__ import annotations
@@ -266,25 +266,29 @@ def model_of_source(source: Source) -> DsModel:
 
 
 def model_of_layout(layout: Layout, groups: Sequence[str], module: Sequence[str] = (),
-                    ties: Sequence[tuple[str, str]] = ()) -> DsModel:
-    """The ``DsModel`` of a resolved layout of a family's spec, which has no frozen params and no buffers:
-    each ``groups`` section's params (``param_shapes``: keys and stored shapes, in flat order), then the tied
-    copies (``shared_params``): each key of the ``module`` sections, holding a param group's tensor, and
-    ``ties`` (key, tensor) besides (a ZeRO-3 layout's, which stores no tied copy).
+                    ties: Sequence[tuple[str, str]] = (), buffers: Sequence[str] = ()) -> DsModel:
+    """The ``DsModel`` of a resolved layout of a family's spec, which has no frozen params: each ``groups``
+    section's params (``param_shapes``: keys and stored shapes, in flat order), then the persistent buffers of
+    the ``buffers`` sections (``buffer_names``), then the tied copies (``shared_params``): each key of the
+    ``module`` sections, holding a param group's tensor, and ``ties`` (key, tensor) besides (a ZeRO-3 layout's,
+    which stores no tied copy).
 
     Raises CheckpointFormatError naming a module key whose tensor no param group holds.
     """
-    def keys(section: str) -> list[str]:  # a key is an item per tp rank
+    def keys(section: str) -> list[str]:  # a key is an item per tp rank (and per dp rank: a ZeRO-3 buffer)
         return list(dict.fromkeys(it.key for it in layout.items if it.section == section and it.state == PARAM))
 
     shapes = {it.key: info.shape for it, info in layout.items.items() if it.state == PARAM}
     tensor_of = {f.item.key: f.tensor for f in layout.fragments if f.item.section in module}
     grouped = [keys(s) for s in groups]
     held = {k for g in grouped for k in g}
+    kept = [k for s in buffers for k in keys(s)]
     tied = [*((k, tensor_of[k]) for s in module for k in keys(s)), *ties]
     for key, name in tied:
         if name not in held:
             raise CheckpointFormatError(f"module key '{key}' holds '{name}', which no param group holds: not a "
                                         "tied weight DeepSpeed records in shared_params")
-    return DsModel(tensors=tuple(Recorded(k, shapes[k]) for g in grouped for k in g),
-                   groups=tuple(tuple(g) for g in grouped), module=(*((k, k) for g in grouped for k in g), *tied))
+    return DsModel(tensors=tuple(Recorded(k, shapes[k]) for k in [*(k for g in grouped for k in g), *kept]),
+                   groups=tuple(tuple(g) for g in grouped),
+                   module=(*((k, k) for g in grouped for k in g), *((k, k) for k in kept), *tied),
+                   buffers=tuple(kept))

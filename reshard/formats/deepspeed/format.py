@@ -101,7 +101,7 @@ from reshard.formats.deepspeed.zero12 import (
 )
 from reshard.formats.derived import derived_spec_name, is_derived
 from reshard.formats.identity import read_identity, write_identity
-from reshard.formats.specs import family_of, layout_spec, target_config
+from reshard.formats.specs import BUFFERS, family_of, layout_spec, target_config
 from reshard.models import known_family
 from reshard.models.config import config_sizes
 
@@ -435,12 +435,14 @@ def _target_states(source: Source) -> tuple[str, ...]:
 
 
 def _family_model(spec_name: str, spec: Spec, layout: Layout, info: _SpecInfo) -> DsModel | None:
-    """The ``DsModel`` of a family's layout outside the pipeline engine (its param groups, and its tied head for
-    ``shared_params``); None for a user's spec or a pipeline's."""
+    """The ``DsModel`` of a family's layout outside the pipeline engine (its param groups, its persistent buffers
+    for ``buffer_names`` and its tied head for ``shared_params``); None for a user's spec or a pipeline's."""
     if family_of(spec_name) is None or _is_pipeline(spec):
         return None
     groups = [section for section, _ in info.groups]
-    return model_of_layout(layout, groups, [s for s in info.module_sections if s not in groups])
+    buffers = [BUFFERS] if BUFFERS in info.module_sections else []
+    return model_of_layout(layout, groups, [s for s in info.module_sections if s not in (*groups, *buffers)],
+                           buffers=buffers)
 
 
 def _derived_name(ds_model: DsModel) -> str:

@@ -90,7 +90,7 @@ from reshard.formats.deepspeed.state import (
 from reshard.formats.deepspeed.zero12 import _spec_info, _SpecInfo
 from reshard.formats.derived import derived_spec_name, is_derived
 from reshard.formats.identity import write_identity
-from reshard.formats.specs import family_of, layout_spec, target_config, tied_head
+from reshard.formats.specs import BUFFERS, family_of, layout_spec, target_config, tied_head
 from reshard.io.bounds import brief
 from reshard.io.torchfile import TensorRef, TensorSpec, TorchSize
 from reshard.models.config import config_sizes
@@ -425,11 +425,12 @@ def target_zero3(fmt_name: str, source: Source, topology: Topology, spec: str | 
     topo = Topology(dp=topology.dp, zero=3)
     full = resolve(parsed, topo, source.sizes, states={info.optim_section: (MASTER, *src_states)})
     items = {it: i for it, i in full.items.items() if it.section in _stored_sections(info)}
-    if ds_model is None:  # a family's: its groups' params, and a placeholder of its tied head
+    if ds_model is None:  # a family's: its groups' params, its buffers whole, and a placeholder of its tied head
         family = family_of(spec_name)
         tie = tied_head(family) if family is not None else None
         ds_model = model_of_layout(full, [section for section, _ in info.groups],
-                                   ties=[(tie[0], tie[1].name)] if tie else [])
+                                   ties=[(tie[0], tie[1].name)] if tie else [],
+                                   buffers=[BUFFERS] if BUFFERS in info.module_sections else [])
     layout = Layout(topology=topo, tensors=full.tensors, items=MappingProxyType(items),
                     fragments=tuple(f for f in full.fragments if f.item in items))
     param_dtype = weights_dtype(source)
