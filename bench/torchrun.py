@@ -65,9 +65,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the layer count (1.0: about 2.6 GiB)")
     ap.add_argument("--repeat", type=int, default=3, help="rounds of every run; the table shows medians")
-    ap.add_argument("--tiny", action="store_true", help="a checkpoint of a few MiB, one round (a smoke test)")
+    ap.add_argument("--tiny", action="store_true", help="a checkpoint of a few MiB, one round, 1 and 2 ranks (a smoke test)")
     args = ap.parse_args()
     repeat = 1 if args.tiny else args.repeat
+    counts = RANKS[:2] if args.tiny else RANKS  # the smoke test: 1 and 2 ranks
     source_topo, target, _ = CASES["megatron"]
     base = Path(tempfile.mkdtemp(prefix="reshard-bench-torchrun-", dir=os.environ.get("TMPDIR")))
     src, copy, one = base / "src", base / "copy", base / "one"
@@ -80,7 +81,7 @@ def main() -> None:
         reference, written = contents(one), sum(1 for p in one.rglob("*") if p.is_file())
         shutil.rmtree(one)
         runs: dict[str, list[str]] = {"alone": [*convert, str(base / "dst"), "--to", target, "--workers", "1"]}
-        for n in RANKS:
+        for n in counts:
             runs[f"ranks{n}"] = [*torchrun, "--nproc-per-node", str(n), *runs["alone"][1:]]
         cp_runs: list[float] = []
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
@@ -100,7 +101,7 @@ def main() -> None:
                 same = same and contents(base / "dst") == reference
                 shutil.rmtree(base / "dst")
         alone = times["alone"]
-        ranks = {n: times[f"ranks{n}"] for n in RANKS}
+        ranks = {n: times[f"ranks{n}"] for n in counts}
         cp_s = statistics.median(cp_runs)
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
         print(f"checkpoint: Megatron (distributed optimizer) {source_topo} -> {target}, {size / 2**30:.2f} GiB, "
@@ -113,7 +114,7 @@ def main() -> None:
         wall, conv = statistics.median(w for w, _ in alone), statistics.median(c for _, c in alone)
         print(f"| reshard convert --workers 1 (no torchrun) | {wall:.1f} | {wall / wall1:.2f} | {conv:.1f} | "
               f"{conv / conv1:.2f} |")
-        for n in RANKS:
+        for n in counts:
             wall, conv = statistics.median(w for w, _ in ranks[n]), statistics.median(c for _, c in ranks[n])
             print(f"| torchrun, {n} rank{'s' if n > 1 else ''} | {wall:.1f} | {wall / wall1:.2f} | {conv:.1f} | "
                   f"{conv / conv1:.2f} |")
