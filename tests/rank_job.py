@@ -49,11 +49,19 @@ if fault:
     if int(rank) == RANK:
         inject(action, int(n))
 calls: list[list[int]] = []
+
+
+def say(result: dict) -> None:
+    """One JSON line in one write: the ranks share torchrun's stdout, and a pipe keeps a write of up to 4 KiB
+    whole, where print's separate writes of text and newline can interleave with another rank's."""
+    os.write(1, (json.dumps(result) + "\n").encode())
+
+
 try:
     r = reshard.convert(SRC, DST, to=TO, resume=RESUME, progress=lambda done, total: calls.append([done, total]))
 except ReshardError as e:
-    print(json.dumps({"rank": RANK, "error": type(e).__name__, "message": str(e)}), flush=True)
+    say({"rank": RANK, "error": type(e).__name__, "message": str(e)})
     sys.exit(2)
-print(json.dumps({"rank": RANK, "ranks": r.ranks, "report": r.report is not None, "files": sorted(r.files),
-                  "reused": r.reused, "progress": calls[-1] if calls else None, "calls": len(calls),
-                  "growing": all(a[0] < b[0] for a, b in zip(calls, calls[1:]))}), flush=True)
+say({"rank": RANK, "ranks": r.ranks, "report": r.report is not None, "files": sorted(r.files),
+     "reused": r.reused, "progress": calls[-1] if calls else None, "calls": len(calls),
+     "growing": all(a[0] < b[0] for a, b in zip(calls, calls[1:]))})
