@@ -18,6 +18,31 @@ from pathlib import Path
 from jobs import exit_now
 
 
+def run(case: Path) -> dict:
+    """This script on ``case`` in a process of its own; its ``result.json``."""
+    import os
+
+    from jobs import run_job
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    code, output = run_job([sys.executable, __file__, str(case)], env)
+    assert code == 0, output[-4000:]
+    return json.loads((case / "result.json").read_text())
+
+
+def same_chunks(real_dir: Path, ours_dir: Path):
+    """Assert that two torch_dist checkpoints hold the same keys, bytes entries, global shapes and chunks; their
+    metadata (megatron-core's, reshard's)."""
+    from reshard.io.dcp_metadata import read_metadata
+
+    real, ours = read_metadata(real_dir), read_metadata(ours_dir)
+    assert ours.tensors.keys() == real.tensors.keys() and sorted(ours.byte_entries) == sorted(real.byte_entries)
+    for key, t in real.tensors.items():
+        assert t.size == ours.tensors[key].size and sorted((c.offsets, c.sizes) for c in ours.tensors[key].chunks) \
+            == sorted((c.offsets, c.sizes) for c in t.chunks), key
+    return real, ours
+
+
 def main(case: Path) -> None:
     import torch
     import torch.distributed as dist

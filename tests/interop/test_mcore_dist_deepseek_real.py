@@ -5,13 +5,12 @@ the MTP block): reshard's layout from Hugging Face against what megatron-core it
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
+import mcore_dist_moe_jobs
 import pytest
 from conftest import require
-from jobs import run_job, run_ranks
+from jobs import run_ranks
 from test_families_real import _save_tiny
 
 import reshard
@@ -19,7 +18,6 @@ from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
 from reshard.formats.dcp.reading import _entry_bytes
 from reshard.formats.specs import layout_spec
-from reshard.io.dcp_metadata import read_metadata
 from reshard.models import get_family
 
 
@@ -70,22 +68,14 @@ def test_deepseek_v3_torch_dist_is_what_megatron_core_saves_and_its_own_save_con
                     spec="megatron-deepseek_v3-local-mtp")
     reshard.convert(tmp_path / "hf", tmp_path / "dist", format="mcore-dist", to="tp=1",
                     spec="mcore-dist-deepseek_v3-local-mtp")
-    script = Path(__file__).parents[1] / "mcore_dist_moe_jobs.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    code, output = run_job([sys.executable, str(script), str(tmp_path)], env)
-    assert code == 0, output[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    result = mcore_dist_moe_jobs.run(tmp_path)
     assert result["differ"] == [] and result["compared"] > 0, result
 
-    real, ours = read_metadata(tmp_path / "real"), read_metadata(tmp_path / "dist")
-    assert ours.tensors.keys() == real.tensors.keys() and sorted(ours.byte_entries) == sorted(real.byte_entries)
+    real, ours = mcore_dist_moe_jobs.same_chunks(tmp_path / "real", tmp_path / "dist")
     assert {"decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.1.mlp.router.expert_bias",
             "decoder.layers.3.mlp.shared_experts.linear_fc1.weight", "decoder.layers.2.self_attention.q_layernorm.weight",
             "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc2.weight"} <= real.tensors.keys()
     assert list(real.tensors["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].size) == [4, 64, 64]
-    for key, t in real.tensors.items():
-        assert t.size == ours.tensors[key].size and sorted((c.offsets, c.sizes) for c in ours.tensors[key].chunks) \
-            == sorted((c.offsets, c.sizes) for c in t.chunks), key
     entry = "decoder.layers.1.mlp.experts.experts.linear_fc1._extra_state/shard_3_4"
     assert _entry_bytes(tmp_path / "dist", ours, entry, None) == _entry_bytes(tmp_path / "real", real, entry, None)
 
@@ -110,11 +100,7 @@ def test_deepseek_v3_torch_dist_at_tp2_is_chunk_for_chunk_what_megatron_core_sav
     reshard.convert(tmp_path / "hf", tmp_path / "dist", format="mcore-dist", to="tp=2",
                     spec="mcore-dist-deepseek_v3-local-mtp")
     run_ranks(str(Path(__file__).parents[1] / "mcore_dist_tp_jobs.py"), [str(tmp_path), "2"], "megatron-core tp 2")
-    real, ours = read_metadata(tmp_path / "real"), read_metadata(tmp_path / "dist")
-    assert ours.tensors.keys() == real.tensors.keys() and sorted(ours.byte_entries) == sorted(real.byte_entries)
+    real, ours = mcore_dist_moe_jobs.same_chunks(tmp_path / "real", tmp_path / "dist")
     assert len(real.tensors["decoder.layers.0.self_attention.linear_q_down_proj.weight"].chunks) == 2
-    for key, t in real.tensors.items():
-        assert t.size == ours.tensors[key].size and sorted((c.offsets, c.sizes) for c in ours.tensors[key].chunks) \
-            == sorted((c.offsets, c.sizes) for c in t.chunks), key
     reshard.convert(tmp_path / "real", tmp_path / "back", format="hf")
     _assert_same(tmp_path / "back", want)
