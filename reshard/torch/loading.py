@@ -82,7 +82,7 @@ def load_into(model: Any, optimizer: Any, src: str | Path, *,
     """
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
-        get_state_dict,
+        get_optimizer_state_dict,
         set_model_state_dict,
         set_state_dict,
     )
@@ -93,26 +93,22 @@ def load_into(model: Any, optimizer: Any, src: str | Path, *,
     if optimizer is not None and not opt_states:
         raise ReshardError(f"{source.path}: this {source.format} checkpoint holds no optimizer state (only the "
                            "model's weights); pass optimizer=None to load the model alone")
-    if optimizer is None:
-        msd, osd = get_model_state_dict(model), None
-    else:
-        msd, osd = get_state_dict(model, optimizer)
+    msd = get_model_state_dict(model)
     rename = _renamer(names)
     shards, locals_, chosen, missing = _model_shards(msd, source, held, rename)
-    problems: list[str] = []
-    if osd is not None:
-        _optimizer_shards(osd, source, held, rename, chosen, shards, locals_, problems)
-    problems += _shape_problems(shards, source)
+    problems = _shape_problems(shards, source)
     if strict and missing:
         problems += [f"model key '{k}'{_as(k, rename)} is not in the checkpoint" for k in missing]
     if strict:
         used = {s.tensor for s in shards}
         problems += [f"checkpoint tensor '{n}' has no key in the model" for n in sorted(
             {t for t, s in held if s in (PARAM, MASTER) and not source.layout.tensors[t].blob} - used)]
-    if problems:
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise ReshardError(f"{source.path}: cannot load this {source.format} checkpoint into the model:\n  "
-                           + "\n  ".join(problems[:20]) + more)
+    _refuse(problems, source)  # before the optimizer's state is made (DCP's state dict initializes it)
+    osd = None
+    if optimizer is not None:
+        osd = get_optimizer_state_dict(model, optimizer)
+        _optimizer_shards(osd, source, held, rename, chosen, shards, locals_, problems)  # shapes: its params'
+        _refuse(problems, source)
     bytes_read, share, reads = _fill(source, shards, locals_)
     if osd is not None:
         _set_steps(osd, source, rename, chosen)
@@ -122,6 +118,14 @@ def load_into(model: Any, optimizer: Any, src: str | Path, *,
     return LoadReport(bytes_read=bytes_read, share=share, reads=reads, tensors=len(shards),
                       states=tuple(sorted({s.state for s in shards}, key=lambda s: (s not in (MASTER, PARAM), s))),
                       missing=tuple(missing))
+
+
+def _refuse(problems: list[str], source: Source) -> None:
+    """Every problem found, in one error naming the checkpoint (the first 20 of them)."""
+    if problems:
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise ReshardError(f"{source.path}: cannot load this {source.format} checkpoint into the model:\n  "
+                           + "\n  ".join(problems[:20]) + more)
 
 
 def _renamer(names: Mapping[str, str] | Callable[[str], str] | None) -> Callable[[str], str]:

@@ -134,3 +134,27 @@ def test_an_optimizer_is_refused_when_the_checkpoint_has_only_weights(tmp_path):
     with pytest.raises(ReshardError, match=r"holds no optimizer state .*pass optimizer=None"):
         load_into(net, opt, tmp_path / "hf")
     assert not opt.state  # refused before anything was touched
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_model_that_does_not_match_is_refused_before_the_optimizer_is_touched(tmp_path):
+    """DCP's state dict of an optimizer makes its state (a step of zeros): a model that cannot take the
+    checkpoint is refused before that, so the job's optimizer still has no state and its params their values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    net = _net(0)
+    opt = torch.optim.Adam(net.parameters())
+    _step(net, opt)
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "dcp")
+    mine = _net(1)
+    mine[1] = torch.nn.Linear(6, 5)
+    mine[2] = torch.nn.LayerNorm(5)
+    mine[3] = torch.nn.Linear(5, 11, bias=False)
+    before = {k: v.clone() for k, v in mine.state_dict().items()}
+    my_opt = torch.optim.Adam(mine.parameters())
+    with pytest.raises(ReshardError, match=r"'1\.weight' \[param\]: the model's shape is \[5, 6\]"):
+        load_into(mine, my_opt, tmp_path / "dcp")
+    assert not my_opt.state
+    assert all(torch.equal(v, before[k]) for k, v in mine.state_dict().items())
