@@ -24,6 +24,8 @@ Two differences are conventions, not values, and are bridged here:
   128 * tp here. Its model provider sets the padded size; the test sets it the same way, so the whole padded
   tensors are compared, padding rows included.
 Names that are not parameters (``_extra_state``) are left out on both sides.
+
+DeepSeek-V3's MTP layer is checked too: ``mtp.layers.0.*`` from HF ``model.layers.61.*``, at 61 layers as mbridge needs.
 """
 
 from __future__ import annotations
@@ -53,14 +55,16 @@ SMALL = {  # set where the family's config has the field
     "num_nextn_predict_layers": 0,
 }
 # mbridge bridges whose constructor fails with the pinned frameworks, and why. The HF -> Megatron mapping reads
-# only the Hugging Face config, the dtype, the parallel sizes and ``gated_linear_unit``, so for these the test
-# makes the bridge without its megatron-core config (and checks that the constructor still fails).
+# only the Hugging Face config, the dtype, the parallel sizes and three fields of the megatron-core config
+# (``gated_linear_unit``; ``num_layers`` and ``mtp_num_layers`` for DeepSeek-V3's MTP names), so for these the
+# test makes the bridge without its megatron-core config (and checks that the constructor still fails).
 NO_MCORE_CONFIG = {
     "deepseek_v3": "mbridge 0.15.1's DeepseekV3Bridge._build_config reads hf_config.rope_theta (transformers 5 "
                    "keeps it in rope_parameters) and passes max_position_embeddings to megatron-core 0.16's "
                    "MLATransformerConfig, which has no such field",
 }
 EXPERT = re.compile(r"(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+MTP_LAYER = 61  # mbridge 0.15.1's DeepSeek-V3 bridge maps one MTP layer, Hugging Face layer 61, after 61 layers
 
 
 def _mbridge():
@@ -90,7 +94,10 @@ def _bridge(auto_bridge, config, tp: int):
             bridge.hf_config, bridge.extra_args, bridge.dtype, bridge.mpu = config, {}, kwargs["dtype"], \
                 kwargs["parallel_states"]
             bridge.make_vocab_size_divisible_by = kwargs["make_vocab_size_divisible_by"]
-            bridge.config = SimpleNamespace(gated_linear_unit=True)
+            # as mbridge's _build_config sets them: num_layers from num_hidden_layers (LLMBridge's
+            # _build_base_config), mtp_num_layers from num_nextn_predict_layers (DeepseekV3Bridge._build_config)
+            bridge.config = SimpleNamespace(gated_linear_unit=True, num_layers=config.num_hidden_layers,
+                                            mtp_num_layers=getattr(config, "num_nextn_predict_layers", None))
             bridge._adjust_mapping_for_shared_weights()
     bridge.vocab_size = config.vocab_size  # as mbridge's model provider sets them
     bridge.padded_vocab_size = math.ceil(config.vocab_size / (128 * tp)) * 128 * tp
@@ -102,14 +109,17 @@ def _shared_families(auto_bridge) -> list[str]:
     return [n for n in FAMILIES if get_family(n).megatron is not None and n in known]
 
 
-def _save_tiny(name: str, path: Path):
-    """The family's tiny random model in bf16, every tensor random (norms too); its config."""
+def _save_tiny(name: str, path: Path, **overrides):
+    """The family's tiny random model in bf16, every tensor random (norms too); its config. ``overrides`` are set on
+    the config after ``CONFIG`` and ``SMALL``."""
     import torch
     transformers = require("transformers")
     config = transformers.AutoConfig.for_model(name, **CONFIG)
     for key, value in SMALL.items():
         if hasattr(config, key):
             setattr(config, key, value)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     with torch.no_grad():
@@ -134,27 +144,25 @@ def _mbridge_name(name: str) -> str:
     return f"{m[1]}.{m[3]}{m[2]}" if m else name
 
 
-def _check_family(name: str, tp: int, root: Path, auto_bridge) -> list[str]:
-    """What differs between reshard's rank files and mbridge's tensors for one family (empty: nothing)."""
-    import torch
-    from safetensors.torch import load_file
-
-    config = _save_tiny(name, root / "hf")
-    hf = load_file(root / "hf" / "model.safetensors")
-    reshard.convert(root / "hf", root / "m", format="megatron", to=f"tp={tp},pp=1")
-    files = sorted((root / "m").rglob("model_optim_rng.pt"))
+def _rank_files(out: Path, tp: int) -> tuple[dict, list[dict]]:
+    """The Megatron args and each tp rank's model (its parameters: no ``_extra_state``) reshard wrote at pp=1."""
+    files = sorted(out.rglob("model_optim_rng.pt"))
     assert [f.parent.name for f in files] == [f"mp_rank_{r:02d}" for r in range(tp)], files
     ranks = [read_torch_file(f) for f in files]
     args = ranks[0]["args"] if isinstance(ranks[0]["args"], dict) else vars(ranks[0]["args"])
     models = [{k: v for k, v in rank["model"].items() if "_extra_state" not in k} for rank in ranks]
     assert all(m.keys() == models[0].keys() for m in models)
+    return args, models
 
-    bridge = _bridge(auto_bridge, config, tp)
-    problems = []
-    if args["padded_vocab_size"] != bridge.padded_vocab_size:
-        problems.append(f"padded vocabulary: reshard {args['padded_vocab_size']}, mbridge {bridge.padded_vocab_size}")
-    used: list[str] = []
-    for key in models[0]:
+
+def _compare(bridge, hf: dict, models: list[dict], keys: list[str], want: list[str]) -> list[str]:
+    """What differs between reshard's tensors ``keys`` on each tp rank and what mbridge builds for them from the
+    Hugging Face tensors ``hf``; and whether mbridge maps ``keys`` to the Hugging Face names ``want``, each once."""
+    import torch
+
+    tp = len(models)
+    problems, used = [], []
+    for key in keys:
         mb_key = _mbridge_name(key)
         hf_names = bridge._weight_name_mapping_mcore_to_hf(mb_key)
         used += hf_names
@@ -169,10 +177,28 @@ def _check_family(name: str, tp: int, root: Path, auto_bridge) -> list[str]:
             elif not torch.equal(got, part):
                 rows = (got != part).reshape(got.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
                 problems.append(f"{key} (tp rank {rank}): values differ in rows {rows[:8]} of {got.shape[0]}")
-    if sorted(used) != sorted(hf):
-        problems.append(f"Hugging Face tensors mbridge maps reshard's names to: missing {sorted(set(hf) - set(used))}, "
-                        f"not in the checkpoint {sorted(set(used) - set(hf))}, "
+    if sorted(used) != sorted(want):
+        problems.append(f"Hugging Face tensors mbridge maps reshard's names to: "
+                        f"missing {sorted(set(want) - set(used))}, "
+                        f"not in the checkpoint {sorted(set(used) - set(want))}, "
                         f"more than once {sorted({n for n in used if used.count(n) > 1})}")
+    return problems
+
+
+def _check_family(name: str, tp: int, root: Path, auto_bridge) -> list[str]:
+    """What differs between reshard's rank files and mbridge's tensors for one family (empty: nothing)."""
+    from safetensors.torch import load_file
+
+    config = _save_tiny(name, root / "hf")
+    hf = load_file(root / "hf" / "model.safetensors")
+    reshard.convert(root / "hf", root / "m", format="megatron", to=f"tp={tp},pp=1")
+    args, models = _rank_files(root / "m", tp)
+
+    bridge = _bridge(auto_bridge, config, tp)
+    problems = []
+    if args["padded_vocab_size"] != bridge.padded_vocab_size:
+        problems.append(f"padded vocabulary: reshard {args['padded_vocab_size']}, mbridge {bridge.padded_vocab_size}")
+    problems += _compare(bridge, hf, models, list(models[0]), list(hf))
     return [f"{name} tp={tp}: {p}" for p in problems]
 
 
@@ -184,3 +210,56 @@ def test_hf_to_megatron_gives_the_tensors_mbridge_builds(tmp_path, tp):
     assert families, "no model family both reshard and mbridge know"
     problems = [p for name in families for p in _check_family(name, tp, tmp_path / name, auto_bridge)]
     assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3_mtp(tmp_path_factory):
+    """A tiny DeepSeek-V3 with 61 decoder layers and one MTP layer, every tensor random bf16; its config, its
+    tensors, its folder. transformers saves the model's two layers (a dense one, a MoE one); layers 2 .. 60 are
+    written here under the MoE layer's names (building 61 layers in transformers takes seconds), and so is the MTP
+    layer ``model.layers.61.*``, which ``save_pretrained`` does not write: a MoE decoder layer with ``enorm``,
+    ``hnorm``, ``eh_proj`` [h, 2h] and ``shared_head.norm``, as DeepSeek-V3's release stores it (without the
+    embedding and head copies)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("deepseek_v3_mtp") / "hf"
+    config = _save_tiny("deepseek_v3", path, num_nextn_predict_layers=1)
+    hf = load_file(path / "model.safetensors")
+    moe, mtp = f"model.layers.{config.num_hidden_layers - 1}.", f"model.layers.{MTP_LAYER}."
+    assert config.first_k_dense_replace < config.num_hidden_layers and not any(n.startswith(mtp) for n in hf)
+    shapes = {f"model.layers.{i}.{n[len(moe):]}": v.shape for n, v in hf.items() if n.startswith(moe)
+              for i in range(config.num_hidden_layers, MTP_LAYER + 1)}
+    h = config.hidden_size
+    shapes |= {mtp + "enorm.weight": (h,), mtp + "hnorm.weight": (h,), mtp + "eh_proj.weight": (h, 2 * h),
+               mtp + "shared_head.norm.weight": (h,)}
+    generator = torch.Generator().manual_seed(1)
+    hf |= {n: torch.randn(shape, generator=generator).to(torch.bfloat16) for n, shape in shapes.items()}
+    save_file(hf, path / "model.safetensors", metadata={"format": "pt"})
+    config.num_hidden_layers = MTP_LAYER
+    config.save_pretrained(path)
+    return config, hf, path
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("tp", [1, 2])
+def test_deepseek_v3_mtp_layer_to_megatron_gives_the_tensors_mbridge_builds(tmp_path, tp, deepseek_v3_mtp):
+    """reshard's ``mtp.layers.0.*`` (and every other tensor) hold what mbridge builds from the Hugging Face
+    checkpoint, bit for bit, and mbridge maps them back to each Hugging Face name once, layer 61's included."""
+    config, hf, path = deepseek_v3_mtp
+    reshard.convert(path, tmp_path / "m", format="megatron", to=f"tp={tp},pp=1")
+    args, models = _rank_files(tmp_path / "m", tp)
+    assert (args["num_layers"], args["mtp_num_layers"]) == (MTP_LAYER, 1)
+    keys = list(models[0])
+    mtp_keys = [k for k in keys if k.startswith("mtp.layers.0.")]
+    assert "mtp.layers.0.transformer_layer.mlp.experts.local_experts.3.linear_fc2.weight" in mtp_keys, mtp_keys
+    # megatron-core's eh_proj is a ColumnParallelLinear (gather_output=False), split on its output dim; mbridge
+    # takes a plain tensor's split dim from the local shape it is given (reshard's), so that shape is checked here
+    h = config.hidden_size
+    assert tuple(models[0]["mtp.layers.0.eh_proj.weight"].shape) == (h // tp, 2 * h)
+
+    bridge = _bridge(_mbridge(), config, tp)
+    problems = _compare(bridge, hf, models, keys, list(hf))
+    assert not problems, "\n".join(f"deepseek_v3 + MTP tp={tp}: {p}" for p in problems)
+    mapped = [n for k in mtp_keys for n in bridge._weight_name_mapping_mcore_to_hf(_mbridge_name(k))]
+    assert sorted(mapped) == sorted(n for n in hf if n.startswith(f"model.layers.{MTP_LAYER}.")), mapped
