@@ -15,6 +15,8 @@ Importable (no side effects) and runnable as a script; the test suite calls
   ``set_state_dict``; rank 0 writes every tensor in full (``full_tensor()``)
   under DCP's flat keys to a torch file, then one more training step runs
   and its loss is added (``loss_after_step``).
+- ``load_model``: as ``load`` with the model alone, of the transformers model whose ``config.json`` is in the
+  directory ``RESHARD_DCP_HF`` names (``fully_shard`` per decoder layer then the root), with no step after it.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(args: list[str], world: int) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+def _run(args: list[str], world: int, **extra: str) -> None:
+    env = {**os.environ, **extra, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "RESHARD_DCP_PORT": str(_free_port()), "RESHARD_DCP_WORLD": str(world)}
     code, err = run_job([sys.executable, __file__, *args], env)
     if code:
@@ -77,11 +79,21 @@ def flatten(tree: object, prefix: str = "") -> dict:
 # -- inside the ranks ------------------------------------------------------------------------------------
 
 
+def load_model(ckpt: Path, hf: Path, world: int, dump: Path) -> None:
+    """Real ``dcp.load`` of just the model of ``ckpt`` into the transformers model of ``hf``'s config.json, sharded
+    by FSDP2 over ``world`` ranks; its full tensors to ``dump``."""
+    _run(["load_model", str(ckpt), "fsdp", "0", str(dump)], world, RESHARD_DCP_HF=str(hf))
+
+
 def _model(seed: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    if "RESHARD_DCP_HF" in os.environ:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.environ["RESHARD_DCP_HF"])).float()
     config = LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")})
     return LlamaForCausalLM(config).float()
 
@@ -142,6 +154,14 @@ def _rank(rank: int, world: int, port: int, args: list[str]) -> None:
                 _step(model, opt, step)
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        elif action == "load_model":
+            msd = model.state_dict()
+            dcp.load({"model": msd}, checkpoint_id=path)
+            model.load_state_dict(msd)
+            full = {f"model.{k}": (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                    for k, v in model.state_dict().items()}
+            if rank == 0:
+                torch.save(full, args[4])
         else:
             msd, osd = get_state_dict(model, opt)
             dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)

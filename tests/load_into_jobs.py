@@ -3,7 +3,7 @@
 Importable (no side effects) and runnable as a script; the tests call ``run``, which runs ``python
 tests/load_into_jobs.py OUT TASK...`` with one process per rank forked from a parent that has imported
 torch and transformers once. The model is a tiny ``LlamaForCausalLM`` of the ``tiny-llama`` fixture's
-sizes, parallelized as ``dcp_jobs`` does (``fsdp``: ``fully_shard`` per layer then the root; ``2d``: the
+sizes (or the transformers model of a given ``config.json``), parallelized as ``dcp_jobs`` does (``fsdp``: ``fully_shard`` per layer then the root; ``2d``: the
 colwise/rowwise plan on a ``tp`` axis of 2, then ``fully_shard`` on ``dp``), with ``torch.optim.Adam``.
 
 Tasks, run in order at one world size:
@@ -43,13 +43,14 @@ def load(tag: str, mode: str, src: Path, ref: Path, *, optimizer: bool = True, m
     return f"load:{mode}:{src}:{ref}:{tag}:{int(optimizer)}:{model_bytes}"
 
 
-def run(world: int, out: Path, *tasks: str) -> None:
-    """Run ``tasks`` in order in one job of ``world`` ranks."""
+def run(world: int, out: Path, *tasks: str, hf: Path | None = None) -> None:
+    """Run ``tasks`` in order in one job of ``world`` ranks; with ``hf``, of the transformers model of the
+    ``config.json`` in that directory instead of the Llama."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "RESHARD_DCP_PORT": str(port), "RESHARD_DCP_WORLD": str(world)}
+           "RESHARD_DCP_PORT": str(port), "RESHARD_DCP_WORLD": str(world), **({"RESHARD_LOAD_HF": str(hf)} if hf else {})}
     code, err = run_job([sys.executable, __file__, str(out), *tasks], env)
     if code:
         raise RuntimeError(f"load_into job {list(tasks)} at {world} ranks failed ({code}):\n{err[-4000:]}")
@@ -69,7 +70,12 @@ def _model(seed: int, mode: str, world: int):
     import dcp_jobs
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**SIZES)).float()
+    if "RESHARD_LOAD_HF" in os.environ:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.environ["RESHARD_LOAD_HF"])).float()
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**SIZES)).float()
     model = dcp_jobs._parallelize(model, mode, world, 2)
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
@@ -78,7 +84,7 @@ def _step(model, opt, step: int) -> float:
     import torch
 
     gen = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, SIZES["vocab_size"], (2, 16), generator=gen)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen)
     loss = model(tokens, labels=tokens).loss
     loss.backward()
     opt.step()

@@ -22,6 +22,8 @@ from reshard.errors import PlanError, ReshardError
 from reshard.execution.executor import destination_dtypes
 from reshard.formats import detect_format, get_format
 from reshard.formats.base import Source, Target
+from reshard.formats.module_view import view_layout, view_source
+from reshard.formats.specs import source_family
 from reshard.io.location import UrlPath, as_path
 
 __all__ = ["PlanReport", "open_checkpoint", "plan"]
@@ -32,7 +34,7 @@ def open_checkpoint(path: str | Path | UrlPath, *, spec: str | None = None,
     """Detect a checkpoint's format and read its metadata (no tensor data); ``path`` may be an fsspec URL."""
     path = as_path(path)
     with _collector_paused():
-        return detect_format(path).open(path, spec=spec, sizes=sizes)
+        return view_source(detect_format(path).open(path, spec=spec, sizes=sizes))
 
 def _topology(to: str | Topology | None, default: Topology) -> Topology:
     if to is None:
@@ -55,6 +57,9 @@ def _target(source: Source, to: str | Topology | None, format: str | None, spec:
                            f"state), not {fmt.name}")
     target = fmt.target(source, topology, spec=spec, **({"vocab_pad": vocab_pad} if vocab_pad else {}),
                         **({"dist_optim": dist_optim} if dist_optim else {}))
+    if source.module_names and (family := source_family(source)) is not None:
+        # A target laid out from the source's own records (DeepSpeed's param_shapes) names the module's tensors.
+        target.layout = view_layout(target.layout, family, target.sizes, source.path) or target.layout
     if max_shard_size is not None:
         if target.format != "hf":
             raise ReshardError(f"max_shard_size applies to the hf format (safetensors shards), not {target.format}")

@@ -212,18 +212,21 @@ class Layout:
 
 
 def chunk_fragments(frags: list[Fragment], shape: tuple[int, ...], offsets: tuple[int, ...],
-                    sizes: tuple[int, ...], item: Item) -> list[Fragment]:
+                    sizes: tuple[int, ...], item: Item, strides: tuple[int, ...] | None = None,
+                    base: int = 0) -> list[Fragment]:
     """The fragments of a stored tensor that fall in one chunk of it, re-based into that chunk.
 
     ``frags`` describe an item of ``shape`` (a whole stored tensor, as a spec
     resolved at the trivial topology gives it); the chunk is the box
     ``offsets``/``sizes`` of it, stored row-major and contiguous as ``item``
-    (a DCP chunk of a Megatron torch_dist tensor). Each view axis of a
-    fragment lives in one dim of the tensor; per dim, ``restrict`` cuts the
-    axes down to the chunk's range, and the pieces combine across dims.
+    (a DCP chunk of a Megatron torch_dist tensor), or at element ``base`` of
+    ``item`` with ``strides`` per dim (a box of it inside a flat buffer). Each
+    view axis of a fragment lives in one dim of the tensor; per dim,
+    ``restrict`` cuts the axes down to the chunk's range, and the pieces
+    combine across dims.
     """
     outer = row_major_strides(shape)
-    inner = row_major_strides(sizes)
+    inner = row_major_strides(sizes) if strides is None else strides
     out: list[Fragment] = []
     for f in frags:
         per_dim: dict[int, list[int]] = {}
@@ -251,7 +254,7 @@ def chunk_fragments(frags: list[Fragment], shape: tuple[int, ...], offsets: tupl
         else:
             for combo in itertools.product(*choices):
                 offs, lens, strd = list(f.box.offsets), list(f.box.lengths), list(f.strides)
-                at = 0
+                at = base
                 for d, ks, o, n, pos in combo:
                     at += (pos - offsets[d]) * inner[d]
                     for k, oo, nn in zip(ks, o, n):

@@ -103,6 +103,9 @@ class Source:
     extra: dict[str, Any] = field(default_factory=dict)
     """The format's own non-tensor state (args, RNG, optimizer structure), read only by the same format."""
     blob_sizes: dict[str, int] = field(default_factory=dict)
+    module_names: bool = False
+    """Whether the checkpoint names tensors as transformers' module holds them where its files do not (fused
+    experts: ``reshard.formats.module_view``); ``layout`` is in the family's logical tensors all the same."""
 
     def item_dtype(self, item: Item) -> str:
         return self.where[item].dtype

@@ -10,7 +10,8 @@ The rules, per format:
 
 - ``hf``: every tensor under its Hugging Face name, unsharded, as Hugging Face stores it.
 - ``deepspeed`` (ZeRO-1/2, ``engine.save_checkpoint``): the module's state dict, each tensor as the
-  model holds it (GPT-2's Conv1D weights ``[in, out]``, as Hugging Face stores them), and one flat buffer
+  model holds it (GPT-2's Conv1D weights ``[in, out]``, as Hugging Face stores them; transformers 5's fused
+  experts, ``Family.module``), and one flat buffer
   per param group and state: the group's params flattened in registration order, zero-padded to a
   multiple of ``2 * dp`` (``nccl_start_alignment_factor``) and split into dp equal partitions. An
   always-tied family's output projection (``tied_head``) is in the module's state dict as a copy of the
@@ -22,8 +23,9 @@ The rules, per format:
   pipeline engine (``PipelineModule`` of [embedding, decoder layers, norm, head]: params named
   ``<layer index>.<name in the layer>``, tensor-parallel splits of the family's plan).
 - ``dcp``: FSDP2 (``fully_shard``) over dp and the family's DTensor tensor-parallel plan over tp
-  (``ColwiseParallel`` splits dim 0, ``RowwiseParallel`` dim 1): dim 0 of every tensor chunked over dp
-  with ``torch.chunk`` sizes, after tp where tp splits it too (``_StridedShard``).
+  (``ColwiseParallel`` splits dim 0, ``RowwiseParallel`` dim 1): dim 0 of every tensor of the module's state
+  dict (``Family.module_tensors``) chunked over dp with ``torch.chunk`` sizes, after tp where tp splits it too
+  (``_StridedShard``); the persistent buffers whole (section ``buffers``).
 - ``megatron`` (Megatron-core, torch format): the family's Megatron names and fusions, and with
   ``distopt`` the distributed optimizer's buffers: params (not the family's persistent buffers) in reverse
   registration order, each at a multiple of 64 elements, closed into buckets, padded for dp; ``-torch`` as
@@ -82,7 +84,9 @@ def _with(dims: str, at: int, suffix: str) -> str:
 
 
 def _layer_local(name: str) -> str:
-    return name.replace("{i}", "{i/pp}")
+    """A decoder layer's name numbered by stage (``{i/pp}``: a block of rules repeated layer by layer), whichever
+    index names it: ``i``, or DeepSeek-V3's dense ``d`` and MoE ``m`` layers."""
+    return re.sub(r"\{([idm])\}", r"{\1/pp}", name)
 
 
 # --- hf ----------------------------------------------------------------------------------------------
@@ -126,7 +130,7 @@ def tied_head(family: Family) -> tuple[str, Tensor] | None:
 
 def deepspeed(family: Family, options: tuple[str, ...]) -> str:
     variant = _one_of(options, ("hf-trainer", "zero3"), family, "deepspeed")
-    tensors = family.by_registration(tied=False)
+    tensors = family.module_tensors(tied=False)
 
     def held(t: Tensor, name: str | None = None) -> str:  # as the model holds it: as Hugging Face stores it
         return f"{name or _layer_local(t.name)}{t.ref} = {t.hf_dims or t.dims}"
@@ -158,7 +162,7 @@ def deepspeed_pipe(family: Family, options: tuple[str, ...]) -> str:
                         f"persistent buffers {', '.join(family.buffers)} would be in the layer files' state dicts, "
                         "which the pipeline layout does not place buffers in yet; the deepspeed-"
                         f"{family.name} layouts hold them)")
-    tensors = family.by_registration(tied=False)
+    tensors = family.module_tensors(tied=False)
     layered = [t for t in tensors if "{i}" in t.name]
     first = tensors[:tensors.index(layered[0])]
     last = tensors[tensors.index(layered[-1]) + 1:]
@@ -180,15 +184,28 @@ def deepspeed_pipe(family: Family, options: tuple[str, ...]) -> str:
 
 def dcp(family: Family, options: tuple[str, ...]) -> str:
     _one_of(options, (), family, "dcp")
+    def rule(t: Tensor, dp: str) -> str:
+        dims = _with(t.dims, t.tp, "/tp") if t.tp is not None else t.dims
+        return f"model.{t.name}{t.ref} = {_with(dims, 0, dp) if dp else dims}"
+
     lines = [family.logical_text(tied=False), "section model per dp tp"]
-    for t in family.stored(tied=False):
-        dims = t.dims
-        if t.tp is not None:
-            dims = _with(dims, t.tp, "/tp")
-        if t.alias not in family.buffers:  # FSDP2 shards parameters only
-            dims = _with(dims, 0, "/dp:chunk")
-        lines.append(f"model.{t.name}{t.ref} = {dims}")
+    lines += [rule(t, "/dp:chunk") for t in family.module_tensors(tied=False)]
+    if buffers := _buffers(family):  # FSDP2 shards parameters only: a buffer is whole on every rank, and no master
+        lines += ["", f"section {BUFFERS} per dp tp", *(rule(t, "") for t in buffers)]
     return "\n".join(lines) + "\n"
+
+
+def module_text(family: Family, tied: bool) -> str:
+    """transformers' module of the family as one unsharded layout: every tensor of its state dict whole under its
+    name (``Family.module_tensors``, then its persistent buffers). What a checkpoint of a module's state dict is
+    seen through (``reshard.formats.module_view``)."""
+    return "\n".join([family.logical_text(tied), "section model",
+                      *(f"{t.name}{t.ref} = {t.hf_dims or t.dims}" for t in _state_dict(family, tied))]) + "\n"
+
+
+def _state_dict(family: Family, tied: bool) -> list[Tensor]:
+    """The tensors of the module's state dict: its parameters in registration order, then its persistent buffers."""
+    return family.module_tensors(tied) + _buffers(family)
 
 
 # --- megatron ----------------------------------------------------------------------------------------

@@ -21,15 +21,19 @@ a copy of the first stage's, which the MTP layers embed the next tokens with), s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from reshard.models import llama, moe_experts
 from reshard.models.family import COLWISE, ROWWISE, Tensor
 
-__all__ = ["layer_tensors", "megatron", "mtp_tensors", "preamble", "registration"]
+__all__ = ["layer_tensors", "megatron", "module_tensors", "mtp_tensors", "preamble", "registration"]
 
 _ATTN = "model.layers.{i}.self_attn."
 _MLP = "model.layers.{d}.mlp."
 _MOE = "model.layers.{m}.mlp."
 _MTP = "model.layers.{t}."
+BUFFER_ALIASES = ("router_bias",)
+"""The decoder layers' persistent buffers: the router's expert-choice bias (``e_score_correction_bias``)."""
 MTP_PREFIX = "mtp_"
 """The aliases of an MTP layer's tensors: the decoder layer's with this prefix."""
 
@@ -100,6 +104,32 @@ def registration(q_lora: bool) -> tuple[str, ...]:
     mtp = ("mtp_enorm", "mtp_hnorm", "mtp_eh_proj", *(MTP_PREFIX + a for a in (*attn, *moe, "ln1", "ln2")),
            "mtp_norm")
     return ("embed", *attn, "gate", "up", "down", *moe, "ln1", "ln2", "norm", "head", *mtp)
+
+
+def module_tensors(q_lora: bool) -> tuple[Tensor, ...]:
+    """transformers 5's module in registration order: the embedding, the dense layers one by one, the MoE layers
+    one by one (their routed experts fused: ``reshard.models.moe_experts.module_tensors``), the final norm, the
+    output projection; then the MTP layers, which no module of transformers' holds, as the files name them. A
+    layer's tensors are named by its kind's index (``{d}``, ``{m}``), so that each kind's rules make one block."""
+    by = {t.alias: t for t in layer_tensors(q_lora) + mtp_tensors(q_lora)}
+    fused = moe_experts.module_tensors(_MOE + "experts.", "fe", by["egate"], by["eup"], by["edown"])
+    order = registration(q_lora)
+    shared = [a for a in order if "{i}" in by[a].name]  # attention and norms: in every layer
+    attn, norms = shared[:-2], shared[-2:]
+
+    def block(kind: str, own: list[str]) -> list[Tensor]:
+        out: list[Tensor] = []
+        for a in (*attn, *own, *norms):
+            t = by[a]
+            out += fused if a == "egate" else [] if a in ("eup", "edown") else \
+                [replace(t, name=t.name.replace("{i}", kind))]
+        return out
+
+    dense = block("{d}", [a for a in order if by[a].name.startswith(_MLP)])
+    moe = block("{m}", [a for a in order if by[a].name.startswith(_MOE) and by[a].alias not in BUFFER_ALIASES])
+    ends = [by[a] for a in order if "{" not in by[a].name]
+    mtp = [by[a] for a in order if by[a].name.startswith(_MTP)]
+    return (ends[0], *dense, *moe, *ends[1:], *mtp)
 
 
 def _attention(at: str, a: str, *, q_lora: bool, local: bool) -> list[str]:

@@ -64,7 +64,7 @@ CONFIG_KEYS = {"h": "hidden_size", "heads": "num_attention_heads", "ql": "q_lora
 MTP_KEY = "num_nextn_predict_layers"
 """The config key counting the MTP layers (transformers' ``num_mtp_layers``)."""
 
-BUFFERS = ("router_bias", layout.MTP_PREFIX + "router_bias")
+BUFFERS = (*layout.BUFFER_ALIASES, *(layout.MTP_PREFIX + a for a in layout.BUFFER_ALIASES))
 
 NOQLORA = "deepseek_v3_noqlora"
 """The family of DeepSeek-V3 models without the queries' compression (``q_lora_rank`` null)."""
@@ -320,6 +320,7 @@ def family(*, q_lora: bool) -> Family:
         preamble=layout.preamble(),
         tensors=tensors,
         registration=layout.registration(q_lora),
+        module=layout.module_tensors(q_lora),
         buffers=BUFFERS,
         sizes=SIZES if q_lora else _without_ql(SIZES),
         can_tie=False,

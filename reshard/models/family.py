@@ -116,6 +116,12 @@ class Family:
     sizes_from_args: Callable[[Mapping[str, Any], Callable[..., int]], dict[str, int]] | None = None
     """The sizes a Megatron run's args give beyond Llama's (h, heads, f, layers, vocab), with a reader of one
     integer arg that refuses a missing or bad one; None where Llama's are all."""
+    module: tuple[Tensor, ...] = ()
+    """The tensors of transformers' module (its state dict: what FSDP2's DCP and DeepSpeed save), in registration
+    order, where the module holds them otherwise than the files do: transformers 5 fuses the experts of each MoE
+    layer (``mlp.experts.gate_up_proj`` ``[experts, 2f, h]``, ``down_proj`` ``[experts, h, f]``), whose files keep
+    them per expert. Each is a stored tensor of the logical ones (``parts``, or ``-> alias`` under another name);
+    empty where the module holds the files' tensors (``tensors`` in ``registration`` order)."""
     plain_megatron: str = ""
     """What plain megatron-core cannot express of this family, naming the config fields ("" where it can): why
     the Megatron layouts it lacks (``megatron`` None, or None for ``local``) are refused. Such a family's Megatron
@@ -151,3 +157,17 @@ class Family:
     def by_registration(self, tied: bool) -> list[Tensor]:
         stored = {t.alias: t for t in self.stored(tied)}
         return [stored[a] for a in self.registration if a in stored]
+
+    def module_tensors(self, tied: bool) -> list[Tensor]:
+        """The tensors of transformers' module in registration order (``module``, else the files' tensors)."""
+        if not self.module:
+            return self.by_registration(tied)
+        return [t for t in self.module if not (tied and t.untied_only)]
+
+    def module_names(self) -> frozenset[str]:
+        """The names (with ``{i}``, ``{e}``) of the module's tensors that are no logical tensor's: its fused ones."""
+        def pattern(name: str) -> str:  # which index a layer's tensor is named by does not matter
+            return re.sub(r"\{[A-Za-z_]+\}", "{}", name)
+
+        logical = {pattern(p.name) for t in self.tensors for p in t.parts or (t,)}
+        return frozenset(t.name for t in self.module_tensors(tied=False) if pattern(t.name) not in logical)

@@ -40,6 +40,17 @@ TENSORS = (
     replace(_LLAMA["head"], untied_only=False),  # never tied
 )
 
+_BY = {t.alias: t for t in TENSORS}
+
+MODULE = (
+    *(_BY[a] for a in ("embed", "q", "k", "v", "o")),
+    replace(_BY["router"], name="model.layers.{i}.mlp.gate.weight"),
+    *moe_experts.module_tensors("model.layers.{i}.mlp.experts.", "f", _BY["gate"], _BY["up"], _BY["down"]),
+    *(_BY[a] for a in ("ln1", "ln2", "norm", "head")),
+)
+"""transformers 5's ``MixtralForCausalLM``: the router and the fused experts under ``mlp`` (the files'
+``block_sparse_moe``)."""
+
 # MixtralDecoderLayer registers self_attn, block_sparse_moe (gate, then experts.N: w1, w2, w3), then its norms.
 REGISTRATION = ("embed", "q", "k", "v", "o", "router", "gate", "down", "up", "ln1", "ln2", "norm", "head")
 
@@ -134,6 +145,7 @@ FAMILY = Family(
     preamble=PREAMBLE,
     tensors=TENSORS,
     registration=REGISTRATION,
+    module=MODULE,
     hf_order=("embed", "q", "k", "v", "o", "router", "gate", "down", "up", "ln1", "ln2", "norm", "head"),
     sizes=SIZES,
     can_tie=False,

@@ -15,6 +15,10 @@
   ``bias{e/ep}``), ``[out, in]`` like ``SequentialMLP``'s. A ``GroupedLinear`` registers all its weights, then
   all its biases, so fc1's come before any of fc2's: the spec language registers a run of rules capturing
   ``{e/ep}`` expert by expert, so this layout holds no distributed-optimizer buffer.
+
+transformers 5 holds them a fourth way in its module (``module_tensors``), whatever its files say: two parameters
+per layer, ``mlp.experts.gate_up_proj`` ``[experts, 2f, h]`` (each expert's gate rows, then its up rows) and
+``down_proj`` ``[experts, h, f]``, both ``[out, in]`` per expert.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["IMPLS", "args_for", "expert_rules", "impl_from_args"]
+from reshard.models.family import Tensor
+
+__all__ = ["IMPLS", "args_for", "expert_rules", "impl_from_args", "module_tensors"]
 
 IMPLS = ("sequential", "grouped", "tegrouped")
 """The spec options' names: ``sequential`` is the option-less layout."""
@@ -69,3 +75,12 @@ def impl_from_args(args: Mapping[str, Any]) -> str:
 def args_for(impl: str) -> dict[str, bool]:
     """The args of a Megatron run whose experts are stored as ``impl`` (``impl_from_args`` reads them back)."""
     return {"moe_grouped_gemm": impl != "sequential", "moe_use_legacy_grouped_gemm": impl == "grouped"}
+
+
+def module_tensors(at: str, f: str, gate: Tensor, up: Tensor, down: Tensor) -> tuple[Tensor, Tensor]:
+    """transformers 5's experts under ``at`` (``model.layers.{i}.mlp.experts.``) of the per-expert logical tensors
+    ``gate``, ``up``, ``down`` (``{e}`` in their names), ``f`` each expert's width: ``gate_up_proj`` and
+    ``down_proj``. No tensor-parallel plan: transformers packs ``gate_up_proj``'s shards (``packed_colwise``)."""
+    return (Tensor(name=at + "gate_up_proj", alias=f"{gate.alias}_{up.alias}",
+                   dims=f"{{e}} [{gate.alias}: {f} | {up.alias}: {f}] h", parts=(gate, up)),
+            Tensor(name=at + "down_proj", alias=down.alias, dims=f"{{e}} h {f}"))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointFormatError
-from reshard.models import llama, mixtral, qwen2, qwen3
+from reshard.models import llama, mixtral, moe_experts, qwen2, qwen3
 from reshard.models.family import COLWISE, ROWWISE, Family, Tensor
 
 __all__ = ["FAMILY", "config_from_sizes", "sizes_from_config"]
@@ -40,6 +40,15 @@ TENSORS = (
     _QWEN3["norm"],
     {t.alias: t for t in mixtral.TENSORS}["head"],  # the output projection, never tied
 )
+
+_BY = {t.alias: t for t in TENSORS}
+
+MODULE = (
+    *(_BY[a] for a in ("embed", "q", "k", "v", "o", "q_norm", "k_norm")),
+    *moe_experts.module_tensors("model.layers.{i}.mlp.experts.", "f", _BY["gate"], _BY["up"], _BY["down"]),
+    *(_BY[a] for a in ("router", "ln1", "ln2", "norm", "head")),
+)
+"""transformers 5's ``Qwen3MoeForCausalLM``: the fused experts, registered before the router."""
 
 # Qwen3MoeDecoderLayer registers self_attn (q, k, v, o, q_norm, k_norm), mlp (gate, then experts.N: gate_proj,
 # up_proj, down_proj, in transformers 4's per-expert modules), then its norms.
@@ -129,6 +138,7 @@ FAMILY = Family(
     preamble=mixtral.PREAMBLE,
     tensors=TENSORS,
     registration=REGISTRATION,
+    module=MODULE,
     sizes=mixtral.SIZES,
     can_tie=False,
     megatron=partial(mixtral.megatron, qk_norm=True),

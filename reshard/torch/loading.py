@@ -9,11 +9,14 @@ from typing import Any
 
 from reshard.api.planning import open_checkpoint
 from reshard.core.dtypes import itemsize
-from reshard.core.layout import MASTER, PARAM, common_views
+from reshard.core.chunks import through
+from reshard.core.layout import MASTER, PARAM, Layout, common_views
 from reshard.core.planner import plan as make_plan
 from reshard.errors import PlanError, ReshardError
 from reshard.execution.executor import ByteReader, PlanFill
 from reshard.formats.base import Source
+from reshard.formats.module_view import module_layout
+from reshard.formats.specs import source_family
 from reshard.torch.shards import Shard, local_tensor, rank_layout, shard_of
 
 __all__ = ["LoadReport", "load_into"]
@@ -39,6 +42,39 @@ class LoadReport:
     optimizer's)."""
     missing: tuple[str, ...] = ()
     """Model keys the checkpoint does not hold, left as they were (``strict=False`` only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Module:
+    """The tensors of a family's transformers module that its files do not hold (``reshard.formats.module_view``):
+    a model key of them is loaded from the logical tensors it fuses."""
+
+    whole: Layout
+    """The module, unsharded (``module_layout``)."""
+    parts: Mapping[str, frozenset[str]]
+    """Each such key -> the logical tensors it holds."""
+
+    @classmethod
+    def of(cls, source: Source) -> _Module:
+        family = source_family(source)
+        if family is None or not family.module_names():
+            return cls(whole=Layout(topology=source.topology, tensors={}, items={}, fragments=()), parts={})
+        whole = module_layout(family, source.sizes, source.path)
+        fused = {it.key for it in whole.items} - set(whole.tensors)
+        parts: dict[str, set[str]] = {}
+        for f in whole.fragments:
+            if f.item.key in fused:
+                parts.setdefault(f.item.key, set()).add(f.tensor)
+        return cls(whole=whole, parts={k: frozenset(v) for k, v in parts.items()})
+
+    def shape(self, name: str, source: Source) -> tuple[int, ...]:
+        if name in self.parts and name not in source.layout.tensors:
+            return next(info.shape for it, info in self.whole.items.items() if it.key == name)
+        return source.layout.tensors[name].shape
+
+    def names(self, name: str, source: Source) -> frozenset[str]:
+        """The checkpoint's tensors a model key of checkpoint name ``name`` is loaded from."""
+        return self.parts[name] if name in self.parts and name not in source.layout.tensors else frozenset((name,))
 
 
 def load_into(model: Any, optimizer: Any, src: str | Path, *,
@@ -95,21 +131,22 @@ def load_into(model: Any, optimizer: Any, src: str | Path, *,
                            "model's weights); pass optimizer=None to load the model alone")
     msd = get_model_state_dict(model)
     rename = _renamer(names)
-    shards, locals_, chosen, missing = _model_shards(msd, source, held, rename)
-    problems = _shape_problems(shards, source)
+    module = _Module.of(source)
+    shards, locals_, chosen, missing = _model_shards(msd, source, held, rename, module)
+    problems = _shape_problems(shards, source, module)
     if strict and missing:
         problems += [f"model key '{k}'{_as(k, rename)} is not in the checkpoint" for k in missing]
     if strict:
-        used = {s.tensor for s in shards}
+        used = {n for s in shards for n in module.names(s.tensor, source)}
         problems += [f"checkpoint tensor '{n}' has no key in the model" for n in sorted(
             {t for t, s in held if s in (PARAM, MASTER) and not source.layout.tensors[t].blob} - used)]
     _refuse(problems, source)  # before the optimizer's state is made (DCP's state dict initializes it)
     osd = None
     if optimizer is not None:
         osd = get_optimizer_state_dict(model, optimizer)
-        _optimizer_shards(osd, source, held, rename, chosen, shards, locals_, problems)  # shapes: its params'
+        _optimizer_shards(osd, source, held, rename, chosen, shards, locals_, problems, module)  # shapes: its params'
         _refuse(problems, source)
-    bytes_read, share, reads = _fill(source, shards, locals_)
+    bytes_read, share, reads = _fill(source, shards, locals_, module)
     if osd is not None:
         _set_steps(osd, source, rename, chosen)
         set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
@@ -141,7 +178,7 @@ def _as(key: str, rename: Callable[[str], str]) -> str:
 
 
 def _model_shards(msd: Mapping[str, Any], source: Source, held: set[tuple[str, str]],
-                  rename: Callable[[str], str]) -> tuple[list[Shard], dict, dict[str, str], list[str]]:
+                  rename: Callable[[str], str], module: _Module) -> tuple[list[Shard], dict, dict[str, str], list[str]]:
     """The model's shards: per group of keys sharing storage (a tied weight), one shard, filled from the
     first of their names the checkpoint holds, from its fp32 master where it has one (the copy FSDP2
     keeps), else its weights. Returns the shards, their local tensors by item, each key's checkpoint
@@ -160,14 +197,15 @@ def _model_shards(msd: Mapping[str, Any], source: Source, held: set[tuple[str, s
     chosen: dict[str, str] = {}
     missing: list[str] = []
     for keys in groups.values():
-        key = next((k for k in keys if _holds(source, held, rename(k), PARAM, msd[k])), None)
+        key = next((k for k in keys if _holds(source, held, rename(k), PARAM, msd[k], module)), None)
         if key is None:
             missing.append(keys[0])
             continue
         name = rename(key)
         chosen.update(dict.fromkeys(keys, name))
         shape, offsets, lengths = shard_of(key, msd[key])
-        s = Shard(key=key, tensor=name, state=MASTER if (name, MASTER) in held else PARAM, shape=shape,
+        master = all((n, MASTER) in held for n in module.names(name, source))
+        s = Shard(key=key, tensor=name, state=MASTER if master else PARAM, shape=shape,
                   offsets=offsets, lengths=lengths)
         shards.append(s)
         locals_[s.item] = local_tensor(msd[key])
@@ -176,7 +214,7 @@ def _model_shards(msd: Mapping[str, Any], source: Source, held: set[tuple[str, s
 
 def _optimizer_shards(osd: Mapping[str, Any], source: Source, held: set[tuple[str, str]],
                       rename: Callable[[str], str], chosen: Mapping[str, str], shards: list[Shard], locals_: dict,
-                      problems: list[str]) -> None:
+                      problems: list[str], module: _Module) -> None:
     """Each parameter's optimizer state tensors (``exp_avg``, ...) as shards of the checkpoint's same state;
     the scalar ``step`` is set apart (``_set_steps``)."""
     import torch
@@ -186,7 +224,7 @@ def _optimizer_shards(osd: Mapping[str, Any], source: Source, held: set[tuple[st
         for state, value in per.items():
             if state == "step" or not torch.is_tensor(value):
                 continue
-            if not _holds(source, held, name, state, value):
+            if not _holds(source, held, name, state, value, module):
                 problems.append(f"optimizer state '{state}' of '{key}' is not in the checkpoint (it holds "
                                 f"{sorted({s for t, s in held if t == name}) or 'nothing of that tensor'})")
                 continue
@@ -196,32 +234,38 @@ def _optimizer_shards(osd: Mapping[str, Any], source: Source, held: set[tuple[st
             locals_[s.item] = local_tensor(value)
 
 
-def _holds(source: Source, held: set[tuple[str, str]], name: str, state: str, value: Any) -> bool:
-    """Whether the checkpoint holds tensor ``name`` in ``state`` (the model's: in its master copy or its weights);
-    a tensor with no elements needs only to be there (it has no bytes in any state)."""
+def _holds(source: Source, held: set[tuple[str, str]], name: str, state: str, value: Any, module: _Module) -> bool:
+    """Whether the checkpoint holds tensor ``name`` in ``state`` (the model's: in its master copy or its weights),
+    or every tensor a fused one of the module holds; a tensor with no elements needs only to be there (it has no
+    bytes in any state)."""
     if value.numel() == 0:
         return name in source.layout.tensors
+    names = module.names(name, source)
     if state in (PARAM, MASTER):
-        return (name, MASTER) in held or (name, PARAM) in held
-    return (name, state) in held
+        return all((n, MASTER) in held for n in names) or all((n, PARAM) in held for n in names)
+    return all((n, state) in held for n in names)
 
 
-def _shape_problems(shards: list[Shard], source: Source) -> list[str]:
+def _shape_problems(shards: list[Shard], source: Source, module: _Module) -> list[str]:
     out = []
     for s in shards:
-        have = source.layout.tensors[s.tensor].shape
+        have = module.shape(s.tensor, source)
         if have != s.shape:
             out.append(f"'{s.key}' [{s.state}]: the model's shape is {list(s.shape)}, the checkpoint's '{s.tensor}' "
                        f"is {list(have)}")
     return out
 
 
-def _fill(source: Source, shards: list[Shard], locals_: Mapping) -> tuple[int, int, int]:
+def _fill(source: Source, shards: list[Shard], locals_: Mapping, module: _Module) -> tuple[int, int, int]:
     """Plan this rank's boxes against the checkpoint, prove the plan, and read each box into its local tensor
     window by window. Returns (bytes read, share in bytes, reads)."""
     import torch
 
-    src_layout, dst_layout = common_views(source.layout, rank_layout(shards))
+    mine = rank_layout(shards)
+    fused = {s.tensor for s in shards if module.names(s.tensor, source) != {s.tensor}}
+    if fused:  # the module's fused tensors, seen as the logical tensors the checkpoint holds
+        mine = through(mine, module.whole, fused)
+    src_layout, dst_layout = common_views(source.layout, mine)
     p = make_plan(src_layout, dst_layout)
     try:
         p.validate()

@@ -16,7 +16,7 @@ import pytest
 import reshard
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
-from reshard.errors import CheckpointFormatError, PlanError
+from reshard.errors import CheckpointFormatError, PlanError, TopologyError
 from reshard.formats.specs import layout_spec
 from reshard.models import family_for_config, get_family
 
@@ -97,10 +97,10 @@ def test_megatron_without_its_config_json_rebuilds_the_mtp_layers_and_q_lora_ran
     _assert_same(_tensors(tmp_path / "back"), want)
 
 
-@pytest.mark.parametrize(("copies", "topology"), [(True, "dp=2"), (False, "dp=2,tp=2")])
+@pytest.mark.parametrize(("copies", "topology"), [(True, "dp=2"), (False, "dp=3")])
 def test_mtp_layers_go_through_dcp_and_hf_under_their_own_names(tmp_path, copies, topology):
-    """With their embedding and head copies too, which DCP's tensor-parallel plan has no split for (a tensor the
-    family does not name: kept by name where a layout keeps every tensor so, here tp=1)."""
+    """With their embedding and head copies too (tensors the family does not name: kept by name, chunked over dp as
+    FSDP2 chunks any parameter)."""
     want = _save(tmp_path / "hf", copies=copies)
     reshard.convert(tmp_path / "hf", tmp_path / "hf2", format="hf")
     _assert_same(_tensors(tmp_path / "hf2"), want)
@@ -109,6 +109,15 @@ def test_mtp_layers_go_through_dcp_and_hf_under_their_own_names(tmp_path, copies
     _assert_same(_tensors(tmp_path / "back"), want)
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == \
         json.loads((tmp_path / "hf" / "config.json").read_text())
+
+
+def test_dcp_with_tensor_parallelism_is_refused_for_transformers_packed_experts(tmp_path):
+    """transformers 5 packs the fused experts' gate and up halves per tp rank (``packed_colwise``): no DCP layout of
+    reshard's holds that, so a tensor-parallel DCP target is refused before anything is written."""
+    _save(tmp_path / "hf", copies=False)
+    with pytest.raises(TopologyError, match=r"^dcp at tp\(2\): transformers packs the fused experts of deepseek_v3"):
+        reshard.convert(tmp_path / "hf", tmp_path / "dcp", format="dcp", to="dp=2,tp=2")
+    assert not (tmp_path / "dcp").exists()
 
 
 def test_megatron_refuses_the_mtp_layers_own_embedding_and_head_copies_naming_them(tmp_path):

@@ -26,6 +26,7 @@ from reshard.formats.base import (
     given_sizes,
 )
 from reshard.formats.dcp.layouts import (
+    family_spec,
     _dtype_of,
     _file_plan,
     _fsdp_layout,
@@ -54,6 +55,7 @@ from reshard.formats.dcp.reading import (
     _Verbatim,
 )
 from reshard.formats.identity import CONFIG_NAME, read_identity, write_identity
+from reshard.formats.module_view import module_family
 from reshard.formats.specs import layout_spec, require_family, source_config
 from reshard.io.dcp_metadata import (
     METADATA_NAME,
@@ -179,15 +181,24 @@ class DcpFormat:
         naming = src_dcp.naming if src_dcp else _Naming(_MODEL_PREFIX, _OPTIM_PREFIXES[0], frozenset())
         names = _tensor_order(source)
         wanted = (model_state, *opt_states)
-        if spec is None and topology.tp == 1:
+        module = module_family(source)
+        if spec is None and topology.tp == 1 and module is None:
             copies, buffers = _module_facts(source, names)
             layout, chunks = _fsdp_layout(source, topology, names, wanted, model_state, naming, copies, buffers)
             spec_name, spec_ast = "dcp", parse_spec("", "<dcp>")
+            optimized = None
         else:
-            spec_name = spec or f"dcp-{require_family(source, 'a tensor-parallel DCP target needs its tensor-parallel plan').name}"
-            spec_ast = layout_spec(spec_name)
+            family = module or require_family(source, "a tensor-parallel DCP target needs its tensor-parallel plan")
+            if family.module and topology.tp > 1 and spec is None:
+                raise TopologyError(f"dcp at tp({topology.tp}): transformers packs the fused experts of {family.name} "
+                                    "over tp (gate_up_proj's gate and up halves per rank: packed_colwise), which no "
+                                    "DCP layout of reshard's holds; convert at tp=1")
+            spec_name = spec or f"dcp-{family.name}"
+            spec_ast = layout_spec(spec_name) if spec else family_spec(source, spec_name, topology)
             layout, chunks = _spec_layout(source, topology, spec_ast, spec_name, wanted, model_state, naming)
-        verbatim = list(src_dcp.verbatim) if src_dcp else _synthesized(source, names, naming, opt_states)
+            names = list(dict.fromkeys(c.fqn for c in chunks.values() if c.writer.state == model_state))
+            optimized = {c.fqn for c in chunks.values() if c.writer.state in opt_states}
+        verbatim = list(src_dcp.verbatim) if src_dcp else _synthesized(source, names, naming, opt_states, optimized)
         planner = dict(src_dcp.planner_data) if src_dcp else {}
         extra = {"dcp": DcpWrite(chunks=chunks, verbatim=verbatim, planner_data=planner, naming=naming)}
         # Beside the checkpoint for later conversions (the model's identity and sizes); DCP itself never reads it.

@@ -9,6 +9,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
+from reshard.core.chunks import place_items
 from reshard.core.geometry import Box, row_major_strides
 from reshard.core.layout import (
     PARAM,
@@ -22,6 +23,7 @@ from reshard.core.layout import (
     held_tensors,
 )
 from reshard.core.resolve import resolve
+from reshard.core.spec import parse_spec
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import (
@@ -30,7 +32,8 @@ from reshard.formats.base import (
     require_sizes,
 )
 from reshard.formats.dcp.reading import _ADAM_GROUP, SECTION, ParamGroup, _Naming, _plain, _rank_file, _Verbatim
-from reshard.formats.specs import family_of
+from reshard.formats.derived import logical_lines, recorded_of
+from reshard.formats.specs import BUFFERS, family_of, spec_text
 from reshard.io.dcp_metadata import (
     DcpChunk,
     DcpTensor,
@@ -55,10 +58,12 @@ def _tensor_order(source: Source) -> list[str]:
     held = held_tensors(source.layout)
     return [n for n, t in source.layout.tensors.items() if not t.blob and n in held]
 
-def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: list[str]) -> list[_Verbatim]:
+def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: list[str],
+                 optimized: Collection[str] | None = None) -> list[_Verbatim]:
     """Adam's per-parameter ``step`` and the ``param_groups`` entries, for a source that is not DCP: the source
     optimizer's groups (hyperparameters, params, step) when it tells them (``_carried_groups``), else one group
-    of torch's Adam defaults, ``lr`` from the source when known, and the source's step count."""
+    of torch's Adam defaults, ``lr`` from the source when known, and the source's step count. ``optimized``: which
+    of ``names`` have optimizer state (by default, those the source holds it of)."""
     import torch
 
     def saved(obj: object) -> bytes:
@@ -69,7 +74,8 @@ def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: 
     out: list[_Verbatim] = []
     if not opt_states:
         return out
-    optimized = {f.tensor for f in source.layout.fragments if f.state in opt_states}
+    if optimized is None:
+        optimized = {f.tensor for f in source.layout.fragments if f.state in opt_states}
     names = [n for n in names if n in optimized]  # the optimizer's parameters: never a buffer
     step = source.progress.step_count
     scalar = DcpTensor("float32", (), (DcpChunk((), ()),))
@@ -136,6 +142,8 @@ class _Chunk:
     """The rank whose file holds it."""
     writer: Item
     """The item written for this (key, box): the lowest rank's; the others are replicas of it."""
+    fqn: str = ""
+    """The module's name of the tensor (the key without its state dict's prefixes)."""
 
 def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: tuple[str, ...], model_state: str,
                  naming: _Naming, copies: Mapping[str, str] | None = None,
@@ -177,7 +185,7 @@ def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: t
                 for rank, info, dcp_chunk, box, strides in shaped:
                     item = Item(SECTION, (("dp", rank),), 0, stored, key)
                     items[item] = info if box is not None else replace(info, tensor=name)
-                    chunks[item] = _Chunk(key, dcp_chunk, t.shape, rank, item)
+                    chunks[item] = _Chunk(key, dcp_chunk, t.shape, rank, item, name)
                     if box is not None:
                         fragments.append(Fragment(tensor=name, state=stored, box=box, item=item, offset=0,
                                                   strides=strides))
@@ -207,31 +215,52 @@ def _shape_chunks(plain: LogicalTensor, dp: int,
 
 def _spec_layout(source: Source, topology: Topology, spec_ast, spec_name: str, states: tuple[str, ...],
                  model_state: str, naming: _Naming) -> tuple[Layout, dict[Item, _Chunk]]:
+    """The spec's layout at ``topology``, each stored item one DCP chunk: a box of the whole stored tensor it is a
+    piece of (the spec at the trivial topology), keyed by that tensor's name without the spec's ``model.``."""
     family = family_of(spec_name)
     if family is not None:
         require_sizes(source, family.sizes, f"dcp with spec {spec_name}")
-    layout = resolve(spec_ast, topology, source.sizes, states={s: states for s in _sections(spec_ast)})
-    by_item: dict[Item, list[Fragment]] = {}
-    for f in layout.fragments:
-        by_item.setdefault(f.item, []).append(f)
+    wanted = {s: (PARAM,) if s == BUFFERS else states for s in _sections(spec_ast)}
+    layout = resolve(spec_ast, topology, source.sizes, states=wanted)
+    whole = resolve(spec_ast, Topology(), source.sizes, states=wanted)
+    places = place_items(whole, layout)
+    shapes = {it.key: info.shape for it, info in whole.items.items()}
     chunks: dict[Item, _Chunk] = {}
     first: dict[tuple[str, tuple[int, ...]], Item] = {}
     for it in sorted(layout.items, key=lambda i: (topology.rank(**dict(i.unit)), i.key, i.state)):
-        frags = by_item.get(it, [])
-        names = {f.tensor for f in frags}
-        if len(names) != 1:
-            raise CheckpointFormatError(f"spec {spec_name}: {it} holds {len(names)} tensors; a DCP chunk is one box of "
-                                        "one tensor")
-        t = layout.tensors[frags[0].tensor]
-        offs, sizes = _plain_box(t, frags)
-        if sizes != layout.items[it].shape:
-            raise CheckpointFormatError(f"spec {spec_name}: {it} stores shape {list(layout.items[it].shape)}, which "
-                                        f"is not one box of '{t.name}' (it spans {list(sizes)} at {list(offs)})")
-        key = naming.key(t.name, PARAM if it.state == model_state else it.state)
+        if it not in places:
+            if layout.items[it].numel:
+                raise CheckpointFormatError(f"spec {spec_name}: {it} ({layout.items[it].rule}) holds no tensor's "
+                                            "data; a DCP chunk is a piece of one")
+            continue  # a rank past the rows of a chunked tensor: no chunk (dcp.save records none)
+        stored, offs = places[it]
+        fqn = stored.removeprefix(_MODEL_KEY)
+        key = naming.key(fqn, PARAM if it.state == model_state else it.state)
         writer = first.setdefault((key, offs), it)
         rank = topology.rank(**dict(writer.unit))
-        chunks[it] = _Chunk(key, DcpChunk(offs, sizes), t.shape, rank, writer)
+        chunks[it] = _Chunk(key, DcpChunk(offs, layout.items[it].shape), shapes[stored], rank, writer, fqn)
+    if len(chunks) < len(layout.items):
+        layout = Layout(topology=layout.topology, tensors=layout.tensors,
+                        items=MappingProxyType({it: i for it, i in layout.items.items() if it in chunks}),
+                        fragments=layout.fragments, order=layout.order)
     return layout, chunks
+
+def family_spec(source: Source, spec_name: str, topology: Topology):
+    """The family's DCP layout ``spec_name``, plus at tp = 1 the source's tensors it does not name (a value head, an
+    MTP layer's embedding copy), each chunked over dp under its own name as ``fully_shard`` shards any parameter."""
+    text = spec_text(spec_name)
+    named = resolve(parse_spec(text, spec_name), Topology(), source.sizes).tensors
+    extras = [t for t in recorded_of(source.layout) if t.name not in named]
+    if not extras or topology.tp > 1:
+        return parse_spec(text, spec_name)
+    rules = [f"{_MODEL_KEY}{t.name} -> {t.name} = " + (" ".join((t.axes[0] + "/dp:chunk", *t.axes[1:])) if t.shape
+                                                       else t.dims) for t in extras]
+    extra = "\n".join([*logical_lines(extras, source.path), "section extras per dp tp", *rules])
+    return parse_spec(text + "\n" + extra + "\n", f"<{spec_name} with {len(extras)} tensors of {source.path}>")
+
+
+_MODEL_KEY = "model."
+"""How a DCP spec names a stored tensor: ``model.`` and its fqn, as ``get_state_dict``'s model dict is saved."""
 
 def _sections(spec_ast) -> list[str]:
     from reshard.core.spec import Section

@@ -180,16 +180,17 @@ def _groups(layout: Layout, info: _SpecInfo, pt: Rank) -> list[_Group]:
         share = layout.items[items[0]].shape[0]
         starts: dict[str, int] = {}
         for r, item in enumerate(items):
-            pieces: dict[str, list[int]] = {}  # tensor -> [first, end, count] of its elements in this partition
+            # param -> [first, end, count] of its elements in this partition (a fused param's parts together)
+            pieces: dict[str, list[int]] = {}
             for f in frags.get(item, ()):
                 end = f.offset + 1 + sum((n - 1) * s for n, s in zip(f.box.lengths, f.strides, strict=True))
-                row = pieces.setdefault(f.tensor, [f.offset, end, 0])
+                row = pieces.setdefault(key_of[f.tensor], [f.offset, end, 0])
                 row[0], row[1], row[2] = min(row[0], f.offset), max(row[1], end), row[2] + math.prod(f.box.lengths)
-            for tensor, (first, end, count) in pieces.items():
+            for param, (first, end, count) in pieces.items():
                 if end - first != count:
-                    raise CheckpointFormatError(f"{item}: {tensor} is not contiguous in the flat buffer "
+                    raise CheckpointFormatError(f"{item}: {param} is not contiguous in the flat buffer "
                                                 "(not a ZeRO-1/2 layout)")
-                starts[key_of[tensor]] = min(starts.get(key_of[tensor], r * share + first), r * share + first)
+                starts[param] = min(starts.get(param, r * share + first), r * share + first)
         params = tuple((it.key, starts[it.key], layout.items[it].numel) for it in order if layout.items[it].numel)
         out.append(_Group(share=share, dp=layout.topology.dp, params=params))
     return out

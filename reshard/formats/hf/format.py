@@ -156,7 +156,7 @@ class HFFormat:
             spec_name, spec_obj = source.spec_name, source.spec
             if is_derived(spec_name):  # whole tensors under their own names: the source's own layout
                 layout = source.layout
-        elif family is not None and not is_derived(source.spec_name):
+        elif family is not None and (not is_derived(source.spec_name) or source.module_names):
             tied = family.can_tie and family.tied_in(source.layout.tensors)
             spec_name = hf_spec_name(family, {"tie_word_embeddings": tied}, source.path)
             spec_obj = layout_spec(spec_name)

@@ -109,7 +109,7 @@ from reshard.formats.megatron.dist_derived import (
 from reshard.formats.megatron.dist_derived import optimizer_state as _optimizer_state
 from reshard.formats.megatron.dist_full import FULL, check_buckets, full_target, sharding_of
 from reshard.formats.megatron.dist_layers import mtp_layers, with_mtp
-from reshard.formats.megatron.dist_chunks import chunk_boxes
+from reshard.core.chunks import chunk_boxes
 from reshard.formats.megatron.dist_moe import bucket_refusal, extra_states, is_local
 from reshard.formats.megatron.dist_moe import spec_name as _spec_name
 from reshard.formats.megatron.dist_optim import bucket_space, is_bucket_key

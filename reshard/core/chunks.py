@@ -1,18 +1,26 @@
-"""Where each rank's tensors sit in torch_dist's global tensors: the chunks megatron-core's ranks write.
+"""Where each rank's stored tensors sit in whole stored tensors, and a layout seen through whole stored tensors.
 
-A per-rank Megatron layout (the family's ``megatron`` layout at the target topology) and the whole-tensor
-torch_dist layout of the same model give, for every block of every rank's stored tensor, the global key, the
-offsets and the sizes of its chunk, and the rank that writes it.
+A spec resolved at a topology (each rank's items) and the same model's whole-tensor layout (a spec resolved at the
+trivial topology: each stored tensor one item, keyed by its name) give, for every block of every rank's stored
+tensor, the whole tensor's key and the block's offsets in it: the chunks megatron-core's torch_dist ranks write
+(``chunk_boxes``: a rank's tensor may be several blocks, as SwiGLU fc1's stacked halves are) and DCP's (``place_items``:
+each rank's tensor one box of the whole one, as DTensor shards it). ``through`` goes the other way: a layout that holds
+stored tensors by their own dims (a DCP checkpoint of a module's state dict) seen as the logical tensors a spec
+stores in them.
 """
 
 from __future__ import annotations
 
-from reshard.core.geometry import row_major_strides
-from reshard.core.layout import Fragment, Item, Layout
-from reshard.core.topology import Topology
-from reshard.errors import CheckpointFormatError
+from collections.abc import Collection
+from dataclasses import replace
+from types import MappingProxyType
 
-__all__ = ["chunk_boxes"]
+from reshard.core.geometry import row_major_strides
+from reshard.core.layout import Fragment, Item, Layout, LogicalTensor, chunk_fragments, dims_of
+from reshard.core.topology import Topology
+from reshard.errors import CheckpointFormatError, PlanError
+
+__all__ = ["chunk_boxes", "place_items", "through"]
 
 
 def chunk_boxes(whole: Layout, ranks: Layout, topology: Topology) -> dict[tuple[str, tuple[int, ...]], tuple]:
@@ -24,13 +32,7 @@ def chunk_boxes(whole: Layout, ranks: Layout, topology: Topology) -> dict[tuple[
     translation into the global tensor places its chunk. A chunk several
     ranks hold is written by the lowest rank.
     """
-    global_of: dict[tuple[str, str], list[Fragment]] = {}
-    for f in whole.fragments:
-        global_of.setdefault((f.tensor, f.state), []).append(f)
-    per_item: dict[Item, list[Fragment]] = {}
-    for f in ranks.fragments:
-        if not f.fill:
-            per_item.setdefault(f.item, []).append(f)
+    global_of, per_item = _indexed(whole, ranks)
     padding = [it for it, info in ranks.items.items() if it not in per_item and info.numel and info.tensor is None]
     if padding:  # nothing places such a chunk in the global tensor: it would be left out of the checkpoint
         raise CheckpointFormatError(
@@ -58,6 +60,18 @@ def chunk_boxes(whole: Layout, ranks: Layout, topology: Topology) -> dict[tuple[
             if known is None or rank < known[1]:
                 out[(key, offsets)] = (sizes, rank)
     return out
+
+
+def _indexed(whole: Layout, ranks: Layout) -> tuple[dict[tuple[str, str], list[Fragment]], dict[Item, list[Fragment]]]:
+    """The whole layout's fragments by (tensor, state), and the ranks' data fragments (no fill) by item."""
+    global_of: dict[tuple[str, str], list[Fragment]] = {}
+    for f in whole.fragments:
+        global_of.setdefault((f.tensor, f.state), []).append(f)
+    per_item: dict[Item, list[Fragment]] = {}
+    for f in ranks.fragments:
+        if not f.fill:
+            per_item.setdefault(f.item, []).append(f)
+    return global_of, per_item
 
 
 def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[list[int]]:
@@ -100,3 +114,54 @@ def _local_box(fr: Fragment, shape: tuple[int, ...]) -> tuple[tuple[int, ...], t
             d = next(d for d in range(len(shape)) if strides[d] <= st and shape[d] > 1)
             hi[d] += (n - 1) * (st // strides[d])
     return tuple(lo), tuple(hi)
+
+
+def place_items(whole: Layout, ranks: Layout) -> dict[Item, tuple[str, tuple[int, ...]]]:
+    """Each item of ``ranks`` that holds data: (the key of the whole stored tensor it is a box of, the box's offsets
+    there). Every fragment of an item must land in the same whole tensor with the same translation: one box, as DCP
+    records a DTensor's local shard."""
+    global_of, per_item = _indexed(whole, ranks)
+    out: dict[Item, tuple[str, tuple[int, ...]]] = {}
+    for item, frags in per_item.items():
+        shape = ranks.items[item].shape
+        places = {_place(fr, shape, whole, global_of) for fr in frags}
+        key, lead, move = places.pop()
+        if places or lead:
+            raise CheckpointFormatError(f"{item} ({ranks.items[item].rule}): its parts land in the whole stored "
+                                        f"tensors at {sorted({(key, lead, move), *places})}; it is not one box of one "
+                                        "of them")
+        out[item] = (key, move)
+    return out
+
+
+def through(layout: Layout, whole: Layout, keys: Collection[str]) -> Layout:
+    """``layout`` with each tensor named in ``keys`` (a stored tensor of ``whole``, held by its own dims) seen as
+    the logical tensors ``whole`` stores in it: each fragment of it becomes those tensors' fragments that fall in its
+    box, at their places in its item.
+
+    Raises:
+      PlanError: a tensor of ``keys`` whose shape is not the whole stored tensor's, or that ``layout`` views through
+        other axes than its dims.
+    """
+    frags_of: dict[str, list[Fragment]] = {}
+    for f in whole.fragments:
+        frags_of.setdefault(f.item.key, []).append(f)
+    shapes = {it.key: info.shape for it, info in whole.items.items()}
+    for name in keys:
+        t = layout.tensors[name]
+        if t.shape != shapes[name] or len(dims_of(t)) != len(t.axes):
+            raise PlanError(f"'{name}' is held as {list(t.shape)} (axes {list(t.axes)}), which is not the stored "
+                            f"tensor {list(shapes[name])} its parts are laid out in")
+    fragments: list[Fragment] = []
+    seen: dict[str, LogicalTensor] = {}
+    for f in layout.fragments:
+        if f.tensor not in keys:
+            fragments.append(f)
+            continue
+        for g in chunk_fragments(frags_of[f.tensor], shapes[f.tensor], f.box.offsets, f.box.lengths, f.item,
+                                 f.strides, f.offset):
+            fragments.append(replace(g, state=f.state, fill=f.fill or g.fill))
+            seen.setdefault(g.tensor, whole.tensors[g.tensor])
+    tensors = {n: t for n, t in layout.tensors.items() if n not in keys} | seen
+    return Layout(topology=layout.topology, tensors=MappingProxyType(tensors), items=layout.items,
+                  fragments=tuple(fragments), order=layout.order)
