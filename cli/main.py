@@ -89,7 +89,8 @@ def _bytes(n: int) -> str:
 def convert(
     src: Annotated[str, typer.Argument(help="source checkpoint directory, or an fsspec URL (s3://..., "
                                         "hf and dcp)")],
-    dst: Annotated[Path, typer.Argument(help="destination directory (must not exist, or be empty)")],
+    dst: Annotated[str, typer.Argument(help="destination directory (must not exist, or be empty), or an fsspec URL "
+                                        "(s3://...: assembled in TMPDIR, then uploaded in parts, the manifest last)")],
     to: TopologyOpt = None,
     format: FormatOpt = None,
     spec: SpecOpt = None,

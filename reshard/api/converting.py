@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,7 +38,8 @@ from reshard.execution.partial import Partial, partial_path
 from reshard.execution.session import WriteSession
 from reshard.execution.workers import WorkerLost, run_shares
 from reshard.formats import get_format
-from reshard.io.location import as_path, is_url
+from reshard.io.location import UrlPath, as_path, is_url
+from reshard.io.upload import check_empty, upload_tree
 from reshard.io.storage import HASH
 
 __all__ = ["ConvertResult", "convert"]
@@ -45,7 +49,7 @@ Progress = Callable[[int], None]
 
 @dataclass(frozen=True, slots=True)
 class ConvertResult:
-    path: Path
+    path: Path | UrlPath
     report: PlanReport | None
     """The plan; None on the ranks other than 0 of a conversion across ranks, which get only their slice."""
     files: dict[str, dict[str, Any]]
@@ -89,7 +93,10 @@ def convert(
     Args:
       src: a checkpoint directory in any supported format, or an fsspec URL (``s3://bucket/ckpt``) of an hf or
         dcp one, read with range requests.
-      dst: the directory to create; must not exist, or be empty.
+      dst: the directory to create; must not exist, or be empty. An fsspec URL (``s3://bucket/ckpt``) too: the
+        checkpoint is assembled in a local temporary directory (``TMPDIR``: it needs the space of the output),
+        then each file is uploaded in parts (S3: a multipart upload of 64 MiB parts), the manifest last, and the
+        local copy removed; one process (with its workers), no ``resume``.
       to: the destination topology (``"tp=2,pp=2,dp=4"``); default: the source's
         for the same format, unsharded for hf.
       format: destination format; default: the source's.
@@ -129,9 +136,10 @@ def convert(
       RankLost: across ranks, a rank died or stopped answering; ``resume`` continues.
     """
     started = time.perf_counter()
+    options = dict(to=to, format=format, spec=spec, sizes=sizes, workers=workers, memory_budget=memory_budget,
+                   max_shard_size=max_shard_size, vocab_pad=vocab_pad, dist_optim=dist_optim, progress=progress)
     if is_url(dst):
-        raise ReshardError(f"{dst}: reshard writes a local directory (or a file:// URL); object storage (an fsspec "
-                           "URL) works as a source only: convert to a local directory and upload it")
+        return _to_url(src, as_path(dst), options, resume=resume, distributed=distributed, started=started)
     dst = as_path(dst)
     ranks = join_ranks(distributed)
     if ranks is None:
@@ -150,6 +158,34 @@ def convert(
                             memory_budget=memory_budget, max_shard_size=max_shard_size, vocab_pad=vocab_pad,
                             dist_optim=dist_optim,
                             progress=progress, resume=resume, started=started, ranks=ranks)
+
+
+def _to_url(src: str | Path, dst: UrlPath, options: dict[str, Any], *, resume: bool, distributed: bool | None,
+            started: float) -> ConvertResult:
+    """``convert`` to object storage: assembled in a local temporary directory (``TMPDIR``), then uploaded file
+    by file in parts, the manifest last (``reshard.io.upload``); the local copy is removed either way, and a
+    failed upload removes what it put in the bucket."""
+    if resume:
+        raise ReshardError(f"{dst}: resume continues a local conversion; a conversion to object storage is "
+                           "assembled afresh: convert to a local directory with resume, then upload it")
+    ranks = join_ranks(distributed)
+    if ranks is not None:
+        with ranks:
+            raise ReshardError(f"{dst}: a conversion to object storage runs in one process (with its workers); "
+                               f"across {ranks.size} torchrun ranks, convert to a shared directory instead")
+    check_empty(dst)
+    root = Path(tempfile.mkdtemp(prefix="reshard-upload-"))
+    try:
+        result = _convert(src, root / "out", **options, resume=False, started=started, ranks=None)
+        try:
+            upload_tree(root / "out", dst, last=MANIFEST)
+        except BaseException:
+            if dst.exists():
+                dst.fs.rm(dst.path, recursive=True)
+            raise
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return dataclasses.replace(result, path=dst, seconds=time.perf_counter() - started)
 
 
 def _convert(src: str | Path, dst: Path, *, to, format, spec, sizes, workers, memory_budget, max_shard_size,

@@ -1,8 +1,10 @@
-"""Sources in object storage: an S3-compatible server (moto) on loopback, read through s3fs with range requests."""
+"""Object storage: an S3-compatible server (moto) on loopback; sources read through s3fs with range requests,
+destinations uploaded file by file in parts (S3 multipart uploads), the manifest last."""
 
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,16 +20,21 @@ BUCKET = "ckpts"
 
 
 class _RequestLog:
-    """WSGI middleware recording each object GET: its path and its Range header."""
+    """WSGI middleware recording each object GET (its path and its Range header) and each object write (method,
+    path, query)."""
 
     def __init__(self, app) -> None:
         self.app = app
         self.gets: list[tuple[str, str | None]] = []
+        self.writes: list[tuple[str, str, str]] = []
 
     def __call__(self, environ, start_response):
-        path = environ.get("PATH_INFO", "")
-        if environ["REQUEST_METHOD"] == "GET" and path.strip("/").count("/") >= 1:  # an object, not a listing
-            self.gets.append((path, environ.get("HTTP_RANGE")))
+        path, method = environ.get("PATH_INFO", ""), environ["REQUEST_METHOD"]
+        if path.strip("/").count("/") >= 1:  # an object, not a listing
+            if method == "GET":
+                self.gets.append((path, environ.get("HTTP_RANGE")))
+            elif method in ("PUT", "POST"):
+                self.writes.append((method, path, environ.get("QUERY_STRING", "")))
         return self.app(environ, start_response)
 
 
@@ -124,10 +131,72 @@ def test_one_rank_load_reads_only_range_requests(s3, tmp_path):
     assert share < total / 3  # the rank read its quarter, not the checkpoint
 
 
-def test_a_url_destination_is_refused(s3, tmp_path):
+def _download(fs, url: str, local: Path) -> Path:
+    fs.invalidate_cache()
+    fs.get(url.removeprefix("s3://") + "/", str(local), recursive=True)
+    return local
+
+
+def test_a_conversion_to_s3_uploads_what_a_local_one_writes_manifest_last(s3, tmp_path):
+    fs, log = s3
     make_fixture(tmp_path / "src", format="hf")
-    with pytest.raises(ReshardError, match="object storage .* works as a source only"):
-        reshard.convert(tmp_path / "src", f"s3://{BUCKET}/out", to="tp=2", format="megatron")
+    log.writes.clear()
+    result = reshard.convert(tmp_path / "src", f"s3://{BUCKET}/out-meg", to="tp=2,pp=2", format="megatron")
+    assert str(result.path) == f"s3://{BUCKET}/out-meg"
+    puts = [p for m, p, _ in log.writes if m == "PUT"]
+    assert puts[-1].endswith("/out-meg/reshard.json") and len(puts) == len(set(puts))  # each once, manifest last
+    reshard.convert(tmp_path / "src", tmp_path / "local", to="tp=2,pp=2", format="megatron")
+    got = _download(fs, f"s3://{BUCKET}/out-meg", tmp_path / "down")
+    assert _tree(got) == _tree(tmp_path / "local")
+    assert reshard.verify(got)  # the manifest describes the uploaded bytes
+    assert not list(Path(tempfile.gettempdir()).glob("reshard-upload-*"))  # the local copy is gone
+
+    from typer.testing import CliRunner
+
+    from reshard.cli.main import app
+
+    out = CliRunner().invoke(app, ["convert", str(tmp_path / "src"), f"s3://{BUCKET}/cli-meg", "--to", "tp=2,pp=2",
+                                   "--format", "megatron", "--workers", "1"])
+    assert out.exit_code == 0, out.output
+    assert _tree(_download(fs, f"s3://{BUCKET}/cli-meg", tmp_path / "cli")) == _tree(tmp_path / "local")
+    with pytest.raises(ReshardError, match="destination exists and is not empty"):
+        reshard.convert(tmp_path / "src", f"s3://{BUCKET}/out-meg", to="tp=2", format="megatron")
+    with pytest.raises(ReshardError, match="resume continues a local conversion"):
+        reshard.convert(tmp_path / "src", f"s3://{BUCKET}/other", to="tp=2", format="megatron", resume=True)
+
+
+def test_a_large_file_goes_up_in_parts(s3, tmp_path):
+    fs, log = s3
+    from reshard.io.location import as_path
+    from reshard.io.upload import MIN_PART, upload_tree
+
+    (tmp_path / "big").mkdir()
+    data = bytes(range(256)) * (12 * (1 << 20) // 256 + 7)  # 12 MiB and a bit: three parts of 5 MiB
+    (tmp_path / "big" / "blob.bin").write_bytes(data)
+    (tmp_path / "big" / "reshard.json").write_text("{}")
+    log.writes.clear()
+    sizes = upload_tree(tmp_path / "big", as_path(f"s3://{BUCKET}/big"), last="reshard.json", part_size=MIN_PART)
+    assert sizes == {"blob.bin": len(data), "reshard.json": 2}
+    parts = [q for m, p, q in log.writes if p.endswith("/blob.bin") and "partNumber" in q]
+    assert len(parts) == 3, log.writes
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{BUCKET}/big/blob.bin") == data
+
+
+def test_a_failed_upload_leaves_nothing_in_the_bucket(s3, tmp_path, monkeypatch):
+    fs, _ = s3
+    import reshard.io.upload as upload
+
+    make_fixture(tmp_path / "src", format="hf")
+
+    def refuse(remote, size):
+        raise ReshardError(f"{remote}: refused")
+
+    monkeypatch.setattr(upload, "_check_size", refuse)
+    with pytest.raises(ReshardError, match="refused"):
+        reshard.convert(tmp_path / "src", f"s3://{BUCKET}/failed", to="tp=2", format="megatron")
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/failed")
 
 
 def test_a_format_read_only_locally_is_named(s3, tmp_path):
