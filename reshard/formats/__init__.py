@@ -23,6 +23,7 @@ FORMATS = {
     "deepspeed": "reshard.formats.deepspeed",
     "hf": "reshard.formats.hf",
     "mcore-dist": "reshard.formats.megatron.torch_dist",  # before dcp: a torch_dist directory is also a DCP one
+    "mcore-fsdp": "reshard.formats.megatron.fsdp_dtensor",  # before dcp: Megatron-FSDP saves plain DCP
     "dcp": "reshard.formats.dcp",
     "ucp": "reshard.formats.deepspeed.ucp",
 }

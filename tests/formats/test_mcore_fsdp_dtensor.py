@@ -1,0 +1,167 @@
+"""Megatron-FSDP ``fsdp_dtensor`` checkpoints: a real one written by megatron-core 0.16 (``mcore_fsdp_jobs``, dp 2,
+one Adam step), read by name and converted; and a hand-made one whose args describe no family.
+
+The oracle of the real run is what its ranks held: every DTensor it saved, whole (``full.pt``); the Hugging Face
+tensors are de-interleaved from it here by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import mcore_fsdp_jobs
+import mcore_jobs
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import require
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import reshard
+from reshard.errors import CheckpointFormatError
+from reshard.io.dcp_metadata import read_metadata
+
+S = mcore_jobs.SIZES
+MODEL, OPTIM = "model.module.", "optimizer.state.module.module."
+
+
+def megatron(full: dict, state: str) -> dict[str, torch.Tensor]:
+    """The run's tensors of one state (``param`` or an Adam state) by Megatron name."""
+    if state == "param":
+        return {k[len(MODEL):]: v for k, v in full.items() if k.startswith(MODEL)}
+    return {k[len(OPTIM):-len(state) - 1]: v for k, v in full.items()
+            if k.startswith(OPTIM) and k.endswith(f".{state}")}
+
+
+def expected_hf(m: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF Llama tensors from Megatron's per-layer ones: QKV de-interleaved by group, SwiGLU's gate ``weight_w``
+    and up ``weight_v``, the vocabulary unpadded."""
+    g, qpg, hd, h, v = S["g"], S["heads"] // S["g"], S["hd"], S["h"], S["vocab"]
+    out = {"model.embed_tokens.weight": m["embedding.word_embeddings.weight"][:v],
+           "lm_head.weight": m["output_layer.weight"][:v], "model.norm.weight": m["decoder.final_layernorm.weight"]}
+    for i in range(S["layers"]):
+        p, q = f"model.layers.{i}.", f"decoder.layers.{i}."
+        qkv = m[q + "self_attention.linear_qkv.weight"].view(g, qpg + 2, hd, h)
+        out |= {p + "self_attn.q_proj.weight": qkv[:, :qpg].reshape(-1, h),
+                p + "self_attn.k_proj.weight": qkv[:, qpg].reshape(-1, h),
+                p + "self_attn.v_proj.weight": qkv[:, qpg + 1].reshape(-1, h),
+                p + "self_attn.o_proj.weight": m[q + "self_attention.linear_proj.weight"],
+                p + "mlp.gate_proj.weight": m[q + "mlp.linear_fc1.weight_w"],
+                p + "mlp.up_proj.weight": m[q + "mlp.linear_fc1.weight_v"],
+                p + "mlp.down_proj.weight": m[q + "mlp.linear_fc2.weight"],
+                p + "input_layernorm.weight": m[q + "input_layernorm.weight"],
+                p + "post_attention_layernorm.weight": m[q + "pre_mlp_layernorm.weight"]}
+    return out
+
+
+def flat(path, tmp_path, name: str) -> dict:
+    dcp_to_torch_save(path, tmp_path / f"{name}.pt")
+    out: dict = {}
+
+    def walk(d, pre):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{pre}{k}.")
+            else:
+                out[f"{pre}{k}"] = v
+    walk(torch.load(tmp_path / f"{name}.pt", weights_only=False), "")
+    return out
+
+
+@pytest.mark.interop
+def test_a_real_megatron_fsdp_checkpoint_is_read_by_name_and_converts_bit_exact(tmp_path):
+    require("megatron.core")
+    src = tmp_path / "src"
+    mcore_fsdp_jobs.save(src, 2)
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    # On disk: plain DCP (no metadata.json, no common.pt), one uneven Shard(0) chunk per rank, SwiGLU split
+    assert sorted(p.name for p in src.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    md = read_metadata(src)
+    assert {"args", "iteration", "checkpoint_version"} <= set(md.byte_entries)
+    qkv = md.tensors[f"{MODEL}decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert sorted(c.offsets[1] for c in qkv.chunks) == [0, 0] and len({c.sizes[0] for c in qkv.chunks}) == 2
+    assert f"{MODEL}decoder.layers.0.mlp.linear_fc1.weight" not in md.tensors
+    assert md.tensors[f"{OPTIM}decoder.layers.0.mlp.linear_fc1.weight_w.exp_avg"].size == (S["f"], S["h"])
+
+    source = reshard.open_checkpoint(src)
+    assert (source.format, source.spec_name, source.model.family) == ("mcore-fsdp", "mcore-dist-llama", "llama")
+    assert (source.progress.iteration, source.progress.step, source.topology.dp) == (mcore_fsdp_jobs.ITERATION, 1, 2)
+    assert set(source.layout.states) == {"param", "master", "exp_avg", "exp_avg_sq"}
+
+    reshard.convert(src, tmp_path / "hf", format="hf")
+    got, want = load_file(tmp_path / "hf" / "model.safetensors"), expected_hf(megatron(full, "param"))
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+    reshard.convert(src, tmp_path / "dcp", format="dcp", to="dp=3")  # FSDP2 of the HF model, Adam's state too
+    got = flat(tmp_path / "dcp", tmp_path, "dcp")
+    for state in ("param", "exp_avg", "exp_avg_sq"):
+        for k, v in expected_hf(megatron(full, state)).items():
+            key = f"model.{k}" if state == "param" else f"optim.state.{k}.{state}"
+            assert torch.equal(got[key], v), key
+    assert all(got[f"optim.state.{k}.step"] == 1 for k in want)
+
+    reshard.convert(src, tmp_path / "dist", format="mcore-dist", to="tp=2")  # torch_dist: layers stacked
+    got, m = flat(tmp_path / "dist", tmp_path, "dist"), megatron(full, "param")
+    for i in range(S["layers"]):
+        q = f"decoder.layers.{i}."
+        assert torch.equal(got["decoder.layers.mlp.linear_fc1.weight"][i],
+                           torch.cat([m[q + "mlp.linear_fc1.weight_w"], m[q + "mlp.linear_fc1.weight_v"]]))
+        qkv = "decoder.layers.self_attention.linear_qkv.weight"
+        norm = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+        assert torch.equal(got[qkv][i], m[q + "self_attention.linear_qkv.weight"])
+        assert torch.equal(got[norm][i], m[q + "input_layernorm.weight"])
+    v = S["vocab"]  # padded again for tp 2: the rows past the vocabulary are padding
+    assert torch.equal(got["embedding.word_embeddings.weight"][:v], m["embedding.word_embeddings.weight"][:v])
+
+    # The distributed optimizer's buckets at tp 2 (the weights are its fp32 main params), and back to DCP by name
+    reshard.convert(src, tmp_path / "zero", format="mcore-dist", to="tp=2,dp=1,zero=1")
+    reshard.convert(tmp_path / "zero", tmp_path / "back", format="dcp", to="dp=1")
+    got = flat(tmp_path / "back", tmp_path, "back")
+    for state in ("exp_avg", "exp_avg_sq"):
+        for k, v in expected_hf(megatron(full, state)).items():
+            assert torch.equal(got[f"optim.state.{k}.{state}"], v), (k, state)
+
+
+def no_family_checkpoint(path) -> dict:
+    """An fsdp_dtensor checkpoint as Megatron-FSDP lays one out (weights under ``model.module.``, Adam's state under
+    ``optimizer.state.module.module.``, a 0-d step per parameter, ``args``/``iteration``/``checkpoint_version``),
+    written by ``dcp.save`` in one process, whose args describe no family (no SwiGLU); the weights and states by
+    Megatron name."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"embedding.word_embeddings.weight": (12, 8), "decoder.layers.0.self_attention.linear_qkv.weight": (24, 8),
+              "decoder.layers.0.mlp.linear_fc1.weight": (16, 8), "decoder.final_layernorm.weight": (8,)}
+    named = {s: {k: torch.randn(v, generator=gen) for k, v in shapes.items()} for s in ("param", "exp_avg")}
+    args = mcore_jobs._args(1, 1)
+    args.swiglu = False
+    dcp.save({"model": {f"module.{k}": v for k, v in named["param"].items()},
+              "optimizer": {"state": {f"module.module.{k}": {"exp_avg": v, "step": torch.tensor(4.0)}
+                                      for k, v in named["exp_avg"].items()}},
+              "args": args, "iteration": 4, "checkpoint_version": 3.0}, checkpoint_id=path)
+    return named
+
+
+def test_without_a_family_every_tensor_is_read_under_its_megatron_name(tmp_path):
+    named = no_family_checkpoint(tmp_path / "src")
+    source = reshard.open_checkpoint(tmp_path / "src")
+    assert (source.format, source.spec_name, source.progress.iteration, source.progress.step) == \
+        ("mcore-fsdp", "mcore-fsdp-derived", 4, 4)
+    assert set(source.layout.tensors) == set(named["param"])
+    reshard.convert(tmp_path / "src", tmp_path / "dcp", format="dcp", to="dp=2")
+    got = flat(tmp_path / "dcp", tmp_path, "dcp")
+    for k, v in named["param"].items():
+        assert torch.equal(got[f"model.{k}"], v), k
+        assert torch.equal(got[f"optim.state.{k}.exp_avg"], named["exp_avg"][k]), k
+    with pytest.raises(CheckpointFormatError, match=r"which model this is is recorded nowhere .*: put the model's "
+                                                     "config.json beside the source, or give a spec"):
+        reshard.convert(tmp_path / "src", tmp_path / "meg", format="megatron", to="tp=1")
+    with pytest.raises(CheckpointFormatError, match=r"recorded nowhere .*a Hugging Face checkpoint needs its config"):
+        reshard.convert(tmp_path / "src", tmp_path / "hf", format="hf")
+
+
+def test_a_plain_dcp_checkpoint_with_model_module_keys_stays_dcp(tmp_path):
+    """Without Megatron's trainer entries (``args``, ``iteration``, ``checkpoint_version``), not Megatron-FSDP's."""
+    dcp.save({"model": {"module.w": torch.ones(4)}, "args": argparse.Namespace(a=1)}, checkpoint_id=tmp_path)
+    assert reshard.open_checkpoint(tmp_path).format == "dcp"

@@ -1,0 +1,164 @@
+"""Real Megatron-FSDP ``fsdp_dtensor`` checkpoints, written on CPU with gloo.
+
+Importable (no side effects) and runnable as a script. ``save`` runs ``python tests/mcore_fsdp_jobs.py save
+DP OUT``: ``dp`` ranks each build ``mcore_jobs``'s Llama-style ``GPTModel`` (local layers, fp32), wrap it in
+megatron-core 0.16's ``FullyShardedDataParallel`` (``use_megatron_fsdp``, ``optim_grads_params``: weights,
+gradients and optimizer state sharded over dp), take one Adam step with its ``DistributedOptimizer`` and save
+what Megatron's trainer saves for ``--ckpt-format fsdp_dtensor``: ``{"model": the wrapper's state_dict(),
+"optimizer": sharded_state_dict(metadata={"distrib_optim_sharding_type": "fsdp_dtensor"}), "args", "iteration",
+"checkpoint_version"}`` after megatron-core's own preprocessing (``handle_fp8_extra_state_case``,
+``handle_swiglu_in_state_dict``, ``preprocess_state_dict_for_uneven_dtensor``), with ``torch.distributed.checkpoint
+.save``. Each rank also gathers every DTensor it saved to the whole tensor (its chunk and offsets from
+megatron-core's own uneven-chunk metadata) and rank 0 dumps them to ``OUT/../full.pt``, keyed as stored.
+
+CPU stand-ins, in this process only: CUDA streams and the device index (``MegatronFSDP.__init__``), the
+device meshes' device type (``mcore_fsdp_adapter._init_dist_index`` builds them for "cuda"), ``Tensor.cuda``
+(``uneven_dtensor.validate_uneven_dtensor``) and tensors made ``device="cuda"`` (the optimizer's overflow flag).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+from jobs import exit_now, run_ranks
+
+ITERATION = 7
+
+
+def save(out: Path, dp: int) -> None:
+    """A real fsdp_dtensor checkpoint at ``out``, written by ``dp`` ranks; the saved tensors whole in
+    ``out.parent / "full.pt"``."""
+    run_ranks(__file__, ["save", str(dp), str(out)], "Megatron-FSDP")
+
+
+def _cpu_only(torch) -> None:
+    class Stream:
+        def __init__(self, *a, **k): ...
+        def wait_stream(self, *a, **k): ...
+        def synchronize(self): ...
+
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.Stream = Stream
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *a, **k: Stream()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        make = getattr(torch, name)
+
+        def on_cpu(*a, _make=make, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return _make(*a, **k)
+        setattr(torch, name, on_cpu)
+    type_of = torch.Tensor.type
+
+    def cuda_type(self, *a, **k):  # the optimizers check for torch.cuda.*Tensor
+        name = type_of(self, *a, **k)
+        return name.replace("torch.", "torch.cuda.", 1) if not a and not k and "cuda" not in name else name
+    torch.Tensor.type = cuda_type
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from_group = DeviceMesh.from_group
+
+    def cpu_mesh(*a, **k):
+        k["device_type"] = "cpu"
+        return from_group(*a, **k)
+    DeviceMesh.from_group = staticmethod(cpu_mesh)
+
+
+def _whole(torch, dist, dtensor):
+    """The whole tensor of an unevenly sharded DTensor: each rank's chunk at the offsets megatron-core computed."""
+    (chunk,) = dtensor._local_tensor.__create_chunk_list__()
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, (tuple(chunk.offsets), dtensor.to_local().clone()))
+    whole = torch.zeros(dtensor.shape, dtype=dtensor.dtype)
+    for offsets, local in held:
+        if local.numel():
+            whole[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))] = local
+    return whole
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch
+
+    _cpu_only(torch)
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(1234)
+    from mcore_jobs import _args, padded_vocab
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import (
+        handle_fp8_extra_state_case,
+        handle_swiglu_in_state_dict,
+    )
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    a = _args(1, 1)
+    vars(a).update(transformer_impl="local", use_megatron_fsdp=True, ckpt_format="fsdp_dtensor",
+                   use_distributed_optimizer=True, data_parallel_sharding_strategy="optim_grads_params")
+    config = TransformerConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups, kv_channels=a.kv_channels, ffn_hidden_size=a.ffn_hidden_size,
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+        use_cpu_initialization=True, params_dtype=torch.float32)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=padded_vocab(1), max_sequence_length=64, share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope")
+    ddp = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                        data_parallel_sharding_strategy="optim_grads_params")
+    fsdp = FullyShardedDataParallel(config, ddp, model, device=torch.device("cpu"))
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True,
+                                                 params_dtype=torch.float32), [fsdp])
+    for group in opt.optimizer.param_groups:  # gradients that are a function of the weights, on every shard
+        for p in group["params"]:
+            p.grad = p.detach() * 0.5 + 0.01
+    ok, _, _ = opt.step()
+    assert ok
+    state = {"model": fsdp.state_dict_for_save_checkpoint(), "args": a, "iteration": ITERATION,
+             "checkpoint_version": 3.0}
+    state["optimizer"] = opt.sharded_state_dict(state, metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})
+    handle_fp8_extra_state_case(state["model"])
+    state["model"], _ = handle_swiglu_in_state_dict(fsdp, state["model"], None)
+    # The optimizer's keys name the parameters one wrapper deeper than the model's (module.module.<name>, from
+    # _param_name over the wrapper's named_parameters); handle_swiglu_in_state_dict looks them up one level down.
+    _, state["optimizer"] = handle_swiglu_in_state_dict(fsdp.module, {}, state["optimizer"])
+    preprocess_state_dict_for_uneven_dtensor(state)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(out))
+    full = {}
+    for key, value in state["model"].items():
+        if isinstance(value, DTensor):
+            full[f"model.{key}"] = _whole(torch, dist, value)
+    for name, states in state["optimizer"]["state"].items():
+        for s, value in states.items():
+            full[f"optimizer.state.{name}.{s}"] = _whole(torch, dist, value) if isinstance(value, DTensor) \
+                else value.clone()
+    if rank == 0:
+        torch.save(full, Path(out).parent / "full.pt")
+    dist.barrier()
+    exit_now()  # no destroy_process_group: gloo's teardown sometimes crashes after the work is done
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    dp, out = int(sys.argv[2]), sys.argv[3]
+    os.makedirs(out, exist_ok=True)
+    mp.spawn(_rank, args=(dp, int(os.environ["RESHARD_MCORE_PORT"]), out), nprocs=dp)
