@@ -34,7 +34,9 @@ strictly: ``StrictHandling.RAISE_ALL``) a torch_dist checkpoint of the model alo
 ``fully_reshardable`` (the trainer's ``--dist-ckpt-optim-fully-reshardable``, gathered over dp as by
 default), and ``family`` (with ``dense``) builds another family of ``mcore_jobs.FAMILIES`` instead of
 Llama: ``gpt2`` (LayerNorm with biases, biases on every linear, GELU, learned positions, tied) or ``qwen2``
-(q/k/v biases, tied).
+(q/k/v biases, tied). ``grouped`` builds the experts as megatron-core's legacy ``GroupedMLP`` (``--moe-grouped-gemm
+--moe-use-legacy-grouped-gemm``: ``weight1`` and ``weight2`` per layer); the ``grouped_gemm`` package it asserts at
+construction runs only in its forward, which these jobs never call, so the assertion is skipped.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ SIZES = {"h": 32, "heads": 4, "g": 2, "hd": 8, "f": 48, "vocab": 300, "layers": 
 DIVISIBLE_BY = 128
 ITERATION = 10
 OPTIONS = {"dense": False, "bf16": False, "bucket_size": None, "torch_dist": False, "next": False,
-           "weights_only": False, "qk_norm": False, "fully_reshardable": False, "family": "llama"}
+           "weights_only": False, "qk_norm": False, "fully_reshardable": False, "family": "llama",
+           "grouped": False}
 
 
 def padded_vocab(tp: int) -> int:
@@ -94,7 +97,7 @@ def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool, opts: dict = OPTION
         untie_embeddings_and_output_weights=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=tp, data_parallel_size=dp,
         world_size=tp * pp * dp, num_experts=experts, moe_router_topk=2 if experts else None,
-        moe_grouped_gemm=False, transformer_impl="local", use_distributed_optimizer=distopt,
+        moe_grouped_gemm=opts["grouped"], moe_use_legacy_grouped_gemm=opts["grouped"], transformer_impl="local", use_distributed_optimizer=distopt,
         params_dtype="bfloat16" if opts["bf16"] else "float32", bf16=opts["bf16"],
         accumulate_allreduce_grads_in_fp32=opts["bf16"], overlap_grad_reduce=opts["bucket_size"] is not None,
         ddp_bucket_size=opts["bucket_size"], seed=1234, use_mcore_models=True, use_legacy_models=False,
@@ -143,10 +146,15 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep)
+    if opts["grouped"]:  # GroupedMLP asserts the grouped_gemm package, which only its forward uses
+        from megatron.core.transformer.moe import grouped_gemm_util
+
+        grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
     s = SIZES
     experts = None if opts["dense"] else s["experts"]
     dtype = torch.bfloat16 if opts["bf16"] else torch.float32
-    moe = {"num_moe_experts": experts, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather"} if experts else {}
+    moe = {"num_moe_experts": experts, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather",
+           "moe_grouped_gemm": opts["grouped"], "moe_use_legacy_grouped_gemm": opts["grouped"]} if experts else {}
     a = _args(tp, pp, ep, world // (tp * pp), distopt, opts)  # the family's structure
     config = TransformerConfig(
         num_layers=s["layers"], hidden_size=s["h"], num_attention_heads=s["heads"], num_query_groups=a.num_query_groups,
@@ -157,7 +165,8 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
         pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, pipeline_dtype=dtype,
         qk_layernorm=opts["qk_norm"], **moe)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-                         num_experts=experts, moe_grouped_gemm=False, normalization=a.normalization,
+                         num_experts=experts, moe_grouped_gemm=opts["grouped"],
+                         moe_use_legacy_grouped_gemm=opts["grouped"], normalization=a.normalization,
                          qk_layernorm=opts["qk_norm"]),
                      vocab_size=padded_vocab(tp), max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(),
@@ -188,6 +197,12 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
                 if ".local_experts." in name:
                     j = int(name.split(".local_experts.")[1].split(".")[0])
                     p.add_(float(ep_rank * local + j))
+                elif name.endswith(".mlp.experts.weight1"):  # [h, local * 2f/tp], whose memory is [local, h, 2f/tp]
+                    p.view(local, p.shape[0], -1).add_(torch.arange(local, dtype=p.dtype)[:, None, None]
+                                                       + ep_rank * local)
+                elif name.endswith(".mlp.experts.weight2"):  # [local * f/tp, h]: expert-major rows
+                    p.view(local, -1, p.shape[1]).add_(torch.arange(local, dtype=p.dtype)[:, None, None]
+                                                       + ep_rank * local)
         _step(ddp, optimizer)
         args = _args(tp, pp, ep, world // (tp * pp), distopt, opts)
         if opts["torch_dist"]:

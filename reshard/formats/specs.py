@@ -38,7 +38,9 @@ The rules, per format:
   dim ``{e}`` (numbered globally, no ep split), the vocabulary padded to ``vpad`` rows, a tied output layer not
   stored (it is the embedding's key). Options ``tied``, ``local`` (megatron-core's local layers, which key the
   norms of fused-QKV attention as the next linear's ``layer_norm_weight``: the same layout for dense families,
-  not for MoE ones; MLA's keep their module names) and ``mtp`` (the MTP block, ``mtp.layers.{k}.``).
+  not for MoE ones; MLA's keep their module names), ``mtp`` (the MTP block, ``mtp.layers.{k}.``) and ``grouped``
+  (the legacy GroupedMLP experts: the same rules, megatron-core saves them under SequentialMLP's keys; the
+  args and the distributed optimizer's buckets follow ``megatron-<family>-grouped``).
 """
 
 from __future__ import annotations
@@ -281,7 +283,8 @@ def megatron_legacy(family: Family, options: tuple[str, ...]) -> str:
 
 def torch_dist(family: Family, options: tuple[str, ...]) -> str:
     mtp = {"mtp": True} if "mtp" in options else {}  # multi-token-prediction layers (families with hf_layers)
-    _only(options, ("tied", "local", *(["mtp"] if "hf_layers" in family.sizes else [])), family, "mcore-dist")
+    _only(options, ("tied", "local", *(["mtp"] if "hf_layers" in family.sizes else []),
+                    *(["grouped"] if family.experts else [])), family, "mcore-dist")
     name = "-".join(("mcore-dist", family.name, *options))
     if not family.torch_dist or family.megatron is None:
         raise SpecError(f"{name}: no torch_dist layout for {family.name}{_why_not(family)}")
@@ -290,9 +293,11 @@ def torch_dist(family: Family, options: tuple[str, ...]) -> str:
                         "projection)")
     tied, local = _flag(options, "tied", family), "local" in options
     body = family.megatron(tied=tied, local=local, **mtp)
-    if body is None:
+    # GroupedMLP saves SequentialMLP's keys and shapes (reshard.formats.megatron.dist_moe): the same rules
+    grouped = "grouped" in options and family.megatron(tied=tied, local=local, experts="grouped", **mtp) is None
+    if body is None or grouped:
         raise SpecError(f"{name}: no torch_dist layout for {family.name}{' in local layers' if local else ''}"
-                        f"{_why_not(family)}")
+                        f"{' with grouped experts (GroupedMLP holds no biases)' if grouped else ''}{_why_not(family)}")
     per_layer = _SEVERAL_KINDS.search(body) is not None
     keys_map = local and "self_attention.linear_qkv." in body
     rules = [_whole(rule, name, keys_map, per_layer) for rule in body.splitlines()]

@@ -10,7 +10,6 @@ installed; a one-process ``dcp.save`` of the same layout runs everywhere.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 
 import mcore_jobs
@@ -151,7 +150,8 @@ def test_written_torch_dist_has_megatron_cores_chunks_and_reads_back(tmp_path, t
 
 def test_bucket_space_optimizer_state_without_its_bucket_sizes_is_refused_by_name(tmp_path):
     """dp_reshardable tensors are read (test_mcore_dist_optim.py) against per_bucket_numel_unpadded; a group without
-    it is refused by name, and so is bucket-space state stored as an object only (dp_zero_gather_scatter)."""
+    it is refused by name; dp_zero_gather_scatter state (objects only, test_mcore_dist_zero.py) must have one
+    object per model-parallel rank."""
     synthetic(tmp_path / "src")
     key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.exp_avg"
     dcp.save({key: torch.zeros(64), "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1": [{"buckets_coalesced": True}]},
@@ -168,8 +168,9 @@ def test_bucket_space_optimizer_state_without_its_bucket_sizes_is_refused_by_nam
     del ours.state_dict_metadata[key]
     ours.state_dict_metadata[gather] = theirs[gather]
     (tmp_path / "src" / ".metadata").write_bytes(pickle.dumps(ours))
-    with pytest.raises(CheckpointFormatError, match=rf"bucket space \(1 keys, e.g. '{re.escape(gather)}'\) is read "
-                                                    "as dp_reshardable's tensors"):
+    with pytest.raises(CheckpointFormatError, match=r"\.metadata: no 'optimizer\.distributed\.dp_group_idx_1\."
+                                                    r"param_state' \(dp_zero_gather_scatter: one per model-parallel "
+                                                    r"rank, 2 at tp 2, pp 1\)"):
         reshard.open_checkpoint(tmp_path / "src")
 
 

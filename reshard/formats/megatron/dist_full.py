@@ -136,7 +136,7 @@ def check_buckets(path: Path, args: Mapping[str, Any] | None, family: Family, si
     ep = expect_int(args.get("expert_model_parallel_size") or 1, "args.expert_model_parallel_size",
                     str(path / "common.pt"), lo=1, hi=MAX_COUNT) if family.experts else 1
     r = _buckets(family, args, sizes, Topology(tp=topology.tp, pp=topology.pp, ep=ep),
-                 Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp))
+                 Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp), f"{path / 'common.pt'}: args")
     nccl = 2 ** 16 if args.get("ddp_pad_buckets_for_high_nccl_busbw") else 1
     for buffer, buckets in sorted(r.per_group.items()):
         section, tp, pp = buffer[:3]

@@ -44,6 +44,7 @@ other keys are refused by name. ``dist_optim_target`` writes the same layout.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import MAX_COUNT, expect_int
 from reshard.formats.dcp.reading import _storage
+from reshard.formats.megatron.dist_moe import bucket_experts
 from reshard.formats.megatron.small import _capture
 from reshard.formats.megatron.specs import _resolve, spec_name
 from reshard.formats.specs import layout_spec
@@ -95,6 +97,8 @@ class BucketSpace:
     """The generated Megatron spec whose flat buffers gave the layout."""
     param_groups: list[dict[str, Any]] | None
     """The first group's optimizer param groups (``step`` included), None if not saved."""
+    padded: frozenset[str] = frozenset()
+    """Stored keys of ``fully_sharded_bucket_space``: the padded bucket as ``[dp, L]`` (``dist_zero.flat_chunk``)."""
 
 
 Buffer = tuple[str, int, int, int]
@@ -119,13 +123,15 @@ def _describe(prefix: str, group: int, buffer: Buffer) -> str:
 
 
 def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, family: Family,
-                 sizes: Mapping[str, int], topology: Topology) -> BucketSpace:
+                 sizes: Mapping[str, int], topology: Topology, *, padded: bool = False) -> BucketSpace:
     """Decode the ``dp_reshardable`` keys of ``md`` into per-parameter fragments.
 
     ``sizes`` are the model's (from ``common.pt``'s args); ``topology`` gives tp and pp, the args ep.
     A mixture of experts at ep > 1 has two optimizers (megatron-core's ChainedOptimizer): ``chained_0.``
     the dense params' buffer, ``chained_1.`` the experts' (their own buckets, sharded over the
-    expert-data-parallel group); at ep 1 the experts are in the one dense buffer.
+    expert-data-parallel group); at ep 1 the experts are in the one dense buffer. ``padded``: megatron-core
+    0.6-0.14's ``fully_sharded_bucket_space``, each bucket tensor the padded bucket stored as ``[dp, L]``
+    (``dist_zero``).
 
     Raises:
       CheckpointFormatError: no args, an unknown or unsupported key (another grad buffer, a group beyond the
@@ -173,7 +179,8 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
     dp = expect_int(args.get("data_parallel_size") or 1, "args.data_parallel_size", str(where), lo=1, hi=MAX_COUNT)
     cp = expect_int(args.get("context_parallel_size") or 1, "args.context_parallel_size", str(where), lo=1,
                     hi=MAX_COUNT)
-    r = _buckets(family, args, sizes, topology, Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp))
+    r = _buckets(family, args, sizes, topology, Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp),
+                 f"{where}: '{keys[0]}'")
     stored = _stored_unpadded(path, md)
     layout = f"the layout ({r.spec_name}, bucket_size {r.bucket_size} from args.overlap_grad_reduce/ddp_bucket_size)"
     for prefix, group, buffer in sorted({(p, g, b) for p, g, b, _, _ in parsed.values()}):
@@ -193,14 +200,23 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
         mine = r.per_group[buffer]
         if bucket >= len(mine):
             raise CheckpointFormatError(f"{where}: '{key}': bucket {bucket}, but the buffer has {len(mine)} buckets")
-        size = md.tensors[key].size
-        if len(size) != 1 or size[0] != stored[(prefix, group)][bucket]:
+        size, unpadded = md.tensors[key].size, stored[(prefix, group)][bucket]
+        if padded:
+            div = math.lcm(dp * cp, 128, 2 ** 16 if args.get("ddp_pad_buckets_for_high_nccl_busbw") else 1)
+            if prefix or tuple(size) != (dp * cp, -(-unpadded // div) * div // (dp * cp)):
+                raise CheckpointFormatError(
+                    f"{where}: '{key}' is {list(size)}; fully_sharded_bucket_space stores bucket {bucket} "
+                    f"({unpadded} elements, padded to a multiple of {div}) as [dp * cp, padded / (dp * cp)] = "
+                    f"[{dp * cp}, {-(-unpadded // div) * div // (dp * cp)}]"
+                    + (" (of one optimizer only: chained ones are not read)" if prefix else ""))
+        elif len(size) != 1 or size[0] != unpadded:
             raise CheckpointFormatError(f"{where}: '{key}' is {list(size)}, per_bucket_numel_unpadded "
                                         f"says bucket {bucket} holds {stored[(prefix, group)][bucket]} elements")
         out[key] = tuple(mine[bucket])
     _require_every_bucket(parsed, r.per_group, topology, where)
     return BucketSpace(fragments=out, states={k: MASTER if v[4] == MAIN_STATE else v[4] for k, v in parsed.items()},
-                       spec_name=r.spec_name, param_groups=_param_groups(path, md))
+                       spec_name=r.spec_name, param_groups=_param_groups(path, md),
+                       padded=frozenset(parsed) if padded else frozenset())
 
 
 def _expert_parallel(args: Mapping[str, Any], family: Family, where: Path) -> int:
@@ -236,18 +252,20 @@ class _Buckets:
 
 
 def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], topology: Topology,
-             run: Topology) -> _Buckets:
+             run: Topology, where: str = "args") -> _Buckets:
     """Resolve the family's distributed-optimizer specs for ``args``' bucketing at ``topology``'s tp, pp and ep.
 
     Bucket contents do not depend on dp (only the bucket-end padding does), so the layouts are resolved with dp
     and edp 1 (cp stands in for ep, which must divide dp * cp); ``run``'s dp and cp count only where the args
-    leave the bucket size to the DDP default.
+    leave the bucket size to the DDP default. The experts' params are those of the args' expert module
+    (``dist_moe.bucket_experts``: SequentialMLP's or GroupedMLP's; TEGroupedMLP's refused, ``where`` named).
     """
     from reshard.formats.megatron.args import _bucket_size
 
     local = args.get("transformer_impl") == "local"
     tied = not args.get("untie_embeddings_and_output_weights", False)
-    coalesced_name = spec_name(family, tied=tied, distopt=True, ep=topology.ep, local=local)  # distrib_optim.pt's
+    coalesced_name = spec_name(family, tied=tied, distopt=True, ep=topology.ep, local=local,  # distrib_optim.pt's
+                               experts=bucket_experts(family, args, where))
     bucketed_name = coalesced_name.removesuffix("-torch")  # one item per bucket and dp rank
     bucket_size = _bucket_size(args, run)
     rank_sizes = {**sizes, "vocab_div": int(args.get("make_vocab_size_divisible_by") or 128),

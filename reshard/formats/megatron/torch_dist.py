@@ -12,7 +12,7 @@ describes the global tensors: the family's Megatron layout with each tensor
 whole (``reshard.formats.specs``), for the dense families megatron-core holds
 (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, Phi-3,
 and GPT-2 style: LayerNorm weight and bias, every linear's bias, learned
-positions, tied) and the mixtures of experts with SequentialMLP experts
+positions, tied) and the mixtures of experts, SequentialMLP, GroupedMLP or TEGroupedMLP
 (Mixtral, Qwen3-MoE, GPT-OSS: experts stacked after the layers, ``dist_moe``;
 ``-local`` for megatron-core's local layers, as ``args.transformer_impl`` says),
 and DeepSeek-V3, whose layers are keyed one by one (``dist_layers``; ``-mtp`` with its MTP block);
@@ -32,9 +32,9 @@ copy; the step from ``common.pt``'s param groups) and the default
 ``dp_reshardable`` bucket space (``[chained_K.]optimizer.distributed.*``, an MoE's dense
 and expert buffers, decoded per parameter by ``dist_optim``; the step and param groups from its
 ``optimizer`` entry, carried to a torch-format target), and megatron-core
-0.8-0.14's default ``fully_sharded_model_space`` (``model_space``). Bucket-space state of
-derived layouts, or stored otherwise (``dp_zero_gather_scatter``)
-is refused with a message. Writing lays the same global weights out as
+0.8-0.14's default ``fully_sharded_model_space`` (``model_space``), and the older bucket
+formats ``dp_zero_gather_scatter`` and ``fully_sharded_bucket_space`` (``dist_zero``). Bucket-space
+state of derived layouts is refused with a message. Writing lays the same global weights out as
 megatron-core's ranks would at the target tp/pp (see
 ``McoreDistFormat.target``); with ``zero=1`` the distributed optimizer's state
 too, as ``dp_reshardable`` (``dist_optim_target``: the buckets of the target's
@@ -110,9 +110,10 @@ from reshard.formats.megatron.dist_derived import optimizer_state as _optimizer_
 from reshard.formats.megatron.dist_full import FULL, check_buckets, full_target, sharding_of
 from reshard.formats.megatron.dist_layers import mtp_layers, with_mtp
 from reshard.core.chunks import chunk_boxes
-from reshard.formats.megatron.dist_moe import bucket_refusal, extra_states, is_local
+from reshard.formats.megatron.dist_moe import bucket_refusal, experts_args, extra_states, is_grouped, is_local
 from reshard.formats.megatron.dist_moe import spec_name as _spec_name
 from reshard.formats.megatron.dist_optim import bucket_space, is_bucket_key
+from reshard.formats.megatron.dist_zero import BUCKET_SPACE, ZERO, flat_chunk, sharding_type, zero_state
 from reshard.formats.megatron.identity import agreed_family, carried_identity, read_carried
 from reshard.formats.megatron.model_space import common_param_groups, flat_fragments, flat_ranges, is_model_space
 from reshard.formats.megatron.specs import _check_shared_embedding_bucket
@@ -181,7 +182,7 @@ class McoreDistFormat:
             model_sizes, topology = given_sizes(sizes), _parallel(args, path / COMMON, MAX_COUNT)
         else:
             spec_name = spec or _spec_name(family, _tied(family, args, carried.config), is_local(args),
-                                           mtp_layers(md.tensors) > 0)
+                                           mtp_layers(md.tensors) > 0, is_grouped(args))
             spec_ast = layout_spec(spec_name)
             from_config = family.sizes_from_config(carried.config, config_path) \
                 if family and carried.config and args is None else {}  # args, when there are, give the sizes
@@ -198,11 +199,14 @@ class McoreDistFormat:
         where: dict[Item, Located] = {}
         problems: list[str] = []
         bucket = sorted(k for k in [*md.tensors, *md.byte_entries] if is_bucket_key(k))
-        buckets = None
-        if bucket and (derived or family is None or not any(k in md.tensors for k in bucket)):
+        buckets, zero, sharding = None, None, sharding_type(common, md)
+        if bucket and not derived and family is not None and sharding == ZERO:  # distrib_optim.pt's dicts
+            zero = zero_state(path, md, args, family, model_sizes, topology)
+            buckets = zero.space
+        elif bucket and (derived or family is None or not any(k in md.tensors for k in bucket)):
             problems.append(bucket_refusal(bucket))
         elif bucket:
-            buckets = bucket_space(path, md, args, family, model_sizes, topology)
+            buckets = bucket_space(path, md, args, family, model_sizes, topology, padded=sharding == BUCKET_SPACE)
         model_space = not derived and is_model_space(md)  # megatron-core 0.8-0.14's flattened ranges
         flat = flat_ranges(md, {k: whole.items[it].shape for k, it in by_key.items()}, problems) if model_space else {}
         archives: dict[str, Any] = {}
@@ -247,7 +251,8 @@ class McoreDistFormat:
                     continue
                 item = Item("model", (), 0, state, f"{key}@{','.join(map(str, c.offsets))}")
                 mine = flat_fragments(flat[key], whole_frags, c, item, f"{path / '.metadata'}: '{key}'") if key in flat \
-                    else [replace(f, state=state) for f in chunk_fragments(whole_frags, t.size, c.offsets, c.sizes, item)]
+                    else [replace(f, state=state)
+                          for f in chunk_fragments(whole_frags, *flat_chunk(buckets, key, t.size, c), item)]
                 if not mine and is_bucket_key(key):  # a gap between parameters: arbitrary bytes, never read
                     continue
                 ref = _chunk_ref(path, md, key, c, t, archives, problems)
@@ -258,6 +263,10 @@ class McoreDistFormat:
                 where[item] = Located(ref.path, ref.data_offset, ref.dtype)
                 rank = _DATA_FILE.fullmatch(md.storage[(key, c.offsets)].relative_path)
                 chunks[item] = (key, c.offsets, t.size, int(rank.group(1)) if rank else 0)
+        if zero is not None:
+            items.update(zero.items)
+            fragments.extend(zero.fragments)
+            where.update(zero.where)
         stored = {_optimizer_state(k)[1] for k in md.tensors}
         for key in by_key:
             if key not in stored:
@@ -337,7 +346,8 @@ class McoreDistFormat:
         div = int(src_args.get("make_vocab_size_divisible_by") or source.sizes.get("vocab_div", 128))
         local = is_local(src_args) and shaped.experts if spec is None else "local" in spec.split("-")
         mtp = sizes.get("hf_layers", 0) > sizes.get("layers", 0) if spec is None else "mtp" in spec.split("-")
-        spec_name = spec or _spec_name(shaped, tied, local, mtp)
+        grouped = is_grouped(src_args) if spec is None else "grouped" in spec.split("-")  # GroupedMLP experts
+        spec_name = spec or _spec_name(shaped, tied, local, mtp, grouped)
         spec_ast = layout_spec(spec_name)
         whole = resolve(spec_ast, Topology(), sizes | {"vpad": _padded_vocab(sizes["vocab"], div, topology.tp)})
         ranks = resolve(layout_spec(megatron_spec_name(shaped, tied=tied, local=local, mtp=mtp)), topology,
@@ -371,6 +381,7 @@ class McoreDistFormat:
                                                      source.path))
         if shaped.experts and is_local(args) != local:
             args["transformer_impl"] = "local" if local else "transformer_engine"
+        args.update(experts_args(args, grouped) if shaped.experts else {})
         carried = source.extra.get(TORCH_DIST_KEY) if source.format == self.name else None
         verbatim = list(carried.extra_states if isinstance(carried, TorchDistState) and carried.extra_states
                         else extra_states(whole, sizes))
@@ -380,9 +391,10 @@ class McoreDistFormat:
         if topology.zero == 1 and any(s != PARAM for s in source.layout.states):
             from reshard.formats.megatron.dist_optim_target import optimizer_target
 
+            family = family or family_of(spec)  # a generated spec names the family (-grouped picks the experts)
             if family is None:
                 raise CheckpointFormatError(f"{source.path}: the distributed optimizer's buckets follow the model "
-                                            "family's layout; give no spec to write its state")
+                                            "family's layout; give no spec (or a generated one) to write its state")
             if sharding_of(args, dist_optim) == FULL:  # model space: the weights' chunks, per state
                 (opt_items, opt_frags, opt_chunks, common), entries = full_target(source, family, args, items,
                                                                                   fragments, chunks), []

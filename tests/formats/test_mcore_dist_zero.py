@@ -1,0 +1,121 @@
+"""torch_dist checkpoints whose distributed-optimizer state is in megatron-core's older bucket formats:
+``dp_zero_gather_scatter`` (distrib_optim.pt's dict as one object per model-parallel group) and
+``fully_sharded_bucket_space`` (each bucket padded, ``[dp, L]``), both written by megatron-core itself
+(``mcore_dist_bucket_jobs``; 0.14's torch_dist strategy, which fails on a second flat piece of a key,
+patched there to save each piece as it is) and checked against what the run held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import require
+from test_mcore_dist_optim import gathered, hf_of
+
+import reshard
+from reshard.errors import CheckpointFormatError
+from reshard.formats.megatron.dist_zero import sharding_type
+from reshard.io.dcp_metadata import read_metadata
+
+
+_LOCAL_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+"""The run's local layers' names of the norms a dense torch_dist target fuses into the next linear."""
+
+
+def full_state(path) -> dict[tuple[str, str], torch.Tensor]:
+    """A torch_dist fully_reshardable checkpoint's weights and optimizer states per layer, as ``gathered`` keys
+    them (``param`` the fp32 main params), the vocabulary's padding rows dropped."""
+    import mcore_moe_jobs as jobs
+
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in stored.items() if hasattr(v, "size")}
+    dcp.load(state, checkpoint_id=path)
+    out = {}
+    for key, value in state.items():
+        name, kind = key, "value"
+        if key.startswith("optimizer.state."):
+            kind, _, name = key.removeprefix("optimizer.state.").partition(".")
+        if name.startswith("decoder.layers."):  # a dense target has Transformer Engine's fused norms
+            rest = _LOCAL_NAMES.get(name.removeprefix("decoder.layers."), name.removeprefix("decoder.layers."))
+            out |= {(f"decoder.layers.{i}.{rest}", kind): value[i] for i in range(value.shape[0])}
+        else:
+            out[(name, kind)] = value[:jobs.SIZES["vocab"]] if "word_embeddings" in name or "output_layer" in name \
+                else value
+    return out
+
+
+def check_against_the_run(tmp_path, ckpt, dump) -> None:
+    """Every weight, fp32 main param and Adam moment reshard reads from ``ckpt``, written as fully_reshardable
+    at tp 1, equal to what the run's ranks held; the step from the param groups."""
+    reshard.convert(ckpt, tmp_path / "full", format="mcore-dist", to="tp=1,dp=1,zero=1", dist_optim="fully_reshardable")
+    have = full_state(tmp_path / "full")
+    import mcore_moe_jobs as jobs
+
+    want = {k: v for k, v in gathered(dump, 1, jobs.SIZES).items() if k[1] != "step"}
+    assert {s for _, s in want} == {"value", "param", "exp_avg", "exp_avg_sq"}
+    assert have.keys() == want.keys()
+    for key, value in want.items():
+        assert have[key].dtype == value.dtype and torch.equal(have[key], value), key
+
+
+@pytest.mark.interop
+def test_real_dp_zero_gather_scatter_state_converts_to_hf_and_to_dp_reshardable_at_another_layout(tmp_path):
+    """megatron-core 0.16 trains one step at tp 1, dp 2 (bf16 weights, fp32 main params, buckets of 4000
+    elements) and saves torch_dist with dp_zero_gather_scatter optimizer state -> every optimizer tensor equal to
+    what the run held, directly and through dp_reshardable at tp 2, dp 1; -> Hugging Face: every weight equal."""
+    require("megatron.core")
+    from safetensors.torch import load_file
+
+    import mcore_dist_bucket_jobs
+    import mcore_moe_jobs as jobs
+
+    mcore_dist_bucket_jobs.save(tmp_path / "src", tmp_path / "dump", 1, 2, mcore_dist_bucket_jobs.ZERO, dense=True,
+                                bf16=True, bucket_size=4000)
+    ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
+    md = read_metadata(ckpt)
+    assert "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1" in md.byte_entries
+    assert not any(k.startswith("optimizer") for k in md.tensors)
+    assert sharding_type({}, md) == "dp_zero_gather_scatter"
+    src = reshard.open_checkpoint(ckpt)
+    assert src.spec_name == "mcore-dist-llama" and src.progress.step == 1
+    assert src.layout.states == ("exp_avg", "exp_avg_sq", "master", "param")
+    check_against_the_run(tmp_path, ckpt, tmp_path / "dump")
+    reshard.convert(ckpt, tmp_path / "dist", format="mcore-dist", to="tp=2,dp=1,zero=1")
+    assert sharding_type({}, read_metadata(tmp_path / "dist")) == "dp_reshardable"
+    check_against_the_run(tmp_path / "again", tmp_path / "dist", tmp_path / "dump")
+    reshard.convert(ckpt, tmp_path / "hf", format="hf")
+    hf = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        hf |= load_file(f)
+    want = gathered(tmp_path / "dump", 1, jobs.SIZES)
+    expected = hf_of({n: v for (n, s), v in want.items() if s == "value"}, jobs.SIZES)
+    assert hf.keys() == expected.keys()
+    for name, value in expected.items():
+        assert hf[name].dtype == value.dtype and torch.equal(hf[name], value), name
+
+
+@pytest.mark.interop
+def test_real_fully_sharded_bucket_space_state_of_megatron_core_0_14_decodes_per_parameter(tmp_path, mcore_legacy):
+    """megatron-core 0.14 trains one step at tp 1, dp 2 (buckets of 4000 elements) and saves torch_dist with
+    fully_sharded_bucket_space optimizer state (each bucket padded, [dp, L]) -> every optimizer tensor equal to
+    what the run held; a bucket tensor of another shape is refused naming the key and both shapes."""
+    require("megatron.core")
+    import mcore_dist_bucket_jobs
+    import mcore_moe_jobs as jobs
+
+    mcore_dist_bucket_jobs.save(tmp_path / "src", tmp_path / "dump", 1, 2, mcore_dist_bucket_jobs.BUCKET_SPACE,
+                                dense=True, bf16=True, bucket_size=4000)
+    ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
+    md = read_metadata(ckpt)
+    key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_1.param"
+    assert md.tensors[key].size == (2, 2368) and len(md.tensors[key].chunks) > 2  # 4736 padded, 4672 unpadded
+    assert sharding_type({}, md) == "fully_sharded_bucket_space"
+    src = reshard.open_checkpoint(ckpt)
+    assert src.progress.step == 1 and src.layout.states == ("exp_avg", "exp_avg_sq", "master", "param")
+    check_against_the_run(tmp_path, ckpt, tmp_path / "dump")
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    common["content_metadata"]["distrib_optim_sharding_type"] = "dp_reshardable"  # the shapes say otherwise
+    torch.save(common, ckpt / "common.pt")
+    with pytest.raises(CheckpointFormatError, match=r"\.metadata: '.*bucket_idx_0\.\w+' is \[2, 6144\]"):
+        reshard.open_checkpoint(ckpt)
