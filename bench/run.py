@@ -16,6 +16,8 @@
   reading every file whole and ``safetensors`` ``load_file`` + ``clone``, in one process, warm cache;
 - ``torchrun.py``: ``torchrun -m reshard convert`` at 1, 2 and 4 ranks on this host: wall time and the
   ratio to one rank, outputs byte-identical to one process's.
+- ``in_job_load.py``: ``load_into`` on each of 4 FSDP2 ranks of a transformers Llama from a Megatron tp2pp2
+  checkpoint with Adam state: per rank, the bytes read over its share.
 
     python bench/run.py            # the README's tables (several minutes, about 12 GB of disk)
     python bench/run.py --tiny     # a smoke test of the same scripts on checkpoints of a few MiB
@@ -51,6 +53,8 @@ def main() -> None:
         ("A conversion across torchrun ranks", ["torchrun.py", *(["--tiny"] if args.tiny else [])]),
         ("One rank's load against reading everything", ["rank_load.py", *small]),
     ]
+    if importable("transformers"):
+        steps.append(("Loading inside a job at world size 4", ["in_job_load.py", *(["--tiny"] if args.tiny else [])]))
     if not args.tiny and importable("deepspeed"):
         steps.append(("DeepSpeed ZeRO-2 against ds_to_universal", ["deepspeed_universal.py"]))
     if not args.tiny and importable("torch"):
