@@ -8,7 +8,6 @@ import hashlib
 import io
 import os
 import struct
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 from reshard.errors import CheckpointFormatError
 from reshard.io.storage import OutputFile
 from reshard.io.torch_read import _is_builtin_type
+from reshard.io.zipdir import crc32
 from reshard.io.torch_types import (
     _STORAGE_OF,
     ALLOWED_PREFIXES,
@@ -321,7 +321,7 @@ def _lay_out(obj: object, prefix: str):
     for r in records:
         offset = r.place(offset)
         if r.payload is not None:
-            r.crc, r.written = zlib.crc32(r.payload), r.size
+            r.crc, r.written = crc32(r.payload), r.size
     for r in records:
         r.central_offset, offset = offset, offset + len(r.central_entry())
     cd_offset = records[0].central_offset
@@ -398,7 +398,7 @@ class TorchFileWriter:
             raise CheckpointFormatError(
                 f"{self.path}: tensor {key!r} takes {r.size} bytes; {n} more after {r.written} would overflow it")
         self._out.pwrite(data, self._base + r.data_offset + r.written)
-        r.crc = zlib.crc32(data, r.crc)
+        r.crc = crc32(data, r.crc)
         r.written += n
         if r.written == r.size:  # its data descriptor now, so the file is final up to the next tensor
             self._out.pwrite(r.descriptor(), self._base + r.data_offset + r.size)
@@ -416,7 +416,7 @@ class TorchFileWriter:
         names = hashlib.blake2b(b"\0".join(r.name for r in self._records), digest_size=8).digest()
         crcs = hashlib.blake2b(b"".join(struct.pack("<I", r.crc) for r in self._records), digest_size=8).digest()
         self._id.payload = f"{int.from_bytes(names, 'little'):020d}{int.from_bytes(crcs, 'little'):020d}".encode()
-        self._id.crc = zlib.crc32(self._id.payload)
+        self._id.crc = crc32(self._id.payload)
         base = self._base
         try:
             self._out.pwrite(self._id.payload + self._id.descriptor(), base + self._id.data_offset)
