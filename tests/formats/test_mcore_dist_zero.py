@@ -63,15 +63,18 @@ def check_against_the_run(tmp_path, ckpt, dump) -> None:
 def test_real_dp_zero_gather_scatter_state_converts_to_hf_and_to_dp_reshardable_at_another_layout(tmp_path):
     """megatron-core 0.16 trains one step at tp 1, dp 2 (bf16 weights, fp32 main params, buckets of 4000
     elements) and saves torch_dist with dp_zero_gather_scatter optimizer state -> every optimizer tensor equal to
-    what the run held, directly and through dp_reshardable at tp 2, dp 1; -> Hugging Face: every weight equal."""
+    what the run held; -> dp_reshardable at tp 2, dp 1, which megatron-core resumes: every weight, main param,
+    Adam moment and step as the run held them, and the step after equal to the run's next; -> Hugging Face: every
+    weight equal."""
     require("megatron.core")
     from safetensors.torch import load_file
 
     import mcore_dist_bucket_jobs
     import mcore_moe_jobs as jobs
 
-    mcore_dist_bucket_jobs.save(tmp_path / "src", tmp_path / "dump", 1, 2, mcore_dist_bucket_jobs.ZERO, dense=True,
-                                bf16=True, bucket_size=4000)
+    run = {"dense": True, "bf16": True, "next": True}
+    mcore_dist_bucket_jobs.save(tmp_path / "src", tmp_path / "dump", 1, 2, mcore_dist_bucket_jobs.ZERO,
+                                bucket_size=4000, **run)
     ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
     md = read_metadata(ckpt)
     assert "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1" in md.byte_entries
@@ -83,7 +86,13 @@ def test_real_dp_zero_gather_scatter_state_converts_to_hf_and_to_dp_reshardable_
     check_against_the_run(tmp_path, ckpt, tmp_path / "dump")
     reshard.convert(ckpt, tmp_path / "dist", format="mcore-dist", to="tp=2,dp=1,zero=1")
     assert sharding_type({}, read_metadata(tmp_path / "dist")) == "dp_reshardable"
-    check_against_the_run(tmp_path / "again", tmp_path / "dist", tmp_path / "dump")
+    jobs.load(tmp_path / "dist", tmp_path / "dump-dist", tp=2, pp=1, ep=1, dp=1, distopt=True, bucket_size=4000,
+              torch_dist=True, **run)
+    for now, then in (("dump", "dump-dist"), ("dump/next", "dump-dist/next")):
+        have, wanted = gathered(tmp_path / then, 1, jobs.SIZES), gathered(tmp_path / now, 1, jobs.SIZES)
+        assert have.keys() == wanted.keys()
+        for key, value in wanted.items():
+            assert have[key].dtype == value.dtype and torch.equal(have[key], value), (then, key)
     reshard.convert(ckpt, tmp_path / "hf", format="hf")
     hf = {}
     for f in (tmp_path / "hf").glob("*.safetensors"):
