@@ -83,7 +83,9 @@ def test_real_mixtral_dp_reshardable_at_ep2_converts_and_resumes_in_megatron_cor
     and bytes entry as megatron-core wrote them; -> the torch format at ep 1, dp 1, which megatron-core loads
     (experts back in the dense buffer) with every weight, main param, Adam moment and step equal to the run's,
     and the next step equal; -> torch_dist dp_reshardable at ep 1, dp 1 and from there at ep 2 again (a dense
-    and an expert optimizer), each resumed by megatron-core's dist_checkpointing.load the same way."""
+    and an expert optimizer), each resumed by megatron-core's dist_checkpointing.load the same way; -> torch_dist
+    fully_reshardable at ep 2 (the dense and expert optimizers' param groups in common.pt) and at ep 1 (one
+    optimizer), each resumed the same way."""
     require("megatron.core")
     from safetensors.torch import load_file
 
@@ -132,3 +134,16 @@ def test_real_mixtral_dp_reshardable_at_ep2_converts_and_resumes_in_megatron_cor
     reshard.convert(tmp_path / "ep1", tmp_path / "ep2", format="mcore-dist", to="tp=1,dp=2,ep=2,zero=1")
     jobs.load(tmp_path / "ep2", tmp_path / "dump-ep2", tp=1, pp=1, ep=2, dp=2, distopt=True, torch_dist=True, **run)
     resumed("dump-ep2", 2, 2)
+    reshard.convert(ckpt, tmp_path / "full", format="mcore-dist", to="tp=1,dp=2,ep=2,zero=1",
+                    dist_optim="fully_reshardable")
+    groups = torch.load(tmp_path / "full" / "common.pt", weights_only=False)["optimizer"]
+    assert sorted(groups) == [0, 1] and all(g["param_state_sharding_type"] == "fully_reshardable"
+                                            for g in groups.values())
+    jobs.load(tmp_path / "full", tmp_path / "dump-full", tp=1, pp=1, ep=2, dp=2, distopt=True, torch_dist=True,
+              fully_reshardable=True, **run)
+    resumed("dump-full", 2, 2)
+    reshard.convert(ckpt, tmp_path / "full1", format="mcore-dist", to="tp=1,dp=1,ep=1,zero=1",
+                    dist_optim="fully_reshardable")  # one optimizer at ep 1: written as a dense model's
+    jobs.load(tmp_path / "full1", tmp_path / "dump-full1", tp=1, pp=1, ep=1, dp=1, distopt=True, torch_dist=True,
+              fully_reshardable=True, **run)
+    resumed("dump-full1", 1, 1)

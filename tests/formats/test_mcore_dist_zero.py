@@ -108,13 +108,16 @@ def test_real_dp_zero_gather_scatter_state_converts_to_hf_and_to_dp_reshardable_
 def test_real_fully_sharded_bucket_space_state_of_megatron_core_0_14_decodes_per_parameter(tmp_path, mcore_legacy):
     """megatron-core 0.14 trains one step at tp 1, dp 2 (buckets of 4000 elements) and saves torch_dist with
     fully_sharded_bucket_space optimizer state (each bucket padded, [dp, L]) -> every optimizer tensor equal to
-    what the run held; a bucket tensor of another shape is refused naming the key and both shapes."""
+    what the run held; -> dp_reshardable at tp 2, dp 1, which megatron-core 0.16 resumes: every tensor as the 0.14
+    run held it, the step after equal to the 0.14 run's own; a bucket tensor of another shape is refused naming
+    the key and both shapes."""
     require("megatron.core")
     import mcore_dist_bucket_jobs
     import mcore_moe_jobs as jobs
 
+    run = {"dense": True, "bf16": True, "next": True}
     mcore_dist_bucket_jobs.save(tmp_path / "src", tmp_path / "dump", 1, 2, mcore_dist_bucket_jobs.BUCKET_SPACE,
-                                dense=True, bf16=True, bucket_size=4000)
+                                bucket_size=4000, **run)
     ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
     md = read_metadata(ckpt)
     key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_1.param"
@@ -123,6 +126,14 @@ def test_real_fully_sharded_bucket_space_state_of_megatron_core_0_14_decodes_per
     src = reshard.open_checkpoint(ckpt)
     assert src.progress.step == 1 and src.layout.states == ("exp_avg", "exp_avg_sq", "master", "param")
     check_against_the_run(tmp_path, ckpt, tmp_path / "dump")
+    reshard.convert(ckpt, tmp_path / "dist", format="mcore-dist", to="tp=2,dp=1,zero=1")
+    jobs.load(tmp_path / "dist", tmp_path / "dump-dist", tp=2, pp=1, ep=1, dp=1, distopt=True, bucket_size=4000,
+              torch_dist=True, **run)
+    for now, then in (("dump", "dump-dist"), ("dump/next", "dump-dist/next")):
+        have, wanted = gathered(tmp_path / then, 1, jobs.SIZES), gathered(tmp_path / now, 1, jobs.SIZES)
+        assert have.keys() == wanted.keys()
+        for key, value in wanted.items():
+            assert have[key].dtype == value.dtype and torch.equal(have[key], value), (then, key)
     common = torch.load(ckpt / "common.pt", weights_only=False)
     common["content_metadata"]["distrib_optim_sharding_type"] = "dp_reshardable"  # the shapes say otherwise
     torch.save(common, ckpt / "common.pt")

@@ -34,7 +34,6 @@ hand-made checkpoints, tell nothing and pass.)
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -46,6 +45,7 @@ from reshard.errors import CheckpointFormatError
 from reshard.formats.base import MAX_COUNT, Located, Source, expect_int
 from reshard.formats.dcp.layouts import _Chunk
 from reshard.formats.megatron.dist_derived import optimizer_state, stored_key
+from reshard.io.location import read_at
 from reshard.models import Family
 
 __all__ = ["CONTENT_METADATA", "FULL", "SHARDINGS", "check_buckets", "full_target", "sharding_of"]
@@ -76,19 +76,25 @@ def full_target(source: Source, family: Family, args: dict[str, Any], weights: M
     weight chunk (``weights``, ``fragments``, ``chunks``: the target's model items) and each optimizer state
     of the source, the same chunk under ``optimizer.state.<state>.<key>``, fp32. Sets the args' flag.
 
+    A mixture of experts at ep > 1 has megatron-core's two chained optimizers, a dense and an expert one: the
+    state keys are the same (``chained_optim_avoid_prefix``), ``common.pt['optimizer']`` holds one entry per
+    optimizer (``{0: dense, 1: experts}``, the experts' param groups with ``is_expert_parallel``). Megatron-core
+    0.16.1 resumes that only at ep > 1 again: a run of one optimizer (ep 1) hands the two entries to its
+    optimizer as they are (``ChainedOptimizer.load_state_dict``, optimizer.py:1216-1219, then KeyError
+    'optimizer' in ``DistributedOptimizer.load_state_dict``, distrib_optimizer.py:755), and the reverse
+    likewise; at ep 1 the experts are dense params and the state is written as a dense model's.
+
     Raises:
-      CheckpointFormatError: no fp32 main params in the source, a mixture-of-experts model (a second,
-        expert optimizer), or param groups that are not plain values.
+      CheckpointFormatError: no fp32 main params in the source, or param groups that are not plain values.
     """
     from reshard.formats.megatron.dist_optim_target import _param_groups
+    from reshard.formats.megatron.param_groups import _expert_groups
+    from reshard.formats.megatron.specs import _is_expert
 
     states = [s for s in source.layout.states if s != PARAM]
     if MASTER not in states:
         raise CheckpointFormatError(f"the distributed optimizer stores fp32 main params (state '{MASTER}'), which "
                                     f"{source.path} lacks (it has {', '.join(states)})")
-    if family.experts:
-        raise CheckpointFormatError(f"{source.path}: a {family.name} model: {FULL} state of the expert optimizer "
-                                    "(a second one, chained) is not written yet")
     states = [MASTER, *sorted(set(states) - {MASTER})]
     of_item: dict[Item, list[Fragment]] = {}
     for f in fragments:
@@ -106,8 +112,14 @@ def full_target(source: Source, family: Family, args: dict[str, Any], weights: M
             items[item] = info
             out_chunks[item] = replace(c, key=key, writer=item)
     args["dist_ckpt_optim_fully_reshardable"] = True
-    common = {"optimizer": {"optimizer": {"param_groups": _param_groups(source, args, False)[0]},
-                            "param_state_sharding_type": FULL},
+    chained = bool(family.experts) and int(args.get("expert_model_parallel_size") or 1) > 1
+    dense, expert = _param_groups(source, args, chained)
+    if chained and not expert:  # expert params are linear weights (>= 2-D) and biases, whatever their stacked dims
+        expert = _expert_groups(dense, [(c.key, c.size) for c in chunks.values() if _is_expert(c.key)],
+                                f"{source.path}: optimizer")
+    groups = [dense, expert] if chained else [dense]
+    entries = [{"optimizer": {"param_groups": g}, "param_state_sharding_type": FULL} for g in groups]
+    common = {"optimizer": dict(enumerate(entries)) if chained else entries[0],
               "content_metadata": dict(CONTENT_METADATA)}
     return items, frags, out_chunks, common
 
@@ -187,8 +199,7 @@ def _values(loc: Located, numel: int, key: str):
 
     dtype = getattr(torch, loc.dtype)
     size = numel * torch.empty((), dtype=dtype).element_size()
-    with open(loc.path, "rb") as f:
-        data = os.pread(f.fileno(), size, loc.offset)
+    data = read_at(loc.path, loc.offset, size)
     if len(data) != size:
         raise CheckpointFormatError(f"{loc.path}: '{key}' ends {size - len(data)} bytes past the end of the file")
     return torch.frombuffer(bytearray(data), dtype=dtype)

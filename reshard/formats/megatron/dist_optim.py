@@ -37,9 +37,16 @@ The bucketing inputs come from ``common.pt``'s ``args`` (``overlap_grad_reduce``
 ``ddp_bucket_size``, ``transformer_impl``, ``expert_model_parallel_size``); bucket
 positions do not depend on the dp size, so the layouts are resolved at dp and edp 1.
 
-Read so far: one grad buffer per optimizer and group (one dtype pair, no virtual pipeline
-chunks), experts split over tp like dense layers (``expert_tensor_parallel_size`` = tp);
-other keys are refused by name. ``dist_optim_target`` writes the same layout.
+With virtual pipeline chunks (``args.virtual_pipeline_model_parallel_size``) each model chunk
+has its own grad buffers, and an optimizer numbers them in chunk order: ``gbuf_idx_{c}`` is
+model chunk ``c`` (one dtype pair), the group numbers stay those of the (tp, pp[, ep]) rank,
+``per_bucket_numel[_unpadded]`` list one ``{dtype pair: [...]}`` per chunk, and only chunk 0
+of pp rank 0 has several buckets (``specs._resolve``). The chunks' layers are the family's
+spec resolved at the args' vpp (and uneven stages).
+
+Read so far: one grad buffer per optimizer, group and model chunk (one dtype pair), experts
+split over tp like dense layers (``expert_tensor_parallel_size`` = tp); other keys are
+refused by name. ``dist_optim_target`` writes the same layout.
 """
 
 from __future__ import annotations
@@ -101,25 +108,28 @@ class BucketSpace:
     """Stored keys of ``fully_sharded_bucket_space``: the padded bucket as ``[dp, L]`` (``dist_zero.flat_chunk``)."""
 
 
-Buffer = tuple[str, int, int, int]
-"""One grad buffer of a model-parallel rank: (section, tp, pp, ep) of the family's distributed-optimizer spec."""
+Buffer = tuple[str, int, int, int, int]
+"""One grad buffer of a model-parallel rank: (section, tp, pp, ep, model chunk) of the family's
+distributed-optimizer spec. Each virtual pipeline chunk has grad buffers of its own; an optimizer numbers the
+buffers of its chunks in chunk order (``gbuf_idx``), one per chunk for one dtype pair."""
 
 
-def _buffer(chain: int | None, group: int, topology: Topology) -> Buffer:
-    """The buffer a (chained) optimizer's ``dp_group_idx`` holds. The dense optimizer (the only one, or
-    ``chained_0``) numbers its groups by rank in the tp-pp group, ``pp_rank * tp + tp_rank`` (every ep rank holds
-    the same dense buffer: ep 0's); the expert optimizer (``chained_1``, ep > 1) by rank in the expert tp-ep-pp
-    group, ``tp_rank + tp * (ep_rank + ep * pp_rank)``."""
+def _buffer(chain: int | None, group: int, topology: Topology, chunk: int = 0) -> Buffer:
+    """The buffer a (chained) optimizer's ``dp_group_idx`` holds for a model chunk. The dense optimizer (the only
+    one, or ``chained_0``) numbers its groups by rank in the tp-pp group, ``pp_rank * tp + tp_rank`` (every ep rank
+    holds the same dense buffer: ep 0's); the expert optimizer (``chained_1``, ep > 1) by rank in the expert
+    tp-ep-pp group, ``tp_rank + tp * (ep_rank + ep * pp_rank)``."""
     tp = topology.tp
     if chain == 1:
-        return EXPERT, group % tp, group // (tp * topology.ep), group // tp % topology.ep
-    return DENSE, group % tp, group // tp, 0
+        return EXPERT, group % tp, group // (tp * topology.ep), group // tp % topology.ep, chunk
+    return DENSE, group % tp, group // tp, 0, chunk
 
 
 def _describe(prefix: str, group: int, buffer: Buffer) -> str:
-    section, tp, pp, ep = buffer
+    section, tp, pp, ep, chunk = buffer
     where = f"tp={tp}, pp={pp}" + (f", ep={ep}, the expert buffer" if section == EXPERT else "")
-    return f"{prefix}dp_group_idx_{group} ({where})"
+    return f"{prefix}dp_group_idx_{group}" + (f".gbuf_idx_{chunk} ({where}, model chunk {chunk})" if chunk else
+                                              f" ({where})")
 
 
 def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, family: Family,
@@ -157,6 +167,7 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
             f"parallelism {ep} megatron-core saves "
             f"{'a dense (chained_0.) and an expert (chained_1.) optimizer' if ep > 1 else 'one, unprefixed'}"
             " (several dense optimizers, one per model chunk, are not read)")
+    vpp = _pipeline(args, topology.pp, sizes, where)[0]
     for key in keys:
         m = _BUCKET_KEY.fullmatch(key)
         if m is None:
@@ -164,18 +175,19 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
                                         "(expected [chained_K.]optimizer.distributed.dp_group_idx_I.gbuf_idx_G."
                                         "dtype_D.bucket_idx_B.<state>)")
         chain, group, gbuf, bucket, state = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(5)), m.group(6)
-        if gbuf:
+        if gbuf >= vpp:
             raise CheckpointFormatError(
-                f"{where}: '{key}': a second grad buffer (another dtype pair, or a virtual pipeline chunk); "
-                "reshard reads dp_reshardable state of one buffer per optimizer and model-parallel rank so far")
+                f"{where}: '{key}': grad buffer {gbuf}, but the run has {vpp} model chunk{'s' * (vpp > 1)} "
+                "(args.virtual_pipeline_model_parallel_size) of one buffer each; reshard reads dp_reshardable state "
+                "of one dtype pair per chunk (no fp8 parameters)")
         chain_no = None if chain is None else int(chain)
         groups = topology.tp * topology.pp * (ep if chain_no == 1 else 1)
         if group >= groups:
             raise CheckpointFormatError(f"{where}: '{key}': group {group}, but the optimizer has {groups} "
                                         f"model-parallel ranks (tp {topology.tp}, pp {topology.pp}"
                                         f"{f', ep {ep}' if chain_no == 1 else ''})")
-        parsed[key] = (f"chained_{chain}." if chain is not None else "", group, _buffer(chain_no, group, topology),
-                       bucket, state)
+        parsed[key] = (f"chained_{chain}." if chain is not None else "", group,
+                       _buffer(chain_no, group, topology, gbuf), bucket, state)
     dp = expect_int(args.get("data_parallel_size") or 1, "args.data_parallel_size", str(where), lo=1, hi=MAX_COUNT)
     cp = expect_int(args.get("context_parallel_size") or 1, "args.context_parallel_size", str(where), lo=1,
                     hi=MAX_COUNT)
@@ -184,10 +196,14 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
     stored = _stored_unpadded(path, md)
     layout = f"the layout ({r.spec_name}, bucket_size {r.bucket_size} from args.overlap_grad_reduce/ddp_bucket_size)"
     for prefix, group, buffer in sorted({(p, g, b) for p, g, b, _, _ in parsed.values()}):
-        counted, want = stored.get((prefix, group)), r.unpadded.get(buffer, [])
+        per_chunk, want = stored.get((prefix, group)), r.unpadded.get(buffer, [])
         name = _describe(prefix, group, buffer)
-        if counted is None:
+        if per_chunk is None:
             raise CheckpointFormatError(f"{where}: {name} has bucket tensors but no per_bucket_numel_unpadded")
+        if len(per_chunk) != vpp:
+            raise CheckpointFormatError(f"{where}: {prefix}dp_group_idx_{group}'s per_bucket_numel_unpadded lists "
+                                        f"{len(per_chunk)} grad buffers; the run has {vpp} model chunks of one each")
+        counted = per_chunk[buffer[4]]
         if len(counted) != len(want):
             raise CheckpointFormatError(f"{where}: {name} has {len(counted)} buckets in per_bucket_numel_unpadded, "
                                         f"{layout} has {len(want)}")
@@ -200,7 +216,7 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
         mine = r.per_group[buffer]
         if bucket >= len(mine):
             raise CheckpointFormatError(f"{where}: '{key}': bucket {bucket}, but the buffer has {len(mine)} buckets")
-        size, unpadded = md.tensors[key].size, stored[(prefix, group)][bucket]
+        size, unpadded = md.tensors[key].size, stored[(prefix, group)][buffer[4]][bucket]
         if padded:
             div = math.lcm(dp * cp, 128, 2 ** 16 if args.get("ddp_pad_buckets_for_high_nccl_busbw") else 1)
             if prefix or tuple(size) != (dp * cp, -(-unpadded // div) * div // (dp * cp)):
@@ -211,9 +227,9 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
                     + (" (of one optimizer only: chained ones are not read)" if prefix else ""))
         elif len(size) != 1 or size[0] != unpadded:
             raise CheckpointFormatError(f"{where}: '{key}' is {list(size)}, per_bucket_numel_unpadded "
-                                        f"says bucket {bucket} holds {stored[(prefix, group)][bucket]} elements")
+                                        f"says bucket {bucket} holds {unpadded} elements")
         out[key] = tuple(mine[bucket])
-    _require_every_bucket(parsed, r.per_group, topology, where)
+    _require_every_bucket(parsed, r.per_group, topology, vpp, where)
     return BucketSpace(fragments=out, states={k: MASTER if v[4] == MAIN_STATE else v[4] for k, v in parsed.items()},
                        spec_name=r.spec_name, param_groups=_param_groups(path, md),
                        padded=frozenset(parsed) if padded else frozenset())
@@ -249,6 +265,10 @@ class _Buckets:
     """Per buffer, per bucket: its fragments, in elements from the bucket's start (state ``MASTER``)."""
     unpadded: Mapping[Buffer, list[int]]
     """Per buffer, each bucket's unpadded length (``per_bucket_numel_unpadded``)."""
+    vpp: int = 1
+    """Model chunks per pipeline stage (``args.virtual_pipeline_model_parallel_size``): grad buffers per optimizer."""
+    stages: tuple[int, ...] | None = None
+    """Layers per virtual stage, None when even (``Topology.stages``)."""
 
 
 def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], topology: Topology,
@@ -270,18 +290,27 @@ def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], 
     bucket_size = _bucket_size(args, run)
     rank_sizes = {**sizes, "vocab_div": int(args.get("make_vocab_size_divisible_by") or 128),
                   "bucket_size": bucket_size}
-    topo = Topology(tp=topology.tp, pp=topology.pp, ep=topology.ep, cp=topology.ep)
+    vpp, stages = _pipeline(args, topology.pp, sizes, where)
+    topo = Topology(tp=topology.tp, pp=topology.pp, ep=topology.ep, cp=topology.ep, vpp=vpp, stages=stages)
     states = {"model": (PARAM,), "optim": (MASTER,), "expert_optim": (MASTER,)}
     bucketed = _resolve(layout_spec(bucketed_name), topo, rank_sizes, states)
     coalesced = _resolve(layout_spec(coalesced_name), topo, rank_sizes, states)
     per_group = _bucket_fragments(bucketed)
     return _Buckets(spec_name=bucketed_name, bucket_size=bucket_size, sizes=rank_sizes, layout=bucketed,
-                    per_group=per_group, unpadded=_unpadded(per_group, coalesced))
+                    per_group=per_group, unpadded=_unpadded(per_group, coalesced), vpp=vpp, stages=stages)
+
+
+def _pipeline(args: Mapping[str, Any], pp: int, sizes: Mapping[str, int],
+              where: Path | str) -> tuple[int, tuple[int, ...] | None]:
+    """The run's virtual pipeline chunks per stage and layers per virtual stage (None: even), from its args."""
+    from reshard.formats.megatron.args import _pipeline_from_args
+
+    return _pipeline_from_args(args, pp, int(sizes["layers"]), str(where))
 
 
 def _buffer_of(item: Item) -> Buffer:
     u = dict(item.unit)
-    return item.section, u["tp"], u["pp"], u.get("ep", 0)
+    return item.section, u["tp"], u["pp"], u.get("ep", 0), item.chunk
 
 
 def _bucket_item(item: Item) -> int:
@@ -293,7 +322,7 @@ def _bucket_fragments(layout: Layout) -> dict[Buffer, list[list[Fragment]]]:
     """Per buffer: per bucket, the fragments of its flat item (``optimizer.distributed.[expert_]bucket_{b}.master``)."""
     out: dict[Buffer, dict[int, list[Fragment]]] = {}
     for it in layout.items:
-        if it.section in (DENSE, EXPERT) and it.chunk == 0:
+        if it.section in (DENSE, EXPERT):
             out.setdefault(_buffer_of(it), {})[_bucket_item(it)] = []
     for f in layout.fragments:
         if f.item.section in (DENSE, EXPERT):
@@ -310,7 +339,7 @@ def _unpadded(per_group: Mapping[Buffer, list[list[Fragment]]], coalesced: Layou
     at: dict[Buffer, dict[tuple, int]] = {}
     total: dict[Buffer, int] = {}
     for it, info in coalesced.items.items():
-        if it.section in (DENSE, EXPERT) and it.chunk == 0:
+        if it.section in (DENSE, EXPERT):
             total[_buffer_of(it)] = info.shape[0]
     for f in coalesced.fragments:
         if f.item.section in (DENSE, EXPERT):
@@ -325,39 +354,41 @@ def _unpadded(per_group: Mapping[Buffer, list[list[Fragment]]], coalesced: Layou
     return out
 
 
-def _stored_unpadded(path: Path, md: DcpMetadata) -> dict[tuple[str, int], list[int]]:
-    """Per (``chained_{k}.`` prefix or "", group), ``per_bucket_numel_unpadded`` of its one grad buffer, as stored."""
-    out: dict[tuple[str, int], list[int]] = {}
+def _stored_unpadded(path: Path, md: DcpMetadata) -> dict[tuple[str, int], list[list[int]]]:
+    """Per (``chained_{k}.`` prefix or "", group), ``per_bucket_numel_unpadded`` of each of its grad buffers (one
+    per model chunk), as stored."""
+    out: dict[tuple[str, int], list[list[int]]] = {}
     for key in md.byte_entries:
         m = _OBJECT_KEY.fullmatch(key)
         if m is None or m.group(3) != "per_bucket_numel_unpadded":
             continue
         value = _object(path, md, key)
         buffers = value[0] if isinstance(value, list) and len(value) == 1 else None
-        one = buffers[0] if isinstance(buffers, list) and len(buffers) == 1 else None
-        counts = next(iter(one.values())) if isinstance(one, Mapping) and len(one) == 1 else None
-        if not isinstance(counts, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                                   for n in counts):
+        per_chunk = [next(iter(one.values())) if isinstance(one, Mapping) and len(one) == 1 else None
+                     for one in (buffers if isinstance(buffers, list) and buffers else [None])]
+        if not all(isinstance(counts, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                    for n in counts) for counts in per_chunk):
             raise CheckpointFormatError(f"{path / '.metadata'}: '{key}' is {brief(value, 120)}; expected [[{{dtype "
-                                        "pair: [elements per bucket]}]] for one grad buffer")
-        out[(f"chained_{m.group(1)}." if m.group(1) is not None else "", int(m.group(2)))] = counts
+                                        "pair: [elements per bucket]}, ...]]: one grad buffer per model chunk")
+        out[(f"chained_{m.group(1)}." if m.group(1) is not None else "", int(m.group(2)))] = per_chunk
     return out
 
 
 def _require_every_bucket(parsed: Mapping[str, tuple[str, int, Buffer, int, str]],
-                          per_group: Mapping[Buffer, list[list[Fragment]]], topology: Topology,
+                          per_group: Mapping[Buffer, list[list[Fragment]]], topology: Topology, vpp: int,
                           where: Path) -> None:
-    """Every buffer, bucket and state the checkpoint has a tensor of: all buckets of every optimizer's groups."""
+    """Every buffer, bucket and state the checkpoint has a tensor of: all buckets of every optimizer's groups and
+    model chunks."""
     states = sorted({v[4] for v in parsed.values()})
-    have = {(prefix, g, b, s) for prefix, g, _, b, s in parsed.values()}
+    have = {(prefix, g, buffer[4], b, s) for prefix, g, buffer, b, s in parsed.values()}
     chains = [(None, 1)] if topology.ep == 1 else [(0, 1), (1, topology.ep)]
     for chain, ep in chains:
         prefix = "" if chain is None else f"chained_{chain}."
-        for group in range(topology.tp * topology.pp * ep):
-            buffer = _buffer(chain, group, topology)
+        for group, chunk in ((g, c) for g in range(topology.tp * topology.pp * ep) for c in range(vpp)):
+            buffer = _buffer(chain, group, topology, chunk)
             for b in range(len(per_group.get(buffer, []))):
                 for s in states:
-                    if (prefix, group, b, s) not in have:
+                    if (prefix, group, chunk, b, s) not in have:
                         raise CheckpointFormatError(f"{where}: no tensor for {_describe(prefix, group, buffer)} "
                                                     f"bucket {b} state '{s}' (other buckets have one)")
 

@@ -2,7 +2,8 @@
 
 ``bucket_target`` says where each bucket's chunks are (the layout ``dist_optim`` reads,
 resolved at the target's tp, pp, ep and dp): per buffer (the dense one; at ep > 1 also the
-experts', ``chained_1.``), group, bucket and data-parallel rank ``r`` (dp for the dense
+experts', ``chained_1.``), group, model chunk (``gbuf_idx``: one buffer per virtual pipeline
+chunk), bucket and data-parallel rank ``r`` (dp for the dense
 buffer, edp for the experts'), the rank's shard of the bucket, ``[r * L, (r + 1) * L)``
 (``L`` the padded bucket over the ranks) cut at the bucket's unpadded end, split into one
 chunk per parameter piece and one per gap between them
@@ -11,7 +12,7 @@ target's items (one per chunk and state: ``param`` for the fp32 main params,
 ``exp_avg``, ``exp_avg_sq``; gap chunks hold zeros, which megatron-core never reads),
 and the bytes entries of each group: ``optimizer`` (``[{'param_groups': [...]}]``,
 Adam's ``step`` in every group), ``per_bucket_numel`` and ``per_bucket_numel_unpadded``
-(``[[{(param dtype, grad dtype): [elements per bucket]}]]``). ``common.pt`` gets the
+(``[[{(param dtype, grad dtype): [elements per bucket]}, ...]]``, one dict per model chunk). ``common.pt`` gets the
 sharding type megatron-core's loader reads (``content_metadata``; per chained optimizer
 at ep > 1).
 """
@@ -71,10 +72,11 @@ class BucketTarget:
     chunks: tuple[BucketChunk, ...]
     dtypes: tuple[str, str]
     """The grad buffers' (param dtype, grad dtype) torch names: ``("bfloat16", "float32")``."""
-    per_bucket_numel: Mapping[str, list[int]]
-    """Per group (``[chained_K.]optimizer.distributed.dp_group_idx_I``), each bucket's padded elements."""
-    per_bucket_numel_unpadded: Mapping[str, list[int]]
-    """Per group, each bucket's unpadded elements (the bucket tensors' lengths)."""
+    per_bucket_numel: Mapping[str, list[list[int]]]
+    """Per group (``[chained_K.]optimizer.distributed.dp_group_idx_I``), per model chunk (grad buffer), each
+    bucket's padded elements."""
+    per_bucket_numel_unpadded: Mapping[str, list[list[int]]]
+    """Per group and model chunk, each bucket's unpadded elements (the bucket tensors' lengths)."""
     experts: frozenset[str]
     """The expert optimizer's groups (ep > 1)."""
     expert_params: tuple[tuple[str, tuple[int, ...]], ...]
@@ -107,7 +109,8 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
     ep = topology.ep if family.experts else 1
     tp = topology.tp
     r = _buckets(family, args, sizes, Topology(tp=tp, pp=topology.pp, ep=ep, dp=ep), topology)
-    at_dp = _resolve(layout_spec(r.spec_name), Topology(tp=tp, pp=topology.pp, dp=topology.dp, ep=ep), r.sizes,
+    at_dp = _resolve(layout_spec(r.spec_name), Topology(tp=tp, pp=topology.pp, dp=topology.dp, ep=ep, vpp=r.vpp,
+                                                        stages=r.stages), r.sizes,
                      {"model": (PARAM,), DENSE: (MASTER,), EXPERT: (MASTER,)})
     shard: dict[tuple, int] = {}  # (buffer, bucket) -> L
     for it, info in at_dp.items.items():
@@ -119,7 +122,7 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
     param_of = {(f.tensor, f.box.offsets, f.box.lengths, _buffer_of(f.item)[1:]):
                 (f.item.key, f.offset, r.layout.items[f.item].numel)
                 for f in r.layout.fragments if f.item.section == "model"}
-    writers = {}  # (buffer section, tp, pp, ep, data-parallel rank) -> the global rank
+    writers = {}  # (buffer section, tp, pp, ep, data-parallel rank) -> the global rank (of every model chunk)
     for rank in range(topology.world_size):
         c = topology.coords(rank)
         writers.setdefault((DENSE, c["tp"], c["pp"], 0, c["dp"]), rank)
@@ -130,15 +133,17 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
     unpadded: dict[str, list[int]] = {}
     experts: set[str] = set()
     for buffer, buckets in sorted(r.per_group.items()):
-        section, t, p, e = buffer
+        section, t, p, e, chunk = buffer
         if section == DENSE and e:
             continue  # every ep rank holds the same dense buffer: ep 0's is the one laid out
         expert = section == EXPERT
         group = t + tp * (e + ep * p) if expert else p * tp + t
         base = f"{f'chained_{int(expert)}.' if ep > 1 else ''}{PREFIX}dp_group_idx_{group}"
         ranks = topology.edp if expert else topology.dp
-        unpadded[base] = list(r.unpadded[buffer])
-        padded[base] = [shard[(buffer, b)] * ranks for b in range(len(buckets))]
+        # per group: each model chunk's buffer (gbuf_idx), in chunk order
+        unpadded.setdefault(base, [[] for _ in range(r.vpp)])[chunk] = list(r.unpadded[buffer])
+        padded.setdefault(base, [[] for _ in range(r.vpp)])[chunk] = [shard[(buffer, b)] * ranks
+                                                                      for b in range(len(buckets))]
         if expert:
             experts.add(base)
         for b, frags in enumerate(buckets):
@@ -150,7 +155,7 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
                     raise CheckpointFormatError(f"{r.spec_name}: {f} is no model parameter's fragment")
                 name, in_param, numel = found
                 extents[name] = (f.offset - in_param, f.offset - in_param + numel)
-            key = f"{base}.gbuf_idx_0.dtype_(torch.{dtypes[0]}, torch.{dtypes[1]}).bucket_idx_{b}"
+            key = f"{base}.gbuf_idx_{chunk}.dtype_(torch.{dtypes[0]}, torch.{dtypes[1]}).bucket_idx_{b}"
             length = shard[(buffer, b)]
             for d in range(ranks):
                 lo, hi = d * length, min((d + 1) * length, size)
@@ -178,8 +183,7 @@ def optimizer_target(source: Source, family: Family, args: Mapping[str, Any], si
     ``bf16`` / ``accumulate_allreduce_grads_in_fp32`` the buffers' dtypes): the resumed run must use the same.
 
     Raises:
-      CheckpointFormatError: no fp32 main params in the source, virtual pipeline chunks (a buffer per chunk),
-        or what ``bucket_target`` refuses.
+      CheckpointFormatError: no fp32 main params in the source, or what ``bucket_target`` refuses.
     """
     import torch
 
@@ -187,9 +191,6 @@ def optimizer_target(source: Source, family: Family, args: Mapping[str, Any], si
     if MASTER not in states:
         raise CheckpointFormatError(f"the distributed optimizer stores fp32 main params (state '{MASTER}'), which "
                                     f"{source.path} lacks (it has {', '.join(states)})")
-    if topology.vpp > 1:
-        raise CheckpointFormatError(f"{topology}: with virtual pipeline chunks each chunk has a grad buffer of its "
-                                    "own; dp_reshardable state of several buffers is not written yet")
     states = [MASTER, *sorted(set(states) - {MASTER})]
     bt = bucket_target(family, args, sizes, topology)
     items: dict[Item, ItemInfo] = {}
@@ -220,9 +221,10 @@ def optimizer_target(source: Source, family: Family, args: Mapping[str, Any], si
     for at in sorted(bt.per_bucket_numel):
         entries += [_Verbatim(f"{at}.optimizer/shard_0_1", None,
                               saved([{"param_groups": expert if at in bt.experts else dense}])),
-                    _Verbatim(f"{at}.per_bucket_numel/shard_0_1", None, saved([[{pair: bt.per_bucket_numel[at]}]])),
+                    _Verbatim(f"{at}.per_bucket_numel/shard_0_1", None,
+                              saved([[{pair: n} for n in bt.per_bucket_numel[at]]])),
                     _Verbatim(f"{at}.per_bucket_numel_unpadded/shard_0_1", None,
-                              saved([[{pair: bt.per_bucket_numel_unpadded[at]}]]))]
+                              saved([[{pair: n} for n in bt.per_bucket_numel_unpadded[at]]]))]
     kind = {"param_state_sharding_type": SHARDING}
     common = {"optimizer": {0: kind, 1: dict(kind)} if bt.experts else kind, "content_metadata": dict(CONTENT_METADATA)}
     return items, fragments, chunks, entries, common

@@ -147,6 +147,9 @@ def zero_state(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fami
                          hi=MAX_COUNT) for a in ("data", "context"))
     r = _buckets(family, args, sizes, Topology(tp=topology.tp, pp=topology.pp),
                  Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp))
+    if r.vpp > 1:  # distrib_optim.pt's dict then holds a buffer per model chunk; only chunk 0's is decoded here
+        raise CheckpointFormatError(f"{where}: {ZERO} state of a run with virtual pipeline chunks "
+                                    f"(args.virtual_pipeline_model_parallel_size {r.vpp}) is not read yet")
     items: dict[Item, ItemInfo] = {}
     fragments: list[Fragment] = []
     located: dict[Item, Located] = {}

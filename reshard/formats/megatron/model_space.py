@@ -179,6 +179,8 @@ def common_param_groups(common: Mapping[str, Any], where: str) -> list[dict[str,
     """``common.pt``'s optimizer param groups (``optimizer.optimizer.param_groups``, where the model-space formats
     keep them, Adam's ``step`` in each), small tensors read by value; None without them."""
     optimizer = common.get("optimizer")
+    if isinstance(optimizer, Mapping) and 0 in optimizer:  # a ChainedOptimizer's (MoE at ep > 1): the dense one's
+        optimizer = optimizer[0]
     inner = optimizer.get("optimizer") if isinstance(optimizer, Mapping) else None
     groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
     if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
