@@ -37,6 +37,7 @@ Llama: ``gpt2`` (LayerNorm with biases, biases on every linear, GELU, learned po
 (q/k/v biases, tied). ``grouped`` builds the experts as megatron-core's legacy ``GroupedMLP`` (``--moe-grouped-gemm
 --moe-use-legacy-grouped-gemm``: ``weight1`` and ``weight2`` per layer); the ``grouped_gemm`` package it asserts at
 construction runs only in its forward, which these jobs never call, so the assertion is skipped.
+``etp`` splits the experts over their own tensor-parallel degree (``--expert-tensor-parallel-size``) instead of tp.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ DIVISIBLE_BY = 128
 ITERATION = 10
 OPTIONS = {"dense": False, "bf16": False, "bucket_size": None, "torch_dist": False, "next": False,
            "weights_only": False, "qk_norm": False, "fully_reshardable": False, "family": "llama",
-           "grouped": False}
+           "grouped": False, "etp": None}
 
 
 def padded_vocab(tp: int) -> int:
@@ -95,7 +96,7 @@ def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool, opts: dict = OPTION
         vocab_size=s["vocab"], padded_vocab_size=padded_vocab(tp), make_vocab_size_divisible_by=DIVISIBLE_BY,
         swiglu=True, normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
         untie_embeddings_and_output_weights=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp, data_parallel_size=dp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=opts["etp"] or tp, data_parallel_size=dp,
         world_size=tp * pp * dp, num_experts=experts, moe_router_topk=2 if experts else None,
         moe_grouped_gemm=opts["grouped"], moe_use_legacy_grouped_gemm=opts["grouped"], transformer_impl="local", use_distributed_optimizer=distopt,
         params_dtype="bfloat16" if opts["bf16"] else "float32", bf16=opts["bf16"],
@@ -145,7 +146,7 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=opts["etp"] or tp)
     if opts["grouped"]:  # GroupedMLP asserts the grouped_gemm package, which only its forward uses
         from megatron.core.transformer.moe import grouped_gemm_util
 
@@ -163,6 +164,7 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
         add_bias_linear=a.add_bias_linear, add_qkv_bias=getattr(a, "add_qkv_bias", False),
         use_cpu_initialization=True, params_dtype=dtype, bf16=opts["bf16"], tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, pipeline_dtype=dtype,
+        expert_tensor_parallel_size=opts["etp"] or tp,
         qk_layernorm=opts["qk_norm"], **moe)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
                          num_experts=experts, moe_grouped_gemm=opts["grouped"],
@@ -242,7 +244,7 @@ def _save_torch(it_dir: Path, rank: int, coords: dict, model, optimizer, args, d
     it_dir.mkdir(parents=True, exist_ok=True)
     if distopt:  # a collective; written by each optimizer's data-parallel rank 0 (save_parameter_state)
         optimizer.save_parameter_state(str(it_dir / "distrib_optim.pt"))
-    if coords["dp"] == 0 or coords["edp"] == 0:  # save_checkpoint's writers of the torch format
+    if coords["edp"] == 0:  # save_checkpoint's writers of the torch format
         state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
                  "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict()}
         torch.save(state, it_dir / "model_optim_rng.pt")

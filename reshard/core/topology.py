@@ -12,7 +12,8 @@ the order with cp dropped and dp read as edp), by default::
     rank = tp_r + tp * (ep_r + ep * (edp_r + edp * pp_r))
 
 An order that omits ep gets it just before dp; one that omits cp is valid only
-with cp=1. Both views must give every rank the same tp and pp coordinates
+with cp=1. ``etp`` (Megatron's ``--expert-tensor-parallel-size``) is carried for the
+formats that lay experts out by it; the expert view above is tp's. Both views must give every rank the same tp and pp coordinates
 (Megatron requires equal pp groups); ``Topology`` checks this.
 
 Pipeline. Layers fill virtual stages ``v = 0, 1, ...`` in order; virtual stage
@@ -34,7 +35,7 @@ AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 DEGREE_AXES = ("tp", "pp", "dp", "cp", "ep", "edp", "vpp")
 COORD_AXES = ("tp", "cp", "dp", "pp", "ep", "edp")
-KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "zero", "stages", "layout", "order")
+KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "zero", "stages", "layout", "order")
 _INT_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "zero")
 _LAYOUT_SYMBOLS = "EtmL"
 _MAX_LAYOUT = 1_000_000  # unrolled layout symbols; guards against 't*999999999'
@@ -62,6 +63,8 @@ class Topology:
     cp: int = 1
     ep: int = 1
     """Expert parallel; divides dp * cp and is not a factor of world_size."""
+    etp: int | None = None
+    """Expert tensor parallel degree (Megatron's ``--expert-tensor-parallel-size``); None: tp's."""
     vpp: int = 1
     """Virtual pipeline chunks per stage."""
     zero: int = 0
@@ -78,6 +81,8 @@ class Topology:
                 raise TopologyError(f"{name} must be an integer, got {value!r}")
             if name != "zero" and value < 1:
                 raise TopologyError(f"{name} must be >= 1, got {value}")
+        if self.etp is not None and (not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp < 1):
+            raise TopologyError(f"etp must be an integer >= 1, got {self.etp!r}")
         if (self.dp * self.cp) % self.ep:
             raise TopologyError(f"ep({self.ep}) does not divide dp({self.dp}) * cp({self.cp}) = {self.dp * self.cp}")
         if not 0 <= self.zero <= 3:
@@ -193,7 +198,7 @@ class Topology:
 
     def __str__(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
-        for key, default in (("cp", 1), ("ep", 1), ("vpp", 1), ("zero", 0)):
+        for key, default in (("cp", 1), ("ep", 1), ("etp", None), ("vpp", 1), ("zero", 0)):
             if getattr(self, key) != default:
                 parts.append(f"{key}={getattr(self, key)}")
         if self.stages is not None:
@@ -227,7 +232,7 @@ def parse_topology(text: str) -> Topology:
     Grammar (whitespace around keys and values is ignored)::
 
         topology := [ key "=" value { "," key "=" value } ]
-        key      := tp | pp | dp | cp | ep | vpp | zero | stages | layout | order
+        key      := tp | pp | dp | cp | ep | etp | vpp | zero | stages | layout | order
         stages   := INT { "+" INT }          layers per virtual stage, e.g. 3+4+4+3
         order    := axis { "-" axis }        fastest first, e.g. tp-pp-dp
         layout   := Megatron --pipeline-model-parallel-layout, e.g. E|(tt|)*3,tL
@@ -250,7 +255,7 @@ def parse_topology(text: str) -> Topology:
         values[key] = value
     if "stages" in values and "layout" in values:
         raise TopologyError(f"give stages or layout, not both, in '{text}'")
-    kwargs: dict = {k: _int(k, values[k], text) for k in _INT_KEYS if k in values}
+    kwargs: dict = {k: _int(k, values[k], text) for k in (*_INT_KEYS, "etp") if k in values}
     if "order" in values:
         kwargs["order"] = "-".join(p.strip() for p in values["order"].split("-"))
     if "stages" in values:

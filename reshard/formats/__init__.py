@@ -28,8 +28,8 @@ FORMATS = {
     "ucp": "reshard.formats.deepspeed.ucp",
 }
 PLANNED = ()
-URL_FORMATS = ("hf", "dcp")
-"""The formats read from object storage (an fsspec URL as the source); the others read local paths."""
+URL_FORMATS = tuple(FORMATS)
+"""The formats read from object storage (an fsspec URL as the source), in detection order: every format."""
 
 
 def get_format(name: str) -> Format:
@@ -62,18 +62,14 @@ def detect_format(path: Path | UrlPath) -> Format:
 
 
 def _detect_url(path: UrlPath) -> Format:
-    """The format of a checkpoint in object storage: the formats whose readers take URLs."""
+    """The format of a checkpoint in object storage, detected in the order a local copy's would be."""
+    if not path.is_dir():
+        raise CheckpointFormatError(f"{path}: no such checkpoint directory in object storage")
     for name in URL_FORMATS:
         fmt = get_format(name)
         if fmt.detect(path):
-            torch_dist = importlib.import_module(FORMATS["mcore-dist"]).METADATA_JSON
-            if name == "dcp" and (path / torch_dist).is_file():  # locally this would be read as mcore-dist
-                break
             return fmt
-    if not path.is_dir():
-        raise CheckpointFormatError(f"{path}: no such checkpoint directory in object storage")
-    raise CheckpointFormatError(f"{path}: not a checkpoint reshard reads from object storage (looked for: "
-                                f"{', '.join(URL_FORMATS)}; other formats are read from a local copy)")
+    raise CheckpointFormatError(f"{path}: not a checkpoint reshard recognizes (looked for: {', '.join(URL_FORMATS)})")
 
 
 def _is_loop(path: Path) -> bool:

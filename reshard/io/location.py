@@ -4,10 +4,11 @@ request per read.
 ``as_path`` turns what a user names as a source into what the readers take: a local ``pathlib.Path`` for a
 local path or a ``file://`` URL (read as before, with positioned reads on descriptors), or a ``UrlPath`` for
 any other fsspec URL. ``UrlPath`` is the part of ``pathlib.Path`` the checkpoint readers use (``/``, ``name``,
-``is_file``, ``is_dir``, ``exists``, ``open("rb")``, ``read_bytes``, ``stat``, ``relative_to``), and
-``read_range`` is its one way to fetch bytes: each call is one ranged GET of exactly the bytes asked for,
-with no read-ahead, so what a reader reads is what is transferred. ``UrlPath.open`` gives a ``RemoteFile``
-whose reads are such range requests too.
+``stem``, ``parent``, ``is_file``, ``is_dir``, ``exists``, ``iterdir``, ``glob``, ``open("rb")``, ``read_bytes``,
+``stat``, ``relative_to``), and ``read_range`` is its one way to fetch bytes: each call is one ranged GET of
+exactly the bytes asked for, with no read-ahead, so what a reader reads is what is transferred.
+``UrlPath.open`` gives a ``RemoteFile`` whose reads are such range requests too, and ``read_at`` reads bytes at
+an offset of either kind of path (a positioned read of a local file). Every format's reader takes either.
 
 Credentials and endpoints are the filesystem's own (for S3: the usual ``AWS_*`` variables, or fsspec's
 ``FSSPEC_S3_ENDPOINT_URL``-style settings).
@@ -15,6 +16,7 @@ Credentials and endpoints are the filesystem's own (for S3: the usual ``AWS_*`` 
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import os
 import stat
@@ -25,7 +27,7 @@ from typing import Any
 
 from reshard.errors import CheckpointFormatError
 
-__all__ = ["RemoteFile", "UrlPath", "as_path", "file_size", "is_url", "pread"]
+__all__ = ["RemoteFile", "UrlPath", "as_path", "file_size", "is_url", "pread", "read_at"]
 
 
 def is_url(path: object) -> bool:
@@ -96,12 +98,22 @@ class UrlPath:
         return PurePosixPath(self.path).name
 
     @property
+    def stem(self) -> str:
+        return PurePosixPath(self.path).stem
+
+    @property
+    def suffix(self) -> str:
+        return PurePosixPath(self.path).suffix
+
+    @property
     def parent(self) -> UrlPath:
-        return UrlPath(self.fs, str(PurePosixPath(self.path).parent))
+        """The directory holding this one; the top of the store (a bucket) is its own parent, as ``/`` is."""
+        parent = str(PurePosixPath(self.path).parent)
+        return self if parent == "." else UrlPath(self.fs, parent)
 
     @property
     def parents(self) -> list[UrlPath]:
-        return [UrlPath(self.fs, str(p)) for p in PurePosixPath(self.path).parents]
+        return [UrlPath(self.fs, str(p)) for p in PurePosixPath(self.path).parents if str(p) != "."]
 
     def relative_to(self, other: UrlPath) -> PurePosixPath:
         if not isinstance(other, UrlPath) or other.fs != self.fs:
@@ -136,6 +148,10 @@ class UrlPath:
 
     def is_symlink(self) -> bool:
         return False
+
+    def glob(self, pattern: str) -> list[UrlPath]:
+        """The entries of this directory whose names match ``pattern`` (one level, ``fnmatch`` rules)."""
+        return [p for p in self.iterdir() if fnmatch.fnmatchcase(p.name, pattern)]
 
     def iterdir(self) -> list[UrlPath]:
         try:
@@ -231,3 +247,12 @@ def pread(f: Any, length: int, offset: int) -> bytes:
     if isinstance(f, RemoteFile):
         return f.pread(length, offset)
     return os.pread(f if isinstance(f, int) else f.fileno(), length, offset)
+
+
+def read_at(path: Path | UrlPath, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` of a file (fewer where it ends first): a positioned read of a local file,
+    one range request of one in object storage."""
+    if isinstance(path, UrlPath):
+        return path.read_range(offset, length)
+    with open(path, "rb", buffering=0) as f:
+        return os.pread(f.fileno(), length, offset)

@@ -303,6 +303,15 @@ def _static_globals() -> dict[tuple[str, str], object]:
 _GLOBALS = _static_globals()
 
 
+def _check_magic(magic: bytes) -> None:
+    """Refuse a file whose first bytes are not a zip record's: a legacy torch.save file, or no zip."""
+    if magic != b"PK\x03\x04":
+        if magic[:1] == b"\x80":
+            raise _BadFileError("written in the legacy torch.save format (_use_new_zipfile_serialization=False), "
+                                "which reshard does not read; re-save it with a current torch.save")
+        raise _BadFileError("not a zip archive, so not a torch.save file (those start with PK\\x03\\x04)")
+
+
 class _Archive:
     """The zip side of a torch file: its records and where their data starts.
 
@@ -321,13 +330,12 @@ class _Archive:
             size = total - base
         check_range("archive offset", base, check_count("archive length", size), total)
         self.size = size
-        magic = pread(fd, min(4, size), base)
-        if magic != b"PK\x03\x04":
-            if magic[:1] == b"\x80":
-                raise _BadFileError("written in the legacy torch.save format (_use_new_zipfile_serialization=False), "
-                           "which reshard does not read; re-save it with a current torch.save")
-            raise _BadFileError("not a zip archive, so not a torch.save file (those start with PK\\x03\\x04)")
-        self.zip = ZipReader(fd, base, size, end="the file" if (base, size) == (0, total) else "the archive")
+        try:  # the end records first: with them comes all of a small file, its first bytes too
+            self.zip = ZipReader(fd, base, size, end="the file" if (base, size) == (0, total) else "the archive")
+        except FieldError:
+            _check_magic(pread(fd, min(4, size), base))  # not a zip at all says more than its broken end
+            raise
+        _check_magic(self.zip.read(0, min(4, size), "archive offset"))
         names = list(self.zip.entries)
         if not names or "/" not in names[0]:
             raise _BadFileError("zip archive is not a torch.save file: its records are not under one directory")

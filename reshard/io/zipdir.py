@@ -76,12 +76,15 @@ class ZipReader:
         self.fd, self.base, self.size, self.end = fd, base, size, end
         self.entries: dict[str, ZipEntry] = {}
         """By name, in central directory order."""
+        self._tail, self._tail_at = b"", size
         cd_offset, cd_size, count = self._end_records()
         self._read_directory(cd_offset, cd_size, count)
 
     def read(self, offset: int, length: int, field: str) -> bytes:
         """Bytes ``[offset, offset + length)`` of the archive, after checking they lie inside it."""
         check_range(field, offset, length, self.size, end=self.end)
+        if offset >= self._tail_at:  # inside the end of the archive read already (all of a small one)
+            return self._tail[offset - self._tail_at:offset - self._tail_at + length]
         data = pread(self.fd, length, self.base + offset)
         if len(data) != length:  # the file shrank since we took its size
             raise FieldError(f"{field}: the file ends at byte {self.base + offset + len(data)} (truncated while read?)")
@@ -90,6 +93,7 @@ class ZipReader:
     def _end_records(self) -> tuple[int, int, int]:
         tail_len = min(self.size, _EOCD.size + _MAX_COMMENT)
         tail = self.read(self.size - tail_len, tail_len, "zip end records")
+        self._tail, self._tail_at = tail, self.size - tail_len
         at = tail.rfind(b"PK\x05\x06")
         while at >= 0 and at + _EOCD.size > len(tail):
             at = tail.rfind(b"PK\x05\x06", 0, at)
@@ -168,12 +172,15 @@ class ZipReader:
         if e.flags & 1:
             raise FieldError(f"record {e.name} is encrypted")
         field = f"zip local header offset of record '{e.name}'"
-        head = self.read(e.header_offset, _LOCAL.size, field)
-        sig, *_, name_len, extra_len = _LOCAL.unpack(head)
+        # the name the central directory gives is read with the header: one read, not two, of a remote file
+        ahead = max(0, min(len(_encode(e.name, e.flags)), self.size - e.header_offset - _LOCAL.size))
+        block = self.read(e.header_offset, _LOCAL.size + ahead, field)
+        sig, *_, name_len, extra_len = _LOCAL.unpack_from(block)
         if sig != 0x04034B50:
             raise FieldError(f"record {e.name}: no local header at byte {e.header_offset}")
         name_at = e.header_offset + _LOCAL.size
-        raw_name = self.read(name_at, name_len, f"zip local name of record '{e.name}'")
+        raw_name = block[_LOCAL.size:_LOCAL.size + name_len] if name_len <= ahead else \
+            self.read(name_at, name_len, f"zip local name of record '{e.name}'")
         if _decode(raw_name, e.flags, e.name) != e.name:
             raise FieldError(f"zip record '{e.name}' has local header name {raw_name[:80]!r}")
         start = name_at + name_len + extra_len
@@ -204,6 +211,13 @@ class ZipReader:
             raise FieldError(f"record {e.name} fails its CRC-32 check")
         return data
 
+
+def _encode(name: str, flags: int) -> bytes:
+    """A record name as its central directory entry stores it (``_decode`` undone)."""
+    try:
+        return name.encode("utf-8") if flags & 0x800 else name.encode("cp437")
+    except UnicodeEncodeError:
+        return b""
 
 def _decode(raw: bytes, flags: int, which: object) -> str:
     try:

@@ -73,7 +73,7 @@ def test_verify_exits_1_and_names_the_difference(ckpt, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["convert", "{src}", "{tmp}/x", "--to", "tq=2"],
-     "unknown topology key 'tq' in 'tq=2' (expected one of: tp, pp, dp, cp, ep, vpp, zero, stages, layout, order)"),
+     "unknown topology key 'tq' in 'tq=2' (expected one of: tp, pp, dp, cp, ep, etp, vpp, zero, stages, layout, order)"),
     (["convert", "{src}", "{tmp}/x", "--to", "tp=3"], "is not divisible by tp(3)"),
     (["convert", "{src}", "{tmp}/x", "--format", "ucp", "--to", "dp=2"],
      "a universal checkpoint holds whole tensors and no topology"),

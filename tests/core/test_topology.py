@@ -272,7 +272,7 @@ INVALID_TEXTS = [
     (
         "tq=2,pp=2",
         "unknown topology key 'tq' in 'tq=2,pp=2' "
-        "(expected one of: tp, pp, dp, cp, ep, vpp, zero, stages, layout, order)",
+        "(expected one of: tp, pp, dp, cp, ep, etp, vpp, zero, stages, layout, order)",
     ),
     ("tp=2,tp=4", "duplicate topology key 'tp' in 'tp=2,tp=4'"),
     ("tp=two", "topology key 'tp' needs an integer, got 'two' in 'tp=two'"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -199,9 +200,110 @@ def test_a_failed_upload_leaves_nothing_in_the_bucket(s3, tmp_path, monkeypatch)
     assert not fs.exists(f"{BUCKET}/failed")
 
 
-def test_a_format_read_only_locally_is_named(s3, tmp_path):
+def test_a_directory_in_the_bucket_that_is_no_checkpoint_is_refused_naming_it(s3, tmp_path):
     fs, _ = s3
-    make_fixture(tmp_path / "meg", format="megatron", to="tp=2")
-    url = _upload(fs, tmp_path / "meg", "meg")
-    with pytest.raises(ReshardError, match="not a checkpoint reshard reads from object storage .*hf, dcp.* local copy"):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("not a checkpoint")
+    url = _upload(fs, tmp_path / "notes", "notes")
+    with pytest.raises(ReshardError, match=rf"^{url}: not a checkpoint reshard recognizes \(looked for: megatron, "
+                                           r"deepspeed, hf, mcore-dist, mcore-fsdp, dcp, ucp\)$"):
         reshard.convert(url, tmp_path / "out", to="tp=1")
+    with pytest.raises(ReshardError, match=rf"^{url}-missing: no such checkpoint directory in object storage$"):
+        reshard.convert(f"{url}-missing", tmp_path / "out", to="tp=1")
+    assert not (tmp_path / "out").exists()
+
+
+def _no_family_fsdp_dtensor(path: Path) -> None:
+    """A Megatron-FSDP fsdp_dtensor checkpoint (``dcp.save`` in this process) whose args name no model family."""
+    import argparse
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"embedding.word_embeddings.weight": (12, 8), "decoder.layers.0.mlp.linear_fc1.weight": (16, 8),
+              "decoder.final_layernorm.weight": (8,)}
+    with warnings.catch_warnings():  # dcp.save says it saves in this one process, as meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": {f"module.{k}": torch.randn(v, generator=gen) for k, v in shapes.items()},
+                  "optimizer": {"state": {f"module.module.{k}": {"exp_avg": torch.randn(v, generator=gen),
+                                                                 "step": torch.tensor(4.0)} for k, v in shapes.items()}},
+                  "args": argparse.Namespace(num_layers=1, hidden_size=8, swiglu=False), "iteration": 4,
+                  "checkpoint_version": 3.0}, checkpoint_id=path)
+
+
+def _source(tmp_path: Path, fmt: str, to: str | None) -> Path:
+    """A local checkpoint of ``fmt``: the fixture model at ``to``; UCP converted from a DeepSpeed one."""
+    local = tmp_path / "src"
+    if fmt == "ucp":
+        make_fixture(tmp_path / "ds", format="deepspeed", to=to)
+        reshard.convert(tmp_path / "ds", local, format="ucp")
+    elif fmt == "mcore-fsdp":
+        _no_family_fsdp_dtensor(local)
+    else:
+        make_fixture(local, format=fmt, to=to)
+    return local
+
+
+@pytest.mark.parametrize("fmt,to,dst_format", [("megatron", "tp=2,pp=2", "hf"), ("deepspeed", "dp=2", "dcp"),
+                                               ("mcore-dist", "tp=2", "hf"), ("deepspeed", "zero=3,dp=2", "hf"),
+                                               ("ucp", "dp=2", "hf"), ("mcore-fsdp", None, "dcp"),
+                                               ("megatron", "tp=2,dp=2,zero=1", "dcp"), ("deepspeed", "pp=2,dp=2", "hf")])
+def test_more_sources_from_s3_equal_the_local_ones(s3, tmp_path, fmt, to, dst_format):
+    fs, log = s3
+    local = _source(tmp_path, fmt, to)
+    url = _upload(fs, local, f"more-{fmt}-{to}")
+    log.gets.clear()
+    reshard.convert(url, tmp_path / "from_s3", format=dst_format, workers=1)
+    gets = list(log.gets)
+    reshard.convert(local, tmp_path / "from_disk", format=dst_format)
+    a, b = _tree(tmp_path / "from_s3"), _tree(tmp_path / "from_disk")
+    assert a.keys() == b.keys() and a
+    assert all(a[k] == b[k] for k in a)
+    if fmt == "megatron":  # every object GET is a range request: only the bytes the reader needs are fetched
+        assert gets and all(rng is not None for _, rng in gets), [g for g in gets if g[1] is None]
+
+
+def test_worker_processes_read_a_url_source(s3, tmp_path, monkeypatch):
+    fs, _ = s3
+    import reshard.api.converting as converting
+
+    make_fixture(tmp_path / "src", format="megatron", to="tp=2")
+    url = _upload(fs, tmp_path / "src", "workers-megatron")
+    started: list[int] = []
+
+    def counted(shares, progress=None):
+        started.append(len(shares))
+        return run_shares(shares, progress)
+
+    run_shares = converting.run_shares
+    monkeypatch.setattr(converting, "run_shares", counted)
+    reshard.convert(url, tmp_path / "two", format="hf", max_shard_size="100KB", workers=2)
+    assert started == [2]  # two worker processes, each reading its share from the bucket
+    reshard.convert(tmp_path / "src", tmp_path / "one", format="hf", max_shard_size="100KB", workers=1)
+    a, b = _tree(tmp_path / "two"), _tree(tmp_path / "one")
+    assert len(a) > 2 and a == b
+
+
+def test_a_small_torch_file_is_read_in_one_range_request(s3, tmp_path):
+    """The zip end records are read with the bytes before them (64 KiB and a bit): of a small file, all of it, so
+    its pickle and its records' headers come from that one read."""
+    import torch
+
+    from reshard.io.location import as_path
+    from reshard.io.torchfile import read_torch_file
+
+    fs, log = s3
+    (tmp_path / "t").mkdir()
+    torch.save({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "step": torch.tensor(7.0), "lr": 0.5},
+               tmp_path / "t" / "state.pt")
+    url = _upload(fs, tmp_path / "t", "small-torch")
+    log.gets.clear()
+    got = read_torch_file(as_path(f"{url}/state.pt"))
+    gets = list(log.gets)
+    want = read_torch_file(tmp_path / "t" / "state.pt")
+    assert got["lr"] == want["lr"] == 0.5
+    assert [(r.shape, r.dtype, r.data_offset) for r in (got["w"], got["step"])] == \
+        [(r.shape, r.dtype, r.data_offset) for r in (want["w"], want["step"])]
+    size = (tmp_path / "t" / "state.pt").stat().st_size
+    assert gets == [(f"/{BUCKET}/small-torch/state.pt", f"bytes=0-{size - 1}")]

@@ -102,6 +102,7 @@ from reshard.formats.deepspeed.zero12 import (
 from reshard.formats.derived import derived_spec_name, is_derived
 from reshard.formats.identity import read_identity, write_identity
 from reshard.formats.specs import BUFFERS, family_of, layout_spec, target_config
+from reshard.io.location import as_path
 from reshard.models import known_family
 from reshard.models.config import config_sizes
 
@@ -118,10 +119,10 @@ class DeepSpeedFormat:
 
     def detect(self, path: Path) -> bool:
         try:
-            _, _, tag_dir = _locate(Path(path))
+            _, _, tag_dir = _locate(as_path(path))
             dirs = [tag_dir]
         except CheckpointFormatError:  # a broken 'latest' beside DeepSpeed tag dirs: open names what is wrong
-            dirs = [d for d in Path(path).iterdir() if d.is_dir()] if (Path(path) / "latest").is_file() else []
+            dirs = [d for d in as_path(path).iterdir() if d.is_dir()] if (as_path(path) / "latest").is_file() else []
         try:
             return any(_OPTIM_FILE.fullmatch(p.name) or is_zero3([p.name]) for d in dirs for p in d.iterdir())
         except OSError:
@@ -143,11 +144,11 @@ class DeepSpeedFormat:
           CheckpointFormatError: naming the file and what disagrees (rank files missing or
             beyond ``dp_world_size``, a param placed elsewhere than the spec says, ...).
         """
-        root, tag, tag_dir = _locate(Path(path))
+        root, tag, tag_dir = _locate(as_path(path))
         identity = read_identity(tag_dir, root, root.parent)
         if is_zero3([p.name for p in tag_dir.iterdir()]):
             return open_zero3(self.name, root, tag, tag_dir, spec=spec, sizes=sizes, identity=identity)
-        files = _find_files(Path(path))
+        files = _find_files(as_path(path))
         models = [_read(p) for p in files.model]
         first = models[0]
         dp, mp = (expect_int(_get(first, k, files.model[0]), k, files.model[0], lo=1, hi=MAX_COUNT)

@@ -23,6 +23,7 @@ from typing import Any
 
 from reshard.core.layout import Item
 from reshard.errors import CheckpointFormatError, TopologyError
+from reshard.io.location import read_at
 from reshard.io.torch_types import SmallTensor
 from reshard.io.torchfile import Opaque, TensorRef, TensorSpec
 
@@ -110,9 +111,7 @@ def _template(tree: Mapping, path: Path, drop: tuple[str, ...] = ()) -> dict[str
             if x.shape != ():
                 raise CheckpointFormatError(f"{path}: holds a {list(x.shape)} tensor outside the state "
                                             "reshard reshards")
-            with path.open("rb") as f:
-                f.seek(x.data_offset)
-                data = f.read(x.nbytes)
+            data = read_at(path, x.data_offset, x.nbytes)
             if len(data) != x.nbytes:
                 raise CheckpointFormatError(f"{path}: ends inside a scalar tensor")
             return Scalar(x.dtype, (), data)

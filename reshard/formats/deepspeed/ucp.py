@@ -86,6 +86,7 @@ from reshard.formats.deepspeed.zero12 import _located
 from reshard.formats.derived import Recorded
 from reshard.formats.identity import read_identity, write_identity
 from reshard.formats.specs import source_config
+from reshard.io.location import as_path, read_at
 from reshard.io.torch_read import read_torch_file
 from reshard.io.torch_types import TensorRef, TensorSpec, TorchSize, scalar_value
 from reshard.io.torch_write import TorchFileWriter
@@ -136,12 +137,12 @@ class UcpFormat:
 
     def detect(self, path: Path) -> bool:
         try:
-            return _folder(Path(path)) is not None
+            return _folder(as_path(path)) is not None
         except CheckpointFormatError:  # a broken latest_universal: open names what is wrong
             return True
 
     def open(self, path: Path, *, spec: str | None = None, sizes: Mapping[str, int] | None = None) -> Source:
-        path = Path(path)
+        path = as_path(path)
         folder = _folder(path)
         if folder is None:
             raise CheckpointFormatError(f"{path}: not a universal checkpoint (no zero/<param>/fp32.pt)")
@@ -559,9 +560,7 @@ def _param_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _scalar(file: Path, ref: TensorRef) -> float | None:
-    with file.open("rb") as f:
-        f.seek(ref.data_offset)
-        return scalar_value(f.read(ref.itemsize), ref.dtype)
+    return scalar_value(read_at(file, ref.data_offset, ref.itemsize), ref.dtype)
 
 
 def _lr(folder: Path) -> float | None:

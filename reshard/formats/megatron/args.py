@@ -52,17 +52,15 @@ def _topology_from_args(args: Mapping[str, Any], where: str, ranks: int) -> Topo
     pp = _int_arg(args, "pipeline_model_parallel_size", where, hi=max(1, ranks))
     cp = _int_arg(args, "context_parallel_size", where, 1)
     ep = _int_arg(args, "expert_model_parallel_size", where, 1, hi=max(1, ranks))
-    if tp * pp * ep > max(1, ranks):
-        raise CheckpointFormatError(f"{where}: args say tp({tp}) * pp({pp}) * ep({ep}) = {tp * pp * ep} rank "
-                                    f"directories, the checkpoint has {ranks}")
-    if ep > 1 and not args.get("num_experts"):
-        raise CheckpointFormatError(f"{where}: expert_model_parallel_size={ep} without num_experts")
     etp = None if args.get("expert_tensor_parallel_size") is None else \
         _int_arg(args, "expert_tensor_parallel_size", where)
-    if args.get("num_experts") and etp is not None and etp != tp:
-        raise CheckpointFormatError(
-            f"{where}: expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}; "
-            "experts split over their own tp are not supported yet")
+    etp = None if not args.get("num_experts") or etp == tp else etp  # None: the experts split over tp
+    if (etp or tp) * pp * ep > max(1, ranks) or tp * pp > max(1, ranks):
+        shown = f"tp({tp}) * pp({pp}) * ep({ep}) = {tp * pp * ep}" if etp is None else \
+            f"pp({pp}) * ep({ep}) = {pp * ep} (expert_tensor_parallel_size={etp})"
+        raise CheckpointFormatError(f"{where}: args say {shown} rank directories, the checkpoint has {ranks}")
+    if ep > 1 and not args.get("num_experts"):
+        raise CheckpointFormatError(f"{where}: expert_model_parallel_size={ep} without num_experts")
     if cp > 1:
         raise CheckpointFormatError(f"{where}: context_parallel_size={cp} is not supported yet")
     world = _int_arg(args, "world_size", where, 0, lo=0, hi=MAX_COUNT * ranks)
@@ -74,7 +72,7 @@ def _topology_from_args(args: Mapping[str, Any], where: str, ranks: int) -> Topo
         raise CheckpointFormatError(f"{where}: expert_model_parallel_size={ep} does not divide data_parallel_size={dp}")
     try:
         vpp, stages = _pipeline_from_args(args, pp, layers, where)
-        return Topology(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, stages=stages)
+        return Topology(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, stages=stages)
     except TopologyError as e:
         raise CheckpointFormatError(f"{where}: args give no valid pipeline: {e}") from None
 
@@ -202,7 +200,9 @@ def megatron_args(sizes: Mapping[str, int], topology: Topology, *, base: Mapping
     a.setdefault("vocab_size", int(sizes["vocab"]))
     if "transformer_pipeline_model_parallel_size" in a:
         a["transformer_pipeline_model_parallel_size"] = pp
-    if a.get("expert_tensor_parallel_size") is not None and a["expert_tensor_parallel_size"] == old_tp:
+    if topology.etp is not None:
+        a["expert_tensor_parallel_size"] = topology.etp
+    elif a.get("expert_tensor_parallel_size") is not None and a["expert_tensor_parallel_size"] in (old_tp, tp):
         a["expert_tensor_parallel_size"] = tp
     if "expert_model_parallel_size" in a or topology.ep > 1:
         a["expert_model_parallel_size"] = topology.ep

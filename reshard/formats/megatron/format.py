@@ -25,6 +25,7 @@ from reshard.formats.megatron.args import (
     _topology_from_args,
     megatron_args,
 )
+from reshard.formats.megatron.etp import check_etp, etp_ranks, restrict, whole_experts
 from reshard.formats.megatron.extra import _default_dtypes, _target_state
 from reshard.formats.megatron.files import (
     CHECKPOINT_VERSION,
@@ -61,6 +62,7 @@ from reshard.formats.megatron.state import KEY, MegatronState, carried_args, sta
 from reshard.formats.megatron.writer import _Writer
 from reshard.formats.specs import layout_spec, require_family, source_family
 from reshard.io.bounds import brief
+from reshard.io.location import as_path
 from reshard.models import moe_experts
 
 
@@ -70,7 +72,7 @@ class MegatronFormat:
     name = "megatron"
 
     def detect(self, path: Path) -> bool:
-        path = Path(path)
+        path = as_path(path)
         try:
             it_dir = _iteration_dir(path)[0]
         except CheckpointFormatError:  # a broken tracker beside iteration directories: open names what is wrong
@@ -109,7 +111,7 @@ class MegatronFormat:
           CheckpointFormatError: a missing, extra or inconsistent rank file, an unsupported
             feature, or a tensor no rule maps, naming the file and the key.
         """
-        path = Path(path)
+        path = as_path(path)
         it_dir, iteration, release = _iteration_dir(path)
         if (it_dir / "metadata.json").exists() or (it_dir / ".metadata").exists():
             raise CheckpointFormatError(
@@ -121,8 +123,9 @@ class MegatronFormat:
             raise CheckpointFormatError(f"{first_path}: no 'args', so the topology and model sizes are unknown")
         args = _namespace(first["args"], str(first_path))
         topo = _topology_from_args(args, str(first_path), sum(p.name.startswith("mp_rank_") for p in it_dir.iterdir()))
-        ranks = self._read_ranks(it_dir, topo, first_path, first, iteration)
         distopt = bool(args.get("use_distributed_optimizer"))
+        check_etp(topo, f"{first_path}: args", moe=bool(args.get("num_experts")), distopt=distopt)
+        ranks = self._read_ranks(it_dir, topo, first_path, first, iteration)
         if distopt:
             topo = replace(topo, zero=1)
         model_sizes = _sizes_from_args(args, sizes or {}, topo, str(first_path))
@@ -145,7 +148,8 @@ class MegatronFormat:
                     f"{first_path}: a mixture-of-experts model with tied embeddings; the {family.name} family is "
                     "untied: give a spec for this one")
             spec = spec_name(family, local=args.get("transformer_impl") == "local", distopt=distopt, ep=topo.ep,
-                             mtp=bool(args.get("mtp_num_layers")), experts=moe_experts.impl_from_args(args))
+                             mtp=bool(args.get("mtp_num_layers")), experts=moe_experts.impl_from_args(args),
+                             etp1=whole_experts(topo))
         if spec is None and _is_legacy(first):
             if tied or distopt:
                 raise CheckpointFormatError(
@@ -164,13 +168,14 @@ class MegatronFormat:
         model_sizes = check_sizes(model_sizes, f"{first_path}: args", counts={"layers": stored, "experts": stored})
         model_sizes["bucket_size"] = _bucket_size(args, topo) if distopt else 0
         # Weights first, so an unknown tensor is named before the optimizer's structure is judged.
-        layout = _resolve(spec_ast, topo, model_sizes, {"model": (PARAM,), "optim": (), "expert_optim": ()})
+        layout = restrict(_resolve(spec_ast, topo, model_sizes, {"model": (PARAM,), "optim": (), "expert_optim": ()}),
+                          topo)
         where = reader.map(layout)
         opt_states = reader.optimizer_states()
         if opt_states:
             states = {"model": (PARAM, *opt_states)} if not distopt else \
                 {"model": (PARAM,), "optim": opt_states, "expert_optim": opt_states}
-            layout = _resolve(spec_ast, topo, model_sizes, states)
+            layout = restrict(_resolve(spec_ast, topo, model_sizes, states), topo)
             where = reader.map(layout)
         state = reader.extra(args, layout)
         state.iteration, state.release = iteration, release
@@ -183,8 +188,7 @@ class MegatronFormat:
 
     def _read_ranks(self, it_dir: Path, topo: Topology, first_path: Path, first: dict,
                     iteration: int | None) -> dict[tuple[int, int, int], _Rank]:
-        expected = {_rank_dir_name(t, p, topo.pp, e, topo.ep): (t, p, e)
-                    for t in range(topo.tp) for p in range(topo.pp) for e in range(topo.ep)}
+        expected = {_rank_dir_name(t, p, topo.pp, e, topo.ep): (t, p, e) for t, p, e in etp_ranks(topo)}
         found = {p.name for p in it_dir.iterdir() if p.name.startswith("mp_rank_") and p.is_dir()}
         missing = sorted(n for n in expected if not (it_dir / n / MODEL_FILE).is_file())
         if missing:
@@ -192,7 +196,8 @@ class MegatronFormat:
                 f"{it_dir}: missing rank file {missing[0]}/{MODEL_FILE}"
                 f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; args say "
                 f"tensor_model_parallel_size={topo.tp}, pipeline_model_parallel_size={topo.pp}"
-                f"{f', expert_model_parallel_size={topo.ep}' if topo.ep > 1 else ''}")
+                f"{f', expert_model_parallel_size={topo.ep}' if topo.ep > 1 else ''}"
+                f"{f', expert_tensor_parallel_size={topo.etp}' if whole_experts(topo) else ''}")
         extra = sorted(found - set(expected))
         if extra:
             raise CheckpointFormatError(
@@ -291,8 +296,14 @@ class MegatronFormat:
             raise CheckpointFormatError(f"the {family.name} family is untied; tied embeddings need a spec of their own")
         legacy = meg and is_legacy(source.spec_name) and spec is None
         local = meg and is_local(source.spec_name)
+        if topology.etp is None and moe and meg and source.topology.etp == 1:  # the source's etp=1 carries on
+            topology = replace(topology, etp=1)
+        if topology.etp == topology.tp or (topology.etp is not None and not moe):
+            topology = replace(topology, etp=None if topology.etp == topology.tp else topology.etp)
+        check_etp(topology, f"topology {topology}", moe=moe, distopt=topology.zero == 1)
         name = spec or spec_name(family, tied=tied, distopt=topology.zero == 1, ep=topology.ep, local=local,
-                                 legacy=legacy, mtp=sizes.get("hf_layers", 0) > sizes.get("layers", 0))
+                                 legacy=legacy, mtp=sizes.get("hf_layers", 0) > sizes.get("layers", 0),
+                                 etp1=whole_experts(topology))
         spec_ast = layout_spec(name)
         distopt = _has_flat(spec_ast)
         per_ep = _per_ep(spec_ast)
@@ -340,7 +351,7 @@ class MegatronFormat:
             if vocab_pad not in ("zero", "last"):
                 raise CheckpointFormatError(f"vocab_pad '{vocab_pad}': expected zero or last")
             spec_ast = _with_vocab_pad(spec_ast, vocab_pad)
-        layout = _resolve(spec_ast, topology, sizes, states)
+        layout = restrict(_resolve(spec_ast, topology, sizes, states), topology)
         unit_axes = ("tp", "pp", "ep") if per_ep else ("tp", "pp")
         bad = next((it for it in layout.items if it.section not in ("model", *_FLAT_NAMES)
                     or tuple(a for a, _ in it.unit) != unit_axes), None)

@@ -64,6 +64,7 @@ from reshard.formats.megatron.identity import agreed_family, read_carried
 from reshard.formats.megatron.torch_dist import METADATA_JSON, _args_of, _parallel, _tied
 from reshard.formats.specs import layout_spec
 from reshard.io.dcp_metadata import METADATA_NAME, DcpMetadata, read_metadata
+from reshard.io.location import as_path
 from reshard.io.torch_read import read_torch_file
 
 __all__ = ["FORMAT", "McoreFsdpFormat", "megatron_name"]
@@ -103,7 +104,7 @@ class McoreFsdpFormat:
     name = "mcore-fsdp"
 
     def detect(self, path: Path) -> bool:
-        path = Path(path)
+        path = as_path(path)
         if not (path / METADATA_NAME).is_file() or (path / METADATA_JSON).exists():
             return False
         try:
@@ -121,7 +122,7 @@ class McoreFsdpFormat:
             nowhere, chunks that overlap or leave a gap, or a chunk its archive disagrees with; each naming
             the key.
         """
-        path = Path(path)
+        path = as_path(path)
         md = read_metadata(path)
         args = _args_of({"args": _entry(path, md, "args")})
         carried, config_path = read_carried(path, path.parent)

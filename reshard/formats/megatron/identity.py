@@ -20,6 +20,7 @@ from reshard.errors import CheckpointFormatError
 from reshard.formats.base import ModelMeta, Source
 from reshard.formats.identity import CONFIG_NAME, read_identity
 from reshard.io.bounds import brief
+from reshard.io.location import as_path
 from reshard.models import FAMILIES, Family, family_for_megatron_args, known_family, megatron_family_of_config
 
 __all__ = ["agreed_family", "args_shown", "carried_identity", "read_carried", "unknown_model"]
@@ -27,7 +28,7 @@ __all__ = ["agreed_family", "args_shown", "carried_identity", "read_carried", "u
 
 def read_carried(*dirs: Path) -> tuple[ModelMeta, Path | None]:
     """The identity in the first of ``dirs`` holding a ``config.json``, and that file (None when none has one)."""
-    where = next((Path(d) / CONFIG_NAME for d in dirs if (Path(d) / CONFIG_NAME).is_file()), None)
+    where = next((as_path(d) / CONFIG_NAME for d in dirs if (as_path(d) / CONFIG_NAME).is_file()), None)
     return read_identity(*dirs), where
 
 

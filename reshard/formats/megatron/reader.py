@@ -19,6 +19,7 @@ from reshard.core.layout import MASTER, PARAM, Item, Layout
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import Located, expect_int
+from reshard.formats.megatron.etp import holds_dense_buffers, whole_experts
 from reshard.formats.megatron.files import DISTOPT_FILE, _buffer_key, _buffer_state, _chunks, _flat_items, _Rank
 from reshard.formats.megatron.param_groups import _assign_groups
 from reshard.formats.megatron.small import _capture, _contiguous_offset, _dtype_name, _is_tensor, _small
@@ -212,10 +213,11 @@ class _Reader:
             raise CheckpointFormatError(
                 f"{path}: a list of {len(d)} optimizer states (a ChainedOptimizer); only the dense + expert pair of "
                 "a mixture-of-experts model is supported")
-        if d[1] is None or (d[0] is None) != (r.ep > 0):
+        dense = holds_dense_buffers(self.topo, r.ep)
+        if d[1] is None or (d[0] is None) == dense:
             raise CheckpointFormatError(
                 f"{path}: holds {['dense' if d[0] is not None else None, 'expert' if d[1] is not None else None]}; "
-                f"expert-parallel rank {r.ep}'s file holds {'the expert' if r.ep else 'the dense and the expert'} "
+                f"expert-parallel rank {r.ep}'s file holds {'the dense and the expert' if dense else 'the expert'} "
                 "optimizer's buffers")
         self.chained = True
         names = self._buffers(r, d[1], "expert_optim")
@@ -309,7 +311,7 @@ class _Reader:
                         shown = f"[{chunk}][{_dtype_pair_text(self.buffer_dtypes)}]['{name}']"
                         if self.chained:
                             shown = f"[{0 if key == 'optim' else 1}]{shown}"
-                        place(key, rk, chunk, state, f"{_FLAT_NAMES[key]}.{state}", ref, Path(r.distopt_path or ""),
+                        place(key, rk, chunk, state, f"{_FLAT_NAMES[key]}.{state}", ref, r.distopt_path or Path(),
                               shown)
                 else:
                     for state, ref in states.items():
@@ -319,7 +321,8 @@ class _Reader:
         for it in layout.items:  # the dense buffers of ep ranks > 0: replicas of ep rank 0's, stored there only
             u = dict(it.unit)
             if it.section == "optim" and u.get("ep", 0) > 0 and self.chained and it not in where:
-                twin = replace(it, unit=tuple((a, 0 if a == "ep" else c) for a, c in it.unit))
+                holder = u["tp"] if whole_experts(self.topo) else 0  # the ep rank whose file holds them
+                twin = replace(it, unit=tuple((a, holder if a == "ep" else c) for a, c in it.unit))
                 if twin in where:
                     where[it] = where[twin]
         missing = [it for it, info in layout.items.items() if info.mapped and it not in where]

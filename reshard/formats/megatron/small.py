@@ -13,12 +13,12 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import itemsize
 from reshard.io.bounds import brief
+from reshard.io.location import read_at
 from reshard.io.torch_types import SmallTensor
 from reshard.io.torchfile import Opaque, TensorRef, TorchDtype, map_tensors
 
@@ -44,9 +44,7 @@ def _small(ref: Any, where: str) -> SmallTensor:
     if nbytes > SMALL_TENSOR_LIMIT:
         raise CheckpointFormatError(f"{where}: a {nbytes}-byte tensor where small state was expected")
     offset = _contiguous_offset(ref, where)
-    with Path(ref.path).open("rb") as f:
-        f.seek(offset)
-        data = f.read(nbytes)
+    data = read_at(ref.path, offset, nbytes)
     if len(data) != nbytes:
         raise CheckpointFormatError(f"{where}: file ends before the tensor's {nbytes} bytes")
     return SmallTensor(dtype, shape, data)

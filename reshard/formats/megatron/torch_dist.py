@@ -122,6 +122,7 @@ from reshard.formats.megatron.state import TORCH_DIST_KEY, TorchDistState, carri
 from reshard.formats.specs import family_of, layout_spec, require_family
 from reshard.io.bounds import brief
 from reshard.io.dcp_metadata import DcpChunk, read_metadata
+from reshard.io.location import as_path
 from reshard.io.torch_read import read_torch_file
 from reshard.models import Family, llama
 
@@ -138,7 +139,7 @@ class McoreDistFormat:
     name = "mcore-dist"
 
     def detect(self, path: Path) -> bool:
-        meta = Path(path) / METADATA_JSON
+        meta = as_path(path) / METADATA_JSON
         if not meta.is_file():
             return False
         try:
@@ -165,7 +166,7 @@ class McoreDistFormat:
             format, bucket sizes that differ from the layout's (``dist_optim.bucket_space``),
             or model-space ranges off the weights' chunk grid (``model_space``).
         """
-        path = Path(path)
+        path = as_path(path)
         backend = _read_json(path / METADATA_JSON).get("sharded_backend")
         if backend != "torch_dist":
             raise CheckpointFormatError(f"{path / METADATA_JSON}: sharded_backend is {brief(backend)}; reshard reads "

@@ -19,6 +19,7 @@ from reshard.core.layout import MASTER, PARAM, Item
 from reshard.errors import CheckpointFormatError
 from reshard.execution.session import WriteSession
 from reshard.formats.base import Fill, Target
+from reshard.formats.megatron.etp import etp_ranks, holds_dense_buffers
 from reshard.formats.megatron.files import DISTOPT_FILE, MODEL_FILE, TRACKER, _buffer_key, _nested, _rank_dir_name
 from reshard.formats.megatron.param_groups import _assign_groups
 from reshard.formats.megatron.small import _map_small
@@ -54,17 +55,15 @@ class _Writer:
         it_dir = "release" if release else f"iter_{int(x.iteration or 0):07d}"
         distopt = x.optimizer.kind is OptimizerKind.DISTRIBUTED
         written: list[Path] = []
-        for p in range(self.topo.pp):
-            for e in range(self.topo.ep):
-                for t in range(self.topo.tp):
-                    rel = Path(it_dir) / _rank_dir_name(t, p, self.topo.pp, e, self.topo.ep)
-                    (self.out / rel).mkdir(parents=True, exist_ok=True)
-                    if self.only is None or rel / MODEL_FILE in self.only:
-                        self._file(self.out / rel / MODEL_FILE, self._model_tree(t, p, e))
-                        written.append(rel / MODEL_FILE)
-                    if distopt and (self.only is None or rel / DISTOPT_FILE in self.only):
-                        self._file(self.out / rel / DISTOPT_FILE, self._distopt_tree(t, p, e))
-                        written.append(rel / DISTOPT_FILE)
+        for t, p, e in etp_ranks(self.topo):  # every (tp, pp, ep), or those Megatron saves at etp != tp
+            rel = Path(it_dir) / _rank_dir_name(t, p, self.topo.pp, e, self.topo.ep)
+            (self.out / rel).mkdir(parents=True, exist_ok=True)
+            if self.only is None or rel / MODEL_FILE in self.only:
+                self._file(self.out / rel / MODEL_FILE, self._model_tree(t, p, e))
+                written.append(rel / MODEL_FILE)
+            if distopt and (self.only is None or rel / DISTOPT_FILE in self.only):
+                self._file(self.out / rel / DISTOPT_FILE, self._distopt_tree(t, p, e))
+                written.append(rel / DISTOPT_FILE)
         if not self.only:  # the tracker: by a full write, or the call with only=() after parallel workers
             (self.out / TRACKER).write_text("release" if release else str(int(x.iteration or 0)))
             written.append(Path(TRACKER))
@@ -192,7 +191,7 @@ class _Writer:
         sources: dict[int, Any] = {}
         if self.x.optimizer.expert_param_groups is None:
             return self._buffers_tree("optim", t, p, e, sources), sources
-        dense = self._buffers_tree("optim", t, p, e, sources) if e == 0 else None
+        dense = self._buffers_tree("optim", t, p, e, sources) if holds_dense_buffers(self.topo, e) else None
         return [dense, self._buffers_tree("expert_optim", t, p, e, sources)], sources
 
     def _buffers_tree(self, section: str, t: int, p: int, e: int, sources: dict[int, Any]) -> dict:

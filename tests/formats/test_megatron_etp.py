@@ -1,0 +1,78 @@
+"""Expert tensor parallelism other than tp (``--expert-tensor-parallel-size 1`` at tp=2) in Megatron's torch
+format, against real megatron-core runs (``mcore_moe_jobs`` with ``etp``)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import require
+
+import reshard
+from reshard.errors import CheckpointFormatError
+
+
+@pytest.mark.interop
+def test_real_megatron_core_at_etp1_tp2_ep2_converts_to_hf_and_tp1_and_back_and_loads_in_megatron_core(tmp_path):
+    """megatron-core at tp=2, ep=2, etp=1 (world 4) saves mp_rank_00_000 and mp_rank_01_001 only, each with its
+    dense tp shard and its ep rank's experts whole -> Hugging Face: every expert equal to the run's -> tp=1, ep=1
+    and back at etp=1: the same rank files, args recording etp=1, which megatron-core built at tp=2, ep=2, etp=1
+    loads strictly, every rank's weights equal to the saving run's (the vocabulary's pad rows zeros)."""
+    require("megatron.core")
+    import torch
+    from safetensors.torch import load_file
+
+    import mcore_moe_jobs as jobs
+
+    S, f = jobs.SIZES, jobs.SIZES["f"]
+    jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=2, pp=1, ep=2, dp=2, etp=1)
+    it = f"iter_{jobs.ITERATION:07d}"
+    assert sorted(p.name for p in (tmp_path / "src" / it).iterdir()) == ["mp_rank_00_000", "mp_rank_01_001"]
+    src = reshard.open_checkpoint(tmp_path / "src")
+    assert src.spec_name == "megatron-mixtral-local-etp1" and str(src.topology) == "tp=2,pp=1,dp=2,ep=2,etp=1"
+    dumps = [torch.load(tmp_path / "dump-src" / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    reshard.convert(tmp_path / "src", tmp_path / "hf", format="hf")
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    seen = set()
+    for d in dumps:
+        for name, value in d["params"].items():
+            if ".local_experts." not in name:
+                continue
+            i, j = int(name.split(".")[2]), int(name.split("local_experts.")[1].split(".")[0])
+            at = f"model.layers.{i}.block_sparse_moe.experts.{d['coords']['ep'] * 2 + j}."
+            if ".linear_fc1." in name:  # whole: the gate rows, then the up rows
+                assert torch.equal(hf[at + "w1.weight"], value[:f]) and torch.equal(hf[at + "w3.weight"], value[f:])
+            else:
+                assert torch.equal(hf[at + "w2.weight"], value), name
+            seen.add(at)
+    assert len(seen) == S["layers"] * S["experts"]
+    reshard.convert(tmp_path / "src", tmp_path / "one", to="tp=1,pp=1,dp=1,ep=1")
+    assert reshard.open_checkpoint(tmp_path / "one").spec_name == "megatron-mixtral-local"
+    reshard.convert(tmp_path / "one", tmp_path / "back", to="tp=2,pp=1,dp=2,ep=2,etp=1")
+    assert sorted(p.name for p in (tmp_path / "back" / it).iterdir()) == ["mp_rank_00_000", "mp_rank_01_001"]
+    back = torch.load(tmp_path / "back" / it / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=False)
+    assert (back["args"].expert_tensor_parallel_size, back["args"].tensor_model_parallel_size) == (1, 2)
+    result = reshard.verify(tmp_path / "src", tmp_path / "back")
+    assert result and result.compared > 0, result.differences
+    jobs.load(tmp_path / "back", tmp_path / "dump-back", tp=2, pp=1, ep=2, dp=2, etp=1)
+    for r, want in enumerate(dumps):
+        got = torch.load(tmp_path / "dump-back" / f"rank{r}.pt", weights_only=False)
+        assert got["coords"] == want["coords"] and got["params"].keys() == want["params"].keys()
+        for name, value in want["params"].items():
+            have = got["params"][name]
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight") and want["coords"]["tp"] == 1:
+                real = S["vocab"] - value.shape[0]  # tp rank 1's rows inside the vocabulary; the rest pad it
+                assert not have[real:].any()
+                have, value = have[:real], value[:real]
+            assert torch.equal(have, value), (r, name)
+
+
+def test_expert_tensor_parallelism_the_torch_format_cannot_hold_is_refused_naming_the_args(tmp_path):
+    """etp=2 at tp=4 (neither 1 nor tp), and etp=1 with ep not a multiple of tp (Megatron would save no rank file
+    for some tp ranks' dense weights), are refused before anything is written."""
+    from reshard.fixtures import make_fixture
+
+    make_fixture(tmp_path / "a", to="tp=1,dp=4,ep=2", model="tiny-mixtral")
+    with pytest.raises(CheckpointFormatError, match=r"expert_tensor_parallel_size=2 with tensor_model_parallel_size=4"):
+        reshard.convert(tmp_path / "a", tmp_path / "b", to="tp=4,dp=2,ep=2,etp=2")
+    with pytest.raises(CheckpointFormatError, match=r"expert_model_parallel_size=1 not a multiple of tensor_model"):
+        reshard.convert(tmp_path / "a", tmp_path / "c", to="tp=2,dp=2,ep=1,etp=1")
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
