@@ -35,31 +35,19 @@ def save(out: Path, dp: int) -> None:
 
 
 def _cpu_only(torch) -> None:
+    """``mcore_moe_jobs.cpu_only``, and Megatron-FSDP's CUDA streams and device meshes on the CPU."""
+    import mcore_moe_jobs
+
     class Stream:
         def __init__(self, *a, **k): ...
         def wait_stream(self, *a, **k): ...
         def synchronize(self): ...
 
+    mcore_moe_jobs.cpu_only(torch)
     torch.cuda.current_device = lambda: 0
     torch.cuda.Stream = Stream
     torch.cuda.stream = lambda s: contextlib.nullcontext()
     torch.cuda.current_stream = lambda *a, **k: Stream()
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    for name in ("tensor", "zeros", "ones", "empty", "full"):
-        make = getattr(torch, name)
-
-        def on_cpu(*a, _make=make, **k):
-            if str(k.get("device", "")).startswith("cuda"):
-                k["device"] = "cpu"
-            return _make(*a, **k)
-        setattr(torch, name, on_cpu)
-    type_of = torch.Tensor.type
-
-    def cuda_type(self, *a, **k):  # the optimizers check for torch.cuda.*Tensor
-        name = type_of(self, *a, **k)
-        return name.replace("torch.", "torch.cuda.", 1) if not a and not k and "cuda" not in name else name
-    torch.Tensor.type = cuda_type
     from torch.distributed.device_mesh import DeviceMesh
 
     from_group = DeviceMesh.from_group

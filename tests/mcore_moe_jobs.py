@@ -107,7 +107,8 @@ def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool, opts: dict = OPTION
     return args
 
 
-def _cpu_only(torch) -> None:
+def cpu_only(torch) -> None:
+    """megatron-core on the CPU: its calls to CUDA devices, tensors and type names answered by the CPU's."""
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
     for name in ("tensor", "zeros", "ones", "empty", "full"):
@@ -131,7 +132,7 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
           paths: list[str]) -> None:
     import torch
 
-    _cpu_only(torch)
+    cpu_only(torch)
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -340,8 +341,12 @@ def _step(ddp, optimizer) -> None:
 def _dump(path: Path, model, optimizer, coords: dict, torch) -> None:
     """Each parameter's value and, per optimizer state, ``(start, end, values)``: the range of the flattened
     parameter this rank's optimizer holds (all of it, or its distributed optimizer shard)."""
-    names = {p: n for n, p in model.named_parameters()}
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dump_named(path, {p: n for n, p in model.named_parameters()}, optimizer, coords, torch)
+
+
+def dump_named(path: Path, names: dict, optimizer, coords: dict, torch) -> None:
+    """``_dump`` of the parameters ``names`` names (param -> name: a model's, or several model chunks')."""
+    params = {n: p.detach().clone() for p, n in names.items()}
     states: dict[str, dict] = {}
     for o in optimizer.chained_optimizers:
         if not hasattr(o, "model_param_gbuf_map"):  # the plain optimizer: whole parameters

@@ -12,7 +12,7 @@ so only chunk 0 of pp rank 0 has several buckets), one ``get_megatron_optimizer`
 optimizer's ``dp_reshardable`` state); ``load`` reads CKPT with ``dist_checkpointing.load`` (``mcore_moe_jobs``'
 way), then, with ``resave`` set, saves what it loaded to ``DUMP/resaved`` as ``save`` would. Both dump each
 rank's parameters and optimizer shards under their global layer names (``DUMP/rank{r}.pt``, as
-``mcore_moe_jobs._dump`` lays them out), step once more and dump again (``DUMP/next/``).
+``mcore_moe_jobs.dump_named`` lays them out), step once more and dump again (``DUMP/next/``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, pp: int, vpp: int, opts: dict, port: int, actio
 
     import mcore_moe_jobs as moe
 
-    moe._cpu_only(torch)
+    moe.cpu_only(torch)
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -103,9 +103,9 @@ def _rank(rank: int, world: int, pp: int, vpp: int, opts: dict, port: int, actio
         _load(Path(paths[0]), chunks, optimizer, metadata)
         if opts["resave"]:
             _save(Path(paths[1]) / "resaved", chunks, optimizer, args, metadata)
-    _dump(Path(paths[1]) / f"rank{rank}.pt", names, optimizer, coords, torch)
+    moe.dump_named(Path(paths[1]) / f"rank{rank}.pt", names, optimizer, coords, torch)
     _step(ddps, optimizer)
-    _dump(Path(paths[1]) / "next" / f"rank{rank}.pt", names, optimizer, coords, torch)
+    moe.dump_named(Path(paths[1]) / "next" / f"rank{rank}.pt", names, optimizer, coords, torch)
     dist.barrier()
     exit_now()
 
@@ -158,23 +158,6 @@ def _step(ddps, optimizer) -> None:
             p.main_grad.copy_(p.detach() * 0.5 + 0.01)
     ok, _, _ = optimizer.step()
     assert ok
-
-
-def _dump(path: Path, names: dict, optimizer, coords: dict, torch) -> None:
-    """``mcore_moe_jobs._dump``'s file: each parameter's value and this dp rank's optimizer shard of it."""
-    params = {n: p.detach().clone() for p, n in names.items()}
-    states: dict[str, dict] = {}
-    for o in optimizer.chained_optimizers:
-        for p in o.model_param_gbuf_map:
-            try:
-                r = o._get_model_param_range_map(p)["param"]
-            except KeyError:
-                continue
-            t = o._get_main_param_and_optimizer_states(p)
-            states[names[p]] = {k: (r.start, r.end, v.detach().flatten().clone()) if v.dim() else (0, 0, v.clone())
-                                for k, v in t.items() if k in ("param", "exp_avg", "exp_avg_sq", "step")}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"coords": coords, "params": params, "states": states}, path)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,18 @@ def test_a_bucket_count_the_layout_does_not_give_is_refused_naming_the_expert_bu
         reshard.open_checkpoint(tmp_path / "dist")
 
 
+def assert_same_but_padding(got: dict, want: dict, then: str) -> None:
+    """Every (name, state) of ``want`` equal in ``got`` but the vocabulary's padding rows, which reshard writes as
+    zeros where the run kept what its optimizer made of them."""
+    rows = S["vocab"] * S["h"]
+    assert got.keys() == want.keys(), then
+    for (name, state), value in want.items():
+        have = got[(name, state)]
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight") and state != "step":
+            have, value = have[:rows], value[:rows]
+        assert have.dtype == value.dtype and torch.equal(have, value), (then, name, state)
+
+
 @pytest.mark.interop
 def test_real_mixtral_dp_reshardable_at_ep2_converts_and_resumes_in_megatron_core_at_ep1_and_back(tmp_path):
     """megatron-core trains a Mixtral-style model one step at ep 2, dp 2 (bf16, fp32 main params, buckets of
@@ -113,15 +125,8 @@ def test_real_mixtral_dp_reshardable_at_ep2_converts_and_resumes_in_megatron_cor
             assert _object(tmp_path / "same", ours, key) == _object(ckpt, real, key), key
 
     def resumed(dump: str, ep: int, dp: int) -> None:
-        rows = S["vocab"] * S["h"]  # the vocabulary's padding rows: zeros from reshard, not the run's
         for now, then in (("dump", dump), ("dump/next", f"{dump}/next")):
-            got = collect(tmp_path / then, 1, ep, S)
-            assert got.keys() == want[now].keys(), then
-            for (name, state), value in want[now].items():
-                have = got[(name, state)]
-                if name in ("embedding.word_embeddings.weight", "output_layer.weight") and state != "step":
-                    have, value = have[:rows], value[:rows]
-                assert have.dtype == value.dtype and torch.equal(have, value), (then, name, state)
+            assert_same_but_padding(collect(tmp_path / then, 1, ep, S), want[now], then)
 
     reshard.convert(ckpt, tmp_path / "meg", format="megatron", to="tp=1,pp=1,dp=1,ep=1,zero=1",
                     spec="megatron-mixtral-local-distopt-torch")

@@ -229,6 +229,19 @@ def gathered(dump_dir, pp: int, sizes: dict, gated: bool = True) -> dict[tuple[s
     return out
 
 
+def assert_resumed(root, run: str, resumed: str, pp: int = 1) -> None:
+    """What a run held (dump ``run``) and what megatron-core resumed from reshard's conversion of its checkpoint
+    held (dump ``resumed``, at ``pp`` stages) are equal, every weight, main param, Adam moment and step, and so are
+    the two next steps' (``next``)."""
+    import mcore_moe_jobs as jobs
+
+    for now, then in ((run, resumed), (f"{run}/next", f"{resumed}/next")):
+        have, wanted = gathered(root / then, pp, jobs.SIZES), gathered(root / now, 1, jobs.SIZES)
+        assert have.keys() == wanted.keys()
+        for key, value in wanted.items():
+            assert have[key].dtype == value.dtype and torch.equal(have[key], value), (then, key)
+
+
 def hf_of(weights: dict[str, torch.Tensor], sizes: dict) -> dict[str, torch.Tensor]:
     """Hugging Face Llama tensors from megatron-core's (local layers) whole weights, de-fused here by hand."""
     g, qpg, hd, h = sizes["g"], sizes["heads"] // sizes["g"], sizes["hd"], sizes["h"]
@@ -276,20 +289,12 @@ def test_real_megatron_core_dp_reshardable_checkpoint_resumes_in_megatron_core_a
     reshard.convert(ckpt, tmp_path / "out", format="megatron", to=f"tp={t_tp},pp={t_pp},dp={t_dp},zero=1",
                     spec="megatron-llama-local-distopt-torch")  # the run's layers: megatron-core's local ones
     jobs.load(tmp_path / "out", tmp_path / "dump-out", tp=t_tp, pp=t_pp, ep=1, dp=t_dp, distopt=True, **run)
-    for now, then in (("dump-src", "dump-out"), ("dump-src/next", "dump-out/next")):
-        have, wanted = gathered(tmp_path / then, t_pp, sizes), gathered(tmp_path / now, 1, sizes)
-        assert have.keys() == wanted.keys()
-        for key, value in wanted.items():
-            assert have[key].dtype == value.dtype and torch.equal(have[key], value), (then, key)
+    assert_resumed(tmp_path, "dump-src", "dump-out", t_pp)
     if tp == 1:  # -> torch_dist at tp 2, dp 1 (dp_reshardable), loaded by megatron-core's dist_checkpointing.load
         reshard.convert(ckpt, tmp_path / "dist", format="mcore-dist", to="tp=2,dp=1,zero=1")
         jobs.load(tmp_path / "dist", tmp_path / "dump-dist", tp=2, pp=1, ep=1, dp=1, distopt=True, bucket_size=4000,
                   torch_dist=True, **run)
-        for now, then in (("dump-src", "dump-dist"), ("dump-src/next", "dump-dist/next")):
-            have, wanted = gathered(tmp_path / then, 1, sizes), gathered(tmp_path / now, 1, sizes)
-            assert have.keys() == wanted.keys()
-            for key, value in wanted.items():
-                assert have[key].dtype == value.dtype and torch.equal(have[key], value), (then, key)
+        assert_resumed(tmp_path, "dump-src", "dump-dist")
     reshard.convert(ckpt, tmp_path / "hf", format="hf")
     hf = {}
     for f in (tmp_path / "hf").glob("*.safetensors"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import require
-from test_mcore_dist_optim import gathered, hf_of
+from test_mcore_dist_optim import assert_resumed, gathered, hf_of
 
 import reshard
 from reshard.errors import CheckpointFormatError
@@ -88,11 +88,7 @@ def test_real_dp_zero_gather_scatter_state_converts_to_hf_and_to_dp_reshardable_
     assert sharding_type({}, read_metadata(tmp_path / "dist")) == "dp_reshardable"
     jobs.load(tmp_path / "dist", tmp_path / "dump-dist", tp=2, pp=1, ep=1, dp=1, distopt=True, bucket_size=4000,
               torch_dist=True, **run)
-    for now, then in (("dump", "dump-dist"), ("dump/next", "dump-dist/next")):
-        have, wanted = gathered(tmp_path / then, 1, jobs.SIZES), gathered(tmp_path / now, 1, jobs.SIZES)
-        assert have.keys() == wanted.keys()
-        for key, value in wanted.items():
-            assert have[key].dtype == value.dtype and torch.equal(have[key], value), (then, key)
+    assert_resumed(tmp_path, "dump", "dump-dist")
     reshard.convert(ckpt, tmp_path / "hf", format="hf")
     hf = {}
     for f in (tmp_path / "hf").glob("*.safetensors"):
@@ -129,11 +125,7 @@ def test_real_fully_sharded_bucket_space_state_of_megatron_core_0_14_decodes_per
     reshard.convert(ckpt, tmp_path / "dist", format="mcore-dist", to="tp=2,dp=1,zero=1")
     jobs.load(tmp_path / "dist", tmp_path / "dump-dist", tp=2, pp=1, ep=1, dp=1, distopt=True, bucket_size=4000,
               torch_dist=True, **run)
-    for now, then in (("dump", "dump-dist"), ("dump/next", "dump-dist/next")):
-        have, wanted = gathered(tmp_path / then, 1, jobs.SIZES), gathered(tmp_path / now, 1, jobs.SIZES)
-        assert have.keys() == wanted.keys()
-        for key, value in wanted.items():
-            assert have[key].dtype == value.dtype and torch.equal(have[key], value), (then, key)
+    assert_resumed(tmp_path, "dump", "dump-dist")
     common = torch.load(ckpt / "common.pt", weights_only=False)
     common["content_metadata"]["distrib_optim_sharding_type"] = "dp_reshardable"  # the shapes say otherwise
     torch.save(common, ckpt / "common.pt")

@@ -51,7 +51,6 @@ from reshard.core.layout import (
     chunk_fragments,
     with_state_alias,
 )
-from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import MAX_COUNT, Located, Progress, Source, Target, check_sizes, expect_step, given_sizes
@@ -61,7 +60,7 @@ from reshard.formats.megatron.args import _sizes_from_args
 from reshard.formats.megatron.dist_moe import is_grouped, is_local
 from reshard.formats.megatron.dist_moe import spec_name as _spec_name
 from reshard.formats.megatron.identity import agreed_family, read_carried
-from reshard.formats.megatron.torch_dist import METADATA_JSON, _args_of, _parallel, _tied
+from reshard.formats.megatron.torch_dist import METADATA_JSON, _args_of, _parallel, _tied, whole_tensors
 from reshard.formats.specs import layout_spec
 from reshard.io.dcp_metadata import METADATA_NAME, DcpMetadata, read_metadata
 from reshard.io.location import as_path
@@ -148,11 +147,7 @@ class McoreFsdpFormat:
                                            is_grouped(args))
             spec_ast = layout_spec(spec_name)
             model_sizes, topology = _sizes(path, md, named, args, family, carried, config_path, sizes)
-        whole = resolve(spec_ast, Topology(), model_sizes)
-        by_key = {it.key: it for it in whole.items}
-        frags_of: dict[Item, list[Fragment]] = {}
-        for f in whole.fragments:
-            frags_of.setdefault(f.item, []).append(f)
+        whole, by_key, frags_of = whole_tensors(spec_ast, model_sizes)
         items: dict[Item, ItemInfo] = {}
         fragments: list[Fragment] = []
         where: dict[Item, Located] = {}

@@ -190,11 +190,7 @@ class McoreDistFormat:
             from_config = with_mtp(from_config, md.tensors)
             model_sizes, topology = _sizes(path, common, md, {**from_config, **dict(sizes or {})},
                                            (family or family_of(spec_name) or llama.FAMILY).sizes)
-        whole = resolve(spec_ast, Topology(), model_sizes)
-        by_key = {it.key: it for it in whole.items}
-        frags_of: dict[Item, list[Fragment]] = {}
-        for f in whole.fragments:
-            frags_of.setdefault(f.item, []).append(f)
+        whole, by_key, frags_of = whole_tensors(spec_ast, model_sizes)
         items: dict[Item, ItemInfo] = {}
         fragments: list[Fragment] = []
         where: dict[Item, Located] = {}
@@ -436,6 +432,16 @@ class McoreDistFormat:
         # may have written it already; writing it again is harmless, listing it twice is not).
         identity = [p for p in write_identity(out, target.model) if p not in written]
         return [*written, Path(COMMON), Path(METADATA_JSON), *identity]
+
+
+def whole_tensors(spec_ast, sizes: Mapping[str, int]) -> tuple[Layout, dict[str, Item], dict[Item, list[Fragment]]]:
+    """The torch_dist layout's global tensors (the spec at the trivial topology): the layout, each item by its
+    key, and each item's fragments."""
+    whole = resolve(spec_ast, Topology(), dict(sizes))
+    frags_of: dict[Item, list[Fragment]] = {}
+    for f in whole.fragments:
+        frags_of.setdefault(f.item, []).append(f)
+    return whole, {it.key: it for it in whole.items}, frags_of
 
 
 def _tied(family: Family | None, args: Mapping[str, Any] | None, config: Any) -> bool:
