@@ -88,7 +88,7 @@ def _bytes(n: int) -> str:
 @_user_errors
 def convert(
     src: Annotated[str, typer.Argument(help="source checkpoint directory, or an fsspec URL (s3://..., "
-                                        "hf and dcp)")],
+                                        "read with range requests)")],
     dst: Annotated[str, typer.Argument(help="destination directory (must not exist, or be empty), or an fsspec URL "
                                         "(s3://...: assembled in TMPDIR, then uploaded in parts, the manifest last)")],
     to: TopologyOpt = None,
@@ -153,7 +153,7 @@ def convert(
 @_user_errors
 def plan_cmd(
     src: Annotated[str, typer.Argument(help="source checkpoint directory, or an fsspec URL (s3://..., "
-                                        "hf and dcp)")],
+                                        "read with range requests)")],
     to: TopologyOpt = None,
     format: FormatOpt = None,
     spec: SpecOpt = None,

@@ -91,8 +91,8 @@ def convert(
     continues (with any number of workers).
 
     Args:
-      src: a checkpoint directory in any supported format, or an fsspec URL (``s3://bucket/ckpt``) of an hf or
-        dcp one, read with range requests.
+      src: a checkpoint directory in any supported format, or an fsspec URL (``s3://bucket/ckpt``) of one,
+        read with range requests.
       dst: the directory to create; must not exist, or be empty. An fsspec URL (``s3://bucket/ckpt``) too: the
         checkpoint is assembled in a local temporary directory (``TMPDIR``: it needs the space of the output),
         then each file is uploaded in parts (S3: a multipart upload of 64 MiB parts), the manifest last, and the
