@@ -7,7 +7,8 @@ Megatron at tp=2,pp=2 with the distributed optimizer (``distrib_optim.pt``), or
 measures, each in a fresh interpreter:
 
 - ``cp -r`` of the source on the same disk (the same bytes read and written);
-- ``reshard convert`` to tp=1,pp=4 (DeepSpeed: dp=4) with ``--workers 1`` and ``--workers 2``;
+- ``reshard convert`` to tp=1,pp=4 (DeepSpeed: dp=4) with each of ``--workers`` (default 1, 2, 4 and 8: the
+  curve, each point against ``cp -r``);
 - ``reshard.load`` of rank 3 of 8 at tp=2,pp=2,dp=2 (DeepSpeed: dp=8), what a rank of a
   resized job reads;
 - with ``--rss-scale S``, one more conversion of a checkpoint S times as large, for peak
@@ -20,7 +21,7 @@ conversion, the rank's share for a load), and bytes written (``/proc/self/io``)
 over the output's size.
 
     python bench/convert_memory.py [--source megatron|deepspeed] [--scale 1.0] [--repeat 3] [--rss-scale 2]
-                                   [--keep DIR] [--tiny]
+                                   [--workers 1,2,4,8] [--keep DIR] [--tiny]
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ def main() -> None:
     ap.add_argument("--rss-scale", type=float, help="also convert a checkpoint this many times as large")
     ap.add_argument("--keep", type=Path, help="write under this directory and keep the files")
     ap.add_argument("--tiny", action="store_true", help="a checkpoint of a few MiB (a smoke test)")
+    ap.add_argument("--workers", default="1,2,4,8", help="the worker counts to convert with (comma-separated)")
     args = ap.parse_args()
+    counts = [int(w) for w in args.workers.split(",")]
     source_topo, target, (load_topo, load_rank) = CASES[args.source]
     base = args.keep or Path(tempfile.mkdtemp(prefix="reshard-bench-", dir=os.environ.get("TMPDIR")))
     src, dst, copy = base / "src", base / "dst", base / "copy"
@@ -114,7 +117,7 @@ def main() -> None:
         generate(src, sizes_for(args.scale, args.tiny), args.source)
         size = dir_size(src)
         cp_runs: list[tuple[float, int]] = []
-        conv: dict[int, list[tuple[float, float, dict]]] = {1: [], 2: []}
+        conv: dict[int, list[tuple[float, float, dict]]] = {w: [] for w in counts}
         loads: list[tuple[float, float, dict]] = []
         for _ in range(args.repeat):
             shutil.rmtree(copy, ignore_errors=True)
@@ -123,7 +126,7 @@ def main() -> None:
             subprocess.run(["cp", "-r", str(src), str(copy)], check=True)
             os.sync()
             cp_runs.append((time.perf_counter() - t0, dir_size(copy)))
-            for workers in (1, 2):
+            for workers in counts:
                 conv[workers].append(convert(src, dst, workers, target))
             loads.append(child(
                 "import json, reshard\n"
@@ -149,15 +152,15 @@ def main() -> None:
         print(f"| reshard.load rank {load_rank} of 8 ({load_topo}) | {seconds:.1f} | {seconds / cp_seconds:.2f} | "
               f"{max(r[1] for r in loads):.2f} | {f['read'] / 2**30:.2f} | {f['read'] / f['share']:.2f} | |")
         print(f"\nmedians of {args.repeat} rounds (cp -r: {', '.join(f'{t:.1f}' for t, _ in cp_runs)} s; "
-              f"--workers 1: {', '.join(f'{r[0]:.1f}' for r in conv[1])} s); peak RSS is the largest seen, with "
-              "--workers 2 the main process plus 2 x the largest worker's peak (an upper bound); "
+              f"--workers {counts[0]}: {', '.join(f'{r[0]:.1f}' for r in conv[counts[0]])} s); peak RSS is the largest "
+              "seen, with N workers the main process plus N x the largest worker's peak (an upper bound); "
               f"the load's needed bytes are its share, {f['share'] / 2**30:.2f} GiB")
         if args.rss_scale:
             big = base / f"src-x{args.rss_scale:g}"
             generate(big, sizes_for(args.scale * args.rss_scale, args.tiny), args.source)
-            seconds, rss, _ = convert(big, dst, 1, target)
+            seconds, rss, _ = convert(big, dst, counts[0], target)
             print(f"\npeak RSS at a second size: {dir_size(big) / 2**30:.2f} GiB converted in {seconds:.1f} s at "
-                  f"{rss:.2f} GiB peak (--workers 1), against {max(r[1] for r in conv[1]):.2f} GiB at "
+                  f"{rss:.2f} GiB peak (--workers {counts[0]}), against {max(r[1] for r in conv[counts[0]]):.2f} GiB at "
                   f"{size / 2**30:.2f} GiB")
             shutil.rmtree(big, ignore_errors=True)
     finally:

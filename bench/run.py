@@ -1,8 +1,9 @@
 """Every benchmark in one run, each printing its markdown table.
 
 - ``convert_memory.py``, twice: a Megatron checkpoint with the distributed optimizer, tp=2,pp=2 ->
-  tp=1,pp=4, and a DeepSpeed ZeRO-2 one, dp=2 -> dp=4, against ``cp -r``, with ``--workers 1``
-  and ``2``, and ``reshard.load`` of one rank of eight; peak RSS at two sizes (Megatron);
+  tp=1,pp=4, and a DeepSpeed ZeRO-2 one, dp=2 -> dp=4, against ``cp -r``, with ``--workers`` 1, 2, 4
+  and 8 (the curve; 1 and 2 with ``--tiny``), and ``reshard.load`` of one rank of eight; peak RSS at two
+  sizes (Megatron);
 - ``deepspeed_universal.py``: DeepSpeed ZeRO-2 dp=2 -> dp=4 against ``ds_to_universal``
   (where deepspeed is installed);
 - ``dcp_load.py``: one rank's share of a PyTorch DCP checkpoint, ``reshard.load`` against
@@ -44,9 +45,10 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small checkpoints, one round: a smoke test")
     args = ap.parse_args()
     small = ["--tiny", "--repeat", "1"] if args.tiny else []
+    curve = ["--workers", "1,2"] if args.tiny else []  # the whole curve (1, 2, 4, 8) on real sizes
     steps: list[tuple[str, list[str]]] = [
-        ("Megatron conversion", ["convert_memory.py", *small, *([] if args.tiny else ["--rss-scale", "2"])]),
-        ("DeepSpeed conversion", ["convert_memory.py", "--source", "deepspeed", *small]),
+        ("Megatron conversion", ["convert_memory.py", *small, *curve, *([] if args.tiny else ["--rss-scale", "2"])]),
+        ("DeepSpeed conversion", ["convert_memory.py", "--source", "deepspeed", *small, *curve]),
         ("Planning a 405B-shaped checkpoint", ["plan_405b.py", "--validate"]),
         ("Models no family describes", ["any_model.py", *(["--tiny"] if args.tiny else [])]),
         ("A mixture of experts at ep=8 under a memory budget", ["moe_memory.py", *(["--tiny"] if args.tiny else [])]),
