@@ -76,6 +76,10 @@ class _Resolver(Captures):
         self.item_frags: dict[Item, list[Fragment]] = {}
         # per source unit and chunk: its params (one per key) and their element counts
         self.flat_params: dict[str, tuple[list[Item], list[int]]] = {}
+        # per flat rule and source unit: the params it keeps and their element counts, and where the flat layout
+        # places them in the world buffer (``terms.flat_layout``'s cache); every rank of the split axis shares both
+        self.flat_chosen: dict[tuple[int, str], tuple[list[Item], list[int]]] = {}
+        self.flat_places: dict[tuple[int, str], object] = {}
         # items holding a blob's bytes: flat buffers hold tensors, not bytes
         self.blob_items: set[Item] = set()
 
@@ -516,15 +520,19 @@ class _Resolver(Captures):
             for it in ordered:
                 first_state.setdefault(it.key, it)
             self.flat_params[order_key] = (list(first_state.values()), [self.items[p].numel for p in first_state.values()])
-        params, numels = self.flat_params[order_key]
-        chosen = [k for k, p in enumerate(params) if _selected(p.key, fl.ops)]
-        if len(chosen) < len(params):
-            params, numels = [params[k] for k in chosen], [numels[k] for k in chosen]
+        chosen_key = (id(fl), order_key)
+        if chosen_key not in self.flat_chosen:
+            params, numels = self.flat_params[order_key]
+            chosen = [k for k, p in enumerate(params) if _selected(p.key, fl.ops)]
+            if len(chosen) < len(params):
+                params, numels = [params[k] for k in chosen], [numels[k] for k in chosen]
+            self.flat_chosen[chosen_key] = (params, numels)
+        params, numels = self.flat_chosen[chosen_key]
         blob = next((p for p in params if p in self.blob_items), None)
         if blob is not None:
             raise self.err(f"flat buffer {fl.pattern.text} would take blob '{blob.key}' of section '{fl.source}' as a param; "
                            "flat buffers hold tensors only (give blobs a section of their own, or 'except' them)", fl.pos)
-        buckets = flat_layout(fl, numels, coords, self)
+        buckets = flat_layout(fl, numels, coords, self, self.flat_places, chosen_key)
         caps = {c.name for c in fl.pattern.captures}
         unknown = caps - {"state", "bucket"}
         if unknown:

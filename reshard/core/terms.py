@@ -8,6 +8,7 @@ The resolver (``reshard.core.resolve``) combines the dims' pieces into fragments
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass
@@ -146,13 +147,75 @@ def eval_term(term: S.Term, ctx: Ctx, r: _Resolver) -> tuple[int, list[_Piece]]:
     return hi - lo, out
 
 
-def flat_layout(fl: S.Flat, numels: list[int], coords: dict[str, int], r: _Resolver) -> list[tuple[int, list[tuple[int, int, int, int]]]]:
+def flat_layout(fl: S.Flat, numels: list[int], coords: dict[str, int], r: _Resolver, cache: dict | None = None,
+                key: object = None) -> list[tuple[int, list[tuple[int, int, int, int]]]]:
     """Where each param's elements sit in this rank's flat buffer(s).
 
     Returns, per output buffer (bucket), its local length and the pieces
     ``(param index, param flat start, param flat end, local offset)``; every
-    number is in elements.
+    number is in elements. ``cache[key]`` keeps the placement in the world
+    buffer (the same for every rank of the split axis), so a rank's share costs
+    the params it holds, not all of them.
     """
+    if cache is not None and key in cache:
+        opts, buckets = cache[key]
+    else:
+        opts, buckets = _place_flat(fl, numels, r)
+        if cache is not None:
+            cache[key] = (opts, buckets)
+    split, coalesce, pad = opts
+    if isinstance(buckets, tuple):  # perparam: (pad, order)
+        return _perparam_share(buckets, numels, r.topo.degree(split) if split else 1, coords[split] if split else 0)
+    d = r.topo.degree(split) if split else 1
+    c = coords[split] if split else 0
+    out = []
+    coalesced_at = 0
+    for b_start, b_end, mem, ends in buckets:
+        padded = -(-(b_end - b_start) // pad) * pad
+        if padded % d:
+            raise r.err(f"bucket of {padded} elements is not divisible by {split}({d}); pad it to a multiple ('| pad N')", fl.pos)
+        share = padded // d
+        w0, w1 = b_start + c * share, b_start + (c + 1) * share
+        pieces = []
+        for p, s, e in mem[bisect.bisect_right(ends, w0):]:  # members are in place order; skip those ending by w0
+            if s >= w1:
+                break
+            lo, hi = max(s, w0), min(e, w1)
+            if hi > lo:
+                local = (lo - w0) if not coalesce else (lo - b_start + coalesced_at)
+                pieces.append((p, lo - s, hi - s, local))
+        if coalesce:
+            if split:
+                raise r.err("'coalesce' joins whole buckets; it cannot be combined with 'split'", fl.pos)
+            out.append((b_end - b_start, pieces))
+            coalesced_at += b_end - b_start
+        else:
+            out.append((share, pieces))
+    if coalesce:
+        total = sum(n for n, _ in out)
+        return [(total, [pc for _, pcs in out for pc in pcs])]
+    return out
+
+
+def _perparam_share(placed: tuple, numels: list[int], d: int, c: int) -> list[tuple[int, list[tuple[int, int, int, int]]]]:
+    """``perparam``: each param padded to a multiple of ``pad * d`` and split on its own; rank ``c``'s pieces."""
+    pad, order = placed
+    local = 0
+    pieces = []
+    for p in order:
+        n = numels[p]
+        share = -(-n // (pad * d)) * pad if pad > 1 else -(-n // d)
+        lo, hi = min(n, c * share), min(n, (c + 1) * share)
+        if hi > lo:
+            pieces.append((p, lo, hi, local))
+        local += share
+    return [(local, pieces)]
+
+
+def _place_flat(fl: S.Flat, numels: list[int], r: _Resolver) -> tuple[tuple, object]:
+    """The flat rule's options (split axis, coalesce, pad) and its params' places in the world buffer, before the
+    split: per bucket ``(start, unpadded end, members (param, start, end), the members' ends)``; for ``perparam``,
+    ``(pad, order)``."""
     order = list(range(len(numels)))
     align = 1
     bucket_size = 0
@@ -181,19 +244,9 @@ def flat_layout(fl: S.Flat, numels: list[int], coords: dict[str, int], r: _Resol
         raise r.err(f"buckets takes a number >= 0 (0: one bucket), got {bucket_size}", fl.pos)
     if perparam and (align > 1 or bucket_size or coalesce):
         raise r.err("'perparam' pads and splits each param on its own; it cannot be combined with align, buckets or coalesce", fl.pos)
-    d = r.topo.degree(split) if split else 1
-    c = coords[split] if split else 0
+    opts = (split, coalesce, pad)
     if perparam:
-        local = 0
-        pieces = []
-        for p in order:
-            n = numels[p]
-            share = -(-n // (pad * d)) * pad if pad > 1 else -(-n // d)
-            lo, hi = min(n, c * share), min(n, (c + 1) * share)
-            if hi > lo:
-                pieces.append((p, lo, hi, local))
-            local += share
-        return [(local, pieces)]
+        return opts, (pad, order)
     # Place params into buckets of the world buffer (before the dp split).
     buckets: list[tuple[int, int, list[tuple[int, int, int]]]] = []  # (start, unpadded end, [(param, start, end)])
     start = 0
@@ -209,28 +262,4 @@ def flat_layout(fl: S.Flat, numels: list[int], coords: dict[str, int], r: _Resol
             members = []
     if members or not buckets:
         buckets.append((start, pos, members))
-    out = []
-    coalesced_at = 0
-    for b_start, b_end, mem in buckets:
-        padded = -(-(b_end - b_start) // pad) * pad
-        if padded % d:
-            raise r.err(f"bucket of {padded} elements is not divisible by {split}({d}); pad it to a multiple ('| pad N')", fl.pos)
-        share = padded // d
-        w0, w1 = b_start + c * share, b_start + (c + 1) * share
-        pieces = []
-        for p, s, e in mem:
-            lo, hi = max(s, w0), min(e, w1)
-            if hi > lo:
-                local = (lo - w0) if not coalesce else (lo - b_start + coalesced_at)
-                pieces.append((p, lo - s, hi - s, local))
-        if coalesce:
-            if split:
-                raise r.err("'coalesce' joins whole buckets; it cannot be combined with 'split'", fl.pos)
-            out.append((b_end - b_start, pieces))
-            coalesced_at += b_end - b_start
-        else:
-            out.append((share, pieces))
-    if coalesce:
-        total = sum(n for n, _ in out)
-        return [(total, [pc for _, pcs in out for pc in pcs])]
-    return out
+    return opts, [(b0, b1, mem, [e for _, _, e in mem]) for b0, b1, mem in buckets]
