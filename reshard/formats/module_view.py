@@ -45,7 +45,9 @@ def module_layout(family: Family, sizes: dict[str, int], where: object) -> Layou
 def view_layout(layout: Layout, family: Family, sizes: dict[str, int], where: object) -> Layout | None:
     """``layout`` in ``family``'s logical tensors where it holds tensors of the family's module that no file holds
     (fused ones); None where it holds none."""
-    if not family.module_names():
+    fused_names = family.module_names()
+    fused_tensors = [t for t in family.module_tensors(tied=False) if t.name in fused_names]
+    if not any(family.names(n, fused_tensors) for n in layout.tensors):  # no resolve for a checkpoint without them
         return None
     whole = module_layout(family, sizes, where)
     fused = {it.key for it in whole.items} - set(whole.tensors)

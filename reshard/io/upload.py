@@ -42,12 +42,13 @@ def upload_tree(local: Path, dst: UrlPath, *, last: str, part_size: int = PART_S
     if part_size < MIN_PART:
         raise CheckpointFormatError(f"{dst}: an upload part of {part_size} bytes is below the {MIN_PART} bytes "
                                     "object storage takes")
-    files = sorted((p for p in local.rglob("*") if p.is_file()), key=lambda p: (p.name == last, str(p)))
+    files = sorted((p for p in local.rglob("*") if p.is_file()),
+                   key=lambda p: (p.relative_to(local).as_posix() == last, str(p)))
     sizes: dict[str, int] = {}
     for path in files:
         rel = path.relative_to(local).as_posix()
         remote = dst / rel
-        if path.name == last:
+        if rel == last:
             for done, size in sizes.items():
                 _check_size(dst / done, size)
         try:

@@ -149,10 +149,11 @@ class Family:
         lines += [f"logical {p.name} as {p.alias} = {p.dims}" for t in self.stored(tied) for p in t.parts or (t,)]
         return "\n".join(lines) + "\n"
 
-    def names(self, name: str) -> bool:
-        """Whether ``name`` is one of the family's tensor names (any layer, any expert; tied or not)."""
+    def names(self, name: str, tensors: Collection[Tensor] | None = None) -> bool:
+        """Whether ``name`` is one of the family's tensor names (any layer, any expert; tied or not), or of
+        ``tensors`` where given."""
         return any(re.fullmatch(re.sub(r"\\\{[A-Za-z_]+\\\}", "[0-9]+", re.escape(t.name)), name)
-                   for t in self.tensors)
+                   for t in (self.tensors if tensors is None else tensors))
 
     def by_registration(self, tied: bool) -> list[Tensor]:
         stored = {t.alias: t for t in self.stored(tied)}

@@ -249,8 +249,9 @@ def family_spec(source: Source, spec_name: str, topology: Topology):
     """The family's DCP layout ``spec_name``, plus at tp = 1 the source's tensors it does not name (a value head, an
     MTP layer's embedding copy), each chunked over dp under its own name as ``fully_shard`` shards any parameter."""
     text = spec_text(spec_name)
-    named = resolve(parse_spec(text, spec_name), Topology(), source.sizes).tensors
-    extras = [t for t in recorded_of(source.layout) if t.name not in named]
+    family = family_of(spec_name)
+    logical = [p for t in family.tensors for p in t.parts or (t,)] if family is not None else []
+    extras = [t for t in recorded_of(source.layout) if family is not None and not family.names(t.name, logical)]
     if not extras or topology.tp > 1:
         return parse_spec(text, spec_name)
     rules = [f"{_MODEL_KEY}{t.name} -> {t.name} = " + (" ".join((t.axes[0] + "/dp:chunk", *t.axes[1:])) if t.shape
