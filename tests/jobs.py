@@ -12,14 +12,29 @@ def run_job(cmd: list[str], env: dict[str, str], timeout: float = 600) -> tuple[
     """Run a multi-process job in its own session; whatever it leaves behind (helper processes that
     outlive their rank) is killed with it, and output goes to a file so no leftover can hold a pipe.
 
-    A job whose rank died of a signal (gloo on CPU has crashed in teardown, rarely) runs once more;
-    the retry is reported in the output. Any other failure is returned as it is.
+    A job whose rank died of a signal (gloo on CPU has crashed in teardown, rarely) runs once more, and so
+    does one whose rendezvous port another process took between its choice and its use (EADDRINUSE), on
+    fresh ports (every ``*_PORT`` of ``env``); the retry is reported in the output. Any other failure is
+    returned as it is.
     """
     code, output = _run_once(cmd, env, timeout)
     if code and re.search(r"terminated with signal (SIGSEGV|SIGABRT|SIGBUS)|Signal (6|11) \(SIG", output):
         again, more = _run_once(cmd, env, timeout)
         return again, f"{output}\n--- a rank died of a signal; ran the job again ---\n{more}"
+    if code and "EADDRINUSE" in output:
+        env = {**env, **{k: str(free_port()) for k in env if k.endswith("_PORT")}}
+        again, more = _run_once(cmd, env, timeout)
+        return again, f"{output}\n--- its port was taken; ran the job again on another ---\n{more}"
     return code, output
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that no one listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _run_once(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
