@@ -17,6 +17,7 @@ Importable (no side effects) and runnable as a script; the test suite calls
   and its loss is added (``loss_after_step``).
 - ``load_model``: as ``load`` with the model alone, of the transformers model whose ``config.json`` is in the
   directory ``RESHARD_DCP_HF`` names (``fully_shard`` per decoder layer then the root), with no step after it.
+- ``save`` and ``load`` with ``hf`` given: of that model (FSDP2 only), freshly built from its config.
 """
 
 from __future__ import annotations
@@ -51,14 +52,19 @@ def _run(args: list[str], world: int, **extra: str) -> None:
         raise RuntimeError(f"dcp job {args} failed ({code}):\n{err[-4000:]}")
 
 
-def save(out: Path, mode: str, world: int, *, dp: int | None = None, steps: int = 2) -> None:
-    """A real checkpoint at ``out`` written by ``world`` ranks (``2d``: ``dp`` x ``world // dp``)."""
-    _run(["save", str(out), mode, str(dp or 0), str(steps)], world)
+def save(out: Path, mode: str, world: int, *, dp: int | None = None, steps: int = 2, hf: Path | None = None) -> None:
+    """A real checkpoint at ``out`` written by ``world`` ranks (``2d``: ``dp`` x ``world // dp``), of the model
+    whose config.json is in ``hf`` where given."""
+    _run(["save", str(out), mode, str(dp or 0), str(steps)], world, **_hf(hf))
 
 
-def load(ckpt: Path, mode: str, world: int, dump: Path, *, dp: int | None = None) -> None:
+def load(ckpt: Path, mode: str, world: int, dump: Path, *, dp: int | None = None, hf: Path | None = None) -> None:
     """Real ``dcp.load`` of ``ckpt`` at this mesh; full tensors (and one step's loss) to ``dump``."""
-    _run(["load", str(ckpt), mode, str(dp or 0), str(dump)], world)
+    _run(["load", str(ckpt), mode, str(dp or 0), str(dump)], world, **_hf(hf))
+
+
+def _hf(hf: Path | None) -> dict[str, str]:
+    return {"RESHARD_DCP_HF": str(hf)} if hf is not None else {}
 
 
 def flatten(tree: object, prefix: str = "") -> dict:
@@ -118,17 +124,23 @@ def _parallelize(model, mode: str, world: int, dp: int):
         for layer in model.model.layers:
             parallelize_module(layer, tp_mesh, plan)
     if fsdp_mesh is not None:
-        for layer in model.model.layers:
+        for layer in _layers(model):
             fully_shard(layer, mesh=fsdp_mesh)
         fully_shard(model, mesh=fsdp_mesh)
     return model
+
+
+def _layers(model):
+    """A transformers causal LM's decoder layers: ``model.layers`` (Llama and most), ``transformer.h`` (GPT-2)."""
+    base = model.model if hasattr(model, "model") else model.transformer
+    return base.layers if hasattr(base, "layers") else base.h
 
 
 def _step(model, opt, step: int) -> float:
     import torch
 
     gen = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 16), generator=gen)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen)
     loss = model(tokens, labels=tokens).loss
     loss.backward()
     opt.step()

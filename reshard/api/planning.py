@@ -22,7 +22,7 @@ from reshard.errors import PlanError, ReshardError
 from reshard.execution.executor import destination_dtypes
 from reshard.formats import detect_format, get_format
 from reshard.formats.base import Source, Target
-from reshard.formats.module_view import view_layout, view_source
+from reshard.formats.module_view import module_tied, view_layout, view_source
 from reshard.formats.specs import source_family
 from reshard.io.location import UrlPath, as_path
 
@@ -59,7 +59,8 @@ def _target(source: Source, to: str | Topology | None, format: str | None, spec:
                         **({"dist_optim": dist_optim} if dist_optim else {}))
     if source.module_names and (family := source_family(source)) is not None:
         # A target laid out from the source's own records (DeepSpeed's param_shapes) names the module's tensors.
-        target.layout = view_layout(target.layout, family, target.sizes, source.path) or target.layout
+        tied = module_tied(family, source.model.config)
+        target.layout = view_layout(target.layout, family, target.sizes, source.path, tied) or target.layout
     if max_shard_size is not None:
         if target.format != "hf":
             raise ReshardError(f"max_shard_size applies to the hf format (safetensors shards), not {target.format}")

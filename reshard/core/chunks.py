@@ -85,10 +85,13 @@ def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[l
 
 
 def _place(fr: Fragment, shape: tuple[int, ...], whole: Layout, global_of) -> tuple:
-    """(global key, its leading stacked index, translation from the rank's tensor into the global one)."""
-    gf = next(g for g in global_of[(fr.tensor, fr.state)]
-              if all(go <= o and o + n <= go + gn for o, n, go, gn
-                     in zip(fr.box.offsets, fr.box.lengths, g.box.offsets, g.box.lengths)))
+    """(global key, its leading stacked index, translation from the rank's tensor into the global one). Where the
+    tensor is in several global ones (a tied output projection, a copy of the embedding), the one of the rank item's
+    own key."""
+    held = [g for g in global_of[(fr.tensor, fr.state)]
+            if all(go <= o and o + n <= go + gn for o, n, go, gn
+                   in zip(fr.box.offsets, fr.box.lengths, g.box.offsets, g.box.lengths))]
+    gf = next((g for g in held if g.item.key == fr.item.key), held[0])
     gshape = whole.items[gf.item].shape
     flat = gf.offset + sum((o - go) * st for o, go, st in zip(fr.box.offsets, gf.box.offsets, gf.strides))
     pos_g, pos_r = _unravel(flat, gshape), _unravel(fr.offset, shape)

@@ -23,9 +23,11 @@ The rules, per format:
   pipeline engine (``PipelineModule`` of [embedding, decoder layers, norm, head]: params named
   ``<layer index>.<name in the layer>``, tensor-parallel splits of the family's plan).
 - ``dcp``: FSDP2 (``fully_shard``) over dp and the family's DTensor tensor-parallel plan over tp
-  (``ColwiseParallel`` splits dim 0, ``RowwiseParallel`` dim 1): dim 0 of every tensor of the module's state
-  dict (``Family.module_tensors``) chunked over dp with ``torch.chunk`` sizes, after tp where tp splits it too
-  (``_StridedShard``); the persistent buffers whole (section ``buffers``).
+  (``ColwiseParallel`` splits the output features, ``RowwiseParallel`` the input ones): dim 0 of every tensor of
+  the module's state dict (``Family.module_tensors``, as the module holds it: GPT-2's Conv1D weights ``[in, out]``)
+  chunked over dp with ``torch.chunk`` sizes, after tp where tp splits it too (``_StridedShard``); the persistent
+  buffers whole (section ``buffers``); a tied model's output projection, ``lm_head.weight``, a copy of the
+  embedding with no optimizer state of its own (section ``tied``; option ``tied`` where the family may tie).
 - ``megatron`` (Megatron-core, torch format): the family's Megatron names and fusions, and with
   ``distopt`` the distributed optimizer's buffers: params (not the family's persistent buffers) in reverse
   registration order, each at a multiple of 64 elements, closed into buckets, padded for dp; ``-torch`` as
@@ -57,7 +59,7 @@ from reshard.models.family import Tensor
 from reshard.models.catalog import load_spec
 from reshard.models.config import hf_config
 
-__all__ = ["BUFFERS", "FORMAT_RULES", "TIED_HEAD", "layout_spec", "require_family", "spec_names", "spec_text", "tied_head"]
+__all__ = ["BUFFERS", "FORMAT_RULES", "TIED", "TIED_HEAD", "layout_spec", "require_family", "spec_names", "spec_text", "tied_embedding", "tied_head"]
 
 STATES = "states master exp_avg exp_avg_sq"
 DISTOPT = "reverse | align 64 | buckets bucket_size"
@@ -122,23 +124,24 @@ TIED_HEAD = "lm_head.weight"
 """The module key of a Hugging Face causal LM's output projection (transformers' ``_tied_weights_keys``)."""
 
 
-def tied_head(family: Family) -> tuple[str, Tensor] | None:
-    """The output projection a Hugging Face model of an always-tied family holds besides its embedding, which
-    Hugging Face never stores: (its module key, the embedding it is: the model's first registered parameter,
-    ``get_input_embeddings()``). None for a family whose output projection is stored, or only tied by its config."""
-    if family.can_tie or not family.tied_default:
-        return None
-    return TIED_HEAD, family.by_registration(tied=True)[0]
+def tied_head(family: Family, tied: bool | None = None) -> tuple[str, Tensor] | None:
+    """The output projection a Hugging Face model holds besides its embedding when ``tied`` (by default: where the
+    family always ties it), which Hugging Face never stores: (its module key, the embedding it is: the model's
+    first registered parameter, ``get_input_embeddings()``). None for an untied model."""
+    embed = tied_embedding(family, family.tied_default and not family.can_tie if tied is None else tied)
+    return (TIED_HEAD, embed) if embed is not None else None
 
 
 def deepspeed(family: Family, options: tuple[str, ...]) -> str:
-    variant = _one_of(options, ("hf-trainer", "zero3"), family, "deepspeed")
-    tensors = family.module_tensors(tied=False)
+    _only(options, ("hf-trainer", "zero3", *(["tied"] if family.can_tie else [])), family, "deepspeed")
+    variant = _one_of(tuple(o for o in options if o != "tied"), ("hf-trainer", "zero3"), family, "deepspeed")
+    tied = _flag(options, "tied", family)
+    tensors = family.module_tensors(tied)
 
     def held(t: Tensor, name: str | None = None) -> str:  # as the model holds it: as Hugging Face stores it
         return f"{name or _layer_local(t.name)}{t.ref} = {t.hf_dims or t.dims}"
 
-    lines = [family.logical_text(tied=False), "section model per tp pp"]
+    lines = [family.logical_text(tied), "section model per tp pp"]
     if variant == "hf-trainer":
         lines += [held(t) for t in tensors if t.decay]
         lines += ["", "section nodecay per tp pp"]
@@ -151,7 +154,7 @@ def deepspeed(family: Family, options: tuple[str, ...]) -> str:
                  "flat optimizer.{state} = model | pad 2*dp | split dp"]
     if buffers := _buffers(family):  # ZeRO-3: whole in every rank's model file
         lines += ["", f"section {BUFFERS} per tp pp" + " dp" * (variant == "zero3"), *(held(t) for t in buffers)]
-    tie = tied_head(family)
+    tie = tied_head(family, tied)
     if tie is not None and variant != "zero3":  # ZeRO-3 keeps a placeholder of it, no tensor
         lines += ["", "section module per tp pp", held(tie[1], tie[0])]
     lines += ["", f"section optim per tp pp dp {STATES}", *flats]
@@ -185,25 +188,52 @@ def deepspeed_pipe(family: Family, options: tuple[str, ...]) -> str:
 
 # --- dcp ---------------------------------------------------------------------------------------------
 
-def dcp(family: Family, options: tuple[str, ...]) -> str:
-    _one_of(options, (), family, "dcp")
-    def rule(t: Tensor, dp: str) -> str:
-        dims = _with(t.dims, t.tp, "/tp") if t.tp is not None else t.dims
-        return f"model.{t.name}{t.ref} = {_with(dims, 0, dp) if dp else dims}"
+TIED = "tied"
+"""The section of a family's DCP layout that holds a tied output projection (``lm_head.weight``): the module's
+state dict holds it beside the embedding it is (FSDP2's ``get_state_dict`` keeps both keys; the optimizer's state is
+the embedding's alone), so that ``dcp.load`` of that state dict finds it."""
 
-    lines = [family.logical_text(tied=False), "section model per dp tp"]
-    lines += [rule(t, "/dp:chunk") for t in family.module_tensors(tied=False)]
+
+def _held(t: Tensor) -> tuple[str, int | None]:
+    """A tensor as transformers' module holds it: its dims there (``hf_dims`` where set) and the one of them its
+    tensor-parallel plan splits (the logical dim ``tp`` names, wherever the module holds it)."""
+    if not t.hf_dims or t.tp is None:
+        return t.hf_dims or t.dims, t.tp
+    return t.hf_dims, _split_dims(t.hf_dims).index(_split_dims(t.dims)[t.tp])
+
+
+def dcp(family: Family, options: tuple[str, ...]) -> str:
+    _one_of(options, ("tied",) if family.can_tie else (), family, "dcp")
+    tied = _flag(options, "tied", family)
+
+    def rule(t: Tensor, dp: str, name: str | None = None) -> str:
+        dims, split = _held(t)
+        dims = _with(dims, split, "/tp") if split is not None else dims
+        return f"model.{name or t.name}{t.ref} = {_with(dims, 0, dp) if dp else dims}"
+
+    lines = [family.logical_text(tied), "section model per dp tp"]
+    lines += [rule(t, "/dp:chunk") for t in family.module_tensors(tied)]
     if buffers := _buffers(family):  # FSDP2 shards parameters only: a buffer is whole on every rank, and no master
         lines += ["", f"section {BUFFERS} per dp tp", *(rule(t, "") for t in buffers)]
+    if embed := tied_embedding(family, tied):
+        lines += ["", f"section {TIED} per dp tp", rule(embed, "/dp:chunk", TIED_HEAD)]
     return "\n".join(lines) + "\n"
+
+
+def tied_embedding(family: Family, tied: bool) -> Tensor | None:
+    """The embedding a tied model's output projection is (its first registered parameter); None untied."""
+    return family.by_registration(tied=True)[0] if tied and (family.can_tie or family.tied_default) else None
 
 
 def module_text(family: Family, tied: bool) -> str:
     """transformers' module of the family as one unsharded layout: every tensor of its state dict whole under its
-    name (``Family.module_tensors``, then its persistent buffers). What a checkpoint of a module's state dict is
-    seen through (``reshard.formats.module_view``)."""
+    name (``Family.module_tensors``, then its persistent buffers, then a tied output projection: the embedding under
+    ``lm_head.weight``), as the module holds it. What a checkpoint of a module's state dict is seen through
+    (``reshard.formats.module_view``)."""
+    head = tied_embedding(family, tied)
     return "\n".join([family.logical_text(tied), "section model",
-                      *(f"{t.name}{t.ref} = {t.hf_dims or t.dims}" for t in _state_dict(family, tied))]) + "\n"
+                      *(f"{t.name}{t.ref} = {t.hf_dims or t.dims}" for t in _state_dict(family, tied)),
+                      *([f"{TIED_HEAD}{head.ref} = {head.hf_dims or head.dims}"] if head else [])]) + "\n"
 
 
 def _state_dict(family: Family, tied: bool) -> list[Tensor]:

@@ -37,7 +37,8 @@ class Tensor:
     dims: str
     """Its dims in the spec language, in the orientation of the logical tensor (``(g qpg hd) h``)."""
     hf_dims: str | None = None
-    """How Hugging Face stores it when that differs (GPT-2's Conv1D weights are stored transposed)."""
+    """How Hugging Face stores it, as transformers' module holds it, when that differs (GPT-2's Conv1D weights are
+    ``[in, out]``)."""
     tp: int | None = None
     """The dim a tensor-parallel plan splits (``COLWISE``, ``ROWWISE``), or None: replicated."""
     decay: bool = True
@@ -172,3 +173,8 @@ class Family:
 
         logical = {pattern(p.name) for t in self.tensors for p in t.parts or (t,)}
         return frozenset(t.name for t in self.module_tensors(tied=False) if pattern(t.name) not in logical)
+
+    def module_turned(self) -> tuple[Tensor, ...]:
+        """The module's tensors it holds in other dims than the logical ones, under their names: GPT-2's Conv1D
+        weights, ``[in, out]`` (``hf_dims``: the files store them as the module holds them)."""
+        return tuple(t for t in self.module_tensors(tied=False) if t.hf_dims and t.hf_dims != t.dims)

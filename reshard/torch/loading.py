@@ -46,35 +46,42 @@ class LoadReport:
 
 @dataclass(frozen=True, slots=True)
 class _Module:
-    """The tensors of a family's transformers module that its files do not hold (``reshard.formats.module_view``):
-    a model key of them is loaded from the logical tensors it fuses."""
+    """The tensors of a family's transformers module that its files do not hold, or hold in other dims
+    (``reshard.formats.module_view``): a model key of them is loaded from the logical tensors it holds."""
 
     whole: Layout
     """The module, unsharded (``module_layout``)."""
     parts: Mapping[str, frozenset[str]]
     """Each such key -> the logical tensors it holds."""
+    turned: frozenset[str] = frozenset()
+    """The keys of them that are a logical tensor's own name, held in other dims (GPT-2's Conv1D weights)."""
 
     @classmethod
     def of(cls, source: Source) -> _Module:
         family = source_family(source)
-        if family is None or not family.module_names():
+        if family is None or not (family.module_names() or family.module_turned()):
             return cls(whole=Layout(topology=source.topology, tensors={}, items={}, fragments=()), parts={})
         whole = module_layout(family, source.sizes, source.path)
-        fused = {it.key for it in whole.items} - set(whole.tensors)
+        turned = {it.key for it in whole.items if family.names(it.key, family.module_turned())}
+        viewed = ({it.key for it in whole.items} - set(whole.tensors)) | turned
         parts: dict[str, set[str]] = {}
         for f in whole.fragments:
-            if f.item.key in fused:
+            if f.item.key in viewed:
                 parts.setdefault(f.item.key, set()).add(f.tensor)
-        return cls(whole=whole, parts={k: frozenset(v) for k, v in parts.items()})
+        return cls(whole=whole, parts={k: frozenset(v) for k, v in parts.items()}, turned=frozenset(turned))
+
+    def viewed(self, name: str, source: Source) -> bool:
+        """Whether model key ``name`` is loaded through the module's tensor of that name."""
+        return name in self.parts and (name not in source.layout.tensors or name in self.turned)
 
     def shape(self, name: str, source: Source) -> tuple[int, ...]:
-        if name in self.parts and name not in source.layout.tensors:
+        if self.viewed(name, source):
             return next(info.shape for it, info in self.whole.items.items() if it.key == name)
         return source.layout.tensors[name].shape
 
     def names(self, name: str, source: Source) -> frozenset[str]:
         """The checkpoint's tensors a model key of checkpoint name ``name`` is loaded from."""
-        return self.parts[name] if name in self.parts and name not in source.layout.tensors else frozenset((name,))
+        return self.parts[name] if self.viewed(name, source) else frozenset((name,))
 
 
 def load_into(model: Any, optimizer: Any, src: str | Path, *,
@@ -262,8 +269,8 @@ def _fill(source: Source, shards: list[Shard], locals_: Mapping, module: _Module
     import torch
 
     mine = rank_layout(shards)
-    fused = {s.tensor for s in shards if module.names(s.tensor, source) != {s.tensor}}
-    if fused:  # the module's fused tensors, seen as the logical tensors the checkpoint holds
+    fused = {s.tensor for s in shards if module.viewed(s.tensor, source)}
+    if fused:  # the module's fused and turned tensors, seen as the logical tensors the checkpoint holds
         mine = through(mine, module.whole, fused)
     src_layout, dst_layout = common_views(source.layout, mine)
     p = make_plan(src_layout, dst_layout)

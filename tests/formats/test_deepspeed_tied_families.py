@@ -22,21 +22,23 @@ from reshard.formats.specs import layout_spec, tied_head
 from reshard.models import get_family
 
 SIZES = {"h": 16, "heads": 4, "g": 2, "hd": 4, "f": 24, "vocab": 100, "layers": 2, "positions": 32}
-TIED = ["gemma", "gemma2", "gemma3_text", "gpt2"]
+TIED = ["gemma", "gemma2", "gemma3_text", "gpt2", "llama"]
+"""The families that always tie, and a Llama tied by its config (Llama 3.2)."""
 
 
 def save_hf(name: str, path) -> dict[str, np.ndarray]:
     """A Hugging Face checkpoint of the family (every tensor distinct, arange-valued) and its config.json."""
     family = get_family(name)
     sizes = {k: SIZES[k] for k in family.sizes}
-    layout = resolve(layout_spec(f"hf-{name}"), parse_topology("tp=1"), sizes)
+    layout = resolve(layout_spec(f"hf-{name}{'-tied' * family.can_tie}"), parse_topology("tp=1"), sizes)
     tensors, start = {}, 0
     for it, info in layout.items.items():
         tensors[it.key] = (np.arange(info.numel, dtype=np.float32) + start).reshape(info.shape) / 7
         start += info.numel
     path.mkdir()
     save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(family.config_from_sizes(sizes, ["float32"])))
+    config = family.config_from_sizes(sizes, ["float32"]) | {"tie_word_embeddings": True}
+    (path / "config.json").write_text(json.dumps(config))
     return tensors
 
 
@@ -57,9 +59,10 @@ def registered(name: str) -> list[str]:
 @pytest.mark.parametrize("name", TIED)
 def test_a_tied_family_goes_to_deepspeed_as_deepspeed_saves_it_and_back_bit_exactly(tmp_path, name, zero):
     hf = save_hf(name, tmp_path / "hf")
-    head, embed = tied_head(get_family(name))
+    head, embed = tied_head(get_family(name), True)
     result = reshard.convert(tmp_path / "hf", tmp_path / "ds", format="deepspeed", to=f"dp=2,zero={zero}")
-    assert result.report.target.spec_name == f"deepspeed-{name}" + ("-zero3" if zero == 3 else "")
+    tied = "-tied" if get_family(name).can_tie else ""
+    assert result.report.target.spec_name == f"deepspeed-{name}{tied}" + ("-zero3" if zero == 3 else "")
     tag = (tmp_path / "ds" / "latest").read_text().strip()
     first = "mp_rank_00_model_states.pt" if zero == 2 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
     tree = torch.load(tmp_path / "ds" / tag / first, weights_only=False)
@@ -95,8 +98,9 @@ def test_a_tied_family_s_deepspeed_checkpoint_reads_back_by_its_family_s_spec(tm
     assert np.array_equal(items[head].reshape(hf["model.embed_tokens.weight"].shape), hf["model.embed_tokens.weight"])
 
 
-def test_a_tied_family_s_pipeline_is_refused_naming_tied_modules(tmp_path):
-    save_hf("gemma", tmp_path / "hf")
-    with pytest.raises(reshard.errors.CheckpointFormatError, match=r"a gemma model; DeepSpeed's pipeline engine .*"
-                                                                   r"tied_modules"):
+@pytest.mark.parametrize("name", ["gemma", "llama"])
+def test_a_tied_family_s_pipeline_is_refused_naming_tied_modules(tmp_path, name):
+    save_hf(name, tmp_path / "hf")
+    with pytest.raises(reshard.errors.CheckpointFormatError, match=rf"a {name} model( tied)?; DeepSpeed's pipeline "
+                                                                   r"engine .*tied_modules"):
         reshard.convert(tmp_path / "hf", tmp_path / "ds", format="deepspeed", to="pp=2")

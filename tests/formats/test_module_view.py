@@ -1,26 +1,33 @@
 """A module's state dict whose names are not its family's files' names (``reshard.formats.module_view``), without
-a framework job: transformers 5's fused experts of a Mixtral.
+a framework job: transformers 5's fused experts of a Mixtral, GPT-2's turned weights and tied output projections.
 
 - Hugging Face -> DCP names each layer's experts as the module holds them (``mlp.experts.gate_up_proj``
   ``[experts, 2f, h]`` = each expert's gate rows then up rows, ``down_proj`` ``[experts, h, f]``), chunked over dp
   as FSDP2 chunks them, and torch's own consolidation of it equals the files' tensors stacked so;
 - such a DCP (and a DeepSpeed checkpoint of those names) is read in the family's per-expert tensors: back to Hugging
   Face bit-exact, and through DeepSpeed with its Adam state;
-- a DCP written with the files' names (a transformers 4 job's) keeps them when resharded.
+- a DCP written with the files' names (a transformers 4 job's) keeps them when resharded;
+- GPT-2's Conv1D weights are held ``[in, out]`` in a DCP, as the module holds them, at tp too; a DCP of them in the
+  logical dims (as reshard wrote GPT-2 before) is read as it is, one of both dims is refused;
+- a tied model's DCP holds ``lm_head.weight`` beside the embedding, as FSDP2's state dict does.
 """
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
+from test_deepspeed_tied_families import TIED, save_hf
 from test_format_dcp import consolidated
 
 import reshard
 from reshard.fixtures import MODELS, make_fixture
+from reshard.formats.specs import tied_head
+from reshard.models import get_family
 
 E, LAYERS = MODELS["tiny-mixtral"].sizes["experts"], MODELS["tiny-mixtral"].sizes["layers"]
 
@@ -91,3 +98,74 @@ def test_a_tensor_parallel_dcp_of_fused_experts_is_refused(hf, tmp_path):
         reshard.convert(hf[0], tmp_path / "dcp", format="dcp", to="dp=2,tp=2")
     assert not (tmp_path / "dcp").exists()
     assert json.loads((hf[0] / "config.json").read_text())["model_type"] == "mixtral"
+
+
+# -- GPT-2: Conv1D weights held [in, out], and the tied output projection beside the embedding ----------------------
+
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+@pytest.fixture
+def gpt2(tmp_path):
+    make_fixture(tmp_path / "gpt2", format="hf", model="tiny-gpt2")
+    return tmp_path / "gpt2", load_file(tmp_path / "gpt2" / "model.safetensors")
+
+
+@pytest.mark.parametrize("to", ["dp=3", "tp=2,dp=2"])
+def test_gpt2_dcp_holds_conv1d_weights_and_the_tied_head_as_the_module_does(gpt2, tmp_path, to):
+    """GPT2LMHeadModel's state dict: its files' tensors as they are (``c_attn.weight`` ``[h, 3h]``) and
+    ``lm_head.weight``, the embedding; at tp 2 too. Back to the files bit-exact."""
+    src, files = gpt2
+    reshard.convert(src, tmp_path / "dcp", format="dcp", to=to)
+    model = consolidated(tmp_path / "dcp", tmp_path)["model"]
+    assert sorted(model) == sorted([*files, "lm_head.weight"])
+    _same({k: model[k] for k in files}, files)
+    assert torch.equal(model["lm_head.weight"], files["transformer.wte.weight"])
+    reshard.convert(tmp_path / "dcp", tmp_path / "back", format="hf")
+    _same(load_file(tmp_path / "back" / "model.safetensors"), files)
+
+
+@pytest.mark.parametrize("held", ["module", "logical"])
+def test_a_gpt2_dcp_is_read_in_the_dims_its_conv1d_weights_are_held_in(gpt2, tmp_path, held):
+    """A job's DCP holds the Conv1D weights as the module does, with ``lm_head.weight``; one reshard wrote before
+    holds them in the logical dims ``[out, in]``, without it (``c_proj`` is square: ``c_attn`` tells). Either goes
+    back to the files bit-exact, and to a DCP as the module holds it."""
+    src, files = gpt2
+    state = {k: v.t().contiguous() if held == "logical" and k.endswith(_CONV1D) else v for k, v in files.items()}
+    if held == "module":
+        state["lm_head.weight"] = files["transformer.wte.weight"]
+    dcp.save({"model": state}, checkpoint_id=tmp_path / "job")
+    (tmp_path / "job" / "config.json").write_text((src / "config.json").read_text())
+    reshard.convert(tmp_path / "job", tmp_path / "back", format="hf")
+    _same(load_file(tmp_path / "back" / "model.safetensors"), files)
+    reshard.convert(tmp_path / "job", tmp_path / "dcp", format="dcp", to="dp=2")
+    model = consolidated(tmp_path / "dcp", tmp_path)["model"]
+    _same({k: model[k] for k in files}, files)
+    assert torch.equal(model["lm_head.weight"], files["transformer.wte.weight"])
+
+
+def test_a_gpt2_dcp_with_conv1d_weights_in_both_dims_is_refused(gpt2, tmp_path):
+    src, files = gpt2
+    state = {k: v.t().contiguous() if k.endswith("mlp.c_fc.weight") else v for k, v in files.items()}
+    dcp.save({"model": state}, checkpoint_id=tmp_path / "job")
+    (tmp_path / "job" / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(reshard.errors.CheckpointFormatError, match=r"c_attn.weight' is as the module holds it, "
+                                                                   r"'transformer.h.0.mlp.c_fc.weight' as its logical"):
+        reshard.convert(tmp_path / "job", tmp_path / "back", format="hf")
+    assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize("name", TIED)
+def test_a_tied_model_s_dcp_holds_its_output_projection_beside_the_embedding(tmp_path, name):
+    """As FSDP2's ``get_state_dict`` of the transformers model holds it (a real job loads it: the interop tests), with
+    no optimizer state of its own; the files come back without it."""
+    files = save_hf(name, tmp_path / "hf")
+    embed = tied_head(get_family(name), True)[1].name
+    reshard.convert(tmp_path / "hf", tmp_path / "dcp", format="dcp", to="dp=3")
+    model = consolidated(tmp_path / "dcp", tmp_path)["model"]
+    assert sorted(model) == sorted([*files, "lm_head.weight"])
+    assert all(np.array_equal(model[k].numpy(), v) for k, v in files.items())
+    assert np.array_equal(model["lm_head.weight"].numpy(), files[embed])
+    reshard.convert(tmp_path / "dcp", tmp_path / "back", format="hf")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(files) and all(np.array_equal(back[k].numpy(), v) for k, v in files.items())

@@ -1,6 +1,8 @@
 """Families whose transformers module holds tensors its files do not: Phi-3's and GPT-OSS's fused ones (fused in the
 files too), and transformers 5's fused experts of Mixtral, Qwen3-MoE and DeepSeek-V3 (``mlp.experts.gate_up_proj``,
-per expert in the files). A DCP or DeepSpeed checkpoint names them as the module does, so that real jobs load it:
+per expert in the files); or holds some otherwise: GPT-2's Conv1D weights ``[in, out]``, a tied model's
+``lm_head.weight`` beside the embedding. A DCP or DeepSpeed checkpoint names them as the module does, so that real
+jobs load it:
 
 - Hugging Face -> DCP: a real FSDP2 job (``dcp_jobs.load_model``, 3 ranks, DCP resharding at load) loads it into
   the family's transformers model and holds exactly what ``from_pretrained`` makes of the files (transformers' own
@@ -49,13 +51,18 @@ def test_the_module_families_are_the_ones_transformers_fuses():
     assert MODULE_FAMILIES == ["phi3", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"]
 
 
-@pytest.mark.parametrize("name", MODULE_FAMILIES)
-def test_hugging_face_to_dcp_loads_in_a_real_fsdp2_job_as_transformers_fuses_it_and_comes_back(tmp_path, name):
+@pytest.mark.parametrize("name", [*MODULE_FAMILIES, "gpt2", "llama"])
+def test_hugging_face_to_dcp_loads_in_a_real_fsdp2_job_as_transformers_holds_it_and_comes_back(tmp_path, name):
+    """Fused tensors; and GPT-2's module holds its Conv1D weights ``[in, out]`` (the logical ones are ``[out, in]``;
+    ``c_proj`` is square, so a wrong orientation would load without a word), and a tied model's state dict holds
+    ``lm_head.weight`` beside the embedding (GPT-2 always, this Llama by its config; every tied family in
+    ``tests/formats/test_module_view.py``): a real FSDP2 job loads the DCP checkpoint strictly, key for key as
+    ``from_pretrained``, and it comes back to the files."""
     require("transformers")
     model_class = _save_tiny(name, tmp_path / "hf")
     want = _module_state(model_class, tmp_path / "hf")
     fused = [k for k in want if k.endswith(("gate_up_proj", "qkv_proj.weight", "gate_up_proj.weight"))]
-    assert fused  # the module holds fused tensors the conversion must make
+    assert fused if name in MODULE_FAMILIES else "lm_head.weight" in want  # what the conversion must make
 
     reshard.convert(tmp_path / "hf", tmp_path / "dcp", format="dcp", to="dp=2")
     dcp_jobs.load_model(tmp_path / "dcp", tmp_path / "hf", 3, tmp_path / "dump.pt")
@@ -67,6 +74,34 @@ def test_hugging_face_to_dcp_loads_in_a_real_fsdp2_job_as_transformers_fuses_it_
     reshard.convert(tmp_path / "dcp", tmp_path / "dcp3", format="dcp", to="dp=3")
     reshard.convert(tmp_path / "dcp3", tmp_path / "back", format="hf")
     _same_files(tmp_path / "hf", tmp_path / "back")
+
+
+def test_a_real_fsdp2_checkpoint_of_gpt2_goes_to_hugging_face_and_to_another_mesh_with_its_optimizer(tmp_path):
+    """A real FSDP2 job's GPT-2 (3 ranks, two Adam steps): its Conv1D weights as the module holds them and the tied
+    ``lm_head.weight`` beside the embedding. To Hugging Face: the job's own weights, transformers loads them; to DCP
+    at 2 ranks: a real job loads model and optimizer state as the original gives them, and trains on."""
+    require("transformers")
+    _save_tiny("gpt2", tmp_path / "hf")
+    dcp_jobs.save(tmp_path / "real", "fsdp", 3, hf=tmp_path / "hf")
+    (tmp_path / "real" / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
+    dcp_jobs.load(tmp_path / "real", "fsdp", 3, tmp_path / "want.pt", hf=tmp_path / "hf")
+    want = torch.load(tmp_path / "want.pt", weights_only=True)
+
+    reshard.convert(tmp_path / "real", tmp_path / "back", format="hf")
+    from safetensors.torch import load_file
+    files = load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(f"model.{k}" for k in files) == sorted(k for k in want if k.startswith("model.")
+                                                          and k != "model.lm_head.weight")
+    for k, v in files.items():
+        assert torch.equal(v, want[f"model.{k}"]), k
+    assert files["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)
+
+    reshard.convert(tmp_path / "real", tmp_path / "dcp2", format="dcp", to="dp=2")
+    dcp_jobs.load(tmp_path / "dcp2", "fsdp", 2, tmp_path / "got.pt", hf=tmp_path / "hf")
+    got = torch.load(tmp_path / "got.pt", weights_only=True)
+    assert got.keys() == want.keys() and got.pop("loss_after_step") == want.pop("loss_after_step")
+    for k, v in want.items():
+        assert (torch.equal(got[k], v) if torch.is_tensor(v) else got[k] == v), k
 
 
 @pytest.mark.parametrize("name", ["mixtral", "gpt_oss", "deepseek_v3"])
@@ -90,11 +125,11 @@ def test_hugging_face_to_deepspeed_loads_in_deepspeed_as_transformers_fuses_it_a
     _same_files(tmp_path / "hf", tmp_path / "back")
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "gpt2"])
 def test_load_into_fills_transformers_fused_experts_from_the_files_per_expert_tensors(tmp_path, name):
     """``load_into`` a real FSDP2 job's transformers model (2 ranks) straight from the Hugging Face files: each rank
-    holds what ``dcp.load`` of the same checkpoint converted to DCP gives (whose fused tensors are transformers'
-    own, above), and so after a step."""
+    holds what ``dcp.load`` of the same checkpoint converted to DCP gives (whose fused and turned tensors are
+    transformers' own, above), and so after a step."""
     import load_into_jobs
 
     require("transformers")

@@ -193,7 +193,8 @@ class DcpFormat:
                 raise TopologyError(f"dcp at tp({topology.tp}): transformers packs the fused experts of {family.name} "
                                     "over tp (gate_up_proj's gate and up halves per rank: packed_colwise), which no "
                                     "DCP layout of reshard's holds; convert at tp=1")
-            spec_name = spec or f"dcp-{family.name}"
+            tied = family.can_tie and family.tied_in(source.layout.tensors)
+            spec_name = spec or f"dcp-{family.name}{'-tied' if tied else ''}"
             spec_ast = layout_spec(spec_name) if spec else family_spec(source, spec_name, topology)
             layout, chunks = _spec_layout(source, topology, spec_ast, spec_name, wanted, model_state, naming)
             names = list(dict.fromkeys(c.fqn for c in chunks.values() if c.writer.state == model_state))

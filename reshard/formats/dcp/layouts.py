@@ -33,7 +33,7 @@ from reshard.formats.base import (
 )
 from reshard.formats.dcp.reading import _ADAM_GROUP, SECTION, ParamGroup, _Naming, _plain, _rank_file, _Verbatim
 from reshard.formats.derived import logical_lines, recorded_of
-from reshard.formats.specs import BUFFERS, family_of, spec_text
+from reshard.formats.specs import BUFFERS, TIED, TIED_HEAD, family_of, source_family, spec_text, tied_embedding
 from reshard.io.dcp_metadata import (
     DcpChunk,
     DcpTensor,
@@ -118,17 +118,20 @@ def _carried_groups(source: Source, names: list[str]) -> tuple[ParamGroup, ...]:
 
 
 def _module_facts(source: Source, names: list[str]) -> tuple[dict[str, str], frozenset[str]]:
-    """What a DeepSpeed source records of its module beyond its tensors: the module keys that hold another
-    tensor of ``names`` (a tied weight: ``shared_params``), which FSDP2's state dict holds under both names,
-    and the persistent buffers (``buffer_names``), which FSDP2 does not shard."""
-    if source.format != "deepspeed":
-        return {}, frozenset()
+    """What a source records of its module beyond its tensors: the module keys that hold another tensor of
+    ``names`` (a tied weight: DeepSpeed's ``shared_params``, or a tied model's ``lm_head.weight``, its family's
+    embedding), which FSDP2's state dict holds under both names, and DeepSpeed's persistent buffers
+    (``buffer_names``), which FSDP2 does not shard."""
     from reshard.formats.deepspeed import DsModel
 
-    ds_model = source.extra.get("ds_model")
-    if not isinstance(ds_model, DsModel):
+    ds_model = source.extra.get("ds_model") if source.format == "deepspeed" else None
+    if isinstance(ds_model, DsModel):
+        return {key: name for key, name in ds_model.shared.items() if name in names}, frozenset(ds_model.buffers)
+    family = source_family(source)
+    embed = tied_embedding(family, family.tied_in(source.layout.tensors)) if family is not None else None
+    if embed is None or embed.name not in names or TIED_HEAD in source.layout.tensors:
         return {}, frozenset()
-    return {key: name for key, name in ds_model.shared.items() if name in names}, frozenset(ds_model.buffers)
+    return {TIED_HEAD: embed.name}, frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +223,8 @@ def _spec_layout(source: Source, topology: Topology, spec_ast, spec_name: str, s
     family = family_of(spec_name)
     if family is not None:
         require_sizes(source, family.sizes, f"dcp with spec {spec_name}")
-    wanted = {s: (PARAM,) if s == BUFFERS else states for s in _sections(spec_ast)}
+    # A buffer has its weights only; a tied output projection the model's state (the optimizer's is the embedding's).
+    wanted = {s: (PARAM,) if s == BUFFERS else (model_state,) if s == TIED else states for s in _sections(spec_ast)}
     layout = resolve(spec_ast, topology, source.sizes, states=wanted)
     whole = resolve(spec_ast, Topology(), source.sizes, states=wanted)
     places = place_items(whole, layout)

@@ -44,13 +44,14 @@ def target_model(source: Source) -> ModelMeta:
 def family_spec(source: Source, needs: str, suffix: str = "", prefix: str = "deepspeed") -> str:
     """``<prefix>-<family><suffix>`` of a source whose layout is its family's (``needs`` says why it must be)."""
     family = require_family(source, needs)
-    if prefix != "deepspeed" and (any(t.hf_dims for t in family.tensors) or family.tied_default):
+    tied = family.can_tie and family.tied_in(source.layout.tensors)
+    if prefix != "deepspeed" and (any(t.hf_dims for t in family.tensors) or family.tied_default or tied):
         raise CheckpointFormatError(
-            f"{source.path}: a {family.name} model; DeepSpeed's pipeline engine is laid out for a family only "
-            f"where Hugging Face stores its tensors as the model holds them, untied (not so for {family.name}: "
-            "a pipeline ties its head through tied_modules): convert a DeepSpeed checkpoint of it, or give a spec")
+            f"{source.path}: a {family.name} model{' tied' * tied}; DeepSpeed's pipeline engine is laid out for a "
+            "family only where Hugging Face stores its tensors as the model holds them, untied (not so here: a "
+            "pipeline ties its head through tied_modules): convert a DeepSpeed checkpoint of it, or give a spec")
     require_sizes(source, family.sizes, "deepspeed")
-    return f"{prefix}-{family.name}{suffix}"
+    return f"{prefix}-{family.name}{'-tied' * tied}{suffix}"
 
 
 def derivable(source: Source) -> bool:

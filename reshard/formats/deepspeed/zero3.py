@@ -427,7 +427,7 @@ def target_zero3(fmt_name: str, source: Source, topology: Topology, spec: str | 
     items = {it: i for it, i in full.items.items() if it.section in _stored_sections(info)}
     if ds_model is None:  # a family's: its groups' params, its buffers whole, and a placeholder of its tied head
         family = family_of(spec_name)
-        tie = tied_head(family) if family is not None else None
+        tie = tied_head(family, "tied" in spec_name.split("-")[2:] or None) if family is not None else None
         ds_model = model_of_layout(full, [section for section, _ in info.groups],
                                    ties=[(tie[0], tie[1].name)] if tie else [],
                                    buffers=[BUFFERS] if BUFFERS in info.module_sections else [])
