@@ -123,11 +123,20 @@ def loss_of(logits):
     return logits.float().pow(2).mean()
 
 
+def plain_collectives() -> None:
+    """DeepSpeed with gloo's own collectives: at its first collective DeepSpeed probes every op's compiler and then
+    JIT-builds its shared-memory CPU collectives (tens of seconds a run), which change no checkpoint byte."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__ = {}
+
+
 def _main() -> None:  # pragma: no cover - runs in the job's processes
     import deepspeed
     import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    plain_collectives()
     mode, ckpt, out = sys.argv[1:4]
     stage, bf16 = int(os.environ["RESHARD_DS_STAGE"]), os.environ["RESHARD_DS_DTYPE"].startswith("bf16")
     deepspeed.init_distributed(dist_backend="gloo")

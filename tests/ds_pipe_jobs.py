@@ -79,7 +79,9 @@ def _main() -> None:  # pragma: no cover - runs in the job's processes
     from deepspeed.pipe import PipelineModule
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from ds_jobs import batch, loss_of
+    from ds_jobs import batch, loss_of, plain_collectives
+
+    plain_collectives()
 
     mode, ckpt, out = sys.argv[1:4]
     bf16 = os.environ["RESHARD_DS_DTYPE"] == "bf16"
