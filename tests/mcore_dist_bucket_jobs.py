@@ -26,10 +26,10 @@ from jobs import run_job
 ZERO, BUCKET_SPACE = "dp_zero_gather_scatter", "fully_sharded_bucket_space"
 
 
-def save(out: Path, dump: Path, tp: int, dp: int, sharding: str, **options) -> None:
+def save(out: Path, dump: Path, tp: int, dp: int, sharding: str, *, pp: int = 1, ep: int = 1, **options) -> None:
     """A torch_dist checkpoint at ``out/iter_0000010`` after one step of the distributed optimizer, its state
-    saved as ``sharding``, by ``tp * dp`` ranks; ``options``: ``mcore_moe_jobs.OPTIONS`` (``torch_dist``
-    implied)."""
+    saved as ``sharding``, by ``tp * pp * dp`` ranks (experts over ``ep``); ``options``: ``mcore_moe_jobs.OPTIONS``
+    (``torch_dist`` implied)."""
     import mcore_legacy_jobs
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -43,13 +43,14 @@ def save(out: Path, dump: Path, tp: int, dp: int, sharding: str, **options) -> N
         env["RESHARD_MCORE_PORT"] = str(s.getsockname()[1])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     opts = mcore_moe_jobs._options({**options, "torch_dist": True})
-    args = ["save", str(tp), str(dp), sharding, opts, str(out), str(dump)]
+    args = ["save", str(tp), str(pp), str(ep), str(dp), sharding, opts, str(out), str(dump)]
     code, output = run_job([sys.executable, __file__, *args], env)
     if code:
         raise RuntimeError(f"megatron-core job {args} failed ({code}):\n{output[-4000:]}")
 
 
-def _rank(rank: int, world: int, tp: int, sharding: str, opts: dict, port: int, paths: list[str]) -> None:
+def _rank(rank: int, world: int, tp: int, pp: int, ep: int, sharding: str, opts: dict, port: int,
+          paths: list[str]) -> None:
     import numpy
 
     numpy.product = getattr(numpy, "product", numpy.prod)  # 0.14 calls np.product (removed in numpy 2)
@@ -59,7 +60,7 @@ def _rank(rank: int, world: int, tp: int, sharding: str, opts: dict, port: int, 
     if sharding == BUCKET_SPACE:
         _without_step()
         _several_pieces()
-    mcore_moe_jobs._rank(rank, world, tp, 1, 1, True, opts, port, "save", paths)
+    mcore_moe_jobs._rank(rank, world, tp, pp, ep, True, opts, port, "save", paths)
 
 
 def _without_step() -> None:
@@ -113,8 +114,8 @@ def _several_pieces() -> None:
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    tp, dp, sharding = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    options, paths = json.loads(sys.argv[5]), sys.argv[6:]
+    tp, pp, ep, dp, sharding = (*map(int, sys.argv[2:6]), sys.argv[6])
+    options, paths = json.loads(sys.argv[7]), sys.argv[8:]
     os.makedirs(paths[-1], exist_ok=True)
-    mp.spawn(_rank, args=(tp * dp, tp, sharding, options, int(os.environ["RESHARD_MCORE_PORT"]), paths),
-             nprocs=tp * dp)
+    mp.spawn(_rank, args=(tp * pp * dp, tp, pp, ep, sharding, options, int(os.environ["RESHARD_MCORE_PORT"]), paths),
+             nprocs=tp * pp * dp)

@@ -10,7 +10,8 @@ so only chunk 0 of pp rank 0 has several buckets), one ``get_megatron_optimizer`
 
 ``save`` takes one Adam step and saves torch_dist as the trainer does (``model0``, ``model1``, ... and the
 optimizer's ``dp_reshardable`` state); ``load`` reads CKPT with ``dist_checkpointing.load`` (``mcore_moe_jobs``'
-way), then, with ``resave`` set, saves what it loaded to ``DUMP/resaved`` as ``save`` would. Both dump each
+way), then, with ``resave`` set, saves what it loaded to ``DUMP/resaved`` as ``save`` would, and to
+``DUMP/resaved-zero`` with the optimizer's state as ``dp_zero_gather_scatter``. Both dump each
 rank's parameters and optimizer shards under their global layer names (``DUMP/rank{r}.pt``, as
 ``mcore_moe_jobs.dump_named`` lays them out), step once more and dump again (``DUMP/next/``).
 """
@@ -101,8 +102,10 @@ def _rank(rank: int, world: int, pp: int, vpp: int, opts: dict, port: int, actio
         _save(Path(paths[0]), chunks, optimizer, args, metadata)
     else:
         _load(Path(paths[0]), chunks, optimizer, metadata)
-        if opts["resave"]:
+        if opts["resave"]:  # as the trainer saves (dp_reshardable), and as with --no-ckpt-fully-parallel-save
             _save(Path(paths[1]) / "resaved", chunks, optimizer, args, metadata)
+            _save(Path(paths[1]) / "resaved-zero", chunks, optimizer, args,
+                  {**metadata, "distrib_optim_sharding_type": "dp_zero_gather_scatter"})
     moe.dump_named(Path(paths[1]) / f"rank{rank}.pt", names, optimizer, coords, torch)
     _step(ddps, optimizer)
     moe.dump_named(Path(paths[1]) / "next" / f"rank{rank}.pt", names, optimizer, coords, torch)

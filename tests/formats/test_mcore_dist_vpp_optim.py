@@ -31,7 +31,8 @@ def test_real_vpp_dp_reshardable_state_is_written_as_megatron_core_saves_it_and_
     """megatron-core trains one step at tp 1, pp 1, dp 2 (bf16, buckets of 4000 elements) and saves torch_dist ->
     torch_dist at pp 2, vpp 2 (a grad buffer per model chunk, gbuf_idx_1 keys), which megatron-core resumes
     with every weight, main param, Adam moment and step equal and the next step equal; megatron-core's own save
-    of that state has the same keys, chunks and bucket counts, and reads back, per parameter, bit-exact."""
+    of that state has the same keys, chunks and bucket counts, and reads back, per parameter, bit-exact, as does
+    its save of it as dp_zero_gather_scatter (a buffer per model chunk in each group's dict)."""
     require("megatron.core")
     import mcore_vpp_jobs as vpp_jobs
 
@@ -56,14 +57,17 @@ def test_real_vpp_dp_reshardable_state_is_written_as_megatron_core_saves_it_and_
             key = f"{group}.{what}/shard_0_1"
             assert _object(tmp_path / "vpp", key) == _object(real, key), key
 
-    src = reshard.open_checkpoint(real)
-    assert src.spec_name == "mcore-dist-llama" and src.progress.step == 1
-    mine = reshard.load(real, to="dp=1", format="dcp", rank=0)
     wanted = gathered(tmp_path / "dump-src", 1, moe.SIZES)
-    for state, name in (("param", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-        held = mine.state_dict(name)
-        expected = hf_of({k: v for (k, s), v in wanted.items() if s == state}, moe.SIZES)
-        assert len(held) == len(expected)
-        for k, value in expected.items():
-            got = held["model." + k if name == "master" else f"optim.state.{k}.{name}"]
-            assert got.dtype == value.dtype and torch.equal(got, value), (state, k)
+    zero = tmp_path / "dump-vpp" / "resaved-zero" / "iter_0000010"  # the same state as dp_zero_gather_scatter
+    assert "optimizer.distributed.dp_group_idx_1.param_state/shard_0_1" in read_metadata(zero).byte_entries
+    for saved in (real, zero):
+        src = reshard.open_checkpoint(saved)
+        assert src.spec_name == "mcore-dist-llama" and src.progress.step == 1
+        mine = reshard.load(saved, to="dp=1", format="dcp", rank=0)
+        for state, name in (("param", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            held = mine.state_dict(name)
+            expected = hf_of({k: v for (k, s), v in wanted.items() if s == state}, moe.SIZES)
+            assert len(held) == len(expected)
+            for k, value in expected.items():
+                got = held["model." + k if name == "master" else f"optim.state.{k}.{name}"]
+                assert got.dtype == value.dtype and torch.equal(got, value), (saved, state, k)

@@ -131,3 +131,39 @@ def test_real_fully_sharded_bucket_space_state_of_megatron_core_0_14_decodes_per
     torch.save(common, ckpt / "common.pt")
     with pytest.raises(CheckpointFormatError, match=r"\.metadata: '.*bucket_idx_0\.\w+' is \[2, 6144\]"):
         reshard.open_checkpoint(ckpt)
+
+
+@pytest.mark.interop
+def test_real_mixture_of_experts_dp_zero_gather_scatter_state_converts_and_resumes_at_ep1(tmp_path):
+    """megatron-core 0.16 trains a Mixtral-style MoE one step at ep 2, dp 2 (bf16, buckets of 4000 elements) and saves
+    dp_zero_gather_scatter state: a dense optimizer (``chained_0.``, one group) and an expert one (``chained_1.``,
+    one group per ep rank) -> Hugging Face: every weight as the run held it; -> dp_reshardable at ep 1, dp 1 (the
+    experts back in the one buffer), which megatron-core resumes with every weight, main param, Adam moment and step
+    as the run held them, and the step after equal to the run's next."""
+    require("megatron.core")
+    from safetensors.torch import load_file
+    from test_mcore_dist_moe import assert_same_values
+    from test_mcore_dist_moe import hf_of as moe_hf_of
+    from test_mcore_dist_moe_optim import assert_same_but_padding
+    from test_megatron_moe import collect
+
+    import mcore_dist_bucket_jobs
+    import mcore_moe_jobs as jobs
+
+    run = {"bf16": True, "next": True, "bucket_size": 4000}
+    mcore_dist_bucket_jobs.save(tmp_path / "src", tmp_path / "dump", 1, 2, mcore_dist_bucket_jobs.ZERO, ep=2, **run)
+    ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
+    md = read_metadata(ckpt)
+    assert sorted(k for k in md.byte_entries if k.endswith("param_state/shard_0_1")) == [
+        "chained_0.optimizer.distributed.dp_group_idx_0.param_state/shard_0_1",
+        *(f"chained_1.optimizer.distributed.dp_group_idx_{g}.param_state/shard_0_1" for g in (0, 1))]
+    assert sharding_type({}, md) == "dp_zero_gather_scatter"
+    want = {now: collect(tmp_path / now, 1, 2, jobs.SIZES) for now in ("dump", "dump/next")}
+    assert {s for _, s in want["dump"]} == {"value", "param", "exp_avg", "exp_avg_sq", "step"}
+    reshard.convert(ckpt, tmp_path / "hf", format="hf")
+    assert_same_values(load_file(tmp_path / "hf" / "model.safetensors"), moe_hf_of(want["dump"], "mixtral"), "hf")
+    reshard.convert(ckpt, tmp_path / "ep1", format="mcore-dist", to="tp=1,dp=1,ep=1,zero=1")
+    assert sharding_type({}, read_metadata(tmp_path / "ep1")) == "dp_reshardable"
+    jobs.load(tmp_path / "ep1", tmp_path / "dump-ep1", tp=1, pp=1, ep=1, dp=1, distopt=True, torch_dist=True, **run)
+    for now, then in (("dump", "dump-ep1"), ("dump/next", "dump-ep1/next")):
+        assert_same_but_padding(collect(tmp_path / then, 1, 1, jobs.SIZES), want[now], then)

@@ -25,8 +25,8 @@ apart where neither does (``sharding_type``). Besides ``dp_reshardable`` (``dist
   read). ``dist_optim.bucket_space`` decodes it with ``padded``; ``flat_chunk`` gives a chunk's
   place in the bucket.
 
-Read so far: one optimizer (no ``chained_K.`` prefix, so no expert buffers of their own) and one
-grad buffer per group, as for ``dp_reshardable``.
+Read as ``dp_reshardable`` is: a mixture of experts' dense and expert optimizers (``chained_K.``), one grad buffer
+per model chunk.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from reshard.formats.megatron.dist_optim import (
     BucketSpace,
     _buckets,
     _buffer,
+    _expert_parallel,
     _object,
     _param_groups,
     is_bucket_key,
@@ -111,80 +112,99 @@ class ZeroState:
 
 def zero_state(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, family: Family,
                sizes: Mapping[str, int], topology: Topology) -> ZeroState:
-    """Decode every ``dp_group_idx_{I}.param_state`` entry of ``md`` into per-parameter fragments.
+    """Decode every ``[chained_K.]dp_group_idx_{I}.param_state`` entry of ``md`` into per-parameter fragments.
+
+    A mixture of experts at ep > 1 has two optimizers: ``chained_0.`` the dense params' (groups numbered in the
+    tp-pp group), ``chained_1.`` the experts' (numbered in the expert tp-ep-pp group), as ``dp_reshardable``'s
+    (``dist_optim._buffer``); at ep 1, one. With virtual pipeline chunks an entry's dict holds one buffer per
+    model chunk.
 
     Raises:
-      CheckpointFormatError: no args, a chained optimizer's entry, a group beyond the model-parallel ranks or
-        a missing one, an entry that is not ``[distrib_optim.pt's dict]`` (as the torch format's reader checks
-        it: ``buckets_coalesced``, one buffer, 1-D fp32 states, ``numel_unpadded``), or a buffer whose length
-        differs from the layout's (naming the key, the file and both numbers).
+      CheckpointFormatError: no args, other chained optimizers than the run's, a group beyond the model-parallel
+        ranks or a missing one, an entry that is not ``[distrib_optim.pt's dict]`` (as the torch format's reader
+        checks it: ``buckets_coalesced``, one buffer per model chunk, 1-D fp32 states, ``numel_unpadded``), or a
+        buffer whose length differs from the layout's (naming the key, the file and both numbers).
     """
     where = path / ".metadata"
     if args is None:
         raise CheckpointFormatError(f"{path / 'common.pt'}: no args, so the distributed optimizer's bucket layout "
                                     f"(bucket size, layer implementation) is unknown; the {ZERO} optimizer state "
                                     "cannot be decoded")
-    groups = topology.tp * topology.pp
-    entries: dict[int, str] = {}
+    ep = _expert_parallel(args, family, where)
+    chains = (0, 1) if ep > 1 else (None,)
+    topology = Topology(tp=topology.tp, pp=topology.pp, ep=ep, dp=ep)
+    entries: dict[tuple[int | None, int], str] = {}
     for key in md.byte_entries:
         m = _ZERO_KEY.fullmatch(key)
         if m is None:
             continue
-        if m.group(1) or family.experts:
-            raise CheckpointFormatError(f"{where}: '{key}': {ZERO} state of a mixture of experts (a chained "
-                                        "dense and expert optimizer) is not read yet")
+        chain = None if m.group(1) is None else int(m.group(1)[len("chained_"):-1])
+        if chain not in chains:
+            raise CheckpointFormatError(
+                f"{where}: '{key}': at expert parallelism {ep} megatron-core saves "
+                f"{'a dense (chained_0.) and an expert (chained_1.) optimizer' if ep > 1 else 'one, unprefixed'}")
         group = int(m.group(2))
+        groups = _groups(topology, chain)
         if group >= groups:
             raise CheckpointFormatError(f"{where}: '{key}': group {group}, but the optimizer has {groups} "
-                                        f"model-parallel ranks (tp {topology.tp}, pp {topology.pp})")
-        entries[group] = key
-    missing = [g for g in range(groups) if g not in entries]
-    if missing:
-        raise CheckpointFormatError(f"{where}: no 'optimizer.distributed.dp_group_idx_{missing[0]}.param_state' "
-                                    f"({ZERO}: one per model-parallel rank, {groups} at tp {topology.tp}, pp "
-                                    f"{topology.pp})")
+                                        f"model-parallel ranks (tp {topology.tp}, pp {topology.pp}"
+                                        f"{f', ep {ep}' if chain == 1 else ''})")
+        entries[(chain, group)] = key
+    for chain in chains:
+        missing = [g for g in range(_groups(topology, chain)) if (chain, g) not in entries]
+        if missing:
+            prefix = "" if chain is None else f"chained_{chain}."
+            raise CheckpointFormatError(
+                f"{where}: no '{prefix}optimizer.distributed.dp_group_idx_{missing[0]}.param_state' ({ZERO}: one "
+                f"per model-parallel rank, {_groups(topology, chain)} at tp {topology.tp}, pp {topology.pp}"
+                f"{f', ep {ep}' if chain == 1 else ''})")
     dp, cp = (expect_int(args.get(f"{a}_parallel_size") or 1, f"args.{a}_parallel_size", str(where), lo=1,
                          hi=MAX_COUNT) for a in ("data", "context"))
-    r = _buckets(family, args, sizes, Topology(tp=topology.tp, pp=topology.pp),
-                 Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp))
-    if r.vpp > 1:  # distrib_optim.pt's dict then holds a buffer per model chunk; only chunk 0's is decoded here
-        raise CheckpointFormatError(f"{where}: {ZERO} state of a run with virtual pipeline chunks "
-                                    f"(args.virtual_pipeline_model_parallel_size {r.vpp}) is not read yet")
+    r = _buckets(family, args, sizes, topology, Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp))
     items: dict[Item, ItemInfo] = {}
     fragments: list[Fragment] = []
     located: dict[Item, Located] = {}
-    for group, key in sorted(entries.items()):
-        buffer = _buffer(None, group, topology)
+    for (chain, group), key in sorted(entries.items(), key=lambda e: (e[0][0] or 0, e[0][1])):
         file = path / _storage(path, md, key, None).relative_path
-        states = _decoded(path, md, key, file, buffer[1], buffer[2])
-        buckets, unpadded = r.per_group[buffer], r.unpadded[buffer]
-        starts = [sum(unpadded[:b]) for b in range(len(unpadded))]
-        for state, ref in states.items():
-            shown = f"'{key}' [0][{_buffer_key(state)}]"
-            if ref.shape != (sum(unpadded),):
-                raise CheckpointFormatError(
-                    f"{file}: {shown} holds {list(ref.shape)} elements; the layout ({r.spec_name}, bucket_size "
-                    f"{r.bucket_size} from args.overlap_grad_reduce/ddp_bucket_size) gives buckets of {unpadded} "
-                    f"unpadded elements, {sum(unpadded)} in all")
-            item = Item("model", (), 0, state, f"{key}[{_buffer_key(state)}]")
-            mine = [replace(f, item=item, state=state, offset=f.offset + start)
-                    for start, frags in zip(starts, buckets, strict=True) for f in frags]
-            items[item] = ItemInfo(shape=tuple(ref.shape), mapped=sum(math.prod(f.box.lengths) for f in mine),
-                                   rule=r.spec_name)
-            fragments.extend(mine)
-            located[item] = Located(ref.path, _contiguous_offset(ref, f"{file}: {shown}"), "float32")
+        _, tp, pp, _, _ = _buffer(chain, group, topology)
+        per_chunk = _decoded(path, md, key, file, tp, pp, r.vpp)
+        for chunk in range(r.vpp):
+            buffer = _buffer(chain, group, topology, chunk)
+            buckets, unpadded = r.per_group[buffer], r.unpadded[buffer]
+            starts = [sum(unpadded[:b]) for b in range(len(unpadded))]
+            for state, ref in per_chunk[chunk].items():
+                shown = f"'{key}' [0][{chunk}][{_buffer_key(state)}]"
+                if ref.shape != (sum(unpadded),):
+                    raise CheckpointFormatError(
+                        f"{file}: {shown} holds {list(ref.shape)} elements; the layout ({r.spec_name}, bucket_size "
+                        f"{r.bucket_size} from args.overlap_grad_reduce/ddp_bucket_size) gives buckets of "
+                        f"{unpadded} unpadded elements, {sum(unpadded)} in all")
+                item = Item("model", (), 0, state, f"{key}[{chunk}][{_buffer_key(state)}]")
+                mine = [replace(f, item=item, state=state, offset=f.offset + start)
+                        for start, frags in zip(starts, buckets, strict=True) for f in frags]
+                items[item] = ItemInfo(shape=tuple(ref.shape), mapped=sum(math.prod(f.box.lengths) for f in mine),
+                                       rule=r.spec_name)
+                fragments.extend(mine)
+                located[item] = Located(ref.path, _contiguous_offset(ref, f"{file}: {shown}"), "float32")
     space = BucketSpace(fragments={}, states={}, spec_name=r.spec_name, param_groups=_param_groups(path, md))
     return ZeroState(space=space, items=items, fragments=tuple(fragments), where=located)
 
 
-def _decoded(path: Path, md: DcpMetadata, key: str, file: Path, tp: int, pp: int) -> dict[str, Any]:
-    """One ``param_state`` entry's states (reshard's names -> TensorRef), checked as the torch format's reader
-    checks ``distrib_optim.pt``."""
+def _groups(topology: Topology, chain: int | None) -> int:
+    """How many model-parallel groups a (chained) optimizer has: tp * pp, and for the experts' ep times that."""
+    return topology.tp * topology.pp * (topology.ep if chain == 1 else 1)
+
+
+def _decoded(path: Path, md: DcpMetadata, key: str, file: Path, tp: int, pp: int,
+             vpp: int) -> list[dict[str, Any]]:
+    """One ``param_state`` entry's states per model chunk (reshard's names -> TensorRef), checked as the torch
+    format's reader checks ``distrib_optim.pt`` (a dense or an expert optimizer's dict alike)."""
     value = _object(path, md, key)
     if not isinstance(value, list) or len(value) != 1 or not isinstance(value[0], Mapping):
         raise CheckpointFormatError(f"{file}: '{key}' is {brief(value, 120)}; expected [distrib_optim.pt's dict] "
                                     f"({ZERO})")
-    rank = _Rank(tp, pp, 0, file, {"model": {}}, distopt=value[0], distopt_path=Path(f"{file}: '{key}' [0]"))
-    reader = _Reader({(tp, pp, 0): rank}, Topology(), "", False, 0)  # one model chunk: vpp 1
+    chunks = {"model": {}} if vpp == 1 else {f"model{c}": {} for c in range(vpp)}
+    rank = _Rank(tp, pp, 0, file, chunks, distopt=value[0], distopt_path=Path(f"{file}: '{key}' [0]"))
+    reader = _Reader({(tp, pp, 0): rank}, Topology(vpp=vpp), "", False, 0)
     reader._distributed(rank)
-    return reader.per_param[(tp, pp, 0)][(0, DENSE)]
+    return [reader.per_param[(tp, pp, 0)][(c, DENSE)] for c in range(vpp)]
