@@ -1,5 +1,6 @@
 """Expert tensor parallelism other than tp (``--expert-tensor-parallel-size 1`` at tp=2) in Megatron's torch
-format, against real megatron-core runs (``mcore_moe_jobs`` with ``etp``)."""
+format and in torch_dist's distributed-optimizer state, against real megatron-core runs (``mcore_moe_jobs`` with
+``etp``)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,54 @@ def test_expert_tensor_parallelism_the_torch_format_cannot_hold_is_refused_namin
     with pytest.raises(CheckpointFormatError, match=r"expert_model_parallel_size=1 not a multiple of tensor_model"):
         reshard.convert(tmp_path / "a", tmp_path / "c", to="tp=2,dp=2,ep=1,etp=1")
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+@pytest.mark.interop
+def test_real_torch_dist_at_etp1_with_dp_reshardable_state_reads_every_expert_and_resumes_at_tp1(tmp_path):
+    """megatron-core at tp=2, ep=2, etp=1, dp=2 (world 4; bf16, buckets of 4000 elements) saves torch_dist with
+    dp_reshardable state: the experts' optimizer (``chained_1.``) numbers its groups over etp * ep = 2 and holds whole
+    experts -> every expert's fp32 main param and Adam moments as the run held them (Hugging Face's fused
+    ``gate_up_proj`` / ``down_proj``); -> dp_reshardable at tp=1, ep=1, which megatron-core loads and steps on,
+    and which holds what the source holds, every main param and moment."""
+    require("megatron.core")
+    import torch
+    from test_megatron_moe import collect
+
+    import mcore_moe_jobs as jobs
+
+    S = jobs.SIZES
+    run = {"bf16": True, "bucket_size": 4000}
+    jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=2, pp=1, ep=2, dp=2, distopt=True, torch_dist=True, etp=1,
+              **run)
+    ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
+    mine = reshard.load(ckpt, to="dp=1", format="dcp", rank=0)
+    held = {s: mine.state_dict(s) for s in ("master", "exp_avg", "exp_avg_sq")}
+    want = collect(tmp_path / "dump-src", 1, 2, S, only=lambda n: ".local_experts." in n)
+    assert {s for _, s in want} == {"value", "param", "exp_avg", "exp_avg_sq", "step"}
+    for (name, state), value in want.items():
+        if state in ("value", "step"):
+            continue
+        i, e = int(name.split(".")[2]), int(name.split("local_experts.")[1].split(".")[0])
+        fused = "gate_up_proj" if ".linear_fc1." in name else "down_proj"
+        key = f"model.layers.{i}.mlp.experts.{fused}"
+        got = held["master" if state == "param" else state][f"model.{key}"]
+        assert torch.equal(got[e].flatten(), value), (name, state)
+    assert len(want) == S["layers"] * S["experts"] * 2 * 5
+
+    reshard.convert(ckpt, tmp_path / "tp1", format="mcore-dist", to="tp=1,dp=1,ep=1,zero=1")
+    jobs.load(tmp_path / "tp1", tmp_path / "dump-tp1", tp=1, pp=1, ep=1, dp=1, distopt=True, torch_dist=True, **run)
+    resumed = reshard.load(tmp_path / "tp1", to="dp=1", format="dcp", rank=0)
+    for state, tensors in held.items():
+        again = resumed.state_dict(state)
+        assert again.keys() == tensors.keys()
+        assert all(torch.equal(again[k], v) for k, v in tensors.items()), state
+
+
+def test_dp_reshardable_state_at_an_expert_tensor_parallelism_other_than_tp_is_not_written(tmp_path):
+    """Read, but not written: refused by name before any file is made, never laid out at etp = tp silently."""
+    from reshard.fixtures import make_fixture
+
+    make_fixture(tmp_path / "src", format="mcore-dist", to="tp=1,ep=2,dp=2,zero=1", model="tiny-mixtral")
+    with pytest.raises(reshard.errors.TopologyError, match=r"etp\(1\) with tp\(2\): .* writes it at etp = tp only"):
+        reshard.convert(tmp_path / "src", tmp_path / "out", format="mcore-dist", to="tp=2,ep=2,etp=1,dp=2,zero=1")
+    assert not (tmp_path / "out").exists()

@@ -159,9 +159,10 @@ def global_names(dump: dict, layers: int, experts: int, pp: int, ep: int) -> dic
     return {n: rename(n) for n in dump["params"]}
 
 
-def collect(dump_dir: Path, pp: int, ep: int, S: dict) -> dict[tuple[str, str], object]:
+def collect(dump_dir: Path, pp: int, ep: int, S: dict, only=None) -> dict[tuple[str, str], object]:
     """(global name, value or optimizer state) -> tensor over every rank's dump, optimizer states flattened and
-    assembled from the ranges each rank holds; replicas must agree and every element must be held."""
+    assembled from the ranges each rank holds; replicas must agree and every element must be held. ``only``: the
+    global names to collect (a predicate), where tensor-parallel shards of the others would not agree."""
     import torch
 
     out: dict[tuple[str, str], torch.Tensor] = {}
@@ -179,6 +180,8 @@ def collect(dump_dir: Path, pp: int, ep: int, S: dict) -> dict[tuple[str, str], 
         d = torch.load(f, weights_only=False)
         names = global_names(d, S["layers"], S["experts"], pp, ep)
         for n, v in d["params"].items():
+            if only is not None and not only(names[n]):
+                continue
             put((names[n], "value"), 0, v.flatten(), torch.empty(v.numel(), dtype=v.dtype))
             for k, (a, z, t) in d["states"].get(n, {}).items():
                 if t.dim() == 0:

@@ -64,6 +64,7 @@ from reshard.errors import CheckpointFormatError
 from reshard.formats.base import MAX_COUNT, expect_int
 from reshard.formats.dcp.reading import _storage
 from reshard.formats.megatron.dist_moe import bucket_experts
+from reshard.formats.megatron.etp import whole_experts
 from reshard.formats.megatron.small import _capture
 from reshard.formats.megatron.specs import _resolve, spec_name
 from reshard.formats.specs import layout_spec
@@ -118,11 +119,20 @@ def _buffer(chain: int | None, group: int, topology: Topology, chunk: int = 0) -
     """The buffer a (chained) optimizer's ``dp_group_idx`` holds for a model chunk. The dense optimizer (the only
     one, or ``chained_0``) numbers its groups by rank in the tp-pp group, ``pp_rank * tp + tp_rank`` (every ep rank
     holds the same dense buffer: ep 0's); the expert optimizer (``chained_1``, ep > 1) by rank in the expert
-    tp-ep-pp group, ``tp_rank + tp * (ep_rank + ep * pp_rank)``."""
+    etp-ep-pp group, ``etp_rank + etp * (ep_rank + ep * pp_rank)`` (etp = tp, or 1: whole experts, tp unit 0's
+    buffer of the ``-etp1`` layouts, where every tp unit holds the same)."""
     tp = topology.tp
     if chain == 1:
-        return EXPERT, group % tp, group // (tp * topology.ep), group // tp % topology.ep, chunk
+        etp = 1 if whole_experts(topology) else tp
+        return EXPERT, group % etp, group // (etp * topology.ep), group // etp % topology.ep, chunk
     return DENSE, group % tp, group // tp, 0, chunk
+
+
+def _groups(topology: Topology, chain: int | None) -> int:
+    """How many model-parallel groups a (chained) optimizer numbers: tp * pp, the experts' etp * ep * pp."""
+    if chain == 1:
+        return (1 if whole_experts(topology) else topology.tp) * topology.ep * topology.pp
+    return topology.tp * topology.pp
 
 
 def _describe(prefix: str, group: int, buffer: Buffer) -> str:
@@ -154,8 +164,8 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
         raise CheckpointFormatError(f"{path / 'common.pt'}: no args, so the distributed optimizer's bucket layout "
                                     "(bucket size, layer implementation) is unknown; the dp_reshardable optimizer "
                                     "state cannot be decoded")
-    ep = _expert_parallel(args, family, where)
-    topology = Topology(tp=topology.tp, pp=topology.pp, ep=ep, dp=ep)
+    ep, etp = _expert_parallel(args, family, where)
+    topology = Topology(tp=topology.tp, pp=topology.pp, ep=ep, dp=ep, etp=etp)
     keys = [k for k in md.tensors if is_bucket_key(k)]
     parsed: dict[str, tuple[str, int, Buffer, int, str]] = {}  # key -> (prefix, group, buffer, bucket, state)
     chains = {m.group(1) for k in keys if (m := _BUCKET_KEY.fullmatch(k))}
@@ -181,11 +191,10 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
                 "(args.virtual_pipeline_model_parallel_size) of one buffer each; reshard reads dp_reshardable state "
                 "of one dtype pair per chunk (no fp8 parameters)")
         chain_no = None if chain is None else int(chain)
-        groups = topology.tp * topology.pp * (ep if chain_no == 1 else 1)
+        groups = _groups(topology, chain_no)
         if group >= groups:
             raise CheckpointFormatError(f"{where}: '{key}': group {group}, but the optimizer has {groups} "
-                                        f"model-parallel ranks (tp {topology.tp}, pp {topology.pp}"
-                                        f"{f', ep {ep}' if chain_no == 1 else ''})")
+                                        f"model-parallel ranks ({_ranks(topology, chain_no)})")
         parsed[key] = (f"chained_{chain}." if chain is not None else "", group,
                        _buffer(chain_no, group, topology, gbuf), bucket, state)
     dp = expect_int(args.get("data_parallel_size") or 1, "args.data_parallel_size", str(where), lo=1, hi=MAX_COUNT)
@@ -235,18 +244,27 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
                        padded=frozenset(parsed) if padded else frozenset())
 
 
-def _expert_parallel(args: Mapping[str, Any], family: Family, where: Path) -> int:
-    """The run's ep (1 for a dense family); expert tensor parallelism must be tp (the experts' buffers are laid out
-    at tp)."""
+def _expert_parallel(args: Mapping[str, Any], family: Family, where: Path) -> tuple[int, int | None]:
+    """The run's ep (1 for a dense family) and its expert tensor parallelism where it is not tp (None: tp); that
+    must be 1 (the experts whole, their buffers laid out by the ``-etp1`` layouts)."""
     if not family.experts:
-        return 1
+        return 1, None
     ep = expect_int(args.get("expert_model_parallel_size") or 1, "args.expert_model_parallel_size", str(where), lo=1,
                     hi=MAX_COUNT)
-    etp = args.get("expert_tensor_parallel_size")
-    if ep > 1 and etp is not None and etp != (args.get("tensor_model_parallel_size") or 1):
-        raise CheckpointFormatError(f"{where}: args.expert_tensor_parallel_size is {brief(etp)}, not tp: "
-                                    "dp_reshardable state of experts split otherwise than dense layers is not read")
-    return ep
+    etp, tp = args.get("expert_tensor_parallel_size"), args.get("tensor_model_parallel_size") or 1
+    if ep == 1 or etp is None or etp == tp:
+        return ep, None
+    if etp != 1:
+        raise CheckpointFormatError(f"{where}: args.expert_tensor_parallel_size is {brief(etp)}, neither tp ({tp}) "
+                                    "nor 1: distributed-optimizer state of experts split so is not read")
+    return ep, 1
+
+
+def _ranks(topology: Topology, chain: int | None) -> str:
+    """The parallel degrees a (chained) optimizer's groups are numbered over, for errors."""
+    if chain != 1:
+        return f"tp {topology.tp}, pp {topology.pp}"
+    return f"etp {1 if whole_experts(topology) else topology.tp}, ep {topology.ep}, pp {topology.pp}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -285,7 +303,7 @@ def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], 
     local = args.get("transformer_impl") == "local"
     tied = not args.get("untie_embeddings_and_output_weights", False)
     coalesced_name = spec_name(family, tied=tied, distopt=True, ep=topology.ep, local=local,  # distrib_optim.pt's
-                               experts=bucket_experts(family, args, where))
+                               experts=bucket_experts(family, args, where), etp1=whole_experts(topology))
     bucketed_name = coalesced_name.removesuffix("-torch")  # one item per bucket and dp rank
     bucket_size = _bucket_size(args, run)
     rank_sizes = {**sizes, "vocab_div": int(args.get("make_vocab_size_divisible_by") or 128),
@@ -381,10 +399,9 @@ def _require_every_bucket(parsed: Mapping[str, tuple[str, int, Buffer, int, str]
     model chunks."""
     states = sorted({v[4] for v in parsed.values()})
     have = {(prefix, g, buffer[4], b, s) for prefix, g, buffer, b, s in parsed.values()}
-    chains = [(None, 1)] if topology.ep == 1 else [(0, 1), (1, topology.ep)]
-    for chain, ep in chains:
+    for chain in [None] if topology.ep == 1 else [0, 1]:
         prefix = "" if chain is None else f"chained_{chain}."
-        for group, chunk in ((g, c) for g in range(topology.tp * topology.pp * ep) for c in range(vpp)):
+        for group, chunk in ((g, c) for g in range(_groups(topology, chain)) for c in range(vpp)):
             buffer = _buffer(chain, group, topology, chunk)
             for b in range(len(per_group.get(buffer, []))):
                 for s in states:

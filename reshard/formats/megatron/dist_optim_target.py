@@ -27,11 +27,12 @@ from typing import Any
 
 from reshard.core.layout import MASTER, PARAM, Fragment, Item, ItemInfo, chunk_fragments
 from reshard.core.topology import Topology
-from reshard.errors import CheckpointFormatError
+from reshard.errors import CheckpointFormatError, TopologyError
 from reshard.formats.base import Source
 from reshard.formats.dcp.layouts import _Chunk
 from reshard.formats.dcp.reading import _Verbatim
 from reshard.formats.megatron.dist_optim import DENSE, EXPERT, MAIN_STATE, PREFIX, _bucket_item, _buckets, _buffer_of
+from reshard.formats.megatron.etp import whole_experts
 from reshard.formats.megatron.param_groups import _default_param_groups, _expert_groups
 from reshard.formats.megatron.specs import _is_expert, _resolve
 from reshard.formats.megatron.state import KEY, TORCH_DIST_KEY, MegatronState, TorchDistState
@@ -106,6 +107,10 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
         if args.get(flag):
             raise CheckpointFormatError(f"args.{flag} is set: reshard writes dp_reshardable state of one grad buffer "
                                         "with the default bucket padding only")
+    if family.experts and whole_experts(topology):
+        raise TopologyError(f"etp({topology.etp}) with tp({topology.tp}): reshard reads dp_reshardable state of "
+                            "experts split over another expert tensor parallelism than tp, but writes it at etp = tp "
+                            "only; convert at etp = tp (leave etp out of the topology)")
     ep = topology.ep if family.experts else 1
     tp = topology.tp
     r = _buckets(family, args, sizes, Topology(tp=tp, pp=topology.pp, ep=ep, dp=ep), topology)

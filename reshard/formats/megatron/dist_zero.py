@@ -49,8 +49,10 @@ from reshard.formats.megatron.dist_optim import (
     _buckets,
     _buffer,
     _expert_parallel,
+    _groups,
     _object,
     _param_groups,
+    _ranks,
     is_bucket_key,
 )
 from reshard.formats.megatron.files import _buffer_key, _Rank
@@ -130,9 +132,9 @@ def zero_state(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fami
         raise CheckpointFormatError(f"{path / 'common.pt'}: no args, so the distributed optimizer's bucket layout "
                                     f"(bucket size, layer implementation) is unknown; the {ZERO} optimizer state "
                                     "cannot be decoded")
-    ep = _expert_parallel(args, family, where)
+    ep, etp = _expert_parallel(args, family, where)
     chains = (0, 1) if ep > 1 else (None,)
-    topology = Topology(tp=topology.tp, pp=topology.pp, ep=ep, dp=ep)
+    topology = Topology(tp=topology.tp, pp=topology.pp, ep=ep, dp=ep, etp=etp)
     entries: dict[tuple[int | None, int], str] = {}
     for key in md.byte_entries:
         m = _ZERO_KEY.fullmatch(key)
@@ -147,8 +149,7 @@ def zero_state(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fami
         groups = _groups(topology, chain)
         if group >= groups:
             raise CheckpointFormatError(f"{where}: '{key}': group {group}, but the optimizer has {groups} "
-                                        f"model-parallel ranks (tp {topology.tp}, pp {topology.pp}"
-                                        f"{f', ep {ep}' if chain == 1 else ''})")
+                                        f"model-parallel ranks ({_ranks(topology, chain)})")
         entries[(chain, group)] = key
     for chain in chains:
         missing = [g for g in range(_groups(topology, chain)) if (chain, g) not in entries]
@@ -156,8 +157,7 @@ def zero_state(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fami
             prefix = "" if chain is None else f"chained_{chain}."
             raise CheckpointFormatError(
                 f"{where}: no '{prefix}optimizer.distributed.dp_group_idx_{missing[0]}.param_state' ({ZERO}: one "
-                f"per model-parallel rank, {_groups(topology, chain)} at tp {topology.tp}, pp {topology.pp}"
-                f"{f', ep {ep}' if chain == 1 else ''})")
+                f"per model-parallel rank, {_groups(topology, chain)} at {_ranks(topology, chain)})")
     dp, cp = (expect_int(args.get(f"{a}_parallel_size") or 1, f"args.{a}_parallel_size", str(where), lo=1,
                          hi=MAX_COUNT) for a in ("data", "context"))
     r = _buckets(family, args, sizes, topology, Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp))
@@ -188,11 +188,6 @@ def zero_state(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fami
                 located[item] = Located(ref.path, _contiguous_offset(ref, f"{file}: {shown}"), "float32")
     space = BucketSpace(fragments={}, states={}, spec_name=r.spec_name, param_groups=_param_groups(path, md))
     return ZeroState(space=space, items=items, fragments=tuple(fragments), where=located)
-
-
-def _groups(topology: Topology, chain: int | None) -> int:
-    """How many model-parallel groups a (chained) optimizer has: tp * pp, and for the experts' ep times that."""
-    return topology.tp * topology.pp * (topology.ep if chain == 1 else 1)
 
 
 def _decoded(path: Path, md: DcpMetadata, key: str, file: Path, tp: int, pp: int,
