@@ -107,8 +107,8 @@ class Family:
     """Whether megatron-core's torch_dist holds the model as it holds the family's ``megatron`` layout (Transformer
     Engine names, which megatron-core's local layers map theirs to there, but for an MoE layer's pre-MLP norm), each
     tensor whole, experts stacked, layers stacked too or, where they are of several kinds, keyed one by one:
-    ``mcore-dist`` derives its layout from that one (``reshard.formats.specs``). False for Megatron-Bridge's
-    layouts, which have none yet."""
+    ``mcore-dist`` derives its layout from that one (``reshard.formats.specs``); Megatron-Bridge saves its layouts
+    (the Gemma families') through the same dist_checkpointing, so they have one too."""
     experts: bool = False
     """A mixture-of-experts family: expert tensors split over ``ep`` in Megatron."""
     buffers: tuple[str, ...] = ()

@@ -103,6 +103,7 @@ FAMILY = Family(
     preamble=llama.PREAMBLE,
     tensors=TENSORS,
     registration=REGISTRATION,
+    torch_dist=True,
     sizes=llama.SIZES,
     tied_default=True,
     can_tie=False,

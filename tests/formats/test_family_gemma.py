@@ -105,7 +105,9 @@ def test_post_attention_layernorm_is_gemma2s_post_attention_norm_and_gemma1s_pre
     ("megatron-olmo2-distopt-torch", "megatron-olmo2-distopt-torch: no Megatron layout for olmo2 (model_type "
                                      "'olmo2': q_norm and k_norm normalise the whole q and k projections (width "
                                      "heads * head_dim, not megatron-core's per-head qk_layernorm"),
-    ("mcore-dist-gemma2", "mcore-dist-gemma2: no torch_dist layout for gemma2 (model_type 'gemma2': "),
+    ("mcore-dist-gemma2-local", "mcore-dist-gemma2-local: no torch_dist layout for gemma2 in local layers "
+                                "(model_type 'gemma2': "),
+    ("mcore-dist-olmo2", "mcore-dist-olmo2: no torch_dist layout for olmo2 (model_type 'olmo2': "),
 ])
 def test_a_plain_megatron_core_layout_of_them_is_refused_naming_what_it_cannot_compute(spec, message):
     with pytest.raises(SpecError, match="^" + re.escape(message)):

@@ -8,7 +8,10 @@ de-interleaved by hand in torch.
 
 from __future__ import annotations
 
+import json
+
 import mcore_jobs
+import numpy as np
 import pytest
 import torch
 from conftest import require
@@ -67,6 +70,27 @@ def test_a_tied_model_round_trips_through_torch_dist_without_an_output_layer(tmp
     assert source.spec_name == {"tiny-gpt2": "mcore-dist-gpt2", "tiny-llama-tied": "mcore-dist-llama-tied"}[model]
     check = reshard.verify(tmp_path / "hf", tmp_path / "dist", states=("param",))
     assert check.identical and check.compared == len(source.layout.tensors), check.differences
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3_text"])
+def test_gemma_families_go_through_torch_dist_in_megatron_bridges_layout_and_back_bit_exactly(tmp_path, name):
+    """Megatron-Bridge's layout of the Gemma families, each tensor whole as torch_dist holds it (layers stacked, the
+    tied output layer the embedding's key), at pp 2: back to Hugging Face bit for bit, the model named by the
+    carried config.json; without it, the checkpoint is refused, never read as another family."""
+    from test_deepspeed_tied_families import save_hf
+
+    files = save_hf(name, tmp_path / "hf")
+    assert rules(f"mcore-dist-{name}") >= {"embedding.word_embeddings.weight -> embed = (vocab~vpad) h"}
+    assert not any(r.startswith("output_layer") for r in rules(f"mcore-dist-{name}"))
+    reshard.convert(tmp_path / "hf", tmp_path / "dist", format="mcore-dist", to="pp=2")
+    assert reshard.open_checkpoint(tmp_path / "dist").spec_name == f"mcore-dist-{name}"
+    reshard.convert(tmp_path / "dist", tmp_path / "back", format="hf")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(files) and all(np.array_equal(back[k].numpy(), v) for k, v in files.items())
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == name
+    (tmp_path / "dist" / "config.json").unlink()
+    with pytest.raises(reshard.errors.CheckpointFormatError, match="recorded nowhere"):
+        reshard.convert(tmp_path / "dist", tmp_path / "nameless", format="hf")
 
 
 # --- real megatron-core ----------------------------------------------------------------------------------------
