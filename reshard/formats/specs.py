@@ -317,11 +317,13 @@ def _why_not(family: Family) -> str:
 
 
 def megatron_legacy(family: Family, options: tuple[str, ...]) -> str:
-    _one_of(options, (), family, "megatron-legacy")
-    if family.megatron_legacy is None:
+    _one_of(options, ("tied",) if family.can_tie else (), family, "megatron-legacy")
+    tied = _flag(options, "tied", family)
+    body = family.megatron_legacy(tied) if family.megatron_legacy is not None else None
+    if body is None:
         raise SpecError(f"megatron-legacy-{family.name}: no legacy Megatron-LM layout for {family.name}"
-                        f"{_why_not(family)}")
-    return "\n".join([family.logical_text(tied=False), "section model per tp pp", family.megatron_legacy]) + "\n"
+                        f"{' tied' if tied else ''}{_why_not(family)}")
+    return "\n".join([family.logical_text(tied), "section model per tp pp", body]) + "\n"
 
 
 def torch_dist(family: Family, options: tuple[str, ...]) -> str:

@@ -101,8 +101,8 @@ class Family:
     """The Megatron args a Hugging Face config implies beyond the sizes (the inverse of ``config_hints``)."""
     megatron_moe_args: Callable[..., dict[str, Any]] | None = None
     """Megatron's mixture-of-experts args from the sizes, the config and the hints (MoE families)."""
-    megatron_legacy: str | None = None
-    """The body of the legacy (non-mcore) Megatron-LM model section, where it exists."""
+    megatron_legacy: Callable[[bool], str | None] | None = None
+    """The body of the legacy (non-mcore) Megatron-LM model section given ``tied``, where it exists."""
     torch_dist: bool = False
     """Whether megatron-core's torch_dist holds the model as it holds the family's ``megatron`` layout (Transformer
     Engine names, which megatron-core's local layers map theirs to there, but for an MoE layer's pre-MLP norm), each

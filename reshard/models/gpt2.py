@@ -92,6 +92,34 @@ def megatron(*, tied: bool = True, local: bool = False) -> str | None:
     ]) + "\n"
 
 
+def megatron_legacy(tied: bool = True) -> str | None:
+    """Megatron-LM's legacy GPTModel in GPT-2 style (``--use-legacy-models``, learned absolute positions): the
+    ``language_model`` tree, LayerNorms and linears with biases, q/k/v per head; the tied output layer is the
+    embedding, a copy of which the last stage keeps (``word_embeddings_for_head``) when it is not the first."""
+    if not tied:
+        return None
+    at = "language_model/encoder/layers.{i/pp}."
+    return "\n".join([
+        f"language_model/embedding/word_embeddings/weight -> wte @first = {VOCAB}",
+        "language_model/embedding/position_embeddings/weight -> wpe @first = positions h",
+        f"{at}input_norm.weight -> ln1 = h",
+        f"{at}input_norm.bias -> ln1_bias = h",
+        f"{at}self_attention.query_key_value.weight -> qkv = (heads/tp three hd) h",
+        f"{at}self_attention.query_key_value.bias -> qkv_bias = (heads/tp three hd)",
+        f"{at}self_attention.dense.weight -> attn_out = h (heads hd)/tp",
+        f"{at}self_attention.dense.bias -> attn_out_bias = h",
+        f"{at}post_attention_norm.weight -> ln2 = h",
+        f"{at}post_attention_norm.bias -> ln2_bias = h",
+        f"{at}mlp.dense_h_to_4h.weight -> fc = f/tp h",
+        f"{at}mlp.dense_h_to_4h.bias -> fc_bias = f/tp",
+        f"{at}mlp.dense_4h_to_h.weight -> mlp_out = h f/tp",
+        f"{at}mlp.dense_4h_to_h.bias -> mlp_out_bias = h",
+        "language_model/encoder/final_norm.weight -> ln_f @last = h",
+        "language_model/encoder/final_norm.bias -> ln_f_bias @last = h",
+        f"word_embeddings_for_head/weight -> wte @lastonly = {VOCAB}",
+    ]) + "\n"
+
+
 def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.json") -> dict[str, int]:
     """h, heads, hd, f, vocab, positions, layers from a ``GPT2Config`` dict."""
     keys = {"h": "n_embd", "heads": "n_head", "vocab": "vocab_size", "layers": "n_layer", "positions": "n_positions"}
@@ -185,6 +213,7 @@ FAMILY = Family(
     tied_default=True,
     can_tie=False,
     megatron=megatron,
+    megatron_legacy=megatron_legacy,
     torch_dist=True,
     sizes_from_config=sizes_from_config,
     config_from_sizes=config_from_sizes,

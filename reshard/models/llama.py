@@ -139,17 +139,28 @@ def megatron(*, tied: bool = False, local: bool = False, qkv_bias: bool = False,
 
 
 # Megatron-LM's legacy GPTModel: the nested ``language_model`` state dict ('/' marks a level of nesting).
-MEGATRON_LEGACY = f"""\
-language_model/embedding/word_embeddings/weight -> embed @first = {VOCAB}
-language_model/encoder/layers.{{i/pp}}.input_norm.weight -> ln1 = h
-language_model/encoder/layers.{{i/pp}}.self_attention.query_key_value.weight = (g/tp [q: qpg hd | k: hd | v: hd]) h
-language_model/encoder/layers.{{i/pp}}.self_attention.dense.weight -> o = h (g qpg hd)/tp
-language_model/encoder/layers.{{i/pp}}.post_attention_norm.weight -> ln2 = h
-language_model/encoder/layers.{{i/pp}}.mlp.dense_h_to_4h.weight = [gate: f/tp | up: f/tp] h
-language_model/encoder/layers.{{i/pp}}.mlp.dense_4h_to_h.weight -> down = h f/tp
-language_model/encoder/final_norm.weight -> norm @last = h
-language_model/output_layer/weight -> head @last = {VOCAB}
-"""
+def megatron_legacy(tied: bool = False, qkv_bias: bool = False) -> str:
+    """Megatron-LM's legacy GPTModel in Llama style (``--use-legacy-models``): the ``language_model`` tree, q/k/v
+    of a query group together (their biases with ``--add-qkv-bias``), SwiGLU's halves stacked; a tied output
+    layer is the embedding, which the last stage keeps a copy of (``word_embeddings_for_head``) when it is not
+    the first."""
+    at = "language_model/encoder/layers.{i/pp}."
+    head = f"word_embeddings_for_head/weight -> embed @lastonly = {VOCAB}" if tied else \
+        f"language_model/output_layer/weight -> head @last = {VOCAB}"
+    return "\n".join([
+        f"language_model/embedding/word_embeddings/weight -> embed @first = {VOCAB}",
+        f"{at}input_norm.weight -> ln1 = h",
+        f"{at}self_attention.query_key_value.weight = (g/tp [q: qpg hd | k: hd | v: hd]) h",
+        *([f"{at}self_attention.query_key_value.bias = (g/tp [q_bias: qpg hd | k_bias: hd | v_bias: hd])"]
+          if qkv_bias else []),
+        f"{at}self_attention.dense.weight -> o = h (g qpg hd)/tp",
+        f"{at}post_attention_norm.weight -> ln2 = h",
+        f"{at}mlp.dense_h_to_4h.weight = [gate: f/tp | up: f/tp] h",
+        f"{at}mlp.dense_4h_to_h.weight -> down = h f/tp",
+        "language_model/encoder/final_norm.weight -> norm @last = h",
+        head,
+    ]) + "\n"
+
 
 def sizes_from_config(config: Mapping[str, Any], where: Path | str = "config.json", *,
                       f_key: str = CONFIG_KEYS["f"]) -> dict[str, int]:
@@ -346,7 +357,7 @@ FAMILY = Family(
     registration=REGISTRATION,
     sizes=SIZES,
     megatron=megatron,
-    megatron_legacy=MEGATRON_LEGACY,
+    megatron_legacy=megatron_legacy,
     torch_dist=True,
     sizes_from_config=sizes_from_config,
     config_from_sizes=config_from_sizes,

@@ -72,6 +72,7 @@ FAMILY = Family(
     registration=REGISTRATION,
     sizes=llama.SIZES,
     megatron=partial(llama.megatron, qkv_bias=True),
+    megatron_legacy=partial(llama.megatron_legacy, qkv_bias=True),
     torch_dist=True,
     sizes_from_config=llama.sizes_from_config,
     config_from_sizes=config_from_sizes,

@@ -72,6 +72,34 @@ def test_hf_to_megatrons_legacy_model_and_back_gives_identical_logits(tmp_path):
 
 
 @pytest.mark.interop
+@pytest.mark.parametrize("name,spec", [("gpt2", "megatron-legacy-gpt2"), ("qwen2", "megatron-legacy-qwen2-tied"),
+                                       ("llama", "megatron-legacy-llama-tied")])
+def test_the_legacy_model_of_gpt2_qwen2_and_a_tied_llama_goes_there_and_back_with_identical_logits(tmp_path, name,
+                                                                                                  spec):
+    """Megatron-LM's legacy GPTModel of GPT-2 (learned positions, biases), Qwen2 (q/k/v biases) and Llama 3.2, all
+    tied (the last stage's ``word_embeddings_for_head``): at tp=2,pp=2, read back by its args, restaged to tp=1,
+    pp=2, and to Hugging Face the same class, the files bit for bit and identical logits."""
+    import torch
+    from interop.test_families_real import _logits, _save_tiny
+    from safetensors.torch import load_file
+
+    require("transformers")
+    model_class = _save_tiny(name, tmp_path / "hf")
+    reshard.convert(tmp_path / "hf", tmp_path / "legacy", format="megatron", to="tp=2,pp=2", spec=spec)
+    last = torch.load(tmp_path / "legacy" / "iter_0000000" / "mp_rank_01_001" / "model_optim_rng.pt",
+                      weights_only=False)["model"]
+    assert sorted(last) == ["language_model", "word_embeddings_for_head"] and list(last["language_model"]) == ["encoder"]
+    assert reshard.open_checkpoint(tmp_path / "legacy").spec_name == spec
+    reshard.convert(tmp_path / "legacy", tmp_path / "pp2", to="tp=1,pp=2")
+    reshard.convert(tmp_path / "pp2", tmp_path / "back", format="hf")
+    files, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(files) and all(torch.equal(back[k], v) for k, v in files.items())
+    ids = torch.arange(12).reshape(2, 6)
+    (cls_a, a), (cls_b, b) = _logits(model_class, tmp_path / "hf", ids), _logits(model_class, tmp_path / "back", ids)
+    assert cls_a is cls_b is model_class and torch.equal(a, b)
+
+
+@pytest.mark.interop
 def test_a_mixtral_to_megatron_moe_and_back_gives_identical_logits(tmp_path):
     """MixtralForCausalLM -> Megatron-core MoE (SequentialMLP experts) at tp=2,pp=2,ep=2 -> tp=1,pp=4,vpp=2,ep=4
     -> HF."""

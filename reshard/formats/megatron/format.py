@@ -141,7 +141,7 @@ class MegatronFormat:
                 raise CheckpointFormatError(
                     f"{first_path}: GPT-2-style models are supported with the output layer tied to the embedding "
                     "(args.untie_embeddings_and_output_weights is True); give a spec for this one")
-            spec = spec_name(family, distopt=distopt)
+            spec = None if _is_legacy(first) else spec_name(family, distopt=distopt)
         if spec is None and family.experts:
             if tied:
                 raise CheckpointFormatError(
@@ -151,12 +151,11 @@ class MegatronFormat:
                              mtp=bool(args.get("mtp_num_layers")), experts=moe_experts.impl_from_args(args),
                              etp1=whole_experts(topo))
         if spec is None and _is_legacy(first):
-            if tied or distopt:
+            if distopt:
                 raise CheckpointFormatError(
-                    f"{first_path}: a legacy (non-mcore) model with {'tied embeddings' if tied else ''}"
-                    f"{' and ' if tied and distopt else ''}{'the distributed optimizer' if distopt else ''}; the "
-                    f"legacy layout is untied with Megatron's plain optimizer: give a spec for this one")
-            spec = spec_name(family, legacy=True)
+                    f"{first_path}: a legacy (non-mcore) model with the distributed optimizer; the legacy layout "
+                    "holds Megatron's plain optimizer: give a spec for this one")
+            spec = spec_name(family, legacy=True, tied=tied)
         name = spec or spec_name(family, tied=tied, distopt=distopt, local=args.get("transformer_impl") == "local")
         spec_ast = layout_spec(name)
         per_ep = _per_ep(spec_ast)

@@ -32,7 +32,7 @@ def spec_name(family: Family, *, tied: bool = False, distopt: bool = False, ep: 
     ``distrib_optim.pt`` holds them; ``experts``: ``-grouped`` or ``-tegrouped`` (``reshard.models.moe_experts``);
     ``etp1``: experts whole on every tp rank (expert tensor parallelism 1)."""
     if legacy:
-        return f"megatron-legacy-{family.name}"
+        return f"megatron-legacy-{family.name}{'-tied' if tied and family.can_tie else ''}"
     parts = ["megatron", family.name]
     if tied and family.can_tie:
         parts.append("tied")
