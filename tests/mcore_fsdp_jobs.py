@@ -1,7 +1,7 @@
 """Real Megatron-FSDP ``fsdp_dtensor`` checkpoints, written on CPU with gloo.
 
 Importable (no side effects) and runnable as a script. ``save`` runs ``python tests/mcore_fsdp_jobs.py save
-DP OUT``: ``dp`` ranks each build ``mcore_jobs``'s Llama-style ``GPTModel`` (local layers, fp32), wrap it in
+DP OUT TP``: ``tp * dp`` ranks each build ``mcore_jobs``'s Llama-style ``GPTModel`` (local layers, fp32), wrap it in
 megatron-core 0.16's ``FullyShardedDataParallel`` (``use_megatron_fsdp``, ``optim_grads_params``: weights,
 gradients and optimizer state sharded over dp), take one Adam step with its ``DistributedOptimizer`` and save
 what Megatron's trainer saves for ``--ckpt-format fsdp_dtensor``: ``{"model": the wrapper's state_dict(),
@@ -11,7 +11,8 @@ what Megatron's trainer saves for ``--ckpt-format fsdp_dtensor``: ``{"model": th
 .save``. Each rank also gathers every DTensor it saved to the whole tensor (its chunk and offsets from
 megatron-core's own uneven-chunk metadata) and rank 0 dumps them to ``OUT/../full.pt``, keyed as stored.
 
-CPU stand-ins, in this process only: CUDA streams and the device index (``MegatronFSDP.__init__``), the
+CPU stand-ins, in this process only: at tp > 1 Transformer Engine's linear type and the CUDA RNG states synced
+over tp (``mcore_fsdp_adapter``); CUDA streams and the device index (``MegatronFSDP.__init__``), the
 device meshes' device type (``mcore_fsdp_adapter._init_dist_index`` builds them for "cuda"), ``Tensor.cuda``
 (``uneven_dtensor.validate_uneven_dtensor``) and tensors made ``device="cuda"`` (the optimizer's overflow flag).
 """
@@ -28,10 +29,10 @@ from jobs import exit_now, run_ranks
 ITERATION = 7
 
 
-def save(out: Path, dp: int) -> None:
-    """A real fsdp_dtensor checkpoint at ``out``, written by ``dp`` ranks; the saved tensors whole in
+def save(out: Path, dp: int, tp: int = 1) -> None:
+    """A real fsdp_dtensor checkpoint at ``out``, written by ``tp * dp`` ranks; the saved tensors whole in
     ``out.parent / "full.pt"``."""
-    run_ranks(__file__, ["save", str(dp), str(out)], "Megatron-FSDP")
+    run_ranks(__file__, ["save", str(dp), str(out), str(tp)], "Megatron-FSDP")
 
 
 def _cpu_only(torch) -> None:
@@ -44,6 +45,11 @@ def _cpu_only(torch) -> None:
         def synchronize(self): ...
 
     mcore_moe_jobs.cpu_only(torch)
+    import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
+
+    if not isinstance(adapter.TELinear, type):  # a stand-in object without Transformer Engine; tp > 1 tests it
+        adapter.TELinear = type("NoTransformerEngine", (), {})
+    adapter.FullyShardedDataParallel.sync_rng_states_across_tp_group = lambda self: None  # CUDA RNG states only
     torch.cuda.current_device = lambda: 0
     torch.cuda.Stream = Stream
     torch.cuda.stream = lambda s: contextlib.nullcontext()
@@ -70,7 +76,7 @@ def _whole(torch, dist, dtensor):
     return whole
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, tp: int) -> None:
     import torch
 
     _cpu_only(torch)
@@ -98,8 +104,8 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     )
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    a = _args(1, 1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    a = _args(tp, 1)
     vars(a).update(transformer_impl="local", use_megatron_fsdp=True, ckpt_format="fsdp_dtensor",
                    use_distributed_optimizer=True, data_parallel_sharding_strategy="optim_grads_params")
     config = TransformerConfig(
@@ -108,7 +114,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
         use_cpu_initialization=True, params_dtype=torch.float32)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                     vocab_size=padded_vocab(1), max_sequence_length=64, share_embeddings_and_output_weights=False,
+                     vocab_size=padded_vocab(tp), max_sequence_length=64, share_embeddings_and_output_weights=False,
                      position_embedding_type="rope")
     ddp = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
                                         data_parallel_sharding_strategy="optim_grads_params")
@@ -147,6 +153,6 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    dp, out = int(sys.argv[2]), sys.argv[3]
+    dp, out, tp = int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     os.makedirs(out, exist_ok=True)
-    mp.spawn(_rank, args=(dp, int(os.environ["RESHARD_MCORE_PORT"]), out), nprocs=dp)
+    mp.spawn(_rank, args=(tp * dp, int(os.environ["RESHARD_MCORE_PORT"]), out, tp), nprocs=tp * dp)

@@ -70,23 +70,28 @@ def flat(path, tmp_path, name: str) -> dict:
 
 
 @pytest.mark.interop
-def test_a_real_megatron_fsdp_checkpoint_is_read_by_name_and_converts_bit_exact(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_real_megatron_fsdp_checkpoint_is_read_by_name_and_converts_bit_exact(tmp_path, tp):
+    """At dp 2, and at tp 2 x dp 2 (each tensor global: tensor parallelism folded into the DTensor)."""
     require("megatron.core")
     src = tmp_path / "src"
-    mcore_fsdp_jobs.save(src, 2)
+    mcore_fsdp_jobs.save(src, 2, tp)
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     # On disk: plain DCP (no metadata.json, no common.pt), one uneven Shard(0) chunk per rank, SwiGLU split
-    assert sorted(p.name for p in src.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in src.iterdir()) == [".metadata", *(f"__{r}_0.distcp" for r in range(2 * tp))]
     md = read_metadata(src)
     assert {"args", "iteration", "checkpoint_version"} <= set(md.byte_entries)
     qkv = md.tensors[f"{MODEL}decoder.layers.0.self_attention.linear_qkv.weight"]
-    assert sorted(c.offsets[1] for c in qkv.chunks) == [0, 0] and len({c.sizes[0] for c in qkv.chunks}) == 2
+    assert qkv.size == (S["g"] * (S["heads"] // S["g"] + 2) * S["hd"], S["h"])
+    if tp == 1:
+        assert sorted(c.offsets[1] for c in qkv.chunks) == [0, 0] and len({c.sizes[0] for c in qkv.chunks}) == 2
     assert f"{MODEL}decoder.layers.0.mlp.linear_fc1.weight" not in md.tensors
     assert md.tensors[f"{OPTIM}decoder.layers.0.mlp.linear_fc1.weight_w.exp_avg"].size == (S["f"], S["h"])
 
     source = reshard.open_checkpoint(src)
     assert (source.format, source.spec_name, source.model.family) == ("mcore-fsdp", "mcore-dist-llama", "llama")
-    assert (source.progress.iteration, source.progress.step, source.topology.dp) == (mcore_fsdp_jobs.ITERATION, 1, 2)
+    assert (source.progress.iteration, source.progress.step) == (mcore_fsdp_jobs.ITERATION, 1)
+    assert (source.topology.tp, source.topology.dp) == (tp, 2)
     assert set(source.layout.states) == {"param", "master", "exp_avg", "exp_avg_sq"}
 
     reshard.convert(src, tmp_path / "hf", format="hf")
