@@ -9,6 +9,8 @@ from conftest import require
 
 import reshard
 from reshard.errors import CheckpointFormatError
+from reshard.formats.megatron.dist_zero import sharding_type
+from reshard.io.dcp_metadata import read_metadata
 
 
 @pytest.mark.interop
@@ -80,9 +82,10 @@ def test_expert_tensor_parallelism_the_torch_format_cannot_hold_is_refused_namin
 
 
 @pytest.mark.interop
-def test_real_torch_dist_at_etp1_with_dp_reshardable_state_reads_every_expert_and_resumes_at_tp1(tmp_path):
+@pytest.mark.parametrize("sharding", ["dp_reshardable", "dp_zero_gather_scatter"])
+def test_real_torch_dist_at_etp1_reads_every_expert_s_optimizer_state_and_resumes_at_tp1(tmp_path, sharding):
     """megatron-core at tp=2, ep=2, etp=1, dp=2 (world 4; bf16, buckets of 4000 elements) saves torch_dist with
-    dp_reshardable state: the experts' optimizer (``chained_1.``) numbers its groups over etp * ep = 2 and holds whole
+    ``sharding`` state: the experts' optimizer (``chained_1.``) numbers its groups over etp * ep = 2 and holds whole
     experts -> every expert's fp32 main param and Adam moments as the run held them (Hugging Face's fused
     ``gate_up_proj`` / ``down_proj``); -> dp_reshardable at tp=1, ep=1, which megatron-core loads and steps on,
     and which holds what the source holds, every main param and moment."""
@@ -90,13 +93,18 @@ def test_real_torch_dist_at_etp1_with_dp_reshardable_state_reads_every_expert_an
     import torch
     from test_megatron_moe import collect
 
+    import mcore_dist_bucket_jobs
     import mcore_moe_jobs as jobs
 
     S = jobs.SIZES
     run = {"bf16": True, "bucket_size": 4000}
-    jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=2, pp=1, ep=2, dp=2, distopt=True, torch_dist=True, etp=1,
-              **run)
+    if sharding == "dp_reshardable":
+        jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=2, pp=1, ep=2, dp=2, distopt=True, torch_dist=True,
+                  etp=1, **run)
+    else:
+        mcore_dist_bucket_jobs.save(tmp_path / "src", tmp_path / "dump-src", 2, 2, sharding, ep=2, etp=1, **run)
     ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
+    assert sharding_type({}, read_metadata(ckpt)) == sharding
     mine = reshard.load(ckpt, to="dp=1", format="dcp", rank=0)
     held = {s: mine.state_dict(s) for s in ("master", "exp_avg", "exp_avg_sq")}
     want = collect(tmp_path / "dump-src", 1, 2, S, only=lambda n: ".local_experts." in n)
