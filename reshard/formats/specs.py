@@ -321,8 +321,11 @@ def megatron_legacy(family: Family, options: tuple[str, ...]) -> str:
     tied = _flag(options, "tied", family)
     body = family.megatron_legacy(tied) if family.megatron_legacy is not None else None
     if body is None:
+        legacy = ", ".join(n for n in FAMILIES if get_family(n).megatron_legacy is not None)
         raise SpecError(f"megatron-legacy-{family.name}: no legacy Megatron-LM layout for {family.name}"
-                        f"{' tied' if tied else ''}{_why_not(family)}")
+                        f"{' tied' if tied else ''}{_why_not(family)}: Megatron-LM's legacy model (--use-legacy-"
+                        f"models) holds {legacy} only, its attention without a window or q/k norms"
+                        + (f"; the megatron-core layout is megatron-{family.name}" if family.megatron else ""))
     return "\n".join([family.logical_text(tied), "section model per tp pp", body]) + "\n"
 
 

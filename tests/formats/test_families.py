@@ -128,3 +128,11 @@ def test_a_spec_name_of_no_family_or_option_is_a_spec_error():
         spec_text("safetensors-llama")
     with pytest.raises(CheckpointFormatError, match=r"model_type 'granite' is not a model family"):
         family_for_config({"model_type": "granite"})
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen3"])
+def test_a_family_megatron_lms_legacy_model_cannot_hold_is_refused_saying_why(name):
+    with pytest.raises(SpecError, match=rf"^megatron-legacy-{name}: no legacy Megatron-LM layout for {name}: "
+                                        r"Megatron-LM's legacy model .* holds llama, qwen2, gpt2 only, its attention "
+                                        rf"without a window or q/k norms; the megatron-core layout is megatron-{name}$"):
+        spec_text(f"megatron-legacy-{name}")
