@@ -52,10 +52,7 @@ def module_layout(family: Family, sizes: dict[str, int], where: object, tied: bo
 def module_tied(family: Family, config: object) -> bool:
     """Whether transformers' module of ``family`` with ``config`` (a config.json's dict, or None) ties its output
     projection to the embedding: always, never, or as the config says."""
-    if not family.can_tie:
-        return family.tied_default
-    tied = config.get("tie_word_embeddings", family.tied_default) if isinstance(config, dict) else family.tied_default
-    return bool(tied)
+    return family.config_ties(config) if family.can_tie else family.tied_default
 
 
 def view_layout(layout: Layout, family: Family, sizes: dict[str, int], where: object,

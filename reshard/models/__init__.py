@@ -98,7 +98,7 @@ def megatron_family_of_config(family: Family, config: Mapping[str, Any], where: 
     if family.megatron_args is None:
         return None
     sizes = family.sizes_from_config(config, where)
-    tied = bool(config.get("tie_word_embeddings", family.tied_default))
+    tied = family.config_ties(config)
     args = family.megatron_args(sizes, tied) | family.args_from_config(config)
     if family.megatron_moe_args is not None:
         args |= family.megatron_moe_args(sizes, config, {}, where)

@@ -133,6 +133,13 @@ class Family:
         """The tensors a checkpoint of this family stores, with the output projection tied or not."""
         return tuple(t for t in self.tensors if not (tied and t.untied_only))
 
+    def config_ties(self, config: Any) -> bool:
+        """What a Hugging Face config (a config.json's dict) of this family says of tying the output projection to
+        the embedding: ``tie_word_embeddings``, by default the family's; anything but a dict says the default."""
+        if not isinstance(config, Mapping):
+            return self.tied_default
+        return bool(config.get("tie_word_embeddings", self.tied_default))
+
     def tied_in(self, names: Collection[str]) -> bool:
         """Whether a checkpoint holding tensors ``names`` ties the output projection to the embedding."""
         if not self.can_tie:

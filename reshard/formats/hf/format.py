@@ -262,7 +262,7 @@ def hf_spec_name(family: Family | None, config: Mapping[str, Any], where: Path) 
     config ties the output projection to the embedding."""
     if family is None:
         raise CheckpointFormatError(f"{where}: no model family; pass a spec")
-    tied = bool(config.get("tie_word_embeddings", family.tied_default))
+    tied = family.config_ties(config)
     if tied and not family.can_tie and not family.tied_default:
         raise CheckpointFormatError(f"{where}: tied {family.name} checkpoints are not supported yet "
                                     "(tie_word_embeddings is true)")

@@ -449,8 +449,9 @@ def _tied(family: Family | None, args: Mapping[str, Any] | None, config: Any) ->
     ``untie_embeddings_and_output_weights``), else the carried config (the family's default)."""
     if args is not None:
         return not args.get("untie_embeddings_and_output_weights", False)
-    default = family.tied_default if family else False
-    return bool(config.get("tie_word_embeddings", default)) if isinstance(config, Mapping) else default
+    if family is not None:
+        return family.config_ties(config)
+    return bool(config.get("tie_word_embeddings", False)) if isinstance(config, Mapping) else False
 
 
 def _group_step(common: Mapping[str, Any], where: Path) -> int | None:
