@@ -319,7 +319,8 @@ def _load_torch_dist(ckpt: Path, model, optimizer, expected: dict) -> None:
             if step is not None:
                 held["step"] = step
         o._set_main_param_and_optimizer_states = without_step
-    optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # fp32 runs' main params are views of the weights, which require grad
+        optimizer.load_state_dict(state["optimizer"])
     for o in optimizer.chained_optimizers if full else ():
         del o._set_main_param_and_optimizer_states
     # Without Apex or TE, load_state_dict gives every torch Adam state one shared 'step' tensor (which

@@ -130,7 +130,70 @@ def test_a_real_megatron_fsdp_checkpoint_is_read_by_name_and_converts_bit_exact(
             assert torch.equal(got[f"optim.state.{k}.{state}"], v), (k, state)
 
 
-def no_family_checkpoint(path) -> dict:
+def by_global_name(full: dict) -> dict[tuple[str, str], torch.Tensor]:
+    """``full.pt`` of an MoE run as ``test_megatron_moe.collect`` gives megatron-core's own dumps: (Megatron name
+    under global layer and expert numbers, ``value`` or an optimizer state) -> the flat tensor; SwiGLU's halves
+    joined again, the weights doubling as the fp32 main params (``param``)."""
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    for state in ("param", "exp_avg", "exp_avg_sq", "step"):
+        named = megatron(full, state)
+        for name, t in named.items():
+            if name.endswith(".weight_v"):
+                continue
+            if name.endswith(".weight_w"):
+                name, t = name[:-2], t if state == "step" else torch.cat([t, named[f"{name[:-2]}_v"]])
+            t = t.reshape(1) if state == "step" else t.flatten()
+            out[name, state] = t
+            if state == "param":
+                out[name, "value"] = t
+    return out
+
+
+@pytest.mark.interop
+def test_a_real_megatron_fsdp_mixture_of_experts_converts_and_megatron_core_resumes_it(tmp_path):
+    """Megatron-FSDP trains a Mixtral-style model (SequentialMLP experts) one Adam step at ep 2, dp 4 (each expert
+    sharded over the expert data-parallel group, keyed by its global number) -> Hugging Face, every weight
+    bit-exact; -> torch_dist at ep 2, dp 2 with dp_reshardable state (a dense and an expert optimizer), which
+    megatron-core's DistributedOptimizer resumes with every weight, fp32 main param, Adam moment and step equal
+    to what the Megatron-FSDP run saved."""
+    require("megatron.core")
+    import mcore_moe_jobs
+    from test_mcore_dist_moe import assert_same_values, hf_of
+    from test_mcore_dist_moe_optim import assert_same_but_padding
+    from test_megatron_moe import collect
+
+    src = tmp_path / "src"
+    mcore_fsdp_jobs.save(src, 4, 1, ep=2)
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    md = read_metadata(src)
+    assert {f"{MODEL}decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight_w" for e in range(4)} \
+        <= set(md.tensors)
+    want = by_global_name(full)
+    source = reshard.open_checkpoint(src)
+    assert (source.spec_name, source.model.family, source.progress.step) == ("mcore-dist-mixtral-local", "mixtral", 1)
+
+    reshard.convert(src, tmp_path / "hf", format="hf")
+    assert_same_values(load_file(tmp_path / "hf" / "model.safetensors"), hf_of(want, "mixtral"), "hf")
+
+    reshard.convert(src, tmp_path / "dist", format="mcore-dist", to="tp=1,dp=2,ep=2,zero=1")
+    assert any(k.startswith("chained_1.") for k in read_metadata(tmp_path / "dist").tensors)
+    mcore_moe_jobs.load(tmp_path / "dist", tmp_path / "resumed", tp=1, pp=1, ep=2, dp=2, distopt=True,
+                        torch_dist=True)
+    got = collect(tmp_path / "resumed", 1, 2, mcore_moe_jobs.SIZES)
+    steps = {k for k in got if k[1] == "step"}
+    assert steps and all(got[k].item() == 1 for k in steps)
+    assert_same_but_padding({k: v for k, v in got.items() if k[1] != "step"},
+                            {k: v for k, v in want.items() if k[1] != "step"}, "resumed")
+
+
+def test_a_checkpoint_whose_args_say_pipeline_parallel_is_refused(tmp_path):
+    """Megatron-FSDP builds its device meshes over dp, ep and tp alone: no run of it saves pipeline stages."""
+    no_family_checkpoint(tmp_path / "src", pp=2)
+    with pytest.raises(CheckpointFormatError, match=r"pipeline_model_parallel_size is 2: Megatron-FSDP"):
+        reshard.open_checkpoint(tmp_path / "src")
+
+
+def no_family_checkpoint(path, pp: int = 1) -> dict:
     """An fsdp_dtensor checkpoint as Megatron-FSDP lays one out (weights under ``model.module.``, Adam's state under
     ``optimizer.state.module.module.``, a 0-d step per parameter, ``args``/``iteration``/``checkpoint_version``),
     written by ``dcp.save`` in one process, whose args describe no family (no SwiGLU); the weights and states by
@@ -139,7 +202,7 @@ def no_family_checkpoint(path) -> dict:
     shapes = {"embedding.word_embeddings.weight": (12, 8), "decoder.layers.0.self_attention.linear_qkv.weight": (24, 8),
               "decoder.layers.0.mlp.linear_fc1.weight": (16, 8), "decoder.final_layernorm.weight": (8,)}
     named = {s: {k: torch.randn(v, generator=gen) for k, v in shapes.items()} for s in ("param", "exp_avg")}
-    args = mcore_jobs._args(1, 1)
+    args = mcore_jobs._args(1, pp)
     args.swiglu = False
     dcp.save({"model": {f"module.{k}": v for k, v in named["param"].items()},
               "optimizer": {"state": {f"module.module.{k}": {"exp_avg": v, "step": torch.tensor(4.0)}

@@ -12,6 +12,11 @@ How megatron-core 0.16 lays one out (``mcore_fsdp_adapter``, ``fsdp_dtensor_chec
   and the vocabulary padded, as torch_dist's are;
 - SwiGLU's ``linear_fc1.weight`` split in two (``handle_swiglu_in_state_dict``): ``linear_fc1.weight_w``, the
   gate of the whole ffn, and ``linear_fc1.weight_v``, the up projection; ``_extra_state`` entries dropped;
+- a mixture of experts' SequentialMLP experts under their global numbers (``handle_experts_in_state_dict``:
+  ``mlp.experts.local_experts.{e}.``, ep rank r holding ``r*E/ep ..``), each sharded over the expert
+  data-parallel group; the optimizer's keys name them the same way;
+- no pipeline stages: Megatron-FSDP builds its device meshes over dp, ep and tp alone
+  (``mcore_fsdp_adapter._get_dp_tp_mesh``), so args with pp > 1 are refused;
 - each DTensor ``Shard(0)`` over dp, of a flat buffer cut on row boundaries: one chunk per rank, uneven
   (megatron-core writes the chunk list itself), a rank without rows writing none;
 - the optimizer's state as ``optimizer.state.<param name>.<exp_avg|exp_avg_sq|step>``, the parameter named as
@@ -23,8 +28,9 @@ How megatron-core 0.16 lays one out (``mcore_fsdp_adapter``, ``fsdp_dtensor_chec
 
 A model family with a torch_dist layout (from ``args``, or a ``config.json`` beside the checkpoint or its
 parent) lays the weights out as torch_dist's global tensors (``mcore-dist-<family>``): a layer's tensor is
-row ``n`` of the stacked one, ``weight_w``/``weight_v`` its first and second half; so every target that
-converts torch_dist converts this too. Without one, each stored tensor is its own, under its Megatron name
+row ``n`` of the stacked one (an expert's, row ``(n, e)``), ``weight_w``/``weight_v`` its first and second half;
+so every target that converts torch_dist converts this too. The run's args are carried to a Megatron target
+(precision, buckets, optimizer), Megatron-FSDP's own switches set back to the trainer's defaults. Without one, each stored tensor is its own, under its Megatron name
 (``mcore-fsdp-derived``): it converts to the formats that keep tensors by name (dcp, deepspeed), and a target
 that needs a family (hf, megatron, mcore-dist) is refused by that target, saying so. Writing this format is not
 supported.
@@ -60,6 +66,7 @@ from reshard.formats.megatron.args import _sizes_from_args
 from reshard.formats.megatron.dist_moe import is_grouped, is_local
 from reshard.formats.megatron.dist_moe import spec_name as _spec_name
 from reshard.formats.megatron.identity import agreed_family, read_carried
+from reshard.formats.megatron.state import TORCH_DIST_KEY, TorchDistState
 from reshard.formats.megatron.torch_dist import METADATA_JSON, _args_of, _parallel, _tied, whole_tensors
 from reshard.formats.specs import layout_spec
 from reshard.io.dcp_metadata import METADATA_NAME, DcpMetadata, read_metadata
@@ -72,6 +79,7 @@ _MODEL = "model."
 _STATE = "optimizer.state."
 _WRAPPERS = re.compile(r"(?:module\.)*")
 _LAYER = re.compile(r"((?:decoder|mtp)\.layers\.)([0-9]+)\.(.*)")
+_EXPERT = re.compile(r"(.*\.mlp\.experts\.)local_experts\.([0-9]+)\.(linear_fc[12]\..*)")
 _HALVES = {"weight_w": 0, "weight_v": 1}
 _LOCAL_NORMS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
                 ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
@@ -124,6 +132,11 @@ class McoreFsdpFormat:
         path = as_path(path)
         md = read_metadata(path)
         args = _args_of({"args": _entry(path, md, "args")})
+        if args is not None and (pp := args.get("pipeline_model_parallel_size") or 1) != 1:
+            raise CheckpointFormatError(
+                f"{path / METADATA_NAME}: args.pipeline_model_parallel_size is {pp}: Megatron-FSDP builds its device "
+                "meshes over dp, ep and tp only, so its fsdp_dtensor checkpoints have no pipeline stages; this one "
+                "was not saved by a Megatron-FSDP run reshard knows")
         carried, config_path = read_carried(path, path.parent)
         family = agreed_family(args, carried, path / METADATA_NAME, config_path, spec=spec)
         derived = spec is None and (family is None or not family.torch_dist)
@@ -155,11 +168,11 @@ class McoreFsdpFormat:
         archives: dict[str, Any] = {}
         for key, (name, state) in named.items():
             t = md.tensors[key]
-            place = _place(name, t.size, by_key, whole) if not derived else (name, 0, None)
+            place = _place(name, t.size, by_key, whole) if not derived else (name, 0, ())
             if isinstance(place, str):
                 problems.append(f"'{key}' ({t.dtype} {list(t.size)}): {place} in spec '{spec_name}'")
                 continue
-            whole_key, shift, layer = place
+            whole_key, shift, lead = place
             if t.dtype not in SUPPORTED:
                 problems.append(f"'{key}' has dtype {t.dtype}, which reshard cannot copy")
                 continue
@@ -174,8 +187,7 @@ class McoreFsdpFormat:
                     continue
                 offsets, lengths = list(c.offsets), list(c.sizes)
                 offsets[0] += shift
-                if layer is not None:
-                    offsets, lengths = [layer, *offsets], [1, *lengths]
+                offsets, lengths = [*lead, *offsets], [*(1 for _ in lead), *lengths]
                 item = Item("model", (), 0, state, f"{key}@{','.join(map(str, c.offsets))}")
                 mine = [replace(f, state=state) for f in chunk_fragments(frags_of.get(whole_item, []), shape,
                                                                           tuple(offsets), tuple(lengths), item)]
@@ -207,8 +219,10 @@ class McoreFsdpFormat:
                             step=_step(path, md))
         model = replace(carried, family=family.name if family else None,
                         hints=family.config_hints(args) if family and args and family.config_hints else {})
+        carried_state = TorchDistState(args=_unsharded(args), iteration=progress.iteration)
         return Source(format=self.name, path=path, spec_name=spec_name, spec=spec_ast, topology=topology,
-                      sizes=model_sizes, layout=layout, where=where, model=model, progress=progress, extra={})
+                      sizes=model_sizes, layout=layout, where=where, model=model, progress=progress,
+                      extra={TORCH_DIST_KEY: carried_state} if args else {})
 
     def target(self, source: Source, topology: Topology, *, spec: str | None = None) -> Target:
         raise CheckpointFormatError("reshard reads Megatron-FSDP fsdp_dtensor checkpoints but does not write them; "
@@ -219,6 +233,19 @@ class McoreFsdpFormat:
 
     def write(self, *a, **k) -> list[Path]:
         raise CheckpointFormatError("the mcore-fsdp format is read only")
+
+
+def _unsharded(args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The run's args as a Megatron target carries them (its model, precision, optimizer and buckets), with
+    Megatron-FSDP's own switches set to the trainer's defaults: the target is torch_dist (or the torch format)
+    written for the distributed optimizer, not Megatron-FSDP."""
+    if not args:
+        return {}
+    out = dict(args)
+    out.update(use_megatron_fsdp=False, ckpt_format="torch_dist", data_parallel_sharding_strategy="no_shard")
+    if "use_custom_fsdp" in out:
+        out["use_custom_fsdp"] = False
+    return out
 
 
 def _is_fsdp_dtensor(md: DcpMetadata) -> bool:
@@ -250,25 +277,28 @@ def _step(path: Path, md: DcpMetadata) -> int | None:
 
 
 def _place(name: str, size: tuple[int, ...], by_key: Mapping[str, Item], whole: Layout) -> tuple | str:
-    """Where a stored tensor lies in the family's torch_dist tensors: ``(key, rows shifted, layer or None)``,
-    or why it has no place."""
+    """Where a stored tensor lies in the family's torch_dist tensors: ``(key, rows shifted, leading indices)`` (the
+    layer and expert numbers of a stacked key, outermost first), or why it has no place."""
     base, shift = name, 0
     head, _, last = name.rpartition(".")
     if last in _HALVES:
         base, shift = f"{head}.weight", _HALVES[last] * size[0]
-    key, layer = base, None
+    lead: tuple[int, ...] = ()
+    if m := _EXPERT.fullmatch(base):  # SequentialMLP's experts, numbered globally: stacked on an expert dim
+        base, lead = f"{m.group(1)}experts.{m.group(3)}", (int(m.group(2)),)
+    key = base
     if (m := _LAYER.fullmatch(base)) and base not in by_key:
         rest = next((fused + m.group(3)[len(local):] for local, fused in _LOCAL_NORMS
                      if m.group(3).startswith(local) and f"{m.group(1)}{m.group(3)}" not in by_key), m.group(3))
-        key, layer = f"{m.group(1)}{rest}", int(m.group(2))
+        key, lead = f"{m.group(1)}{rest}", (int(m.group(2)), *lead)
     if key not in by_key:
         return "no tensor of that name"
     shape = whole.items[by_key[key]].shape
     rows = size[0] * (2 if last in _HALVES else 1)
-    expect = (*(() if layer is None else (shape[0],)), rows, *size[1:]) if size else ()
-    if expect != shape or (layer is not None and layer >= shape[0]):
+    expect = (*shape[:len(lead)], rows, *size[1:]) if size else ()
+    if expect != shape or any(i >= n for i, n in zip(lead, shape)):
         return f"the stored shape does not fit {key}'s {list(shape)}"
-    return key, shift, layer
+    return key, shift, lead
 
 
 def _sizes(path: Path, md: DcpMetadata, named: Mapping[str, tuple[str, str]], args: Mapping[str, Any] | None,

@@ -138,9 +138,10 @@ class TorchDistState:
 
 
 def carried_args(source: Source) -> dict[str, Any]:
-    """A copy of the Megatron ``args`` a source carries: a ``megatron`` or an ``mcore-dist`` one's; else {}."""
+    """A copy of the Megatron ``args`` a source carries: a ``megatron``, ``mcore-dist`` or ``mcore-fsdp`` one's; else
+    {}."""
     state = source.extra.get(KEY) if source.format == "megatron" else \
-        source.extra.get(TORCH_DIST_KEY) if source.format == "mcore-dist" else None
+        source.extra.get(TORCH_DIST_KEY) if source.format in ("mcore-dist", "mcore-fsdp") else None
     return dict(state.args) if isinstance(state, MegatronState | TorchDistState) else {}
 
 
