@@ -9,6 +9,7 @@ from conftest import require
 
 import reshard
 from reshard.errors import CheckpointFormatError
+from reshard.formats.megatron.dist_optim import _object
 from reshard.formats.megatron.dist_zero import sharding_type
 from reshard.io.dcp_metadata import read_metadata
 
@@ -87,8 +88,10 @@ def test_real_torch_dist_at_etp1_reads_every_expert_s_optimizer_state_and_resume
     """megatron-core at tp=2, ep=2, etp=1, dp=2 (world 4; bf16, buckets of 4000 elements) saves torch_dist with
     ``sharding`` state: the experts' optimizer (``chained_1.``) numbers its groups over etp * ep = 2 and holds whole
     experts -> every expert's fp32 main param and Adam moments as the run held them (Hugging Face's fused
-    ``gate_up_proj`` / ``down_proj``); -> dp_reshardable at tp=1, ep=1, which megatron-core loads and steps on,
-    and which holds what the source holds, every main param and moment."""
+    ``gate_up_proj`` / ``down_proj``); -> dp_reshardable at the same layout (etp=1 written: for a dp_reshardable
+    source every optimizer key, chunk and bytes entry as megatron-core saved them), which megatron-core resumes
+    with every rank's weights, main params and Adam moments equal to the run's; -> dp_reshardable at tp=1, ep=1,
+    which megatron-core loads and steps on, and which holds what the source holds, every main param and moment."""
     require("megatron.core")
     import torch
     from test_megatron_moe import collect
@@ -119,6 +122,21 @@ def test_real_torch_dist_at_etp1_reads_every_expert_s_optimizer_state_and_resume
         assert torch.equal(got[e].flatten(), value), (name, state)
     assert len(want) == S["layers"] * S["experts"] * 2 * 5
 
+    # Written back at etp = 1 (tp 2, ep 2): megatron-core's own keys, chunks and bytes entries, and its resume
+    reshard.convert(ckpt, tmp_path / "same", format="mcore-dist", to="tp=2,pp=1,dp=2,ep=2,etp=1,zero=1")
+    if sharding == "dp_reshardable":
+        real, ours = read_metadata(ckpt), read_metadata(tmp_path / "same")
+        optim = {k for k in real.tensors if k.startswith("chained_")}
+        assert optim == {k for k in ours.tensors if k.startswith("chained_")}
+        for key in optim:
+            assert sorted((c.offsets, c.sizes) for c in ours.tensors[key].chunks) == \
+                sorted((c.offsets, c.sizes) for c in real.tensors[key].chunks), key
+        entries = [k for k in real.byte_entries if k.startswith("chained_")]
+        assert entries and all(_object(tmp_path / "same", ours, k) == _object(ckpt, real, k) for k in entries)
+    jobs.load(tmp_path / "same", tmp_path / "dump-same", tp=2, pp=1, ep=2, dp=2, distopt=True, torch_dist=True,
+              etp=1, **run)
+    assert_same_per_rank(tmp_path / "dump-same", tmp_path / "dump-src", 4)
+
     reshard.convert(ckpt, tmp_path / "tp1", format="mcore-dist", to="tp=1,dp=1,ep=1,zero=1")
     jobs.load(tmp_path / "tp1", tmp_path / "dump-tp1", tp=1, pp=1, ep=1, dp=1, distopt=True, torch_dist=True, **run)
     resumed = reshard.load(tmp_path / "tp1", to="dp=1", format="dcp", rank=0)
@@ -128,11 +146,41 @@ def test_real_torch_dist_at_etp1_reads_every_expert_s_optimizer_state_and_resume
         assert all(torch.equal(again[k], v) for k, v in tensors.items()), state
 
 
-def test_dp_reshardable_state_at_an_expert_tensor_parallelism_other_than_tp_is_not_written(tmp_path):
-    """Read, but not written: refused by name before any file is made, never laid out at etp = tp silently."""
-    from reshard.fixtures import make_fixture
+def assert_same_per_rank(got_dir, want_dir, ranks: int) -> None:
+    """Each rank's dump (``mcore_moe_jobs``: weights, and the main params and Adam moments of its shard) equal to
+    the same rank's in another run at the same layout, but the vocabulary's padding rows (which reshard writes as
+    zeros where the run kept what its optimizer made of them)."""
+    import torch
 
-    make_fixture(tmp_path / "src", format="mcore-dist", to="tp=1,ep=2,dp=2,zero=1", model="tiny-mixtral")
-    with pytest.raises(reshard.errors.TopologyError, match=r"etp\(1\) with tp\(2\): .* writes it at etp = tp only"):
-        reshard.convert(tmp_path / "src", tmp_path / "out", format="mcore-dist", to="tp=2,ep=2,etp=1,dp=2,zero=1")
-    assert not (tmp_path / "out").exists()
+    import mcore_moe_jobs as jobs
+
+    S, v = jobs.SIZES, jobs.SIZES["vocab"]
+    for r in range(ranks):
+        got, want = (torch.load(d / f"rank{r}.pt", weights_only=False) for d in (got_dir, want_dir))
+        assert got["coords"] == want["coords"] and got["params"].keys() == want["params"].keys()
+        rows = want["params"]["embedding.word_embeddings.weight"].shape[0]
+        real = max(0, min(rows, v - want["coords"]["tp"] * rows))  # this tp shard's rows inside the vocabulary
+
+        def kept(name: str, start: int, t: torch.Tensor) -> torch.Tensor:
+            if name not in ("embedding.word_embeddings.weight", "output_layer.weight") or t.dim() == 0:
+                return t
+            return t[:max(0, real * S["h"] - start)]
+        for name, value in want["params"].items():
+            assert torch.equal(kept(name, 0, got["params"][name].flatten()), kept(name, 0, value.flatten())), (r, name)
+        assert got["states"].keys() == want["states"].keys()
+        for name, states in want["states"].items():
+            for k, (a, z, t) in states.items():
+                ga, gz, gt = got["states"][name][k]
+                assert (ga, gz) == (a, z) and torch.equal(kept(name, a, gt), kept(name, a, t)), (r, name, k)
+
+
+def test_dp_reshardable_state_at_an_expert_tensor_parallelism_other_than_1_or_tp_is_not_written():
+    """Refused by name before any bucket is laid out, never laid out at another etp silently."""
+    from reshard.core.topology import Topology
+    from reshard.formats.megatron.dist_optim_target import bucket_target
+    from reshard.models import get_family
+
+    with pytest.raises(reshard.errors.TopologyError, match=r"etp\(2\) with tp\(4\) at ep\(2\): .* at etp = tp or "):
+        bucket_target(get_family("mixtral"), {}, {}, Topology(tp=4, ep=2, etp=2, dp=2, zero=1))
+    with pytest.raises(reshard.errors.TopologyError, match=r"etp\(1\) with tp\(2\) at ep\(1\): .* with ep > 1"):
+        bucket_target(get_family("mixtral"), {}, {}, Topology(tp=2, ep=1, etp=1, dp=1, zero=1))

@@ -15,6 +15,11 @@ Adam's ``step`` in every group), ``per_bucket_numel`` and ``per_bucket_numel_unp
 (``[[{(param dtype, grad dtype): [elements per bucket]}, ...]]``, one dict per model chunk). ``common.pt`` gets the
 sharding type megatron-core's loader reads (``content_metadata``; per chained optimizer
 at ep > 1).
+
+Experts at expert tensor parallelism 1 (``etp=1`` in the topology, ep > 1) are whole on every tp rank: the
+expert optimizer numbers its groups over ep and pp alone (``ep_rank + ep * pp_rank``), its buffers come from the
+``-etp1`` layouts, and each is split over the expert data-parallel group of ``tp * dp * cp / ep`` ranks, rank
+``ep_rank + ep * (edp_rank + edp * pp_rank)`` (the expert rank generator's order at etp 1). Other etp are refused.
 """
 
 from __future__ import annotations
@@ -107,21 +112,29 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
         if args.get(flag):
             raise CheckpointFormatError(f"args.{flag} is set: reshard writes dp_reshardable state of one grad buffer "
                                         "with the default bucket padding only")
-    if family.experts and whole_experts(topology):
-        raise TopologyError(f"etp({topology.etp}) with tp({topology.tp}): reshard reads dp_reshardable state of "
-                            "experts split over another expert tensor parallelism than tp, but writes it at etp = tp "
-                            "only; convert at etp = tp (leave etp out of the topology)")
+    whole = bool(family.experts) and whole_experts(topology)
+    if whole and (topology.etp != 1 or topology.ep == 1):
+        raise TopologyError(f"etp({topology.etp}) with tp({topology.tp}) at ep({topology.ep}): reshard writes "
+                            "dp_reshardable state of experts at etp = tp or etp = 1 only, and at etp = 1 with ep > 1 "
+                            "(at ep 1 the whole experts would sit in the dense buffers, which reshard does not read)")
     ep = topology.ep if family.experts else 1
     tp = topology.tp
-    r = _buckets(family, args, sizes, Topology(tp=tp, pp=topology.pp, ep=ep, dp=ep), topology)
-    at_dp = _resolve(layout_spec(r.spec_name), Topology(tp=tp, pp=topology.pp, dp=topology.dp, ep=ep, vpp=r.vpp,
-                                                        stages=r.stages), r.sizes,
-                     {"model": (PARAM,), DENSE: (MASTER,), EXPERT: (MASTER,)})
+    r = _buckets(family, args, sizes, Topology(tp=tp, pp=topology.pp, ep=ep, dp=ep, etp=topology.etp if whole
+                                               else None), topology)
+    # The expert buffers are split over the expert data-parallel group: dp * cp / ep ranks at etp = tp, and
+    # tp * dp * cp / ep at etp = 1 (the expert rank generator's etp, ep, edp, pp over the same ranks), which a
+    # topology of tp * dp data-parallel ranks gives.
+    edp = topology.world_size // (topology.pp * ep) if whole else topology.edp
     shard: dict[tuple, int] = {}  # (buffer, bucket) -> L
-    for it, info in at_dp.items.items():
-        u = dict(it.unit)
-        if it.section in (DENSE, EXPERT) and u.get("dp", u.get("edp")) == 0:
-            shard[(_buffer_of(it), _bucket_item(it))] = info.shape[0]
+    for dp, sections in ((topology.dp, (DENSE, EXPERT) if not whole else (DENSE,)),
+                         *(((edp * ep // topology.cp, (EXPERT,)),) if whole else ())):
+        at_dp = _resolve(layout_spec(r.spec_name), Topology(tp=tp, pp=topology.pp, dp=dp, cp=topology.cp, ep=ep,
+                                                            vpp=r.vpp, stages=r.stages), r.sizes,
+                         {"model": (PARAM,), DENSE: (MASTER,), EXPERT: (MASTER,)})
+        for it, info in at_dp.items.items():
+            u = dict(it.unit)
+            if it.section in sections and u.get("dp", u.get("edp")) == 0:
+                shard[(_buffer_of(it), _bucket_item(it))] = info.shape[0]
     # A parameter keeps its row-major order in the buffer: it starts where a fragment of it sits, less that
     # fragment's offset in the parameter, and spans the whole parameter (rows that pad the vocabulary too).
     param_of = {(f.tensor, f.box.offsets, f.box.lengths, _buffer_of(f.item)[1:]):
@@ -131,7 +144,11 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
     for rank in range(topology.world_size):
         c = topology.coords(rank)
         writers.setdefault((DENSE, c["tp"], c["pp"], 0, c["dp"]), rank)
-        writers.setdefault((EXPERT, c["tp"], c["pp"], c["ep"], c["edp"]), rank)
+        if whole:  # etp = 1: rank = ep_rank + ep * (edp_rank + edp * pp_rank)
+            within = rank % (topology.world_size // topology.pp)
+            writers.setdefault((EXPERT, 0, c["pp"], within % ep, within // ep), rank)
+        else:
+            writers.setdefault((EXPERT, c["tp"], c["pp"], c["ep"], c["edp"]), rank)
     dtypes = buffer_dtypes(args)
     chunks: list[BucketChunk] = []
     padded: dict[str, list[int]] = {}
@@ -142,9 +159,11 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
         if section == DENSE and e:
             continue  # every ep rank holds the same dense buffer: ep 0's is the one laid out
         expert = section == EXPERT
-        group = t + tp * (e + ep * p) if expert else p * tp + t
+        if expert and whole and t:
+            continue  # whole experts: every tp unit holds the same expert buffer, numbered by ep and pp alone
+        group = t + (1 if whole else tp) * (e + ep * p) if expert else p * tp + t
         base = f"{f'chained_{int(expert)}.' if ep > 1 else ''}{PREFIX}dp_group_idx_{group}"
-        ranks = topology.edp if expert else topology.dp
+        ranks = edp if expert else topology.dp
         # per group: each model chunk's buffer (gbuf_idx), in chunk order
         unpadded.setdefault(base, [[] for _ in range(r.vpp)])[chunk] = list(r.unpadded[buffer])
         padded.setdefault(base, [[] for _ in range(r.vpp)])[chunk] = [shard[(buffer, b)] * ranks
