@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections import defaultdict
-from collections.abc import Collection, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from reshard.core.collector import collector_paused as _collector_paused
 from reshard.core.dtypes import itemsize
 from reshard.core.layout import MASTER, PARAM, Item, Layout, common_views, with_state_alias
 from reshard.core.planner import Plan
@@ -168,25 +167,6 @@ def plan(src: str | Path, *, to: str | Topology | None = None, format: str | Non
     """
     with _collector_paused():
         return _plan(src, to, format, spec, sizes, max_shard_size, vocab_pad, dist_optim=dist_optim)
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Planning allocates millions of small objects that form no cycles (items, fragments, copies); Python's
-    cyclic collector would walk all of them again and again, about half the time of a 100,000-tensor plan. It
-    is paused while planning and runs again afterwards. What planning made then joins the oldest generation
-    (``freeze`` then ``unfreeze``, both constant-time), so the collector's first young-generation pass does not
-    walk it once more; a caller that froze objects itself keeps them frozen."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if gc.get_freeze_count() == 0:
-            gc.freeze()
-            gc.unfreeze()
-        if enabled:
-            gc.enable()
 
 
 def _plan(src: str | Path, to: str | Topology | None, format: str | None, spec: str | None,

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import networkx as nx
-import numpy as np
 
-from reshard.core.geometry import Box, contains, intersect, subtract
+from reshard.core.collector import collector_paused
+from reshard.core.cover import Cover, offset_of
+from reshard.core.geometry import Box, contains
 from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
 from reshard.errors import PlanError
 
@@ -234,6 +235,11 @@ def plan(src: Layout, dst: Layout) -> Plan:
 
     >>> # p = plan(resolve(spec, parse_topology("tp=2"), sizes), resolve(spec, parse_topology("tp=4"), sizes))
     """
+    with collector_paused():
+        return _plan(src, dst)
+
+
+def _plan(src: Layout, dst: Layout) -> Plan:
     problems: list[str] = []
     for name in sorted({f.tensor for f in dst.fragments}):
         want = dst.tensors[name]
@@ -250,45 +256,49 @@ def plan(src: Layout, dst: Layout) -> Plan:
         if not f.fill:
             sources[(f.tensor, f.state)].append(f)
             own[(f.item, f.tensor, f.state)].append(f)
-    covers = {key: _Cover(frags) for key, frags in sources.items()}
 
-    copies: list[Copy] = []
-    missing: list[str] = []
-    for f in dst.fragments:
+    # Each destination fragment's copies, in the order of its fragments; then sorted by destination place.
+    made: list[list[Copy]] = [[] for _ in dst.fragments]
+    wanted: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for k, f in enumerate(dst.fragments):
         # The same item in the source holds the whole box: copy in place (plan(A, A) is item -> itself).
         owned = own.get((f.item, f.tensor, f.state))
         same = next((s for s in owned if contains(s.box, f.box)), None) if owned else None
         if same is not None:
-            copies.append(Copy(
-                src=same.item, src_offset=_offset_of(same, f.box), src_strides=same.strides,
+            made[k].append(Copy(
+                src=same.item, src_offset=offset_of(same, f.box), src_strides=same.strides,
                 dst=f.item, dst_offset=f.offset, dst_strides=f.strides,
                 lengths=f.box.lengths, tensor=f.tensor, state=f.state, box=f.box,
             ))
-            continue
-        cover = covers.get((f.tensor, f.state))
-        got = 0
-        if cover is not None:
-            for box, alts in cover.query(f.box):
-                # Most often one source box holds the whole destination box (a whole tensor, chunked).
-                common = f.box if contains(box, f.box) else intersect(box, f.box)
-                if common is None:
-                    continue
-                s = alts[0] if len(alts) == 1 else next((a for a in alts if a.item == f.item), alts[0])
-                copies.append(Copy(
-                    src=s.item, src_offset=_offset_of(s, common), src_strides=s.strides,
-                    dst=f.item, dst_offset=_offset_of(f, common), dst_strides=f.strides,
+        else:
+            wanted[(f.tensor, f.state)].append(k)
+    missing: list[str] = []
+    for key, ks in wanted.items():
+        frags = [dst.fragments[k] for k in ks]
+        frags_of = sources.get(key)
+        cover = Cover(frags_of) if frags_of else None
+        meetings = cover.meet(frags) if cover is not None else [[] for _ in frags]
+        for k, f, meets in zip(ks, frags, meetings):
+            out = made[k]
+            got = 0
+            for s, common, src_at, dst_at in meets:
+                out.append(Copy(
+                    src=s.item, src_offset=src_at, src_strides=s.strides,
+                    dst=f.item, dst_offset=dst_at, dst_strides=f.strides,
                     lengths=common.lengths, tensor=f.tensor, state=f.state, box=common,
                 ))
                 got += common.volume
-        if got != f.box.volume:
-            why = "no such tensor in the source" if (f.tensor, f.state) not in covers and f.tensor not in src.tensors else (
-                f"state '{f.state}' not in the source (it has: {', '.join(src.states) or 'none'})" if cover is None
-                else f"source covers {got} of {f.box.volume} elements")
-            missing.append(f"{f.tensor} [{f.state}] {f.box} for {f.item}: {why}")
+            if got != f.box.volume:
+                why = "no such tensor in the source" if cover is None and f.tensor not in src.tensors else (
+                    f"state '{f.state}' not in the source (it has: {', '.join(src.states) or 'none'})" if cover is None
+                    else f"source covers {got} of {f.box.volume} elements")
+                missing.append((k, f"{f.tensor} [{f.state}] {f.box} for {f.item}: {why}"))
     if missing:
+        missing = [why for _, why in sorted(missing)]
         more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
         raise PlanError("the source does not hold everything the destination needs:\n  " + "\n  ".join(missing[:20]) + more)
     rank_of = {item: k for k, item in enumerate(dst.items)}
+    copies = [c for cs in made for c in cs]
     copies.sort(key=lambda c: (rank_of[c.dst], c.dst_offset))
     return Plan(
         src_items=MappingProxyType(dict(src.items)),
@@ -296,65 +306,6 @@ def plan(src: Layout, dst: Layout) -> Plan:
         copies=tuple(copies),
         tensors=MappingProxyType({n: t for n, t in dst.tensors.items()}),
     )
-
-
-class _Cover:
-    """Disjoint boxes covering what the source stores of one (tensor, state).
-
-    Each box keeps every fragment that holds it exactly (its replicas), in
-    item order; a box that only partly overlaps earlier ones keeps just its
-    new part. Queries test every box's bounds at once with numpy, so a query
-    costs one vectorized pass over the tensor's boxes.
-    """
-
-    def __init__(self, frags: list[Fragment]) -> None:
-        # Replicas are preferred in the order the source layout lists them (item order).
-        replicas: dict[Box, list[Fragment]] = {}
-        for f in frags:
-            replicas.setdefault(f.box, []).append(f)
-        if len(replicas) == 1:  # one box (a whole tensor and its replicas): nothing to subtract or search
-            self.entries = list(replicas.items())
-            return
-        boxes = list(replicas)
-        lo, hi = _bounds(boxes)
-        # Boxes that overlap no other box are taken whole; the rest, in order, minus what came before.
-        overlaps = ((lo[:, None, :] < hi[None, :, :]) & (hi[:, None, :] > lo[None, :, :])).all(axis=2)
-        np.fill_diagonal(overlaps, False)
-        entries: list[tuple[Box, list[Fragment]]] = []
-        taken: list[Box] = []
-        for k, box in enumerate(boxes):
-            if not overlaps[k].any():
-                entries.append((box, replicas[box]))
-                continue
-            pieces = [box]
-            for other in taken:
-                pieces = [p for piece in pieces for p in subtract(piece, other)]
-            taken.append(box)
-            entries += [(p, replicas[box]) for p in pieces]
-        self.entries = entries
-        self.lo, self.hi = _bounds([b for b, _ in entries])
-
-    def query(self, box: Box) -> list[tuple[Box, list[Fragment]]]:
-        if len(self.entries) <= 4:
-            return self.entries
-        hit = ((self.lo < np.asarray(box.ends)) & (self.hi > np.asarray(box.offsets))).all(axis=1)
-        return [self.entries[k] for k in np.flatnonzero(hit)]
-
-
-def _bounds(boxes: list[Box]) -> tuple[np.ndarray, np.ndarray]:
-    rank = len(boxes[0].offsets) if boxes else 0
-    lo = np.array([b.offsets for b in boxes], dtype=np.int64).reshape(len(boxes), rank)
-    hi = lo + np.array([b.lengths for b in boxes], dtype=np.int64).reshape(len(boxes), rank)
-    return lo, hi
-
-
-def _offset_of(f: Fragment, box: Box) -> int:
-    if box.offsets == f.box.offsets:
-        return f.offset
-    at = f.offset
-    for o, fo, s in zip(box.offsets, f.box.offsets, f.strides):
-        at += (o - fo) * s
-    return at
 
 
 def _runs(offset: int, strides: tuple[int, ...], lengths: tuple[int, ...], budget: int) -> list[tuple[int, int]] | None:

@@ -9,17 +9,18 @@ a file.
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
 
 from reshard.core import spec as S
-from reshard.core.geometry import Box, restrict, row_major_strides
+from reshard.core.collector import collector_paused
+from reshard.core.geometry import Box, row_major_strides
 from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
+from reshard.core.flats import FlatBuffers, order_key
 from reshard.core.names import MESH_AXES, Captures, _layer_name, _stacks_over_pp
-from reshard.core.terms import Ctx, eval_term, flat_layout
+from reshard.core.terms import Ctx, eval_term
 from reshard.core.topology import Topology
 from reshard.errors import SpecError
 
@@ -51,10 +52,11 @@ def resolve(
       SpecError: the spec does not mean anything for these sizes, with its position.
       TopologyError: a degree does not divide a tensor's dim, naming the tensor.
     """
-    return _Resolver(spec, topology, dict(sizes), dict(blob_sizes or {}), dict(states or {})).run()
+    with collector_paused():
+        return _Resolver(spec, topology, dict(sizes), dict(blob_sizes or {}), dict(states or {})).run()
 
 
-class _Resolver(Captures):
+class _Resolver(Captures, FlatBuffers):
     def __init__(self, spec: S.Spec, topo: Topology, sizes: dict[str, int], blobs: dict[str, int], states: dict[str, tuple[str, ...]]) -> None:
         self.spec = spec
         self.topo = topo
@@ -74,14 +76,11 @@ class _Resolver(Captures):
         self.order: dict[str, tuple[Item, ...]] = {}
         # param-state fragments per item, for flat buffers built on a section
         self.item_frags: dict[Item, list[Fragment]] = {}
-        # per source unit and chunk: its params (one per key) and their element counts
-        self.flat_params: dict[str, tuple[list[Item], list[int]]] = {}
-        # per flat rule and source unit: the params it keeps and their element counts, and where the flat layout
-        # places them in the world buffer (``terms.flat_layout``'s cache); every rank of the split axis shares both
-        self.flat_chosen: dict[tuple[int, str], tuple[list[Item], list[int]]] = {}
-        self.flat_places: dict[tuple[int, str], object] = {}
+        self.init_flats()
         # items holding a blob's bytes: flat buffers hold tensors, not bytes
         self.blob_items: set[Item] = set()
+        # per stored rule, unit and chunk: its shape and fragment templates (``templates``), shared by the layers
+        self.shaped: dict[tuple, tuple[tuple[int, ...], list[tuple]]] = {}
 
     def err(self, message: str, pos: S.Pos | None) -> SpecError:
         return self.spec.error(message, pos)
@@ -278,7 +277,7 @@ class _Resolver(Captures):
                         checked.add(id(rule))
                         self.check_rule(sec, rule)
                     ordered += self.stored(sec, rule, unit, coords, chunk, values, states)
-                self.order[_order_key(sec.name, unit, chunk)] = tuple(ordered)
+                self.order[order_key(sec.name, unit, chunk)] = tuple(ordered)
 
     # -- stored tensors
 
@@ -411,33 +410,30 @@ class _Resolver(Captures):
                     self.add_frag(Fragment(tensor=name, state=state, box=Box((0,), (n,)), item=item, offset=0, strides=(1,)), sec)
                 out.append(item)
             return out
-        ctx = Ctx(self.spec, self.topo, self.env, self.indexes, coords, chunk, key, _layer_name(rule))
-        shape, combos = self.dims(rule, ctx)
+        # A rule's dims depend on the unit and chunk, not on the layer: the layers of a stage share them.
+        at = (id(rule), chunk, tuple(coords.items()))
+        shaped = self.shaped.get(at)
+        if shaped is None:
+            shape, combos = self.dims(rule, Ctx(self.spec, self.topo, self.env, self.indexes, coords, chunk, key,
+                                                _layer_name(rule)))
+            shaped = (shape, self.templates(rule, shape, combos))
+            self.shaped[at] = shaped
+        shape, templates = shaped
         if _stacks_over_pp(rule) and 0 in shape:
             return []  # no layer of this stack on this (stage, chunk)
-        item_strides = row_major_strides(shape)
         frags: list[tuple] = []
         mapped = 0
-        for combo in combos:
-            ref = next((p[0] for p in combo if p[0] is not None), None) or rule.ref or rule.pattern.text
-            decl = self.by_ref[ref]
-            binds = dict(global_values)
-            where: dict[str, tuple[int, int, int]] = {}
-            base = 0
-            fill = False
-            for d, p in enumerate(combo):
-                for a, o, n, s in zip(p[1], p[2], p[3], p[4]):
-                    where[a] = (o, n, s * item_strides[d])
-                base += p[5] * item_strides[d]
-                binds.update(p[6])
-                fill = fill or p[7]
-            name = decl.pattern.format(binds)
+        for decl, extra, where, base, fill, made in templates:
+            name = decl.pattern.format({**global_values, **extra} if extra else global_values)
             lt = self.tensors[name]
-            offs = tuple(where[a][0] for a in lt.axes)
-            lens = tuple(where[a][1] for a in lt.axes)
-            strides = tuple(where[a][2] for a in lt.axes)
-            mapped += math.prod(lens)
-            frags.append((name, Box(offs, lens), base, strides, fill))
+            boxed = made.get(lt.axes)
+            if boxed is None:
+                lens = tuple(where[a][1] for a in lt.axes)
+                boxed = (Box(tuple(where[a][0] for a in lt.axes), lens), tuple(where[a][2] for a in lt.axes),
+                         math.prod(lens))
+                made[lt.axes] = boxed
+            mapped += boxed[2]
+            frags.append((name, boxed[0], base, boxed[1], fill))
         empty = self.empty_tensor(rule, global_values) if not frags and 0 in shape else None
         stored = self.stored_shape(rule, shape)
         out = []
@@ -479,6 +475,27 @@ class _Resolver(Captures):
         self.fragments.append(frag)
         self.item_frags[frag.item].append(frag)
 
+    def templates(self, rule: S.Stored, shape: tuple[int, ...], combos: list[tuple]) -> list[tuple]:
+        """Per combination of the dims' pieces, what every layer's fragment of it shares: the logical tensor's
+        declaration and the captures the pieces bind, each view axis's ``(offset, length, stride in the item)``,
+        the offset and fill, and a cache of its box and strides per axis order."""
+        item_strides = row_major_strides(shape)
+        out = []
+        for combo in combos:
+            ref = next((p[0] for p in combo if p[0] is not None), None) or rule.ref or rule.pattern.text
+            where: dict[str, tuple[int, int, int]] = {}
+            extra: dict[str, int] = {}
+            base = 0
+            fill = False
+            for d, p in enumerate(combo):
+                for a, o, n, s in zip(p[1], p[2], p[3], p[4]):
+                    where[a] = (o, n, s * item_strides[d])
+                base += p[5] * item_strides[d]
+                extra.update(p[6])
+                fill = fill or p[7]
+            out.append((self.by_ref[ref], extra, where, base, fill, {}))
+        return out
+
     def dims(self, rule: S.Stored, ctx: Ctx) -> tuple[tuple[int, ...], list[tuple]]:
         if rule.dims is None:
             return (), [()]
@@ -490,85 +507,6 @@ class _Resolver(Captures):
             if len(targets) <= 1:
                 combos.append(combo)
         return shape, combos
-
-    # -- flat buffers
-
-    def flat(self, sec: S.Section, fl: S.Flat, unit, chunk: int, states: tuple[str, ...], sections: dict[str, S.Section]) -> None:
-        if not fl.pattern.plain:
-            raise self.err("a flat buffer's name takes plain captures only ('{state}', '{bucket}')", fl.pos)
-        src = sections.get(fl.source)
-        if src is None:
-            raise self.err(f"unknown section '{fl.source}' (declared: {', '.join(sections)})", fl.pos)
-        coords = dict(unit)
-        split_axes = [op.arg for op in fl.ops if op.op == "split"]
-        for ax in split_axes:
-            if ax not in MESH_AXES:
-                raise self.err(f"unknown mesh axis '{ax}' (expected one of: {', '.join(MESH_AXES)})", fl.pos)
-        split_axes = split_axes[-1:]  # a repeated valued op keeps its last value
-        if set(sec.axes) != set(src.axes) | set(split_axes):
-            raise self.err(
-                f"flat buffers of '{sec.name}' (per {', '.join(sec.axes) or 'nothing'}) must be stored per the axes of "
-                f"'{src.name}' ({', '.join(src.axes) or 'none'}) plus its split axis ({', '.join(split_axes) or 'none'})",
-                sec.pos)
-        src_unit = tuple((a, coords[a]) for a in src.axes)
-        order_key = _order_key(src.name, src_unit, chunk)
-        if order_key not in self.flat_params:  # shared by every rank of the split axis
-            ordered = self.order.get(order_key)
-            if ordered is None:
-                raise self.err(f"section '{fl.source}' must come before the flat buffer built from it", fl.pos)
-            first_state: dict[str, Item] = {}
-            for it in ordered:
-                first_state.setdefault(it.key, it)
-            self.flat_params[order_key] = (list(first_state.values()), [self.items[p].numel for p in first_state.values()])
-        chosen_key = (id(fl), order_key)
-        if chosen_key not in self.flat_chosen:
-            params, numels = self.flat_params[order_key]
-            chosen = [k for k, p in enumerate(params) if _selected(p.key, fl.ops)]
-            if len(chosen) < len(params):
-                params, numels = [params[k] for k in chosen], [numels[k] for k in chosen]
-            self.flat_chosen[chosen_key] = (params, numels)
-        params, numels = self.flat_chosen[chosen_key]
-        blob = next((p for p in params if p in self.blob_items), None)
-        if blob is not None:
-            raise self.err(f"flat buffer {fl.pattern.text} would take blob '{blob.key}' of section '{fl.source}' as a param; "
-                           "flat buffers hold tensors only (give blobs a section of their own, or 'except' them)", fl.pos)
-        buckets = flat_layout(fl, numels, coords, self, self.flat_places, chosen_key)
-        caps = {c.name for c in fl.pattern.captures}
-        unknown = caps - {"state", "bucket"}
-        if unknown:
-            raise self.err(f"a flat buffer name may capture only {{state}} and {{bucket}}, not {{{unknown.pop()}}}", fl.pos)
-        if len(buckets) > 1 and "bucket" not in caps:
-            raise self.err("this flat buffer has several buckets: put '{bucket}' in its name or add '| coalesce'", fl.pos)
-        for b, (length, pieces) in enumerate(buckets):
-            if length == 0:
-                continue
-            geo: list[tuple] = []
-            for p_index, a, z, dst in pieces:
-                for fr in self.item_frags[params[p_index]]:
-                    for offs, lens, base in restrict(fr.box.offsets, fr.box.lengths, fr.strides, fr.offset, a, z):
-                        geo.append((fr.tensor, Box(offs, lens), base - a + dst, fr.strides, fr.fill))
-            mapped = sum(math.prod(g[1].lengths) for g in geo if not g[4])
-            for state in states:
-                key = fl.pattern.format({"state": state, "bucket": b})
-                item = Item(sec.name, unit, chunk, state, key)
-                self.add_item(item, ItemInfo(shape=(length,), mapped=mapped, rule=fl.pattern.text), fl.pos)
-                for name, box, base, strides, fill in geo:
-                    if not fill:
-                        self.add_frag(Fragment(tensor=name, state=state, box=box, item=item, offset=base, strides=strides), sec)
-
-
-def _order_key(section: str, unit, chunk: int) -> str:
-    return f"{section}/{','.join(f'{a}={c}' for a, c in unit)}/{chunk}"
-
-
-def _selected(key: str, ops: tuple[S.FlatOp, ...]) -> bool:
-    """Whether a flat buffer's ``only``/``except`` globs keep the param stored as ``key``."""
-    for op in ops:
-        if op.op == "only" and not fnmatch.fnmatchcase(key, op.arg):
-            return False
-        if op.op == "except" and fnmatch.fnmatchcase(key, op.arg):
-            return False
-    return True
 
 
 def _logical_axes(term: S.Term, r: _Resolver) -> list[tuple[str, S.Pos]]:

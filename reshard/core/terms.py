@@ -11,18 +11,18 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from reshard.core import spec as S
-from reshard.core.geometry import restrict, row_major_strides, split_range
+from reshard.core.geometry import Box, restrict, row_major_strides, split_range
 from reshard.core.topology import Topology
 from reshard.errors import TopologyError
 
 if TYPE_CHECKING:
     from reshard.core.resolve import _Resolver
 
-__all__ = ["Ctx", "eval_term", "flat_layout", "show"]
+__all__ = ["Ctx", "FlatCuts", "eval_term", "flat_layout", "flat_pieces", "show"]
 
 # A piece: part of one stored dim mapped onto axes of a target, as a tuple for speed:
 # (target ref or None, axes, offsets, lengths, strides in the dim's local index, base, binds, fill)
@@ -195,6 +195,48 @@ def flat_layout(fl: S.Flat, numels: list[int], coords: dict[str, int], r: _Resol
         total = sum(n for n, _ in out)
         return [(total, [pc for _, pcs in out for pc in pcs])]
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class FlatCuts:
+    """What ``flat_pieces`` keeps for one resolve: per param item, its fragments with the flat range each spans
+    there; per fragment geometry and range of it, the boxes ``restrict`` cuts (pipeline stages of the same layers
+    cut their params alike, so most cuts are made once)."""
+
+    spans: dict = field(default_factory=dict)
+    boxes: dict = field(default_factory=dict)
+
+
+def flat_pieces(params: list, item_frags: dict, pieces: list[tuple[int, int, int, int]],
+                cuts: FlatCuts) -> list[tuple]:
+    """The parts of the params' fragments a flat buffer's pieces hold, in piece order.
+
+    ``pieces`` are ``flat_layout``'s: ``(param index, param flat start, param flat end, local offset)``;
+    ``item_frags`` gives the fragments of each param item. Returns ``(tensor, box, offset in the buffer,
+    strides, fill)`` per part: a fragment wholly inside its piece is kept as it is, one across a piece's
+    edge is cut by ``restrict``.
+    """
+    spans, boxes = cuts.spans, cuts.boxes
+    geo: list[tuple] = []
+    for p_index, a, z, dst in pieces:
+        param = params[p_index]
+        held = spans.get(param)
+        if held is None:
+            held = [(fr, fr.offset, fr.offset + 1 + sum((n - 1) * s for n, s in zip(fr.box.lengths, fr.strides)))
+                    for fr in item_frags[param]]
+            spans[param] = held
+        for fr, lo, hi in held:
+            if a <= lo and hi <= z:
+                geo.append((fr.tensor, fr.box, lo - a + dst, fr.strides, fr.fill))
+            elif lo < z and a < hi:
+                key = (fr.box, fr.strides, a - lo, z - lo)
+                cut = boxes.get(key)
+                if cut is None:
+                    cut = [(Box(offs, lens), base) for offs, lens, base
+                           in restrict(fr.box.offsets, fr.box.lengths, fr.strides, 0, a - lo, z - lo)]
+                    boxes[key] = cut
+                geo += [(fr.tensor, box, lo + base - a + dst, fr.strides, fr.fill) for box, base in cut]
+    return geo
 
 
 def _perparam_share(placed: tuple, numels: list[int], d: int, c: int) -> list[tuple[int, list[tuple[int, int, int, int]]]]:

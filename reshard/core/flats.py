@@ -1,0 +1,132 @@
+"""Flat buffers: a section's params flattened into buffers (a distributed optimizer's), as the resolver lays them out.
+
+``FlatBuffers`` is mixed into ``reshard.core.resolve._Resolver``: for each unit of a flat buffer's section it takes
+the params of the section it is built from (one item per key), places them with ``terms.flat_layout`` and cuts
+their fragments to the unit's share with ``terms.flat_pieces``. What every rank of the split axis shares (the
+params kept, their places in the world buffer, the cuts of their fragments) is worked out once.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import TYPE_CHECKING
+
+from reshard.core import spec as S
+from reshard.core.layout import Fragment, Item, ItemInfo
+from reshard.core.names import MESH_AXES
+from reshard.core.terms import FlatCuts, flat_layout, flat_pieces
+from reshard.errors import SpecError
+
+__all__ = ["FlatBuffers", "order_key"]
+
+
+class FlatBuffers:
+    """The resolver's flat buffers; mixed into ``reshard.core.resolve._Resolver``, whose items, fragments,
+    ``order``, ``item_frags``, ``blob_items``, ``add_item`` and ``err`` it uses."""
+
+    items: dict[Item, ItemInfo]
+    fragments: list[Fragment]
+    order: dict[str, tuple[Item, ...]]
+    item_frags: dict[Item, list[Fragment]]
+    blob_items: set[Item]
+
+    if TYPE_CHECKING:
+        def err(self, message: str, pos: S.Pos | None) -> SpecError: ...
+
+        def add_item(self, item: Item, info: ItemInfo, pos: S.Pos | None = None) -> None: ...
+
+    def init_flats(self) -> None:
+        # per source unit and chunk: its params (one per key) and their element counts
+        self.flat_params: dict[str, tuple[list[Item], list[int]]] = {}
+        # per flat rule and source unit: the params it keeps, their element counts and a blob among them if any, and
+        # where the flat layout places them in the world buffer (``terms.flat_layout``'s cache); every rank of the
+        # split axis shares both
+        self.flat_chosen: dict[tuple, tuple[list[Item], list[int], Item | None]] = {}
+        self.flat_places: dict[tuple, object] = {}
+        # per flat rule: its source section and name captures, checked once; ``terms.flat_pieces``'s caches
+        self.flat_checked: dict[int, tuple[S.Section, set[str]]] = {}
+        self.flat_cuts = FlatCuts()
+
+    def flat(self, sec: S.Section, fl: S.Flat, unit, chunk: int, states: tuple[str, ...], sections: dict[str, S.Section]) -> None:
+        checked = self.flat_checked.get(id(fl))
+        if checked is None:  # what does not depend on the unit, checked once per flat rule
+            checked = self.flat_check(sec, fl, sections)
+            self.flat_checked[id(fl)] = checked
+        src, caps = checked
+        coords = dict(unit)
+        src_unit = tuple((a, coords[a]) for a in src.axes)
+        chosen_key = (id(fl), src_unit, chunk)
+        chosen = self.flat_chosen.get(chosen_key)
+        if chosen is None:  # shared by every rank of the split axis
+            source_key = order_key(src.name, src_unit, chunk)
+            if source_key not in self.flat_params:
+                ordered = self.order.get(source_key)
+                if ordered is None:
+                    raise self.err(f"section '{fl.source}' must come before the flat buffer built from it", fl.pos)
+                first_state: dict[str, Item] = {}
+                for it in ordered:
+                    first_state.setdefault(it.key, it)
+                self.flat_params[source_key] = (list(first_state.values()), [self.items[p].numel for p in first_state.values()])
+            params, numels = self.flat_params[source_key]
+            kept = [k for k, p in enumerate(params) if _selected(p.key, fl.ops)]
+            if len(kept) < len(params):
+                params, numels = [params[k] for k in kept], [numels[k] for k in kept]
+            chosen = (params, numels, next((p for p in params if p in self.blob_items), None))
+            self.flat_chosen[chosen_key] = chosen
+        params, numels, blob = chosen
+        if blob is not None:
+            raise self.err(f"flat buffer {fl.pattern.text} would take blob '{blob.key}' of section '{fl.source}' as a param; "
+                           "flat buffers hold tensors only (give blobs a section of their own, or 'except' them)", fl.pos)
+        buckets = flat_layout(fl, numels, coords, self, self.flat_places, chosen_key)
+        unknown = caps - {"state", "bucket"}
+        if unknown:
+            raise self.err(f"a flat buffer name may capture only {{state}} and {{bucket}}, not {{{unknown.pop()}}}", fl.pos)
+        if len(buckets) > 1 and "bucket" not in caps:
+            raise self.err("this flat buffer has several buckets: put '{bucket}' in its name or add '| coalesce'", fl.pos)
+        for b, (length, pieces) in enumerate(buckets):
+            if length == 0:
+                continue
+            geo = flat_pieces(params, self.item_frags, pieces, self.flat_cuts)
+            mapped = sum(math.prod(g[1].lengths) for g in geo if not g[4])
+            info = ItemInfo(shape=(length,), mapped=mapped, rule=fl.pattern.text)
+            for state in states:
+                item = Item(sec.name, unit, chunk, state, fl.pattern.format({"state": state, "bucket": b}))
+                self.add_item(item, info, fl.pos)
+                frags = [Fragment(tensor=name, state=state, box=box, item=item, offset=base, strides=strides)
+                         for name, box, base, strides, fill in geo if not fill]
+                self.fragments += frags
+                self.item_frags[item] = frags
+
+    def flat_check(self, sec: S.Section, fl: S.Flat, sections: dict[str, S.Section]) -> tuple[S.Section, set[str]]:
+        """A flat rule's source section and its name's captures, once its name, split axis and section are checked."""
+        if not fl.pattern.plain:
+            raise self.err("a flat buffer's name takes plain captures only ('{state}', '{bucket}')", fl.pos)
+        src = sections.get(fl.source)
+        if src is None:
+            raise self.err(f"unknown section '{fl.source}' (declared: {', '.join(sections)})", fl.pos)
+        split_axes = [op.arg for op in fl.ops if op.op == "split"]
+        for ax in split_axes:
+            if ax not in MESH_AXES:
+                raise self.err(f"unknown mesh axis '{ax}' (expected one of: {', '.join(MESH_AXES)})", fl.pos)
+        split_axes = split_axes[-1:]  # a repeated valued op keeps its last value
+        if set(sec.axes) != set(src.axes) | set(split_axes):
+            raise self.err(
+                f"flat buffers of '{sec.name}' (per {', '.join(sec.axes) or 'nothing'}) must be stored per the axes of "
+                f"'{src.name}' ({', '.join(src.axes) or 'none'}) plus its split axis ({', '.join(split_axes) or 'none'})",
+                sec.pos)
+        return src, {c.name for c in fl.pattern.captures}
+
+
+def order_key(section: str, unit, chunk: int) -> str:
+    return f"{section}/{','.join(f'{a}={c}' for a, c in unit)}/{chunk}"
+
+
+def _selected(key: str, ops: tuple[S.FlatOp, ...]) -> bool:
+    """Whether a flat buffer's ``only``/``except`` globs keep the param stored as ``key``."""
+    for op in ops:
+        if op.op == "only" and not fnmatch.fnmatchcase(key, op.arg):
+            return False
+        if op.op == "except" and fnmatch.fnmatchcase(key, op.arg):
+            return False
+    return True
