@@ -9,12 +9,14 @@ returns into copies.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from reshard.core.geometry import Box, contains, intersect, subtract
 from reshard.core.layout import Fragment
 
-__all__ = ["Cover", "Meeting"]
+__all__ = ["Cover", "Meeting", "Meetings"]
 
 Meeting = tuple[Fragment, Box, int, int]
 """One part of a destination fragment's box and where it comes from: ``(source fragment, the box, its offset in
@@ -95,43 +97,83 @@ class Cover:
 
     def _meet_all(self, frags: list[Fragment]) -> list[list[Meeting]]:
         entries = self.entries
-        dlo, dhi = bounds([f.box for f in frags])
-        dstr = np.array([f.strides for f in frags], dtype=np.int64).reshape(dlo.shape)
-        doff = np.array([f.offset for f in frags], dtype=np.int64)
+        rank = self.lo.shape[1]
+        # One row per destination fragment: its box's offsets and lengths, its strides and offset.
+        d = np.array([f.box.offsets + f.box.lengths + f.strides + (f.offset,) for f in frags], dtype=np.int64)
+        dlo, dstr, doff = d[:, :rank], d[:, 2 * rank:3 * rank], d[:, 3 * rank]
+        dhi = dlo + d[:, rank:2 * rank]
+        # One row per replica of every box (offsets, strides, offset), and where each box's replicas start.
+        alts = [a for _, reps in entries for a in reps]
+        s = np.array([a.box.offsets + a.strides + (a.offset,) for a in alts], dtype=np.int64)
+        # Offsets are sums of (coordinate * stride) over the axes, each coordinate below the destination's ends:
+        # numpy's int64 holds them unless the numbers are huge.
+        dtop, smax = np.abs(d).max(axis=0).tolist(), np.abs(s).max(axis=0).tolist()
+        top = max(dtop[:rank]) + max(dtop[rank:2 * rank])
+        step = max(dtop[2 * rank:3 * rank] + smax[rank:2 * rank])
+        if rank * top * step + max(dtop[3 * rank], smax[2 * rank]) > _INT64:
+            return [self._meet_one(f) for f in frags]
         hit = ((self.lo[None, :, :] < dhi[:, None, :]) & (self.hi[None, :, :] > dlo[:, None, :])).all(axis=2)
         di, ei = np.nonzero(hit)  # by destination fragment, then by box: the order of the loop in _meet_one
-        # The replica each part is read from: the first, or one in the destination fragment's own item.
-        firsts = [alts[0] for _, alts in entries]
-        chosen = [firsts[e] for e in ei.tolist()]
-        if any(len(alts) > 1 for _, alts in entries):
-            for k, (d, e) in enumerate(zip(di.tolist(), ei.tolist())):
-                alts = entries[e][1]
-                if len(alts) > 1:
-                    item = frags[d].item
-                    chosen[k] = next((a for a in alts if a.item == item), alts[0])
-        slo = np.array([s.box.offsets for s in chosen], dtype=np.int64).reshape(len(chosen), dlo.shape[1])
-        sstr = np.array([s.strides for s in chosen], dtype=np.int64).reshape(slo.shape)
-        soff = np.array([s.offset for s in chosen], dtype=np.int64)
-        # Offsets are sums of (coordinate * stride) per axis: numpy's int64 holds them unless the numbers are huge.
-        rank = dlo.shape[1]
-        top = max(int(dhi.max()), int(self.hi.max())) if len(di) else 0
-        step = max(int(np.abs(dstr).max()), int(np.abs(sstr).max())) if len(di) else 0
-        if rank * top * step + max(int(np.abs(doff).max()), int(np.abs(soff).max()) if len(di) else 0) > _INT64:
-            return [self._meet_one(f) for f in frags]
-        clo = np.maximum(dlo[di], self.lo[ei])
-        chi = np.minimum(dhi[di], self.hi[ei])
-        whole = ((clo == dlo[di]) & (chi == dhi[di])).all(axis=1)
-        src_at = (soff + ((clo - slo) * sstr).sum(axis=1)).tolist()
-        dst_at = (doff[di] + ((clo - dlo[di]) * dstr[di]).sum(axis=1)).tolist()
+        starts = np.cumsum([0] + [len(reps) for _, reps in entries[:-1]])
+        ai = starts[ei]
+        # The replica each part is read from: the first, or the first in the destination fragment's own item.
+        if len(alts) > len(entries):
+            ai = ai.tolist()
+            for k, (f, e) in enumerate(zip(di.tolist(), ei.tolist())):
+                reps = entries[e][1]
+                if len(reps) > 1:
+                    item = frags[f].item
+                    ai[k] += next((j for j, a in enumerate(reps) if a.item == item), 0)
+            ai = np.array(ai, dtype=np.int64)
+        at = s[ai]
+        lo_d, hi_d = dlo[di], dhi[di]
+        clo = np.maximum(lo_d, self.lo[ei])
+        chi = np.minimum(hi_d, self.hi[ei])
+        whole = ((clo == lo_d) & (chi == hi_d)).all(axis=1).tolist()
+        src_at = (at[:, 2 * rank] + ((clo - at[:, :rank]) * at[:, rank:2 * rank]).sum(axis=1)).tolist()
+        dst_at = (doff[di] + ((clo - lo_d) * dstr[di]).sum(axis=1)).tolist()
         out: list[list[Meeting]] = [[] for _ in frags]
-        parts = np.flatnonzero(~whole)
-        made = {}
-        if len(parts):
-            for k, o, n in zip(parts.tolist(), clo[parts].tolist(), (chi - clo)[parts].tolist()):
-                made[k] = Box(tuple(o), tuple(n))
-        for k, (d, s, sa, da) in enumerate(zip(di.tolist(), chosen, src_at, dst_at)):
-            out[d].append((s, made[k] if k in made else frags[d].box, sa, da))
+        clo, lens = clo.tolist(), (chi - clo).tolist()
+        for k, (f, a) in enumerate(zip(di.tolist(), ai.tolist())):
+            box = frags[f].box if whole[k] else Box(tuple(clo[k]), tuple(lens[k]))
+            out[f].append((alts[a], box, src_at[k], dst_at[k]))
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class Meetings:
+    """``Cover.meet`` for one plan, made once per geometry of a tensor.
+
+    An optimizer's states of one tensor (``master``, ``exp_avg``, ...) are most often laid out alike, in items
+    that differ by their state: the same boxes at the same offsets with the same strides, on both sides. Where the
+    source and destination fragments of a (tensor, state) are, one by one, those of a state of the same tensor
+    met before, and each box had one replica there (so no item decided where a part is read), the parts are the
+    same: only the fragments they come from change.
+    """
+
+    done: dict[str, list[tuple[list[Fragment], list[Fragment], list[list[Meeting]]]]] = field(default_factory=dict)
+
+    def meet(self, tensor: str, sources: list[Fragment], frags: list[Fragment]) -> list[list[Meeting]]:
+        """``Cover(sources).meet(frags)``, for fragments of ``tensor``."""
+        seen = self.done.setdefault(tensor, [])
+        for src_ref, dst_ref, meetings in seen:
+            if _alike(src_ref, sources) and _alike(dst_ref, frags):
+                index = {id(f): k for k, f in enumerate(src_ref)}
+                return [[(sources[index[id(s)]], f.box if box is was.box else box, src_at, dst_at)
+                         for s, box, src_at, dst_at in meets]
+                        for was, f, meets in zip(dst_ref, frags, meetings)]
+        cover = Cover(sources)
+        meetings = cover.meet(frags)
+        if all(len(reps) == 1 for _, reps in cover.entries):
+            seen.append((sources, frags, meetings))
+        return meetings
+
+
+def _alike(a: list[Fragment], b: list[Fragment]) -> bool:
+    """Whether two lists of fragments have, one by one, the same boxes, offsets and strides."""
+    return len(a) == len(b) and all(
+        (x.box is y.box or x.box == y.box) and x.offset == y.offset and (x.strides is y.strides or x.strides == y.strides)
+        for x, y in zip(a, b))
 
 
 def bounds(boxes: list[Box]) -> tuple[np.ndarray, np.ndarray]:

@@ -23,7 +23,7 @@ from types import MappingProxyType
 import networkx as nx
 
 from reshard.core.collector import collector_paused
-from reshard.core.cover import Cover, offset_of
+from reshard.core.cover import Meetings, offset_of
 from reshard.core.geometry import Box, contains
 from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
 from reshard.errors import PlanError
@@ -272,12 +272,13 @@ def _plan(src: Layout, dst: Layout) -> Plan:
             ))
         else:
             wanted[(f.tensor, f.state)].append(k)
-    missing: list[str] = []
+    missing: list[tuple[int, str]] = []
+    meetings_of = Meetings()
     for key, ks in wanted.items():
         frags = [dst.fragments[k] for k in ks]
         frags_of = sources.get(key)
-        cover = Cover(frags_of) if frags_of else None
-        meetings = cover.meet(frags) if cover is not None else [[] for _ in frags]
+        cover = frags_of or None
+        meetings = meetings_of.meet(key[0], frags_of, frags) if frags_of else [[] for _ in frags]
         for k, f, meets in zip(ks, frags, meetings):
             out = made[k]
             got = 0
