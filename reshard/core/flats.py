@@ -78,7 +78,8 @@ class FlatBuffers:
         if blob is not None:
             raise self.err(f"flat buffer {fl.pattern.text} would take blob '{blob.key}' of section '{fl.source}' as a param; "
                            "flat buffers hold tensors only (give blobs a section of their own, or 'except' them)", fl.pos)
-        buckets = flat_layout(fl, numels, coords, self, self.flat_places, chosen_key)
+        buckets = flat_layout(fl, numels, coords, self, self.flat_places, chosen_key,
+                              alone=frozenset(k for k, p in enumerate(params) if _alone(p.key, fl.ops)))
         unknown = caps - {"state", "bucket"}
         if unknown:
             raise self.err(f"a flat buffer name may capture only {{state}} and {{bucket}}, not {{{unknown.pop()}}}", fl.pos)
@@ -120,6 +121,11 @@ class FlatBuffers:
 
 def order_key(section: str, unit, chunk: int) -> str:
     return f"{section}/{','.join(f'{a}={c}' for a, c in unit)}/{chunk}"
+
+
+def _alone(key: str, ops: tuple[S.FlatOp, ...]) -> bool:
+    """Whether a flat buffer's ``alone`` globs give the param stored as ``key`` a bucket of its own."""
+    return any(op.op == "alone" and fnmatch.fnmatchcase(key, op.arg) for op in ops)
 
 
 def _selected(key: str, ops: tuple[S.FlatOp, ...]) -> bool:

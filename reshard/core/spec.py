@@ -28,7 +28,7 @@ Grammar (one statement per line; ``#`` starts a comment)::
     split     := '/' NAME [':' ('chunk' | '(' expr (',' expr)* ')')]
     pad       := '~' eatom [':' ('zero' | 'last')]
     flatop    := 'reverse' | 'align' expr | 'buckets' expr | 'pad' expr | 'split' NAME
-               | 'perparam' | 'coalesce' | 'only' GLOB | 'except' GLOB
+               | 'perparam' | 'coalesce' | 'only' GLOB | 'except' GLOB | 'alone' GLOB
     expr      := sum; sum := prod (('+'|'-') prod)*; prod := eatom (('*'|'/'|'//') eatom)*
     eatom     := INT | NAME | NAME '(' expr (',' expr)* ')' | '(' expr ')'
     PATTERN   := a name such as ``decoder.layers.{i/pp}.mlp.linear_fc1.weight``;
@@ -113,7 +113,7 @@ __all__ = [
 # --- the parser ----------------------------------------------------------------------
 
 KEYWORDS = ("let", "index", "include", "logical", "section", "blob", "flat")
-FLAT_OPS = ("reverse", "align", "buckets", "pad", "split", "perparam", "coalesce", "only", "except")
+FLAT_OPS = ("reverse", "align", "buckets", "pad", "split", "perparam", "coalesce", "only", "except", "alone")
 PLACES = ("first", "last", "lastonly", "stage")
 FUNCTIONS = ("cdiv", "roundup", "lcm", "min", "max")
 
@@ -543,7 +543,7 @@ def _flatop(ln: _Line) -> FlatOp:
         return FlatOp(tok.text, None, ln.pos(tok))
     if tok.text == "split":
         return FlatOp("split", ln.name("a mesh axis after 'split'").text, ln.pos(tok))
-    if tok.text in ("only", "except"):
+    if tok.text in ("only", "except", "alone"):
         return FlatOp(tok.text, ln.word(f"a glob of stored names after '{tok.text}'").text, ln.pos(tok))
     return FlatOp(tok.text, _expr(ln), ln.pos(tok))
 

@@ -148,19 +148,20 @@ def eval_term(term: S.Term, ctx: Ctx, r: _Resolver) -> tuple[int, list[_Piece]]:
 
 
 def flat_layout(fl: S.Flat, numels: list[int], coords: dict[str, int], r: _Resolver, cache: dict | None = None,
-                key: object = None) -> list[tuple[int, list[tuple[int, int, int, int]]]]:
+                key: object = None, alone: frozenset[int] = frozenset()) -> list[tuple[int, list[tuple[int, int, int, int]]]]:
     """Where each param's elements sit in this rank's flat buffer(s).
 
     Returns, per output buffer (bucket), its local length and the pieces
     ``(param index, param flat start, param flat end, local offset)``; every
     number is in elements. ``cache[key]`` keeps the placement in the world
     buffer (the same for every rank of the split axis), so a rank's share costs
-    the params it holds, not all of them.
+    the params it holds, not all of them. ``alone``: the params (indices) that
+    the ``alone`` ops give a bucket of their own.
     """
     if cache is not None and key in cache:
         opts, buckets = cache[key]
     else:
-        opts, buckets = _place_flat(fl, numels, r)
+        opts, buckets = _place_flat(fl, numels, r, alone)
         if cache is not None:
             cache[key] = (opts, buckets)
     split, coalesce, pad = opts
@@ -254,7 +255,7 @@ def _perparam_share(placed: tuple, numels: list[int], d: int, c: int) -> list[tu
     return [(local, pieces)]
 
 
-def _place_flat(fl: S.Flat, numels: list[int], r: _Resolver) -> tuple[tuple, object]:
+def _place_flat(fl: S.Flat, numels: list[int], r: _Resolver, alone: frozenset[int] = frozenset()) -> tuple[tuple, object]:
     """The flat rule's options (split axis, coalesce, pad) and its params' places in the world buffer, before the
     split: per bucket ``(start, unpadded end, members (param, start, end), the members' ends)``; for ``perparam``,
     ``(pad, order)``."""
@@ -284,8 +285,9 @@ def _place_flat(fl: S.Flat, numels: list[int], r: _Resolver) -> tuple[tuple, obj
         raise r.err("align and pad take positive numbers", fl.pos)
     if bucket_size < 0:
         raise r.err(f"buckets takes a number >= 0 (0: one bucket), got {bucket_size}", fl.pos)
-    if perparam and (align > 1 or bucket_size or coalesce):
-        raise r.err("'perparam' pads and splits each param on its own; it cannot be combined with align, buckets or coalesce", fl.pos)
+    if perparam and (align > 1 or bucket_size or coalesce or alone):
+        raise r.err("'perparam' pads and splits each param on its own; it cannot be combined with align, buckets, "
+                    "alone or coalesce", fl.pos)
     opts = (split, coalesce, pad)
     if perparam:
         return opts, (pad, order)
@@ -296,9 +298,13 @@ def _place_flat(fl: S.Flat, numels: list[int], r: _Resolver) -> tuple[tuple, obj
     members: list[tuple[int, int, int]] = []
     for p in order:
         pos = -(-pos // align) * align
+        if p in alone and members:  # the open bucket closes before it (its aligned start the bucket's end)
+            buckets.append((start, pos, members))
+            start = pos = -(-pos // pad) * pad
+            members = []
         members.append((p, pos, pos + numels[p]))
         pos += numels[p]
-        if bucket_size and pos - start >= bucket_size:
+        if (bucket_size and pos - start >= bucket_size) or p in alone:
             buckets.append((start, pos, members))
             start = pos = -(-pos // pad) * pad
             members = []

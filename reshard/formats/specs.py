@@ -279,16 +279,21 @@ def megatron(family: Family, options: tuple[str, ...]) -> str:
     # buffer of their own over the expert-data-parallel group); per dp rank, or coalesced as distrib_optim.pt.
     buffers = [("optim", "", " | except *.mlp.experts.*", "dp"), ("expert_optim", "expert_", " | only *.mlp.experts.*",
                                                                   "edp")] if ep else [("optim", "", "", "dp")]
+    # megatron-core gives the embedding a bucket of its own at pp > 1 where a later stage holds a copy of it
+    # (shared_embedding): tied, the last stage's output layer; with MTP, the last stage's embedding. Megatron's
+    # resolution drops the ops at pp 1.
+    shared = [*(["embedding.word_embeddings.weight"] if tied or mtp else []), *(["output_layer.weight"] if tied else [])]
+    alone = "".join(f" | alone {name}" for name in shared)
     for k, (section, prefix, chosen, group) in enumerate(buffers if distopt else []):
         lines += [""] if k else []
         if torch_file:
             lines += [f"section {section} per {axes} {STATES}",
-                      f"flat {prefix}distrib_optim.{{state}} = {model}{chosen} | {DISTOPT} | pad lcm("
+                      f"flat {prefix}distrib_optim.{{state}} = {model}{chosen} | {DISTOPT}{alone} | pad lcm("
                       f"{'dp * cp' if group == 'dp' else group}, 128) | coalesce"]
         else:
             lines += [f"section {section} per {axes} {group} {STATES}",
-                      f"flat optimizer.distributed.{prefix}bucket_{{bucket}}.{{state}} = {model}{chosen} | {DISTOPT} | "
-                      f"pad lcm({group}, 128) | split {group}"]
+                      f"flat optimizer.distributed.{prefix}bucket_{{bucket}}.{{state}} = {model}{chosen} | "
+                      f"{DISTOPT}{alone} | pad lcm({group}, 128) | split {group}"]
     return "\n".join(lines) + "\n"
 
 

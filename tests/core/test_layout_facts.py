@@ -421,6 +421,26 @@ def test_l16_bucket_boundaries_follow_bucket_size():
     assert_round_trip(a, b, values)
 
 
+def test_l16_an_alone_param_has_a_bucket_of_its_own():
+    # megatron-core's shared embedding at pp > 1: "alone p1" closes the open bucket {p2} at p1's aligned start 64
+    # (unpadded 64, padded to 128), p1 takes [128, 135) and closes its bucket, p0 the last [256, 266); no bucket size.
+    text = DISTOPT_TEXT.replace("| buckets size |", "| buckets size | alone p1 |")
+    sizes = {"n0": 10, "n1": 7, "n2": 5, "size": 0}
+    a, b = layouts(text, sizes, "dp=2", "dp=1")
+    values = logical_values(a, ("param", "exp_avg"))
+    items = scatter(a, values)
+    optim = {it: v for it, v in items.items() if it.section == "optim" and it.state == "param"}
+    buckets = items_by_key(a, optim, dp=0)  # each bucket's first 128 elements: dp rank 0's half
+    assert sorted(buckets) == ["bucket.0.param", "bucket.1.param", "bucket.2.param"]
+    np.testing.assert_array_equal(buckets["bucket.0.param"][0:5], values[("p2", "param")])
+    np.testing.assert_array_equal(buckets["bucket.1.param"][0:7], values[("p1", "param")])
+    np.testing.assert_array_equal(buckets["bucket.2.param"][0:10], values[("p0", "param")])
+    legacy = next(v for it, v in items.items() if it.section == "legacy" and it.state == "param")
+    assert legacy.shape == (64 + 7 + 10,)  # the first bucket's unpadded end is p1's aligned start
+    np.testing.assert_array_equal(legacy[64:71], values[("p1", "param")])
+    assert_round_trip(a, b, values)
+
+
 def test_l16_split_param_straddles_dp_ranks():
     # Sizes 300, 70, 50: p0 at [192, 492), rank 0 holds p0[0:64], rank 1 p0[64:300].
     sizes = {"n0": 300, "n1": 70, "n2": 50, "size": 0}

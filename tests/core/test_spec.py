@@ -67,7 +67,7 @@ SYNTAX_ERRORS = [
     ("let a = b +", "bad.spec:1:12: expected a number, a name or '(', found end of line\n    let a = b +\n               ^"),
     ("let a = sqrt(b)", "bad.spec:1:9: unknown function 'sqrt' (expected one of: cdiv, roundup, lcm, min, max)\n    let a = sqrt(b)\n            ^^^^"),
     ("section s per tp states", "bad.spec:1:24: expected state names after 'states', found end of line\n    section s per tp states\n                           ^"),
-    ("flat f = m | spin", "bad.spec:1:14: unknown flat operation 'spin' (expected one of: reverse, align, buckets, pad, split, perparam, coalesce, only, except)\n    flat f = m | spin\n                 ^^^^"),
+    ("flat f = m | spin", "bad.spec:1:14: unknown flat operation 'spin' (expected one of: reverse, align, buckets, pad, split, perparam, coalesce, only, except, alone)\n    flat f = m | spin\n                 ^^^^"),
     ("x = h )", "bad.spec:1:7: expected an axis name, '(', '[' or '{', found ')'\n    x = h )\n          ^"),
     ("x h", "bad.spec:1:3: expected '=' after the stored tensor name, found 'h'\n    x h\n      ^"),
     ("x =", "bad.spec:1:4: expected dims (axis names, '(', '[', '{') or 'scalar', found end of line\n    x =\n       ^"),

@@ -131,3 +131,35 @@ def test_real_fully_reshardable_checkpoint_of_several_buckets_is_refused_naming_
                                                     r"are its weights shifted by ([1-9][0-9]*) elements .* lies in "
                                                     r"bucket [1-9] of the grad buffer of tp=0, pp=0 .* padded by \1 "):
         reshard.open_checkpoint(ckpt)
+
+
+@pytest.mark.interop
+def test_a_tied_run_resumes_at_pp2_where_the_embedding_has_buckets_of_its_own(tmp_path):
+    """megatron-core gives a tied embedding a bucket of its own at pp > 1, on the first stage (the embedding) and
+    on the last (its copy, the output layer). A GPT-2 style run (tied; tp 1, pp 1, dp 2, buckets of 4000) ->
+    torch_dist dp_reshardable and the torch format's distrib_optim.pt at pp 2, dp 1, each resumed by megatron-core:
+    every weight, main param, Adam moment and step equal to the run's, the last stage's output layer equal to the
+    embedding, and the next step equal too."""
+    require("megatron.core")
+    import mcore_moe_jobs as jobs
+
+    run = {"dense": True, "bf16": True, "next": True, "family": "gpt2"}
+    jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=1, pp=1, ep=1, dp=2, distopt=True, bucket_size=4000,
+              torch_dist=True, **run)
+    ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
+    reshard.convert(ckpt, tmp_path / "dist", format="mcore-dist", to="tp=1,pp=2,dp=1,zero=1")
+    jobs.load(tmp_path / "dist", tmp_path / "dump-dist", tp=1, pp=2, ep=1, dp=1, distopt=True, bucket_size=4000,
+              torch_dist=True, **run)
+    reshard.convert(ckpt, tmp_path / "meg", format="megatron", to="tp=1,pp=2,dp=1,zero=1",
+                    spec="megatron-gpt2-local-distopt-torch")
+    jobs.load(tmp_path / "meg", tmp_path / "dump-meg", tp=1, pp=2, ep=1, dp=1, distopt=True, bucket_size=4000, **run)
+    for dump in ("dump-dist", "dump-meg"):
+        for now, then in (("dump-src", dump), ("dump-src/next", f"{dump}/next")):
+            have, wanted = gathered(tmp_path / then, 2, jobs.SIZES, False), gathered(tmp_path / now, 1, jobs.SIZES,
+                                                                                     False)
+            head = {s: have.pop(("output_layer.weight", s)) for s in ("value", *STATES, "step")}
+            assert have.keys() == wanted.keys()
+            for key, value in wanted.items():
+                assert have[key].dtype == value.dtype and torch.equal(have[key], value), (then, key)
+            for s, value in head.items():
+                assert torch.equal(value, wanted[("embedding.word_embeddings.weight", s)]), (then, s)

@@ -47,7 +47,6 @@ from reshard.formats.megatron.small import _is_tensor
 from reshard.formats.megatron.specs import (
     _FLAT_NAMES,
     _check_registration_order,
-    _check_shared_embedding_bucket,
     _flat_sections,
     _has_flat,
     _per_ep,
@@ -360,8 +359,6 @@ class MegatronFormat:
                 "holds sections 'model' and 'optim' per (tp, pp) rank, or per (tp, pp, ep) rank for experts "
                 "(distrib_optim.pt is gathered on dp rank 0)")
         _check_registration_order(layout, name, strict=distopt)
-        if distopt and tied and topology.pp > 1:
-            _check_shared_embedding_bucket(layout)
         state = _target_state(source, topology, layout, args, meg, family.name if family else "llama")
         dtypes = _default_dtypes(source, layout)
         return Target(format=self.name, spec_name=name, spec=spec_ast, topology=topology, sizes=sizes,

@@ -15,7 +15,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from reshard.core.layout import PARAM, Item, Layout
+from reshard.core.layout import Item, Layout
 from reshard.core.resolve import resolve
 from reshard.core.spec import Flat, Section, Spec
 from reshard.core.topology import Topology
@@ -99,13 +99,25 @@ def _flat_sections(spec: Spec) -> set[str]:
     return out
 
 
+def _without_alone(spec: Spec) -> Spec:
+    """``spec`` without its flat buffers' ``alone`` ops."""
+    if not any(isinstance(st, Flat) and any(op.op == "alone" for op in st.ops) for st in spec.statements):
+        return spec
+    return replace(spec, statements=tuple(replace(st, ops=tuple(op for op in st.ops if op.op != "alone"))
+                                          if isinstance(st, Flat) else st for st in spec.statements))
+
+
 def _resolve(spec: Spec, topo: Topology, sizes: Mapping[str, int], states: Mapping[str, tuple[str, ...]]) -> Layout:
     """``resolve``, with Megatron's bucketing only on (pp rank 0, chunk 0).
 
     DistributedDataParallel drops bucketing on stages with pp rank > 0, and the trainer
     on model chunks > 0 (``disable_bucketing``); a spec has one ``bucket_size``, so the
     flat sections of the other units come from a resolution with ``bucket_size = 0``.
+    A tied embedding gets a bucket of its own (the spec's ``alone`` ops) at pp > 1 only: megatron-core marks it
+    ``shared_embedding`` on the first and last stage, and not on a single stage.
     """
+    if topo.pp == 1:
+        spec = _without_alone(spec)
     bucket = int(sizes.get("bucket_size", 0))
     if not bucket or (topo.pp == 1 and topo.vpp == 1):
         return resolve(spec, topo, sizes, states=states)
@@ -198,14 +210,6 @@ def _check_registration_order(layout: Layout, spec_name: str, *, strict: bool) -
             raise CheckpointFormatError(
                 f"spec {spec_name} registers '{keys[k]}' where Megatron registers '{want[k]}' ({name}); the "
                 "distributed optimizer's buffers follow Megatron's order, so this spec would misplace them")
-
-
-def _check_shared_embedding_bucket(layout: Layout) -> None:
-    for it, info in layout.items.items():
-        if it.key == "output_layer.weight" and it.state == PARAM and info.numel % 64:
-            raise CheckpointFormatError(
-                f"{it}: with tied embeddings and pp > 1 Megatron gives the output layer a bucket of its own, which "
-                f"moves the next parameter when its {info.numel} elements are not a multiple of 64; not supported yet")
 
 
 def _order_name(unit: tuple[tuple[str, int], ...], chunk: int, section: str = "model") -> str:

@@ -116,7 +116,6 @@ from reshard.formats.megatron.dist_optim import bucket_space, is_bucket_key
 from reshard.formats.megatron.dist_zero import BUCKET_SPACE, ZERO, flat_chunk, sharding_type, zero_state
 from reshard.formats.megatron.identity import agreed_family, carried_identity, read_carried
 from reshard.formats.megatron.model_space import common_param_groups, flat_fragments, flat_ranges, is_model_space
-from reshard.formats.megatron.specs import _check_shared_embedding_bucket
 from reshard.formats.megatron.specs import spec_name as megatron_spec_name
 from reshard.formats.megatron.state import TORCH_DIST_KEY, TorchDistState, carried_args
 from reshard.formats.specs import family_of, layout_spec, require_family
@@ -396,8 +395,6 @@ class McoreDistFormat:
                 (opt_items, opt_frags, opt_chunks, common), entries = full_target(source, family, args, items,
                                                                                   fragments, chunks), []
             else:
-                if tied and topology.pp > 1:
-                    _check_shared_embedding_bucket(ranks)
                 opt_items, opt_frags, opt_chunks, entries, common = optimizer_target(source, family, args, sizes,
                                                                                      topology)
             items.update(opt_items)
