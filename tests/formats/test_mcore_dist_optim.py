@@ -190,21 +190,29 @@ _TP_SPLIT = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linea
              "linear_fc2.weight", "word_embeddings.weight", "output_layer.weight")
 
 
-def gathered(dump_dir, pp: int, sizes: dict, gated: bool = True) -> dict[tuple[str, str], torch.Tensor]:
+def gathered(dump_dir, pp: int, sizes: dict, gated: bool = True,
+             experts: tuple[int, int] | None = None) -> dict[tuple[str, str], torch.Tensor]:
     """(global name, ``value`` or optimizer state) -> the whole tensor, from every rank's dump of megatron-core's
     own parameters and distributed-optimizer shards: dp pieces joined, tp shards stitched as the layers split
     them (fc1 per half when ``gated``), the vocabulary's padding rows dropped; replicas must agree, every
-    element be held."""
+    element be held. ``experts``: (etp, local experts) of an MoE run at pp 1, whose experts are renumbered
+    globally and stitched over their own etp ranks (rank ``r``'s is ``r % etp``)."""
     held: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor, torch.Size]] = {}
     for f in sorted(dump_dir.glob("rank*.pt")):
         d = torch.load(f, weights_only=False)
         c, per_stage = d["coords"], sizes["layers"] // pp
         for n, v in d["params"].items():
             name = re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{c['pp'] * per_stage + int(m.group(1))}.", n)
+            shard = c["tp"]
+            if experts is not None and ".local_experts." in name:
+                etp, local = experts
+                name = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{c['ep'] * local + int(m.group(1))}.",
+                              name)
+                shard = int(f.stem.removeprefix("rank")) % etp
             pieces = [("value", 0, v.flatten())] + [(k, a, t.reshape(-1)) for k, (a, z, t) in d["states"].get(n, {}).items()]
             for state, start, data in pieces:
                 numel = 1 if state == "step" else v.numel()
-                have, seen, _ = held.setdefault((name, state, c["tp"]), (torch.empty(numel, dtype=data.dtype),
+                have, seen, _ = held.setdefault((name, state, shard), (torch.empty(numel, dtype=data.dtype),
                                                                          torch.zeros(numel, dtype=torch.bool), v.shape))
                 end = start + data.numel()
                 assert torch.equal(have[start:end][seen[start:end]], data[seen[start:end]]), (name, state)

@@ -5,6 +5,7 @@ format and in torch_dist's distributed-optimizer state, against real megatron-co
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import require
 
 import reshard
@@ -184,3 +185,51 @@ def test_dp_reshardable_state_at_an_expert_tensor_parallelism_other_than_1_or_tp
         bucket_target(get_family("mixtral"), {}, {}, Topology(tp=4, ep=2, etp=2, dp=2, zero=1))
     with pytest.raises(reshard.errors.TopologyError, match=r"etp\(1\) with tp\(2\) at ep\(1\): .* with ep > 1"):
         bucket_target(get_family("mixtral"), {}, {}, Topology(tp=2, ep=1, etp=1, dp=1, zero=1))
+
+
+@pytest.mark.interop
+def test_real_fully_reshardable_run_at_etp2_tp4_converts_and_resumes_at_tp1(tmp_path):
+    """megatron-core at tp=4, ep=2, etp=2 (world 4; bf16) saves torch_dist with fully_reshardable state: the
+    experts split over an expert tensor parallelism that is neither 1 nor tp, which model space keeps in each
+    weight's own chunks -> Hugging Face, every weight bit-exact; -> dp_reshardable at tp=1, ep=2, dp=2, which
+    megatron-core resumes with every weight, main param, Adam moment and step equal to the run's. Its bucket
+    space at etp=2 is refused by name (a buffer layout reshard does not lay out)."""
+    require("megatron.core")
+    from safetensors.torch import load_file
+    from test_mcore_dist_moe import hf_of
+    from test_mcore_dist_optim import gathered
+
+    import mcore_moe_jobs as jobs
+
+    S = jobs.SIZES
+    run = {"bf16": True}
+    jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=4, pp=1, ep=2, dp=1, distopt=True, torch_dist=True, etp=2,
+              fully_reshardable=True, **run)
+    ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
+    want = gathered(tmp_path / "dump-src", 1, S, experts=(2, S["experts"] // 2))
+    assert {s for _, s in want} == {"value", "param", "exp_avg", "exp_avg_sq", "step"}
+    reshard.convert(ckpt, tmp_path / "hf", format="hf")
+    got, expected = load_file(tmp_path / "hf" / "model.safetensors"), hf_of(want, "mixtral")
+    assert got.keys() == expected.keys()
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+
+    reshard.convert(ckpt, tmp_path / "tp1", format="mcore-dist", to="tp=1,dp=2,ep=2,zero=1", dist_optim="dp_reshardable")
+    jobs.load(tmp_path / "tp1", tmp_path / "dump-tp1", tp=1, pp=1, ep=2, dp=2, distopt=True, torch_dist=True, **run)
+    resumed = gathered(tmp_path / "dump-tp1", 1, S, experts=(1, S["experts"] // 2))
+    assert resumed.keys() == want.keys()
+    assert all(resumed[k].dtype == v.dtype and torch.equal(resumed[k], v) for k, v in want.items())
+
+
+def test_bucket_space_state_at_etp2_tp4_is_refused_by_name():
+    """dp_reshardable and the older bucket formats lay experts out by their etp; at etp neither 1 nor tp the
+    reader refuses their state, naming the args (model space and the weights read at any etp)."""
+    from pathlib import Path
+
+    from reshard.formats.megatron.dist_optim import _expert_parallel
+    from reshard.models import get_family
+
+    args = {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "tensor_model_parallel_size": 4}
+    with pytest.raises(CheckpointFormatError, match=r"c/common.pt: args.expert_tensor_parallel_size is 2, neither tp "
+                                                    r"\(4\) nor 1"):
+        _expert_parallel(args, get_family("mixtral"), Path("c/common.pt"))
+    assert _expert_parallel({**args, "expert_tensor_parallel_size": 1}, get_family("mixtral"), Path("c")) == (2, 1)
