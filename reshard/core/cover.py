@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from reshard.core.geometry import Box, contains, intersect, subtract
-from reshard.core.layout import Fragment
+from reshard.core.layout import Fragment, Item
 
 __all__ = ["Cover", "Meeting", "Meetings"]
 
@@ -36,7 +36,7 @@ class Cover:
     destination box against every source box in one pass.
     """
 
-    __slots__ = ("entries", "lo", "hi")
+    __slots__ = ("entries", "lo", "hi", "picks")
 
     def __init__(self, frags: list[Fragment]) -> None:
         # Replicas are preferred in the order the source layout lists them (item order).
@@ -44,6 +44,7 @@ class Cover:
         for f in frags:
             replicas.setdefault(f.box, []).append(f)
         self.lo = self.hi = None
+        self.picks: dict[int, dict[Item, int]] = {}
         if len(replicas) == 1:  # one box (a whole tensor and its replicas): nothing to subtract or search
             self.entries = list(replicas.items())
             return
@@ -83,15 +84,25 @@ class Cover:
         except OverflowError:  # a number past int64: the loop works on Python's ints
             return [self._meet_one(f) for f in frags]
 
+    def pick(self, e: int, item: Item) -> int:
+        """Which replica of box ``e`` a part for ``item`` is read from: the first in ``item``, else the first."""
+        firsts = self.picks.get(e)
+        if firsts is None:
+            firsts = {}
+            for k, a in enumerate(self.entries[e][1]):
+                firsts.setdefault(a.item, k)
+            self.picks[e] = firsts
+        return firsts.get(item, 0)
+
     def _meet_one(self, f: Fragment) -> list[Meeting]:
         out: list[Meeting] = []
         box = f.box
-        for ebox, alts in self.entries:
+        for e, (ebox, alts) in enumerate(self.entries):
             # Most often one source box holds the whole destination box (a whole tensor, chunked).
             common = box if contains(ebox, box) else intersect(ebox, box)
             if common is None:
                 continue
-            s = alts[0] if len(alts) == 1 else next((a for a in alts if a.item == f.item), alts[0])
+            s = alts[0] if len(alts) == 1 else alts[self.pick(e, f.item)]
             out.append((s, common, offset_of(s, common), offset_of(f, common)))
         return out
 
@@ -102,9 +113,23 @@ class Cover:
         d = np.array([f.box.offsets + f.box.lengths + f.strides + (f.offset,) for f in frags], dtype=np.int64)
         dlo, dstr, doff = d[:, :rank], d[:, 2 * rank:3 * rank], d[:, 3 * rank]
         dhi = dlo + d[:, rank:2 * rank]
-        # One row per replica of every box (offsets, strides, offset), and where each box's replicas start.
+        hit = ((self.lo[None, :, :] < dhi[:, None, :]) & (self.hi[None, :, :] > dlo[:, None, :])).all(axis=2)
+        di, ei = np.nonzero(hit)  # by destination fragment, then by box: the order of the loop in _meet_one
+        if not len(di):
+            return [[] for _ in frags]
+        # The replica each part is read from: the first, or the first in the destination fragment's own item.
         alts = [a for _, reps in entries for a in reps]
-        s = np.array([a.box.offsets + a.strides + (a.offset,) for a in alts], dtype=np.int64)
+        ai = np.cumsum([0] + [len(reps) for _, reps in entries[:-1]])[ei]
+        if len(alts) > len(entries):
+            ai = ai.tolist()
+            for k, (f, e) in enumerate(zip(di.tolist(), ei.tolist())):
+                if len(entries[e][1]) > 1:
+                    ai[k] += self.pick(e, frags[f].item)
+            ai = np.array(ai, dtype=np.int64)
+        # One row per replica read from: its box's offsets, its strides and offset.
+        used, back = np.unique(ai, return_inverse=True)
+        s = np.array([alts[a].box.offsets + alts[a].strides + (alts[a].offset,) for a in used.tolist()],
+                     dtype=np.int64).reshape(len(used), 2 * rank + 1)
         # Offsets are sums of (coordinate * stride) over the axes, each coordinate below the destination's ends:
         # numpy's int64 holds them unless the numbers are huge.
         dtop, smax = np.abs(d).max(axis=0).tolist(), np.abs(s).max(axis=0).tolist()
@@ -112,20 +137,7 @@ class Cover:
         step = max(dtop[2 * rank:3 * rank] + smax[rank:2 * rank])
         if rank * top * step + max(dtop[3 * rank], smax[2 * rank]) > _INT64:
             return [self._meet_one(f) for f in frags]
-        hit = ((self.lo[None, :, :] < dhi[:, None, :]) & (self.hi[None, :, :] > dlo[:, None, :])).all(axis=2)
-        di, ei = np.nonzero(hit)  # by destination fragment, then by box: the order of the loop in _meet_one
-        starts = np.cumsum([0] + [len(reps) for _, reps in entries[:-1]])
-        ai = starts[ei]
-        # The replica each part is read from: the first, or the first in the destination fragment's own item.
-        if len(alts) > len(entries):
-            ai = ai.tolist()
-            for k, (f, e) in enumerate(zip(di.tolist(), ei.tolist())):
-                reps = entries[e][1]
-                if len(reps) > 1:
-                    item = frags[f].item
-                    ai[k] += next((j for j, a in enumerate(reps) if a.item == item), 0)
-            ai = np.array(ai, dtype=np.int64)
-        at = s[ai]
+        at = s[back.reshape(-1)]
         lo_d, hi_d = dlo[di], dhi[di]
         clo = np.maximum(lo_d, self.lo[ei])
         chi = np.minimum(hi_d, self.hi[ei])

@@ -39,10 +39,10 @@ class FlatBuffers:
     def init_flats(self) -> None:
         # per source unit and chunk: its params (one per key) and their element counts
         self.flat_params: dict[str, tuple[list[Item], list[int]]] = {}
-        # per flat rule and source unit: the params it keeps, their element counts and a blob among them if any, and
-        # where the flat layout places them in the world buffer (``terms.flat_layout``'s cache); every rank of the
-        # split axis shares both
-        self.flat_chosen: dict[tuple, tuple[list[Item], list[int], Item | None]] = {}
+        # per flat rule and source unit: the params it keeps, their element counts, a blob among them if any and
+        # those its ``alone`` ops give a bucket of their own, and where the flat layout places them in the world
+        # buffer (``terms.flat_layout``'s cache); every rank of the split axis shares both
+        self.flat_chosen: dict[tuple, tuple[list[Item], list[int], Item | None, frozenset[int]]] = {}
         self.flat_places: dict[tuple, object] = {}
         # per flat rule: its source section and name captures, checked once; ``terms.flat_pieces``'s caches
         self.flat_checked: dict[int, tuple[S.Section, set[str]]] = {}
@@ -72,14 +72,14 @@ class FlatBuffers:
             kept = [k for k, p in enumerate(params) if _selected(p.key, fl.ops)]
             if len(kept) < len(params):
                 params, numels = [params[k] for k in kept], [numels[k] for k in kept]
-            chosen = (params, numels, next((p for p in params if p in self.blob_items), None))
+            chosen = (params, numels, next((p for p in params if p in self.blob_items), None),
+                      frozenset(k for k, p in enumerate(params) if _alone(p.key, fl.ops)))
             self.flat_chosen[chosen_key] = chosen
-        params, numels, blob = chosen
+        params, numels, blob, alone = chosen
         if blob is not None:
             raise self.err(f"flat buffer {fl.pattern.text} would take blob '{blob.key}' of section '{fl.source}' as a param; "
                            "flat buffers hold tensors only (give blobs a section of their own, or 'except' them)", fl.pos)
-        buckets = flat_layout(fl, numels, coords, self, self.flat_places, chosen_key,
-                              alone=frozenset(k for k, p in enumerate(params) if _alone(p.key, fl.ops)))
+        buckets = flat_layout(fl, numels, coords, self, self.flat_places, chosen_key, alone=alone)
         unknown = caps - {"state", "bucket"}
         if unknown:
             raise self.err(f"a flat buffer name may capture only {{state}} and {{bucket}}, not {{{unknown.pop()}}}", fl.pos)
