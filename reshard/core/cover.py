@@ -167,6 +167,8 @@ class Meetings:
 
     def meet(self, tensor: str, sources: list[Fragment], frags: list[Fragment]) -> list[list[Meeting]]:
         """``Cover(sources).meet(frags)``, for fragments of ``tensor``."""
+        if len(sources) == 1:  # one fragment holds what the source has of it (a whole tensor, an expert)
+            return [_meet_single(sources[0], f) for f in frags]
         seen = self.done.setdefault(tensor, [])
         for src_ref, dst_ref, meetings in seen:
             if _alike(src_ref, sources) and _alike(dst_ref, frags):
@@ -179,6 +181,13 @@ class Meetings:
         if all(len(reps) == 1 for _, reps in cover.entries):
             seen.append((sources, frags, meetings))
         return meetings
+
+
+def _meet_single(s: Fragment, f: Fragment) -> list[Meeting]:
+    """What ``Cover([s]).meet([f])`` gives: the part of ``f``'s box in ``s``'s, if any."""
+    box = f.box
+    common = box if contains(s.box, box) else intersect(s.box, box)
+    return [] if common is None else [(s, common, offset_of(s, common), offset_of(f, common))]
 
 
 def _alike(a: list[Fragment], b: list[Fragment]) -> bool:

@@ -252,17 +252,20 @@ def _plan(src: Layout, dst: Layout) -> Plan:
 
     sources: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
     own: dict[tuple[Item, str, str], list[Fragment]] = defaultdict(list)
+    wanted_items = {f.item for f in dst.fragments}
     for f in src.fragments:
         if not f.fill:
             sources[(f.tensor, f.state)].append(f)
-            own[(f.item, f.tensor, f.state)].append(f)
+            if f.item in wanted_items:
+                own[(f.item, f.tensor, f.state)].append(f)
+    owners = {key[0] for key in own}
 
     # Each destination fragment's copies, in the order of its fragments; then sorted by destination place.
     made: list[list[Copy]] = [[] for _ in dst.fragments]
     wanted: dict[tuple[str, str], list[int]] = defaultdict(list)
     for k, f in enumerate(dst.fragments):
         # The same item in the source holds the whole box: copy in place (plan(A, A) is item -> itself).
-        owned = own.get((f.item, f.tensor, f.state))
+        owned = own.get((f.item, f.tensor, f.state)) if f.item in owners else None
         same = next((s for s in owned if contains(s.box, f.box)), None) if owned else None
         if same is not None:
             made[k].append(Copy(
@@ -281,6 +284,14 @@ def _plan(src: Layout, dst: Layout) -> Plan:
         meetings = meetings_of.meet(key[0], frags_of, frags) if frags_of else [[] for _ in frags]
         for k, f, meets in zip(ks, frags, meetings):
             out = made[k]
+            if len(meets) == 1 and meets[0][1] is f.box:  # the whole box from one place (most often)
+                s, common, src_at, dst_at = meets[0]
+                out.append(Copy(
+                    src=s.item, src_offset=src_at, src_strides=s.strides,
+                    dst=f.item, dst_offset=dst_at, dst_strides=f.strides,
+                    lengths=common.lengths, tensor=f.tensor, state=f.state, box=common,
+                ))
+                continue
             got = 0
             for s, common, src_at, dst_at in meets:
                 out.append(Copy(
