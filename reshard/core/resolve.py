@@ -79,8 +79,11 @@ class _Resolver(Captures, FlatBuffers):
         self.init_flats()
         # items holding a blob's bytes: flat buffers hold tensors, not bytes
         self.blob_items: set[Item] = set()
-        # per stored rule, unit and chunk: its shape and fragment templates (``templates``), shared by the layers
+        # per stored rule, chunk and coordinates of its split axes: its shape and fragment templates (``templates``),
+        # shared by the layers; with capture values too, what ``stored_parts`` gives, shared by the units alike
         self.shaped: dict[tuple, tuple[tuple[int, ...], list[tuple]]] = {}
+        self.stored_made: dict[tuple, tuple] = {}
+        self.rule_splits: dict[int, tuple[str, ...]] = {}
 
     def err(self, message: str, pos: S.Pos | None) -> SpecError:
         return self.spec.error(message, pos)
@@ -392,35 +395,85 @@ class _Resolver(Captures, FlatBuffers):
         return out
 
     def stored(self, sec, rule, unit, coords, chunk, values, states) -> list[Item]:
-        key = self.key_of(rule.pattern, values)
-        global_values = {k: v[0] for k, v in values.items()}
-        for k, v in values.items():  # a part of an index gives its parent's capture too (layer m is layer i = m)
-            if k in self.parts:
-                global_values.setdefault(self.parts[k][2], v[0])
         if isinstance(rule, S.Blob):
-            decl = self.by_ref[rule.pattern.text]
-            name = decl.pattern.format(global_values)
-            n = self.tensors[name].view[0]
-            out = []
-            for state in states:
-                item = Item(sec.name, unit, chunk, state, key)
-                self.blob_items.add(item)
-                self.add_item(item, ItemInfo(shape=(n,), mapped=0 if rule.regenerate else n, fill="regenerate" if rule.regenerate else "zero", rule=rule.pattern.text), rule.pos)
-                if not rule.regenerate and n:
-                    self.add_frag(Fragment(tensor=name, state=state, box=Box((0,), (n,)), item=item, offset=0, strides=(1,)), sec)
-                out.append(item)
-            return out
-        # A rule's dims depend on the unit and chunk, not on the layer: the layers of a stage share them.
-        at = (id(rule), chunk, tuple(coords.items()))
-        shaped = self.shaped.get(at)
+            return self.blob(sec, rule, unit, chunk, values, states)
+        # Units that split the rule's dims alike store the same fragments under the same key (the attention of
+        # every expert-parallel rank): worked out once, only the items differ.
+        at = (id(rule), chunk, tuple(values.items()), tuple(coords[a] for a in self.split_axes(rule)))
+        made = self.stored_made.get(at)
+        if made is None:
+            made = self.stored_parts(rule, coords, chunk, values, at)
+            self.stored_made[at] = made
+        if not made:
+            return []  # no layer of this stack on this (stage, chunk)
+        key, frags, info = made
+        out = []
+        for state in states:
+            item = Item(sec.name, unit, chunk, state, key)
+            self.add_item(item, info, rule.pos)
+            for name, box, base, strides, fill in frags:
+                self.add_frag(Fragment(tensor=name, state=state, box=box, item=item, offset=base, strides=strides, fill=fill), sec)
+            out.append(item)
+        return out
+
+    def blob(self, sec, rule: S.Blob, unit, chunk: int, values, states) -> list[Item]:
+        key = self.key_of(rule.pattern, values)
+        decl = self.by_ref[rule.pattern.text]
+        name = decl.pattern.format(self.global_values(values))
+        n = self.tensors[name].view[0]
+        out = []
+        for state in states:
+            item = Item(sec.name, unit, chunk, state, key)
+            self.blob_items.add(item)
+            self.add_item(item, ItemInfo(shape=(n,), mapped=0 if rule.regenerate else n, fill="regenerate" if rule.regenerate else "zero", rule=rule.pattern.text), rule.pos)
+            if not rule.regenerate and n:
+                self.add_frag(Fragment(tensor=name, state=state, box=Box((0,), (n,)), item=item, offset=0, strides=(1,)), sec)
+            out.append(item)
+        return out
+
+    def global_values(self, values) -> dict[str, int]:
+        """Each capture's global value; a part of an index gives its parent's capture too (layer m is layer i = m)."""
+        out = {k: v[0] for k, v in values.items()}
+        for k, v in values.items():
+            if k in self.parts:
+                out.setdefault(self.parts[k][2], v[0])
+        return out
+
+    def split_axes(self, rule: S.Stored) -> tuple[str, ...]:
+        """The mesh axes a stored rule's dims are split over: the only coordinates of a unit its dims depend on."""
+        axes = self.rule_splits.get(id(rule))
+        if axes is None:
+            found: list[str] = []
+            todo = list(rule.dims or ())
+            while todo:
+                t = todo.pop()
+                if isinstance(t, S.Split):
+                    found.append(t.axis)
+                    todo.append(t.term)
+                elif isinstance(t, S.Product):
+                    todo += t.terms
+                elif isinstance(t, S.Pad):
+                    todo.append(t.term)
+                elif isinstance(t, S.Concat):
+                    todo += [term for part in t.parts for term in part.terms]
+            axes = self.rule_splits[id(rule)] = tuple(sorted(set(found)))
+        return axes
+
+    def stored_parts(self, rule: S.Stored, coords, chunk: int, values, at: tuple) -> tuple:
+        """A stored rule's item key, fragments ``(tensor, box, offset, strides, fill)`` and item info for one unit's
+        capture values; ``()`` where a stack over pp has no layer on this (stage, chunk)."""
+        key = self.key_of(rule.pattern, values)
+        global_values = self.global_values(values)
+        # A rule's dims depend on the split coordinates and chunk, not on the layer: the layers of a stage share them.
+        shaped = self.shaped.get((at[0], at[1], at[3]))
         if shaped is None:
             shape, combos = self.dims(rule, Ctx(self.spec, self.topo, self.env, self.indexes, coords, chunk, key,
                                                 _layer_name(rule)))
             shaped = (shape, self.templates(rule, shape, combos))
-            self.shaped[at] = shaped
+            self.shaped[(at[0], at[1], at[3])] = shaped
         shape, templates = shaped
         if _stacks_over_pp(rule) and 0 in shape:
-            return []  # no layer of this stack on this (stage, chunk)
+            return ()
         frags: list[tuple] = []
         mapped = 0
         for decl, extra, where, base, fill, made in templates:
@@ -435,15 +488,8 @@ class _Resolver(Captures, FlatBuffers):
             mapped += boxed[2]
             frags.append((name, boxed[0], base, boxed[1], fill))
         empty = self.empty_tensor(rule, global_values) if not frags and 0 in shape else None
-        stored = self.stored_shape(rule, shape)
-        out = []
-        for state in states:
-            item = Item(sec.name, unit, chunk, state, key)
-            self.add_item(item, ItemInfo(shape=stored, mapped=mapped, rule=rule.pattern.text, tensor=empty), rule.pos)
-            for name, box, base, strides, fill in frags:
-                self.add_frag(Fragment(tensor=name, state=state, box=box, item=item, offset=base, strides=strides, fill=fill), sec)
-            out.append(item)
-        return out
+        return key, frags, ItemInfo(shape=self.stored_shape(rule, shape), mapped=mapped, rule=rule.pattern.text,
+                                    tensor=empty)
 
     def stored_shape(self, rule: S.Stored, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The item's shape: its dims' extents, or the rule's ``as (...)``, a row-major reshape of them (the
