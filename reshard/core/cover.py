@@ -154,22 +154,24 @@ class Cover:
 
 @dataclass(frozen=True, slots=True)
 class Meetings:
-    """``Cover.meet`` for one plan, made once per geometry of a tensor.
+    """``Cover.meet`` for one plan, made once per geometry.
 
     An optimizer's states of one tensor (``master``, ``exp_avg``, ...) are most often laid out alike, in items
-    that differ by their state: the same boxes at the same offsets with the same strides, on both sides. Where the
-    source and destination fragments of a (tensor, state) are, one by one, those of a state of the same tensor
-    met before, and each box had one replica there (so no item decided where a part is read), the parts are the
-    same: only the fragments they come from change.
+    that differ by their state, and so are the layers that sit alike in their pipeline stages on both sides: the
+    same boxes at the same offsets with the same strides. Where the source and destination fragments of a
+    (tensor, state) are, one by one, those of one met before, and each box had one replica there (so no item
+    decided where a part is read), the parts are the same: only the fragments they come from change.
     """
 
-    done: dict[str, list[tuple[list[Fragment], list[Fragment], list[list[Meeting]]]]] = field(default_factory=dict)
+    done: dict[tuple, list[tuple[list[Fragment], list[Fragment], list[list[Meeting]]]]] = field(default_factory=dict)
 
-    def meet(self, tensor: str, sources: list[Fragment], frags: list[Fragment]) -> list[list[Meeting]]:
-        """``Cover(sources).meet(frags)``, for fragments of ``tensor``."""
+    def meet(self, sources: list[Fragment], frags: list[Fragment]) -> list[list[Meeting]]:
+        """``Cover(sources).meet(frags)``."""
         if len(sources) == 1:  # one fragment holds what the source has of it (a whole tensor, an expert)
             return [_meet_single(sources[0], f) for f in frags]
-        seen = self.done.setdefault(tensor, [])
+        first, last, want = sources[0], sources[-1], frags[0]
+        seen = self.done.setdefault((len(sources), len(frags), first.box.offsets, first.box.lengths, first.offset,
+                                     last.offset, want.box.offsets, want.box.lengths, want.offset), [])
         for src_ref, dst_ref, meetings in seen:
             if _alike(src_ref, sources) and _alike(dst_ref, frags):
                 index = {id(f): k for k, f in enumerate(src_ref)}

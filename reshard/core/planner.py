@@ -281,7 +281,7 @@ def _plan(src: Layout, dst: Layout) -> Plan:
         frags = [dst.fragments[k] for k in ks]
         frags_of = sources.get(key)
         cover = frags_of or None
-        meetings = meetings_of.meet(key[0], frags_of, frags) if frags_of else [[] for _ in frags]
+        meetings = meetings_of.meet(frags_of, frags) if frags_of else [[] for _ in frags]
         for k, f, meets in zip(ks, frags, meetings):
             out = made[k]
             if len(meets) == 1 and meets[0][1] is f.box:  # the whole box from one place (most often)

@@ -117,3 +117,21 @@ def test_flat_pieces_equal_restricting_every_fragment(seed):
                 for p, a, z, dst in pieces for f in frags_of[params[p]]
                 for offs, lens, base in restrict(f.box.offsets, f.box.lengths, f.strides, f.offset, a, z)]
         assert flat_pieces(params, frags_of, pieces, cuts) == want
+
+
+@pytest.mark.parametrize(("name", "sizes", "src", "dst"), [
+    ("megatron-llama-distopt", {"h": 64, "heads": 8, "g": 4, "hd": 8, "f": 160, "vocab": 1100, "layers": 14,
+                                "vocab_div": 128, "bucket_size": 0}, "tp=2,pp=4,dp=4,stages=3+4+4+3", "tp=2,pp=2,dp=8"),
+    ("megatron-mixtral-ep-distopt", {"h": 64, "heads": 8, "g": 4, "hd": 8, "f": 48, "vocab": 1100, "layers": 4,
+                                     "vocab_div": 128, "bucket_size": 0, "experts": 8}, "pp=2,ep=4,dp=4", "ep=2,dp=2"),
+])
+def test_meetings_reused_for_alike_tensors_plan_what_a_cover_each_plans(name, sizes, src, dst, monkeypatch):
+    """Layers that sit alike in their stages and optimizer states laid out alike reuse one meeting: the same plan
+    as a cover made for every (tensor, state)."""
+    from reshard.formats.specs import layout_spec
+
+    spec = layout_spec(name)
+    a, b = (resolve(spec, parse_topology(t), sizes) for t in (src, dst))
+    want = [plan(a, b).copies, plan(b, a).copies]
+    monkeypatch.setattr(cover_module.Meetings, "meet", lambda self, sources, frags: Cover(sources).meet(frags))
+    assert [plan(a, b).copies, plan(b, a).copies] == want
