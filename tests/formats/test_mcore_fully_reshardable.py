@@ -83,13 +83,13 @@ def _equal_runs(tmp_path, pairs, pp: int, sizes: dict, gated: bool) -> None:
 
 @pytest.mark.interop
 @pytest.mark.parametrize("family,sharding", [("qwen2", "fully_reshardable"), ("gpt2", "dp_reshardable")])
-def test_real_dp_reshardable_run_resumes_in_megatron_core_at_tp2(tmp_path, family, sharding):
+def test_real_dp_reshardable_run_resumes_in_megatron_core_at_tp2_and_gpt2_at_pp2(tmp_path, family, sharding):
     """megatron-core trains one step of a Qwen2 style (q/k/v biases, tied) or GPT-2 style (LayerNorm, biases,
     learned positions, tied) model at tp 1, dp 2 in buckets and
     saves dp_reshardable -> torch_dist at tp 2, dp 1 with the optimizer state fully_reshardable (resumed with
     other buckets: one) or dp_reshardable (in the run's buckets), loaded by megatron-core's
     dist_checkpointing.load: every weight, main param, Adam moment and step equal to what the run held, and
-    the next step equal too."""
+    the next step equal too; GPT-2's also at pp 2 (``_resumed_at_pp2``)."""
     require("megatron.core")
     import mcore_moe_jobs as jobs
 
@@ -108,6 +108,8 @@ def test_real_dp_reshardable_run_resumes_in_megatron_core_at_tp2(tmp_path, famil
               bucket_size=None if full else 4000, torch_dist=True, fully_reshardable=full, **run)
     _equal_runs(tmp_path, (("dump-src", "dump-dist"), ("dump-src/next", "dump-dist/next")), 1, jobs.SIZES,
                 gated=family != "gpt2")
+    if family == "gpt2":
+        _resumed_at_pp2(tmp_path, ckpt, run)
 
 
 @pytest.mark.interop
@@ -133,27 +135,21 @@ def test_real_fully_reshardable_checkpoint_of_several_buckets_is_refused_naming_
         reshard.open_checkpoint(ckpt)
 
 
-@pytest.mark.interop
-def test_a_tied_run_resumes_at_pp2_where_the_embedding_has_buckets_of_its_own(tmp_path):
+def _resumed_at_pp2(tmp_path, ckpt, run: dict) -> None:
     """megatron-core gives a tied embedding a bucket of its own at pp > 1, on the first stage (the embedding) and
-    on the last (its copy, the output layer). A GPT-2 style run (tied; tp 1, pp 1, dp 2, buckets of 4000) ->
-    torch_dist dp_reshardable and the torch format's distrib_optim.pt at pp 2, dp 1, each resumed by megatron-core:
-    every weight, main param, Adam moment and step equal to the run's, the last stage's output layer equal to the
-    embedding, and the next step equal too."""
-    require("megatron.core")
+    on the last (its copy, the output layer): a tied run at pp 1 -> torch_dist dp_reshardable and the torch
+    format's distrib_optim.pt at pp 2, dp 1, each resumed by megatron-core with every weight, main param, Adam
+    moment and step equal to the run's, the last stage's output layer equal to the embedding, and the next step
+    equal too."""
     import mcore_moe_jobs as jobs
 
-    run = {"dense": True, "bf16": True, "next": True, "family": "gpt2"}
-    jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=1, pp=1, ep=1, dp=2, distopt=True, bucket_size=4000,
-              torch_dist=True, **run)
-    ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
-    reshard.convert(ckpt, tmp_path / "dist", format="mcore-dist", to="tp=1,pp=2,dp=1,zero=1")
-    jobs.load(tmp_path / "dist", tmp_path / "dump-dist", tp=1, pp=2, ep=1, dp=1, distopt=True, bucket_size=4000,
+    reshard.convert(ckpt, tmp_path / "pp2", format="mcore-dist", to="tp=1,pp=2,dp=1,zero=1")
+    jobs.load(tmp_path / "pp2", tmp_path / "dump-pp2", tp=1, pp=2, ep=1, dp=1, distopt=True, bucket_size=4000,
               torch_dist=True, **run)
     reshard.convert(ckpt, tmp_path / "meg", format="megatron", to="tp=1,pp=2,dp=1,zero=1",
                     spec="megatron-gpt2-local-distopt-torch")
     jobs.load(tmp_path / "meg", tmp_path / "dump-meg", tp=1, pp=2, ep=1, dp=1, distopt=True, bucket_size=4000, **run)
-    for dump in ("dump-dist", "dump-meg"):
+    for dump in ("dump-pp2", "dump-meg"):
         for now, then in (("dump-src", dump), ("dump-src/next", f"{dump}/next")):
             have, wanted = gathered(tmp_path / then, 2, jobs.SIZES, False), gathered(tmp_path / now, 1, jobs.SIZES,
                                                                                      False)
