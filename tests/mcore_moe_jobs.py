@@ -37,7 +37,8 @@ Llama: ``gpt2`` (LayerNorm with biases, biases on every linear, GELU, learned po
 (q/k/v biases, tied). ``grouped`` builds the experts as megatron-core's legacy ``GroupedMLP`` (``--moe-grouped-gemm
 --moe-use-legacy-grouped-gemm``: ``weight1`` and ``weight2`` per layer); the ``grouped_gemm`` package it asserts at
 construction runs only in its forward, which these jobs never call, so the assertion is skipped.
-``etp`` splits the experts over their own tensor-parallel degree (``--expert-tensor-parallel-size``) instead of tp.
+``etp`` splits the experts over their own tensor-parallel degree (``--expert-tensor-parallel-size``) instead of tp,
+and ``groups`` sets the query groups (``SIZES["g"]`` by default; tp 4 needs 4).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ DIVISIBLE_BY = 128
 ITERATION = 10
 OPTIONS = {"dense": False, "bf16": False, "bucket_size": None, "torch_dist": False, "next": False,
            "weights_only": False, "qk_norm": False, "fully_reshardable": False, "family": "llama",
-           "grouped": False, "etp": None}
+           "grouped": False, "etp": None, "groups": None}
 
 
 def padded_vocab(tp: int) -> int:
@@ -92,7 +93,8 @@ def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool, opts: dict = OPTION
     experts = None if opts["dense"] else s["experts"]
     args = argparse.Namespace(
         num_layers=s["layers"], hidden_size=s["h"], ffn_hidden_size=s["f"], moe_ffn_hidden_size=s["f"],
-        num_attention_heads=s["heads"], group_query_attention=True, num_query_groups=s["g"], kv_channels=s["hd"],
+        num_attention_heads=s["heads"], group_query_attention=True, num_query_groups=opts["groups"] or s["g"],
+        kv_channels=s["hd"],
         vocab_size=s["vocab"], padded_vocab_size=padded_vocab(tp), make_vocab_size_divisible_by=DIVISIBLE_BY,
         swiglu=True, normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
         untie_embeddings_and_output_weights=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

@@ -188,28 +188,38 @@ def test_dp_reshardable_state_at_an_expert_tensor_parallelism_other_than_1_or_tp
 
 
 @pytest.mark.interop
-def test_real_fully_reshardable_run_at_etp2_tp4_converts_and_resumes_at_tp1(tmp_path):
-    """megatron-core at tp=4, ep=2, etp=2 (world 4; bf16) saves torch_dist with fully_reshardable state: the
-    experts split over an expert tensor parallelism that is neither 1 nor tp, which model space keeps in each
-    weight's own chunks -> Hugging Face, every weight bit-exact; -> dp_reshardable at tp=1, ep=2, dp=2, which
-    megatron-core resumes with every weight, main param, Adam moment and step equal to the run's. Its bucket
-    space at etp=2 is refused by name (a buffer layout reshard does not lay out)."""
+@pytest.mark.parametrize("sharding", ["fully_reshardable", "dp_reshardable"])
+def test_real_run_at_etp2_tp4_converts_and_resumes_at_tp1(tmp_path, sharding):
+    """megatron-core at tp=4, ep=2, etp=2 (world 4; bf16; 4 query groups) saves torch_dist with ``sharding`` state:
+    the experts split over an expert tensor parallelism that is neither 1 nor tp. Model space keeps each expert's
+    etp shards as chunks of the global tensor; the bucket space (buckets of 6000 elements) holds the experts'
+    buffers as at tp = etp, numbered over etp * ep -> Hugging Face, every weight bit-exact; -> dp_reshardable at
+    tp=1, ep=2, dp=2, which megatron-core resumes with every weight, main param, Adam moment and step equal to
+    the run's."""
     require("megatron.core")
     from safetensors.torch import load_file
-    from test_mcore_dist_moe import hf_of
-    from test_mcore_dist_optim import gathered
 
     import mcore_moe_jobs as jobs
+    import test_mcore_dist_moe
+    from test_mcore_dist_optim import gathered
 
-    S = jobs.SIZES
-    run = {"bf16": True}
+    S = {**jobs.SIZES, "g": 4}
+    full = sharding == "fully_reshardable"
+    run = {"bf16": True, "groups": S["g"], "bucket_size": None if full else 6000}
     jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=4, pp=1, ep=2, dp=1, distopt=True, torch_dist=True, etp=2,
-              fully_reshardable=True, **run)
+              fully_reshardable=full, **run)
     ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
+    assert sharding_type({}, read_metadata(ckpt)) == sharding
+    if not full:
+        experts = {k.split(".")[3] for k in read_metadata(ckpt).tensors if k.startswith("chained_1.")}
+        assert experts == {f"dp_group_idx_{g}" for g in range(4)}  # etp 2 x ep 2
     want = gathered(tmp_path / "dump-src", 1, S, experts=(2, S["experts"] // 2))
     assert {s for _, s in want} == {"value", "param", "exp_avg", "exp_avg_sq", "step"}
     reshard.convert(ckpt, tmp_path / "hf", format="hf")
-    got, expected = load_file(tmp_path / "hf" / "model.safetensors"), hf_of(want, "mixtral")
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(test_mcore_dist_moe, "S", S)  # hf_of de-interleaves QKV with the run's 4 groups
+        expected = test_mcore_dist_moe.hf_of(want, "mixtral")
     assert got.keys() == expected.keys()
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
 
@@ -220,16 +230,17 @@ def test_real_fully_reshardable_run_at_etp2_tp4_converts_and_resumes_at_tp1(tmp_
     assert all(resumed[k].dtype == v.dtype and torch.equal(resumed[k], v) for k, v in want.items())
 
 
-def test_bucket_space_state_at_etp2_tp4_is_refused_by_name():
-    """dp_reshardable and the older bucket formats lay experts out by their etp; at etp neither 1 nor tp the
-    reader refuses their state, naming the args (model space and the weights read at any etp)."""
+def test_bucket_space_state_at_an_etp_that_does_not_divide_tp_is_refused_by_name():
+    """The bucket formats lay experts out as at tp = etp, for an etp that divides tp; another etp is refused,
+    naming the args (model space and the weights are read at any etp)."""
     from pathlib import Path
 
     from reshard.formats.megatron.dist_optim import _expert_parallel
     from reshard.models import get_family
 
-    args = {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "tensor_model_parallel_size": 4}
-    with pytest.raises(CheckpointFormatError, match=r"c/common.pt: args.expert_tensor_parallel_size is 2, neither tp "
-                                                    r"\(4\) nor 1"):
+    args = {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 3, "tensor_model_parallel_size": 4}
+    with pytest.raises(CheckpointFormatError, match=r"c/common.pt: args.expert_tensor_parallel_size is 3, which does "
+                                                    r"not divide tp \(4\)"):
         _expert_parallel(args, get_family("mixtral"), Path("c/common.pt"))
-    assert _expert_parallel({**args, "expert_tensor_parallel_size": 1}, get_family("mixtral"), Path("c")) == (2, 1)
+    assert _expert_parallel({**args, "expert_tensor_parallel_size": 2}, get_family("mixtral"), Path("c")) == (2, 2)
+    assert _expert_parallel({**args, "expert_tensor_parallel_size": 4}, get_family("mixtral"), Path("c")) == (2, None)

@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,15 +123,20 @@ def _buffer(chain: int | None, group: int, topology: Topology, chunk: int = 0) -
     buffer of the ``-etp1`` layouts, where every tp unit holds the same)."""
     tp = topology.tp
     if chain == 1:
-        etp = 1 if whole_experts(topology) else tp
+        etp = _etp(topology)
         return EXPERT, group % etp, group // (etp * topology.ep), group // etp % topology.ep, chunk
     return DENSE, group % tp, group // tp, 0, chunk
+
+
+def _etp(topology: Topology) -> int:
+    """The experts' tensor parallelism: the topology's etp, else tp."""
+    return topology.etp if topology.etp is not None else topology.tp
 
 
 def _groups(topology: Topology, chain: int | None) -> int:
     """How many model-parallel groups a (chained) optimizer numbers: tp * pp, the experts' etp * ep * pp."""
     if chain == 1:
-        return (1 if whole_experts(topology) else topology.tp) * topology.ep * topology.pp
+        return _etp(topology) * topology.ep * topology.pp
     return topology.tp * topology.pp
 
 
@@ -155,7 +160,8 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
 
     Raises:
       CheckpointFormatError: no args, an unknown or unsupported key (another grad buffer, a group beyond the
-        model-parallel ranks, a third chained optimizer, expert tensor parallelism other than tp), a bucket count
+        model-parallel ranks, a third chained optimizer, an expert tensor parallelism that does not divide tp), a
+        bucket count
         or ``per_bucket_numel_unpadded`` that differs from the layout's (naming the buffer, the bucket and both
         numbers), a stored length that differs from ``per_bucket_numel_unpadded``, or a missing bucket tensor.
     """
@@ -246,7 +252,8 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
 
 def _expert_parallel(args: Mapping[str, Any], family: Family, where: Path) -> tuple[int, int | None]:
     """The run's ep (1 for a dense family) and its expert tensor parallelism where it is not tp (None: tp); that
-    must be 1 (the experts whole, their buffers laid out by the ``-etp1`` layouts)."""
+    must be 1 (the experts whole, their buffers laid out by the ``-etp1`` layouts) or divide tp (the expert
+    buffers laid out at tp = etp)."""
     if not family.experts:
         return 1, None
     ep = expect_int(args.get("expert_model_parallel_size") or 1, "args.expert_model_parallel_size", str(where), lo=1,
@@ -254,17 +261,17 @@ def _expert_parallel(args: Mapping[str, Any], family: Family, where: Path) -> tu
     etp, tp = args.get("expert_tensor_parallel_size"), args.get("tensor_model_parallel_size") or 1
     if ep == 1 or etp is None or etp == tp:
         return ep, None
-    if etp != 1:
-        raise CheckpointFormatError(f"{where}: args.expert_tensor_parallel_size is {brief(etp)}, neither tp ({tp}) "
-                                    "nor 1: distributed-optimizer state of experts split so is not read")
-    return ep, 1
+    if type(etp) is not int or etp < 1 or tp % etp:
+        raise CheckpointFormatError(f"{where}: args.expert_tensor_parallel_size is {brief(etp)}, which does not "
+                                    f"divide tp ({tp}): distributed-optimizer state of experts split so is not read")
+    return ep, etp
 
 
 def _ranks(topology: Topology, chain: int | None) -> str:
     """The parallel degrees a (chained) optimizer's groups are numbered over, for errors."""
     if chain != 1:
         return f"tp {topology.tp}, pp {topology.pp}"
-    return f"etp {1 if whole_experts(topology) else topology.tp}, ep {topology.ep}, pp {topology.pp}"
+    return f"etp {_etp(topology)}, ep {topology.ep}, pp {topology.pp}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -278,7 +285,8 @@ class _Buckets:
     sizes: Mapping[str, int]
     """The sizes the specs were resolved with (``vocab_div`` and ``bucket_size`` included)."""
     layout: Layout
-    """The bucketed spec resolved at dp 1 (and edp 1): per buffer and bucket, one item holding the whole bucket."""
+    """The bucketed spec resolved at dp 1 (and edp 1): per buffer and bucket, one item holding the whole bucket (at
+    an etp neither 1 nor tp, the dense buffers' resolution: the experts' buffers come from one at tp = etp)."""
     per_group: Mapping[Buffer, list[list[Fragment]]]
     """Per buffer, per bucket: its fragments, in elements from the bucket's start (state ``MASTER``)."""
     unpadded: Mapping[Buffer, list[int]]
@@ -300,6 +308,15 @@ def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], 
     """
     from reshard.formats.megatron.args import _bucket_size
 
+    if family.experts and topology.etp not in (None, 1, topology.tp):
+        # The expert buffers hold the experts alone (at ep > 1): laid out as at tp = etp, the dense ones at tp.
+        dense = _buckets(family, args, sizes, replace(topology, etp=None), run, where)
+        experts = _buckets(family, args, sizes, replace(topology, tp=topology.etp, etp=None), run, where)
+
+        def mixed(d: Mapping[Buffer, Any], x: Mapping[Buffer, Any]) -> dict[Buffer, Any]:
+            return {**{b: v for b, v in d.items() if b[0] != EXPERT}, **{b: v for b, v in x.items() if b[0] == EXPERT}}
+        return replace(dense, per_group=mixed(dense.per_group, experts.per_group),
+                       unpadded=mixed(dense.unpadded, experts.unpadded))
     local = args.get("transformer_impl") == "local"
     tied = not args.get("untie_embeddings_and_output_weights", False)
     coalesced_name = spec_name(family, tied=tied, distopt=True, ep=topology.ep, local=local,  # distrib_optim.pt's
