@@ -120,12 +120,16 @@ class Cover:
         # The replica each part is read from: the first, or the first in the destination fragment's own item.
         alts = [a for _, reps in entries for a in reps]
         ai = np.cumsum([0] + [len(reps) for _, reps in entries[:-1]])[ei]
-        if len(alts) > len(entries):
-            ai = ai.tolist()
-            for k, (f, e) in enumerate(zip(di.tolist(), ei.tolist())):
-                if len(entries[e][1]) > 1:
-                    ai[k] += self.pick(e, frags[f].item)
-            ai = np.array(ai, dtype=np.int64)
+        if len(alts) > len(entries):  # replicas: those in a destination fragment's own item come first
+            holders = {a.item for a in alts}
+            mine = np.flatnonzero(np.array([f.item in holders for f in frags]))
+            if len(mine):
+                ai = ai.tolist()
+                for k in np.flatnonzero(np.isin(di, mine)).tolist():
+                    e = int(ei[k])
+                    if len(entries[e][1]) > 1:
+                        ai[k] += self.pick(e, frags[int(di[k])].item)
+                ai = np.array(ai, dtype=np.int64)
         # One row per replica read from: its box's offsets, its strides and offset.
         used, back = np.unique(ai, return_inverse=True)
         s = np.array([alts[a].box.offsets + alts[a].strides + (alts[a].offset,) for a in used.tolist()],

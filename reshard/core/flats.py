@@ -49,6 +49,8 @@ class FlatBuffers:
         self.flat_shares: dict[tuple, list[tuple]] = {}
         # per flat rule: its source section, name captures and split axis, checked once; ``terms.flat_pieces``'s caches
         self.flat_checked: dict[int, tuple[S.Section, set[str], tuple[str, ...]]] = {}
+        # per flat rule and param key: whether its globs keep the param and give it a bucket of its own
+        self.flat_globs: dict[int, dict[str, tuple[bool, bool]]] = {}
         self.flat_cuts = FlatCuts()
 
     def flat(self, sec: S.Section, fl: S.Flat, unit, chunk: int, states: tuple[str, ...], sections: dict[str, S.Section]) -> None:
@@ -110,10 +112,15 @@ class FlatBuffers:
                 first_state.setdefault(it.key, it)
             self.flat_params[source_key] = (list(first_state.values()), [self.items[p].numel for p in first_state.values()])
         params, numels = self.flat_params[source_key]
-        kept = [k for k, p in enumerate(params) if _selected(p.key, fl.ops)]
+        # What the globs say of a key, asked once per flat rule and key (units of many stages hold the same keys)
+        said = self.flat_globs.setdefault(id(fl), {})
+        for p in params:
+            if p.key not in said:
+                said[p.key] = (_selected(p.key, fl.ops), _alone(p.key, fl.ops))
+        kept = [k for k, p in enumerate(params) if said[p.key][0]]
         if len(kept) < len(params):
             params, numels = [params[k] for k in kept], [numels[k] for k in kept]
-        alone = frozenset(k for k, p in enumerate(params) if _alone(p.key, fl.ops))
+        alone = frozenset(k for k, p in enumerate(params) if said[p.key][1])
         content = (tuple(numels), alone, tuple(
             tuple((fr.tensor, fr.box.offsets, fr.box.lengths, fr.offset, fr.strides, fr.fill) for fr in self.item_frags[p])
             for p in params))
