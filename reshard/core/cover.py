@@ -3,8 +3,9 @@
 ``Cover`` holds disjoint boxes covering the source's fragments of one (tensor, state): each box with the
 fragments that hold it (its replicas). ``Cover.meet`` intersects a list of destination fragments with them, all
 at once: one vectorized pass per (tensor, state), not one per destination fragment, so a plan of a hundred
-thousand fragments costs a few thousand numpy calls. The planner (``reshard.core.planner``) turns what it
-returns into copies.
+thousand fragments costs a few thousand numpy calls. ``Meetings`` makes that pass once per geometry: the
+(tensor, state)s laid out alike (an optimizer's states, layers placed alike in their stages) reuse it. The
+planner (``reshard.core.planner``) turns what they return into copies.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ the source item, its offset in the destination item)``."""
 _VECTOR_MIN = 24
 """Destination fragments times boxes from which ``meet`` intersects with numpy (below, a loop is faster)."""
 _INT64 = (1 << 63) - 1
+"""The largest offset numpy's int64 holds; past it, ``meet`` works on Python's ints."""
 
 
 class Cover:

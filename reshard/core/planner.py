@@ -224,9 +224,11 @@ def plan(src: Layout, dst: Layout) -> Plan:
     """Compute the copies that turn items laid out as ``src`` into items laid out as ``dst``.
 
     Pure: reads only the two layouts. Cost: per logical tensor and state,
-    a vectorized pass over its source boxes for each destination fragment,
-    so O(D * S) elementary comparisons for D destination and S source
-    fragments of that tensor (both small per tensor: a few per rank).
+    one pass that meets all its destination fragments with its source boxes
+    (``reshard.core.cover``; vectorized where there are many), so O(D * S)
+    elementary comparisons for D destination and S source fragments of that
+    tensor; tensors and states laid out alike share one pass. Python's cyclic
+    collector is paused meanwhile (``reshard.core.collector``).
 
     Raises:
       PlanError: a destination fragment the source cannot fill (naming the
@@ -279,36 +281,28 @@ def _plan(src: Layout, dst: Layout) -> Plan:
     meetings_of = Meetings()
     for key, ks in wanted.items():
         frags = [dst.fragments[k] for k in ks]
-        frags_of = sources.get(key)
-        cover = frags_of or None
-        meetings = meetings_of.meet(frags_of, frags) if frags_of else [[] for _ in frags]
+        held = sources.get(key)
+        meetings = meetings_of.meet(held, frags) if held else [[] for _ in frags]
         for k, f, meets in zip(ks, frags, meetings):
             out = made[k]
-            if len(meets) == 1 and meets[0][1] is f.box:  # the whole box from one place (most often)
-                s, common, src_at, dst_at = meets[0]
-                out.append(Copy(
-                    src=s.item, src_offset=src_at, src_strides=s.strides,
-                    dst=f.item, dst_offset=dst_at, dst_strides=f.strides,
-                    lengths=common.lengths, tensor=f.tensor, state=f.state, box=common,
-                ))
-                continue
-            got = 0
             for s, common, src_at, dst_at in meets:
                 out.append(Copy(
                     src=s.item, src_offset=src_at, src_strides=s.strides,
                     dst=f.item, dst_offset=dst_at, dst_strides=f.strides,
                     lengths=common.lengths, tensor=f.tensor, state=f.state, box=common,
                 ))
-                got += common.volume
+            if len(meets) == 1 and meets[0][1] is f.box:  # the whole box from one place (most often)
+                continue
+            got = sum(common.volume for _, common, _, _ in meets)
             if got != f.box.volume:
-                why = "no such tensor in the source" if cover is None and f.tensor not in src.tensors else (
-                    f"state '{f.state}' not in the source (it has: {', '.join(src.states) or 'none'})" if cover is None
+                why = "no such tensor in the source" if held is None and f.tensor not in src.tensors else (
+                    f"state '{f.state}' not in the source (it has: {', '.join(src.states) or 'none'})" if held is None
                     else f"source covers {got} of {f.box.volume} elements")
                 missing.append((k, f"{f.tensor} [{f.state}] {f.box} for {f.item}: {why}"))
     if missing:
-        missing = [why for _, why in sorted(missing)]
-        more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
-        raise PlanError("the source does not hold everything the destination needs:\n  " + "\n  ".join(missing[:20]) + more)
+        lines = [why for _, why in sorted(missing)]
+        more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""
+        raise PlanError("the source does not hold everything the destination needs:\n  " + "\n  ".join(lines[:20]) + more)
     rank_of = {item: k for k, item in enumerate(dst.items)}
     copies = [c for cs in made for c in cs]
     copies.sort(key=lambda c: (rank_of[c.dst], c.dst_offset))
