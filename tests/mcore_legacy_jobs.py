@@ -44,10 +44,10 @@ def missing() -> str | None:
     return f"megatron-core {VERSION} is not installed at {where}; run {INSTALL_STEP}"
 
 
-def save(out: Path, dump: Path, tp: int, dp: int, **options) -> None:
+def save(out: Path, dump: Path, tp: int, dp: int, ep: int = 1, **options) -> None:
     """A megatron-core 0.14 torch_dist checkpoint at ``out/iter_0000010`` after one step of the distributed
-    optimizer (state ``fully_sharded_model_space``), by ``tp * dp`` ranks; ``options``: ``mcore_moe_jobs.OPTIONS``
-    (``torch_dist`` implied)."""
+    optimizer (state ``fully_sharded_model_space``), by ``tp * dp`` ranks (a mixture of experts at ``ep``, unless
+    ``dense``); ``options``: ``mcore_moe_jobs.OPTIONS`` (``torch_dist`` implied)."""
     if problem := missing():
         raise RuntimeError(problem)
     where = install_dir()
@@ -59,7 +59,7 @@ def save(out: Path, dump: Path, tp: int, dp: int, **options) -> None:
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESHARD_MCORE_PORT": str(port),
            "PYTHONPATH": os.pathsep.join([str(where), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    args = ["save", str(tp), str(dp), opts, str(out), str(dump)]
+    args = ["save", str(tp), str(dp), str(ep), opts, str(out), str(dump)]
     code, output = run_job([sys.executable, __file__, *args], env)
     if code:
         raise RuntimeError(f"megatron-core {VERSION} job {args} failed ({code}):\n{output[-4000:]}")
@@ -84,18 +84,19 @@ def _save_model_space(out: Path, model, optimizer, args, metadata: dict | None =
     (out / "latest_checkpointed_iteration.txt").write_text(str(mcore_moe_jobs.ITERATION))
 
 
-def _rank(rank: int, world: int, tp: int, opts: dict, port: int, paths: list[str]) -> None:
+def _rank(rank: int, world: int, tp: int, ep: int, opts: dict, port: int, paths: list[str]) -> None:
     import numpy
 
     # 0.14 asks for numpy < 2 and calls np.product (removed in numpy 2), np.prod under its old name.
     numpy.product = getattr(numpy, "product", numpy.prod)
     mcore_moe_jobs._save_torch_dist = _save_model_space  # the run's own save, in this version's default type
-    mcore_moe_jobs._rank(rank, world, tp, 1, 1, True, opts, port, "save", paths)
+    mcore_moe_jobs._rank(rank, world, tp, 1, ep, True, opts, port, "save", paths)
 
 
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    tp, dp, options, paths = int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5:]
+    tp, dp, ep, options, paths = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]), \
+        sys.argv[6:]
     os.makedirs(paths[-1], exist_ok=True)
-    mp.spawn(_rank, args=(tp * dp, tp, options, int(os.environ["RESHARD_MCORE_PORT"]), paths), nprocs=tp * dp)
+    mp.spawn(_rank, args=(tp * dp, tp, ep, options, int(os.environ["RESHARD_MCORE_PORT"]), paths), nprocs=tp * dp)

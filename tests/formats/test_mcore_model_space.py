@@ -122,3 +122,35 @@ def test_megatron_core_0_14_model_space_checkpoint_resumes_in_0_16_as_dp_reshard
     assert {s for _, s in gathered(tmp_path / "dump-src", 1, jobs.SIZES)} == \
         {"value", "param", "exp_avg", "exp_avg_sq", "step"}
     assert_resumed(tmp_path, "dump-src", "dump-dist")
+
+
+@pytest.mark.interop
+def test_megatron_core_0_14_mixture_of_experts_resumes_in_0_16_at_ep2(tmp_path, mcore_legacy):
+    """megatron-core 0.14 trains a Mixtral-style model one step at ep 2, dp 2 (a dense and an expert optimizer;
+    bf16, buckets of 4000) and saves its default fully_sharded_model_space state, experts stacked in model space
+    -> Hugging Face, every weight bit-exact; -> torch_dist dp_reshardable at ep 2, dp 2 (chained_0. dense,
+    chained_1. expert groups), which megatron-core 0.16 resumes with every weight, main param, Adam moment and
+    step equal to the 0.14 run's, and the step after equal to 0.14's own."""
+    require("megatron.core")
+    from safetensors.torch import load_file
+    from test_mcore_dist_moe import assert_same_values, hf_of
+    from test_mcore_dist_moe_optim import assert_same_but_padding
+    from test_megatron_moe import collect
+
+    import mcore_legacy_jobs
+    import mcore_moe_jobs as jobs
+
+    run = {"bf16": True, "bucket_size": 4000, "next": True}
+    mcore_legacy_jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=1, dp=2, ep=2, **run)
+    ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
+    src = reshard.open_checkpoint(ckpt)
+    assert src.spec_name == "mcore-dist-mixtral-local" and src.progress.step == 1
+    want = {now: collect(tmp_path / now, 1, 2, jobs.SIZES) for now in ("dump-src", "dump-src/next")}
+    reshard.convert(ckpt, tmp_path / "hf", format="hf")
+    assert_same_values(load_file(tmp_path / "hf" / "model.safetensors"), hf_of(want["dump-src"], "mixtral"), "hf")
+    reshard.convert(ckpt, tmp_path / "ep2", format="mcore-dist", to="tp=1,dp=2,ep=2,zero=1")
+    assert any(k.startswith("chained_1.") for k in dcp.FileSystemReader(tmp_path / "ep2").read_metadata()
+               .state_dict_metadata)
+    jobs.load(tmp_path / "ep2", tmp_path / "dump-ep2", tp=1, pp=1, ep=2, dp=2, distopt=True, torch_dist=True, **run)
+    for now, then in (("dump-src", "dump-ep2"), ("dump-src/next", "dump-ep2/next")):
+        assert_same_but_padding(collect(tmp_path / then, 1, 2, jobs.SIZES), want[now], then)
