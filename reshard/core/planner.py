@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import networkx as nx
+import numpy as np
 
 from reshard.core.collector import collector_paused
 from reshard.core.cover import Meetings, offset_of
@@ -303,15 +304,36 @@ def _plan(src: Layout, dst: Layout) -> Plan:
         lines = [why for _, why in sorted(missing)]
         more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""
         raise PlanError("the source does not hold everything the destination needs:\n  " + "\n  ".join(lines[:20]) + more)
-    rank_of = {item: k for k, item in enumerate(dst.items)}
-    copies = [c for cs in made for c in cs]
-    copies.sort(key=lambda c: (rank_of[c.dst], c.dst_offset))
     return Plan(
-        src_items=MappingProxyType(dict(src.items)),
-        dst_items=MappingProxyType(dict(dst.items)),
-        copies=tuple(copies),
+        src_items=MappingProxyType(_dict_of(src.items)),
+        dst_items=MappingProxyType(_dict_of(dst.items)),
+        copies=_in_destination_order(made, dst),
         tensors=MappingProxyType({n: t for n, t in dst.tensors.items()}),
     )
+
+
+def _in_destination_order(made: list[list[Copy]], dst: Layout) -> tuple[Copy, ...]:
+    """The copies, made per destination fragment in the layout's order, by destination item (in the layout's
+    order) and offset; copies of the same item and offset keep the order they were made in."""
+    rank_of = {item: k for k, item in enumerate(dst.items)}
+    copies = [c for cs in made for c in cs]
+    try:  # one stable numpy sort, keyed by each fragment's item's rank (numbers past int64 take the list's sort)
+        ranks = np.repeat(np.array([rank_of[f.item] for f in dst.fragments], dtype=np.int64),
+                          [len(cs) for cs in made])
+        offsets = np.fromiter((c.dst_offset for c in copies), dtype=np.int64, count=len(copies))
+    except OverflowError:
+        copies.sort(key=lambda c: (rank_of[c.dst], c.dst_offset))
+        return tuple(copies)
+    return tuple([copies[k] for k in np.lexsort((offsets, ranks)).tolist()])
+
+
+def _dict_of(items: Mapping[Item, ItemInfo]) -> dict[Item, ItemInfo]:
+    """A plain dict copy of a layout's items; a dict's own copy, which need not hash every item again."""
+    if isinstance(items, (dict, MappingProxyType)):
+        out = items.copy()
+        if type(out) is dict:
+            return out
+    return dict(items)
 
 
 def _runs(offset: int, strides: tuple[int, ...], lengths: tuple[int, ...], budget: int) -> list[tuple[int, int]] | None:
