@@ -9,6 +9,8 @@
 - ``dcp_load.py``: one rank's share of a PyTorch DCP checkpoint, ``reshard.load`` against
   ``dcp.load`` (where torch is installed);
 - ``plan_405b.py``: planning a Llama-405B-shaped checkpoint from metadata alone;
+- ``plan_moe.py``: planning a DeepSeek-V3-shaped mixture of experts (64 layers, 256 experts) from metadata
+  alone, ep=64,pp=16 -> ep=32,pp=8 (not with ``--tiny``);
 - ``any_model.py``: a model no family describes: 100,000 tensors planned from a derived layout, and a
   Qwen2-shaped model to DCP and back against ``cp -r``.
 - ``moe_memory.py``: 256 experts per layer, Hugging Face -> Megatron ep=8,pp=4 -> back under a memory
@@ -55,6 +57,8 @@ def main() -> None:
         ("A conversion across torchrun ranks", ["torchrun.py", *(["--tiny"] if args.tiny else [])]),
         ("One rank's load against reading everything", ["rank_load.py", *small]),
     ]
+    if not args.tiny:  # seconds and most of a GiB: no smoke test
+        steps.insert(3, ("Planning a DeepSeek-V3-shaped mixture of experts", ["plan_moe.py", "--validate"]))
     if importable("transformers"):
         steps.append(("Loading inside a job at world size 4", ["in_job_load.py", *(["--tiny"] if args.tiny else [])]))
     if not args.tiny and importable("deepspeed"):

@@ -151,8 +151,8 @@ def by_global_name(full: dict) -> dict[tuple[str, str], torch.Tensor]:
 
 @pytest.mark.interop
 def test_a_real_megatron_fsdp_mixture_of_experts_converts_and_megatron_core_resumes_it(tmp_path):
-    """Megatron-FSDP trains a Mixtral-style model (SequentialMLP experts) one Adam step at ep 2, dp 4 (each expert
-    sharded over the expert data-parallel group, keyed by its global number) -> Hugging Face, every weight
+    """Megatron-FSDP trains a Mixtral-style model (SequentialMLP experts) one Adam step at ep 2, dp 2 (the dense
+    weights sharded over dp, each expert keyed by its global number) -> Hugging Face, every weight
     bit-exact; -> torch_dist at ep 2, dp 2 with dp_reshardable state (a dense and an expert optimizer), which
     megatron-core's DistributedOptimizer resumes with every weight, fp32 main param, Adam moment and step equal
     to what the Megatron-FSDP run saved."""
@@ -163,7 +163,7 @@ def test_a_real_megatron_fsdp_mixture_of_experts_converts_and_megatron_core_resu
     from test_megatron_moe import collect
 
     src = tmp_path / "src"
-    mcore_fsdp_jobs.save(src, 4, 1, ep=2)
+    mcore_fsdp_jobs.save(src, 2, 1, ep=2)
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     md = read_metadata(src)
     assert {f"{MODEL}decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight_w" for e in range(4)} \
