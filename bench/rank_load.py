@@ -10,9 +10,11 @@ process, interleaved, ``--repeat`` rounds each:
 - ``reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron")`` on 1 and 2 threads.
 
 Prints a markdown table: median wall time, its ratio to the faster way of
-reading everything, bytes read over the rank's share, read calls.
+reading everything, bytes read over the rank's share, read calls. With ``--cold``
+the page cache is dropped before every measurement (``sync`` and
+``/proc/sys/vm/drop_caches``, which needs root; the bench fails without it).
 
-    python bench/rank_load.py [--layers 4] [--repeat 5] [--keep DIR] [--tiny]
+    python bench/rank_load.py [--layers 4] [--repeat 5] [--keep DIR] [--tiny] [--cold]
 """
 
 from __future__ import annotations
@@ -46,12 +48,20 @@ def generate(src: Path, layers: int, tiny: bool) -> None:
     shutil.rmtree(one)
 
 
+def drop_caches() -> None:
+    """Write dirty pages back and drop the page cache, so the next reads come from the disk."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (4: about 595 MiB)")
     ap.add_argument("--repeat", type=int, default=5, help="rounds; the table shows medians")
     ap.add_argument("--keep", type=Path, help="write the checkpoint under this directory and keep it")
     ap.add_argument("--tiny", action="store_true", help="a checkpoint of a few MiB (a smoke test)")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before every measurement (root)")
     args = ap.parse_args()
     import torch
     from safetensors.torch import load_file
@@ -95,6 +105,8 @@ def main() -> None:
         figures: dict[str, dict] = {}
         for _ in range(args.repeat):
             for name, run in runs.items():
+                if args.cold:
+                    drop_caches()
                 t0 = time.perf_counter()
                 figures[name] = run()
                 times[name].append(time.perf_counter() - t0)
@@ -102,7 +114,8 @@ def main() -> None:
         floor = min(med["read every file whole (readinto one buffer)"], med["safetensors load_file + clone, every file"])
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
               f"torch {torch.__version__}")
-        print(f"checkpoint: Hugging Face Llama-shaped, {len(files)} safetensors shards, {total / 2**20:.0f} MiB; warm cache\n")
+        print(f"checkpoint: Hugging Face Llama-shaped, {len(files)} safetensors shards, {total / 2**20:.0f} MiB; "
+              f"{'caches dropped before each run' if args.cold else 'warm cache'}\n")
         print("| run | wall s | vs reading everything | read MiB | read / share | read calls |")
         print("|---|---:|---:|---:|---:|---:|")
         for name in runs:

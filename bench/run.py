@@ -16,7 +16,8 @@
 - ``moe_memory.py``: 256 experts per layer, Hugging Face -> Megatron ep=8,pp=4 -> back under a memory
   budget: peak RSS against the budget, byte-identical round trip.
 - ``rank_load.py``: ``reshard.load`` of rank 3 of tp=2,pp=2 from a 595 MiB Hugging Face checkpoint, against
-  reading every file whole and ``safetensors`` ``load_file`` + ``clone``, in one process, warm cache;
+  reading every file whole and ``safetensors`` ``load_file`` + ``clone``, in one process, warm cache; and
+  with ``--cold`` (the page cache dropped before each run) where the page cache can be dropped (root);
 - ``torchrun.py``: ``torchrun -m reshard convert`` at 1, 2 and 4 ranks on this host: wall time and the
   ratio to one rank, outputs byte-identical to one process's.
 - ``in_job_load.py``: ``load_into`` on each of 4 FSDP2 ranks of a transformers Llama from a Megatron tp2pp2
@@ -59,6 +60,8 @@ def main() -> None:
     ]
     if not args.tiny:  # seconds and most of a GiB: no smoke test
         steps.insert(3, ("Planning a DeepSeek-V3-shaped mixture of experts", ["plan_moe.py", "--validate"]))
+    if not args.tiny and os.access("/proc/sys/vm/drop_caches", os.W_OK):  # root: the page cache can be dropped
+        steps.append(("One rank's load against reading everything, caches dropped", ["rank_load.py", "--cold"]))
     if importable("transformers"):
         steps.append(("Loading inside a job at world size 4", ["in_job_load.py", *(["--tiny"] if args.tiny else [])]))
     if not args.tiny and importable("deepspeed"):
