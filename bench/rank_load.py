@@ -1,4 +1,4 @@
-"""One rank's load against reading the whole checkpoint, in one process, warm cache.
+"""One rank's load against reading the whole checkpoint, in one process, warm cache or (``--cold``) caches dropped.
 
 Generates a Hugging Face Llama-shaped checkpoint (bf16, hidden 2048, ffn 5632,
 GQA 16/4 heads, vocab 32000; about 595 MiB at 4 layers, four safetensors
