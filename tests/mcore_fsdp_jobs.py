@@ -9,8 +9,7 @@ what Megatron's trainer saves for ``--ckpt-format fsdp_dtensor``: ``{"model": th
 "optimizer": sharded_state_dict(metadata={"distrib_optim_sharding_type": "fsdp_dtensor"}), "args", "iteration",
 "checkpoint_version"}`` after megatron-core's own preprocessing (``handle_fp8_extra_state_case``,
 ``handle_swiglu_in_state_dict``, ``handle_experts_in_state_dict``, ``preprocess_state_dict_for_uneven_dtensor``),
-with ``torch.distributed.checkpoint
-.save``. Each rank also gathers every DTensor it saved to the whole tensor over the DTensor's mesh (its chunk and
+with ``torch.distributed.checkpoint.save``. Each rank also gathers every DTensor it saved to the whole tensor over the DTensor's mesh (its chunk and
 offsets from megatron-core's own uneven-chunk metadata) and rank 0 dumps them all to ``OUT/../full.pt``, keyed as
 stored. Megatron-FSDP has no pipeline parallelism: its device meshes span dp, ep and tp.
 

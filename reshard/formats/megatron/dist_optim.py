@@ -64,7 +64,7 @@ from reshard.errors import CheckpointFormatError
 from reshard.formats.base import MAX_COUNT, expect_int
 from reshard.formats.dcp.reading import _storage
 from reshard.formats.megatron.dist_moe import bucket_experts
-from reshard.formats.megatron.etp import whole_experts
+from reshard.formats.megatron.etp import expert_tp, whole_experts
 from reshard.formats.megatron.small import _capture
 from reshard.formats.megatron.specs import _resolve, spec_name
 from reshard.formats.specs import layout_spec
@@ -119,24 +119,20 @@ def _buffer(chain: int | None, group: int, topology: Topology, chunk: int = 0) -
     """The buffer a (chained) optimizer's ``dp_group_idx`` holds for a model chunk. The dense optimizer (the only
     one, or ``chained_0``) numbers its groups by rank in the tp-pp group, ``pp_rank * tp + tp_rank`` (every ep rank
     holds the same dense buffer: ep 0's); the expert optimizer (``chained_1``, ep > 1) by rank in the expert
-    etp-ep-pp group, ``etp_rank + etp * (ep_rank + ep * pp_rank)`` (etp = tp, or 1: whole experts, tp unit 0's
-    buffer of the ``-etp1`` layouts, where every tp unit holds the same)."""
+    etp-ep-pp group, ``etp_rank + etp * (ep_rank + ep * pp_rank)``: at etp = tp the tp unit's buffer, at etp = 1
+    tp unit 0's of the ``-etp1`` layouts (every tp unit holds the same whole experts), at another etp dividing tp
+    that of the tp = etp layout ``_buckets`` resolves for the experts."""
     tp = topology.tp
     if chain == 1:
-        etp = _etp(topology)
+        etp = expert_tp(topology)
         return EXPERT, group % etp, group // (etp * topology.ep), group // etp % topology.ep, chunk
     return DENSE, group % tp, group // tp, 0, chunk
-
-
-def _etp(topology: Topology) -> int:
-    """The experts' tensor parallelism: the topology's etp, else tp."""
-    return topology.etp if topology.etp is not None else topology.tp
 
 
 def _groups(topology: Topology, chain: int | None) -> int:
     """How many model-parallel groups a (chained) optimizer numbers: tp * pp, the experts' etp * ep * pp."""
     if chain == 1:
-        return _etp(topology) * topology.ep * topology.pp
+        return expert_tp(topology) * topology.ep * topology.pp
     return topology.tp * topology.pp
 
 
@@ -271,7 +267,7 @@ def _ranks(topology: Topology, chain: int | None) -> str:
     """The parallel degrees a (chained) optimizer's groups are numbered over, for errors."""
     if chain != 1:
         return f"tp {topology.tp}, pp {topology.pp}"
-    return f"etp {_etp(topology)}, ep {topology.ep}, pp {topology.pp}"
+    return f"etp {expert_tp(topology)}, ep {topology.ep}, pp {topology.pp}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,7 +23,12 @@ from reshard.core.layout import Layout
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 
-__all__ = ["check_etp", "etp_ranks", "holds_dense_buffers", "restrict", "whole_experts"]
+__all__ = ["check_etp", "etp_ranks", "expert_tp", "holds_dense_buffers", "restrict", "whole_experts"]
+
+
+def expert_tp(topo: Topology) -> int:
+    """The experts' tensor parallelism: the topology's etp, else tp."""
+    return topo.etp if topo.etp is not None else topo.tp
 
 
 def whole_experts(topo: Topology) -> bool:

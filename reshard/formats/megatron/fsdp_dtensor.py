@@ -30,10 +30,10 @@ A model family with a torch_dist layout (from ``args``, or a ``config.json`` bes
 parent) lays the weights out as torch_dist's global tensors (``mcore-dist-<family>``): a layer's tensor is
 row ``n`` of the stacked one (an expert's, row ``(n, e)``), ``weight_w``/``weight_v`` its first and second half;
 so every target that converts torch_dist converts this too. The run's args are carried to a Megatron target
-(precision, buckets, optimizer), Megatron-FSDP's own switches set back to the trainer's defaults. Without one, each stored tensor is its own, under its Megatron name
-(``mcore-fsdp-derived``): it converts to the formats that keep tensors by name (dcp, deepspeed), and a target
-that needs a family (hf, megatron, mcore-dist) is refused by that target, saying so. Writing this format is not
-supported.
+(precision, buckets, optimizer), Megatron-FSDP's own switches set back to the trainer's defaults. Without one,
+each stored tensor is its own, under its Megatron name (``mcore-fsdp-derived``): it converts to the formats that
+keep tensors by name (dcp, deepspeed), and a target that needs a family (hf, megatron, mcore-dist) is refused
+by that target, saying so. Writing this format is not supported.
 """
 
 from __future__ import annotations
