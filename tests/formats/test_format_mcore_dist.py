@@ -227,6 +227,9 @@ def test_a_real_megatron_core_torch_dist_checkpoint_converts_to_hf(tmp_path, tp,
 
 @pytest.mark.interop
 def test_reshard_written_torch_dist_loads_in_megatron_core_at_a_new_layout(tmp_path):
+    """A real tp=2 checkpoint -> torch_dist chunk for chunk as megatron-core saved it, and at pp=2, which
+    megatron-core loads with every weight equal to the torch format's; then the same checkpoint with args that
+    name no family (derived by name) -> tp=2, dp=2, which megatron-core loads the same way."""
     require("megatron.core")
     import glob
 
@@ -251,6 +254,7 @@ def test_reshard_written_torch_dist_loads_in_megatron_core_at_a_new_layout(tmp_p
         assert got.keys() == want.keys()
         for k, v in want.items():
             assert torch.equal(got[k], v), (pp, k)
+    derived_checkpoint_loads_in_megatron_core_at_another_dp(tmp_path)
 
 
 # --- a model no family describes: laid out from .metadata alone -------------------------------------------------
@@ -364,11 +368,11 @@ def test_a_torch_dist_model_of_no_known_family_keeps_its_recorded_chunks_and_ref
         "name (hf, dcp, deepspeed)")
 
 
-@pytest.mark.interop
-def test_a_derived_torch_dist_checkpoint_loads_in_megatron_core_at_another_dp(tmp_path):
-    """A real checkpoint whose args name no family: reshard keeps its chunks, megatron-core loads what it wrote."""
-    require("megatron.core")
-    mcore_jobs.save(tmp_path / "src", 2, 1)
+def derived_checkpoint_loads_in_megatron_core_at_another_dp(tmp_path):
+    """The real tp=2 checkpoint at ``tmp_path / "src"`` with args that name no family: reshard keeps its chunks,
+    megatron-core loads what it wrote."""
+    for done in ("torch", "dist", "dump"):  # the first half's outputs
+        shutil.rmtree(tmp_path / done, ignore_errors=True)
     reshard.convert(tmp_path / "src", tmp_path / "torch", format="megatron", to="tp=2")  # the reference: per rank
     common = torch.load(tmp_path / "src" / "common.pt", weights_only=False)
     common["args"].swiglu = False

@@ -89,8 +89,8 @@ def test_real_torch_dist_at_etp1_reads_every_expert_s_optimizer_state_and_resume
     """megatron-core at tp=2, ep=2, etp=1, dp=2 (world 4; bf16, buckets of 4000 elements) saves torch_dist with
     ``sharding`` state: the experts' optimizer (``chained_1.``) numbers its groups over etp * ep = 2 and holds whole
     experts -> every expert's fp32 main param and Adam moments as the run held them (Hugging Face's fused
-    ``gate_up_proj`` / ``down_proj``); -> dp_reshardable at the same layout (etp=1 written: for a dp_reshardable
-    source every optimizer key, chunk and bytes entry as megatron-core saved them), which megatron-core resumes
+    ``gate_up_proj`` / ``down_proj``); for a dp_reshardable source, -> dp_reshardable at the same layout (etp=1
+    written: every optimizer key, chunk and bytes entry as megatron-core saved them), which megatron-core resumes
     with every rank's weights, main params and Adam moments equal to the run's; -> dp_reshardable at tp=1, ep=1,
     which megatron-core loads and steps on, and which holds what the source holds, every main param and moment."""
     require("megatron.core")
@@ -123,9 +123,9 @@ def test_real_torch_dist_at_etp1_reads_every_expert_s_optimizer_state_and_resume
         assert torch.equal(got[e].flatten(), value), (name, state)
     assert len(want) == S["layers"] * S["experts"] * 2 * 5
 
-    # Written back at etp = 1 (tp 2, ep 2): megatron-core's own keys, chunks and bytes entries, and its resume
-    reshard.convert(ckpt, tmp_path / "same", format="mcore-dist", to="tp=2,pp=1,dp=2,ep=2,etp=1,zero=1")
     if sharding == "dp_reshardable":
+        # Written back at etp = 1 (tp 2, ep 2): megatron-core's own keys, chunks and bytes entries, and its resume
+        reshard.convert(ckpt, tmp_path / "same", format="mcore-dist", to="tp=2,pp=1,dp=2,ep=2,etp=1,zero=1")
         real, ours = read_metadata(ckpt), read_metadata(tmp_path / "same")
         optim = {k for k in real.tensors if k.startswith("chained_")}
         assert optim == {k for k in ours.tensors if k.startswith("chained_")}
@@ -134,9 +134,9 @@ def test_real_torch_dist_at_etp1_reads_every_expert_s_optimizer_state_and_resume
                 sorted((c.offsets, c.sizes) for c in real.tensors[key].chunks), key
         entries = [k for k in real.byte_entries if k.startswith("chained_")]
         assert entries and all(_object(tmp_path / "same", ours, k) == _object(ckpt, real, k) for k in entries)
-    jobs.load(tmp_path / "same", tmp_path / "dump-same", tp=2, pp=1, ep=2, dp=2, distopt=True, torch_dist=True,
-              etp=1, **run)
-    assert_same_per_rank(tmp_path / "dump-same", tmp_path / "dump-src", 4)
+        jobs.load(tmp_path / "same", tmp_path / "dump-same", tp=2, pp=1, ep=2, dp=2, distopt=True, torch_dist=True,
+                  etp=1, **run)
+        assert_same_per_rank(tmp_path / "dump-same", tmp_path / "dump-src", 4)
 
     reshard.convert(ckpt, tmp_path / "tp1", format="mcore-dist", to="tp=1,dp=1,ep=1,zero=1")
     jobs.load(tmp_path / "tp1", tmp_path / "dump-tp1", tp=1, pp=1, ep=1, dp=1, distopt=True, torch_dist=True, **run)

@@ -197,7 +197,7 @@ def collect(dump_dir: Path, pp: int, ep: int, S: dict, only=None) -> dict[tuple[
 def test_real_megatron_core_moe_checkpoint_changes_ep_and_pp_and_loads_back_into_megatron_core(tmp_path, distopt):
     """megatron-core at tp=1, pp=2, ep=2 (its ChainedOptimizer of a dense and an expert optimizer after one
     Adam step; with the distributed optimizer, distrib_optim.pt from its own save_parameter_state) -> ep=4,
-    pp=1 and -> ep=1 (one optimizer), each loaded strictly by megatron-core built at that layout: every weight
+    pp=1 and (distributed optimizer) -> ep=1 (one optimizer), each loaded strictly by megatron-core built at that layout: every weight
     and optimizer state equal to the source's under global layer and expert numbers; a step then runs."""
     require("megatron.core")
     import torch
@@ -212,7 +212,8 @@ def test_real_megatron_core_moe_checkpoint_changes_ep_and_pp_and_loads_back_into
     assert isinstance(rank_file(tmp_path / "src", "mp_rank_00_001_001")["optimizer"], list)  # [dense, expert]
     want = collect(tmp_path / "dump-src", 2, 2, S)
     assert {k for _, k in want} == {"value", "exp_avg", "exp_avg_sq", "step"} | ({"param"} if distopt else set())
-    for to, (pp, ep, dp) in (("tp=1,pp=1,dp=4,ep=4", (1, 4, 4)), ("tp=1,pp=2,dp=2,ep=1", (2, 1, 2))):
+    targets = [("tp=1,pp=1,dp=4,ep=4", (1, 4, 4)), ("tp=1,pp=2,dp=2,ep=1", (2, 1, 2))]
+    for to, (pp, ep, dp) in targets if distopt else targets[:1]:  # ep 1's single optimizer: once is enough
         out = tmp_path / re.sub(r"\W", "", to)
         reshard.convert(tmp_path / "src", out, to=to)
         assert reshard.open_checkpoint(out).topology.zero == int(distopt)
