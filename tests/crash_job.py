@@ -6,7 +6,7 @@ POINT is where the process dies, at its N-th occurrence:
   header        the partial directory and its header exist, nothing else
   write         inside a file: right after the N-th positioned write
   journal       a file is complete and fsynced, its journal entry not yet written
-  close         right after the N-th file is closed and journaled
+  close         right after the N-th file is closed, fsynced and journaled
   manifest      halfway through writing the manifest
   rename        the journal is gone, the manifest written, the rename not yet done
   renamed       right after the rename
@@ -44,7 +44,7 @@ def _hit() -> bool:
     return _count[0] == N
 
 
-_pwrite, _close = reshard.io.storage.OutputFile.pwrite, reshard.io.storage.OutputFile.close
+_pwrite = reshard.io.storage.OutputFile.pwrite
 _journal = reshard.execution.session._append_line
 _start, _write_synced, _replace = reshard.execution.partial.Partial._start, reshard.execution.partial._write_synced, os.replace
 
@@ -55,17 +55,12 @@ def pwrite(self, data, offset):
         _kill()
 
 
-def close(self, **kw):
-    digest = _close(self, **kw)
-    if POINT == "close" and _hit():
-        _kill()
-    return digest
-
-
 def journal(journal_path, line, what):
     if POINT == "journal" and _hit():
         _kill()
     _journal(journal_path, line, what)
+    if POINT == "close" and _hit():
+        _kill()
 
 
 def start(self, header):
@@ -101,7 +96,6 @@ _worker_shares = reshard.api.converting.worker_shares
 if POINT == "worker-close":
     reshard.api.converting.worker_shares = worker_shares
 reshard.io.storage.OutputFile.pwrite = pwrite
-reshard.io.storage.OutputFile.close = close
 reshard.execution.session._append_line = journal
 reshard.execution.partial.Partial._start = start
 reshard.execution.partial._write_synced = write_synced

@@ -12,11 +12,11 @@ import signal
 import time
 from pathlib import Path
 
-import reshard.io.storage
+import reshard.execution.session
 
 
 class FaultyWrite:
-    """Run ``write``, and after the worker's ``n``-th closed file do ``action``:
+    """Run ``write``, and after the worker's ``n``-th file is closed, synced and journaled do ``action``:
 
     - ``kill``: SIGKILL the worker itself (as the OOM killer would);
     - ``exit``: ``os._exit(1)``, without a result;
@@ -28,17 +28,16 @@ class FaultyWrite:
         self.write, self.action, self.n, self.marker = write, action, n, marker
 
     def __call__(self, target, out, fill, session=None, **kw):
-        closes = [0]
-        real_close = reshard.io.storage.OutputFile.close
+        entries = [0]
+        real_append = reshard.execution.session._append_line
 
-        def close(file, **kwargs):  # patched in the worker process only, which ends with this share
-            digest = real_close(file, **kwargs)
-            closes[0] += 1
-            if closes[0] == self.n:
+        def append(journal, line, what):  # patched in the worker process only, which ends with this share
+            real_append(journal, line, what)
+            entries[0] += 1
+            if entries[0] == self.n:
                 self._act()
-            return digest
 
-        reshard.io.storage.OutputFile.close = close
+        reshard.execution.session._append_line = append
         return self.write(target, out, fill, session, **kw)
 
     def _act(self) -> None:

@@ -231,12 +231,12 @@ def _convert(src: str | Path, dst: Path, *, to, format, spec, sizes, workers, me
                 progress(done[0], total)
 
         sources = logical_sources(target.layout, target.dtypes)
-        session = WriteSession(journal=tmp, segments=segments_of(sources), window_bytes=window, progress=tick)
+        session = WriteSession(journal=tmp, segments=segments_of(sources), window_bytes=window, sync_behind=True)
         written: dict[Path, str | None] = {Path(rel): e[HASH] for rel, e in kept.items()}
         parts = shares(report, count if ranks is None else ranks.size, todo)
         if len(parts) <= 1 and ranks is None:
             with ByteReader() as reader:
-                fill = PlanFill(report.plan, report.source.where, reader)
+                fill = PlanFill(report.plan, report.source.where, reader, progress=tick)
                 if not kept:
                     paths = fmt.write(target, tmp, fill, session)
                 else:
@@ -244,6 +244,7 @@ def _convert(src: str | Path, dst: Path, *, to, format, spec, sizes, workers, me
                     paths += fmt.write(target, tmp, fill, session, only=())
                 written.update({p: session.digest(tmp / p) for p in paths})
                 bytes_read = reader.bytes_read
+            session.flush()
             tensors, segments = tensor_digests(session.item_digests(), report.dst_files), session.segment_digests()
         else:
             results = (run_shares if ranks is None else ranks.run_shares)(worker_shares(report, parts, tmp, window),
@@ -259,6 +260,7 @@ def _convert(src: str | Path, dst: Path, *, to, format, spec, sizes, workers, me
             with ByteReader() as reader:  # the files that hold no items: trackers, configs, indexes
                 paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), session, only=())
                 written.update({p: session.digest(tmp / p) for p in paths})
+            session.flush()
         labels = {str(item): report.dst_file(item) for item in report.dst_files}
         for label, digest in partial.tensors.items():
             if labels.get(label) in kept:

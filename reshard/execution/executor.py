@@ -34,7 +34,7 @@ import math
 import os
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -393,10 +393,14 @@ class PlanFill(SourceReader):
         holding only some destination items' copies (a worker's share) needs them.
       coalescing: how runs of one source file merge into one read; its slack is taken over the whole
         plan (every window of it, filled once, reads at most ``1 + slack`` times the plan's bytes).
+      progress: ``progress(nbytes)`` after each window, with the bytes the plan's copies moved into it (its
+        padding not counted): over a whole plan they add up to the bytes its copies move.
     """
 
     def __init__(self, plan: Plan, where: Mapping[Item, Located], reader: ByteReader,
-                 dtypes: Mapping[Item, str] | None = None, coalescing: Coalescing | None = None) -> None:
+                 dtypes: Mapping[Item, str] | None = None, coalescing: Coalescing | None = None,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.progress = progress
         coalescing = coalescing or Coalescing()
         needed = sum(c.numel * itemsize(where[c.src].dtype) for c in plan.copies if c.src in where)
         super().__init__(where, reader, coalescing, GapBudget(int(coalescing.slack * needed)))
@@ -415,6 +419,8 @@ class PlanFill(SourceReader):
         pieces, covered = self._pieces(item, lo, hi)
         out = np.empty(hi - lo, dtype=dtype) if covered == hi - lo else np.zeros(hi - lo, dtype=dtype)
         self._fill(pieces, out)
+        if self.progress is not None and covered:
+            self.progress(covered * dtype.itemsize)
         return memoryview(out).cast("B")
 
     def fill_into(self, item: Item, lo: int, hi: int, out: np.ndarray) -> None:
@@ -433,6 +439,8 @@ class PlanFill(SourceReader):
         if covered != hi - lo:
             out[...] = 0
         self._fill(pieces, out)
+        if self.progress is not None and covered:
+            self.progress(covered * dtype.itemsize)
 
     def fit_gaps(self, windows: Iterable[tuple[Item, int, int]]) -> int:
         """Make the fills of ``windows`` (each ``(item, lo, hi)``, elements) read through every gap up to the

@@ -4,9 +4,10 @@ A conversion (or one worker's share of it) opens a ``WriteSession`` and hands it
 ``write``; the format says *what* goes into *which* file, and the session does the writing the
 same way for every format:
 
-- output files (``open``): positioned writes, fsync on close, the file's checksum taken while
-  it is written, and, when the session journals, an entry in the resume journal once the
-  file's bytes are on disk;
+- output files (``open``): positioned writes, the file's checksum taken while it is written, an
+  fsync once it is closed (with ``sync_behind``, on the session's sync thread, so that the disk
+  writes one file back while the next is filled; ``flush`` waits for them), and, when the session
+  journals, an entry in the resume journal once the file's bytes are on disk;
 - stored tensors (``stream_item``): copied from ``fill`` window by window, at most
   ``window_bytes`` at a time, with a per-tensor checksum (and the checksums of the byte ranges
   inside it that hold a logical tensor of their own), one window written on the session's
@@ -30,7 +31,7 @@ from typing import Any
 from reshard.core.dtypes import itemsize
 from reshard.core.layout import Item
 from reshard.errors import CheckpointFormatError
-from reshard.io.storage import HASH, JOURNAL, ItemHasher, OutputFile
+from reshard.io.storage import HASH, JOURNAL, ItemHasher, OutputFile, sync_file
 
 __all__ = ["DEFAULT_WINDOW", "Fill", "WriteSession"]
 
@@ -52,12 +53,17 @@ class WriteSession:
         weight, one param of a flat buffer).
       window_bytes: the most bytes a writer asks of ``fill`` at a time (from the memory budget).
       progress: ``progress(nbytes)`` after each window is written.
+      sync_behind: fsync each closed file on the session's sync thread, while the next one is written, instead
+        of in ``close``; its journal entry follows the sync. The caller must ``flush`` before it relies on the
+        files being on disk.
     """
 
     def __init__(self, *, journal: str | Path | None = None,
                  segments: Mapping[Item, Sequence[tuple[int, int]]] | None = None,
-                 window_bytes: int = DEFAULT_WINDOW, progress: Callable[[int], None] | None = None) -> None:
+                 window_bytes: int = DEFAULT_WINDOW, progress: Callable[[int], None] | None = None,
+                 sync_behind: bool = False) -> None:
         self.journal = Path(journal).absolute() if journal is not None else None
+        self.sync_behind = sync_behind
         self.window_bytes = window_bytes
         self.progress = progress
         self._segments = {k: tuple(sorted(v)) for k, v in (segments or {}).items() if v}
@@ -68,12 +74,24 @@ class WriteSession:
         self._pending_items: dict[str, str] = {}
         self._pending_segments: list[list[Any]] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._syncer: ThreadPoolExecutor | None = None
+        self._syncs: list[Future] = []
 
     # --- files -----------------------------------------------------------------------------------
 
     def open(self, path: str | Path, size: int | None = None) -> OutputFile:
         """Create an output file (sized up front if ``size`` is given) whose checksum this session keeps."""
-        return OutputFile(path, size, on_close=self._closed)
+        return OutputFile(path, size, on_close=self._closed, fsync=not self.sync_behind)
+
+    def flush(self) -> None:
+        """Wait until every file closed so far is on disk (and in the journal); raise the first failure."""
+        while True:
+            with self._lock:
+                pending, self._syncs = self._syncs, []
+            if not pending:
+                return
+            for future in pending:
+                future.result()
 
     def digest(self, path: str | Path) -> str | None:
         """The checksum taken of ``path`` while this session wrote it; None if it did not."""
@@ -135,10 +153,14 @@ class WriteSession:
     # --- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the writer thread (the session's files are closed by their writers)."""
+        """Stop the writer and sync threads, once their work is done (the session's files are closed by their
+        writers; ``flush`` is what reports a failed sync)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)
+            self._syncer = None
 
     def __enter__(self) -> WriteSession:
         return self
@@ -168,14 +190,25 @@ class WriteSession:
                 self._pending_segments += [[label, lo, hi, d] for lo, hi, d in ranges]
 
     def _closed(self, path: Path, size: int, digest: str) -> None:
+        entry = None
         with self._lock:
             self._digests[str(path.absolute())] = digest
-            if self.journal is None or not path.absolute().is_relative_to(self.journal):
+            if self.journal is not None and path.absolute().is_relative_to(self.journal):
+                entry = {"file": str(path.absolute().relative_to(self.journal)), "bytes": size, HASH: digest,
+                         "tensors": dict(self._pending_items), "segments": list(self._pending_segments)}
+                self._pending_items.clear()
+                self._pending_segments.clear()
+            if self.sync_behind:
+                if self._syncer is None:  # one thread: files reach the journal in the order they were closed
+                    self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-sync")
+                self._syncs.append(self._syncer.submit(self._synced, path, entry, True))
                 return
-            entry = {"file": str(path.absolute().relative_to(self.journal)), "bytes": size, HASH: digest,
-                     "tensors": dict(self._pending_items), "segments": list(self._pending_segments)}
-            self._pending_items.clear()
-            self._pending_segments.clear()
+        self._synced(path, entry, False)  # close fsynced it
+
+    def _synced(self, path: Path, entry: dict | None, sync: bool) -> None:
+        if sync:
+            sync_file(path)
+        if entry is not None:
             _append_line(self.journal / JOURNAL, json.dumps(entry, separators=(",", ":")), path)
 
 

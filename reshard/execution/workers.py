@@ -79,12 +79,14 @@ class ShareResult:
 
 
 def write_share(share: Share, progress: Callable[[int], None] | None = None) -> ShareResult:
-    """Write one share's files (in this process or thread); ``progress(nbytes)`` after each window."""
+    """Write one share's files (in this process or thread); ``progress(nbytes)`` after each window, with the
+    bytes its copies moved."""
     plan = Plan(src_items={}, dst_items={}, copies=share.copies, tensors={})
     with WriteSession(journal=share.out, segments=share.segments, window_bytes=share.window_bytes,
-                      progress=progress) as session, ByteReader() as reader:
-        fill: Fill = PlanFill(plan, share.where, reader, dtypes=share.target.dtypes)
+                      sync_behind=True) as session, ByteReader() as reader:
+        fill: Fill = PlanFill(plan, share.where, reader, dtypes=share.target.dtypes, progress=progress)
         written = share.write(share.target, share.out, fill, session, only=[Path(f) for f in share.files])
+        session.flush()
         return ShareResult(files={str(w): session.digest(share.out / w) for w in written}, bytes_read=reader.bytes_read,
                            items=session.item_digests(), segments=session.segment_digests())
 

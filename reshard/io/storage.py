@@ -9,8 +9,9 @@ prefix ends is hashed from memory, and the small pieces written ahead of it
 reaches them. Only a file written out of that order is read back whole at
 ``close``. The manifest gets the checksum without a second pass over the output.
 
-``close`` fsyncs; a failed write raises ``CheckpointFormatError`` naming the
-file and the reason (disk full, permission), and ``abort`` removes the file.
+``close`` fsyncs (unless its creator syncs the file itself: ``fsync=False``, as the write session does on a
+thread of its own, ``sync_file``); a failed write raises ``CheckpointFormatError`` naming the file and the
+reason (disk full, permission), and ``abort`` removes the file.
 
 Nothing here keeps state between files: ``close`` hands the file's size and
 checksum to the ``on_close`` callback its creator gave (the write session of
@@ -31,7 +32,7 @@ import xxhash
 
 from reshard.errors import CheckpointFormatError
 
-__all__ = ["HASH", "JOURNAL", "ItemHasher", "OutputFile", "file_digest", "read_journal"]
+__all__ = ["HASH", "JOURNAL", "ItemHasher", "OutputFile", "file_digest", "read_journal", "sync_file"]
 
 HASH = "xxh3_128"
 """The manifest's checksum: xxh3-128 of a file's bytes, as hex."""
@@ -58,6 +59,18 @@ def read_journal(directory: str | Path) -> list[dict]:
                 and isinstance(entry.get(HASH), str) and isinstance(entry.get("tensors"), dict)):
             entries.append(entry)
     return entries
+
+
+def sync_file(path: str | Path) -> None:
+    """Fsync a closed file's bytes to disk (through a descriptor of its own)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot sync to disk ({e.strerror})") from None
 
 
 def file_digest(path: str | Path) -> str:
@@ -116,13 +129,16 @@ class OutputFile:
     Args:
       path: the file to create (replaced if it exists).
       size: if given, the file is sized up front (its unwritten bytes read as zeros).
-      on_close: ``on_close(path, size, checksum)`` once the file's bytes are on disk.
+      on_close: ``on_close(path, size, checksum)`` once the file is closed: its bytes on disk, or with
+        ``fsync=False`` handed to the kernel, for the caller to sync (``sync_file``).
+      fsync: whether ``close`` fsyncs the file.
     """
 
     def __init__(self, path: str | Path, size: int | None = None, *,
-                 on_close: Callable[[Path, int, str], None] | None = None) -> None:
+                 on_close: Callable[[Path, int, str], None] | None = None, fsync: bool = True) -> None:
         self.path = Path(path)
         self._on_close = on_close
+        self._fsync = fsync
         try:
             self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
@@ -197,7 +213,7 @@ class OutputFile:
             os.close(rfd)
 
     def close(self) -> str:
-        """Fsync, close and return the checksum of the file's bytes."""
+        """Fsync (unless made with ``fsync=False``), close and return the checksum of the file's bytes."""
         if self._fd is None:
             if self.digest is None:
                 raise CheckpointFormatError(f"{self.path}: closed after a failed write")
@@ -210,7 +226,8 @@ class OutputFile:
                 self._catch_up(self.size)
                 if self._done < self.size:  # holes (zeros) and anything left ahead
                     self._read_into_hash(self._done, self.size)
-            os.fsync(self._fd)
+            if self._fsync:
+                os.fsync(self._fd)
             size = os.fstat(self._fd).st_size
         except OSError as e:
             self.abort()

@@ -13,7 +13,7 @@ import pytest
 
 import reshard
 from conftest import stored_bytes
-from reshard.fixtures import make_fixture
+from reshard.fixtures import STATES, make_fixture
 from reshard.errors import CheckpointFormatError, ReshardError, TopologyError
 
 
@@ -157,3 +157,27 @@ def test_bad_inputs_are_clear_errors_and_write_nothing(tmp_path):
     with pytest.raises(ReshardError, match="not a checkpoint reshard recognizes"):
         reshard.convert(tmp_path / "full", tmp_path / "y")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "src"]
+
+
+PROGRESS = [
+    # (source format, source topology, destination format, destination topology)
+    ("megatron", "tp=2,pp=2", "megatron", "tp=1,pp=4"),              # vocabulary padding in the destination
+    ("megatron", "tp=1,pp=1,dp=2,zero=1", "deepspeed", "dp=3,zero=2"),  # flat buffers with end padding
+    ("deepspeed", "dp=2,zero=1", "ucp", None),                        # fp32 copies filled apart from the stream
+    ("megatron", "tp=2,pp=1", "hf", None),
+    ("hf", "tp=1", "dcp", "dp=2"),
+]
+
+
+@pytest.mark.parametrize("src_fmt,src_topo,dst_fmt,dst_topo", PROGRESS, ids=[f"{a}->{c}" for a, _, c, _ in PROGRESS])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_progress_rises_to_exactly_the_bytes_the_plan_moves(tmp_path, src_fmt, src_topo, dst_fmt, dst_topo, workers):
+    """Every call counts more than the last and the last is (total, total): padding the writers add, and fills
+    made apart from the stream, never push a bar past its end or leave it short."""
+    make_fixture(tmp_path / "src", format=src_fmt, to=src_topo, states=("param",) if src_fmt == "hf" else STATES)
+    calls: list[tuple[int, int]] = []
+    reshard.convert(tmp_path / "src", tmp_path / "dst", format=dst_fmt, to=dst_topo, workers=workers,
+                    progress=lambda done, total: calls.append((done, total)))
+    total = reshard.plan(tmp_path / "src", format=dst_fmt, to=dst_topo).needed_bytes()
+    assert calls and calls[-1] == (total, total) and total > 0
+    assert all(a[0] < b[0] and a[1] == total for a, b in zip(calls, calls[1:]))

@@ -50,3 +50,48 @@ def test_two_conversions_in_parallel_threads_each_verify_and_match_a_run_alone(t
             assert reshard.verify(out)  # the output matches its manifest
             assert reshard.verify(src, out, states=("param",))  # and holds the source's weights, bit for bit
             assert not list(out.rglob(".reshard-journal"))
+
+
+def test_a_file_synced_behind_reaches_the_journal_after_its_sync_and_a_failed_sync_fails_the_flush(tmp_path,
+                                                                                               monkeypatch):
+    """With ``sync_behind``, ``close`` returns before the fsync; the journal entry, which tells ``resume`` the
+    file is on disk, is written only after it; a sync that fails is raised by ``flush``, naming the file."""
+    import pytest
+
+    import reshard.execution.session as session_module
+    from reshard.errors import CheckpointFormatError
+    from reshard.execution.session import WriteSession
+    from reshard.io.storage import read_journal
+
+    order: list[str] = []
+    real_sync = session_module.sync_file
+    gate = threading.Event()
+
+    def sync(path):
+        gate.wait(10)
+        order.append(f"sync {path.name}")
+        real_sync(path)
+
+    monkeypatch.setattr(session_module, "sync_file", sync)
+    with WriteSession(journal=tmp_path, sync_behind=True) as s:
+        for name in ("a", "b"):
+            f = s.open(tmp_path / name)
+            f.pwrite(name.encode() * 10, 0)
+            f.close()
+        assert s.digest(tmp_path / "a") and read_journal(tmp_path) == []  # closed, not yet synced
+        gate.set()
+        s.flush()
+        assert order == ["sync a", "sync b"] and [e["file"] for e in read_journal(tmp_path)] == ["a", "b"]
+
+    def failing(path):
+        raise CheckpointFormatError(f"{path}: cannot sync to disk (Input/output error)")
+
+    monkeypatch.setattr(session_module, "sync_file", failing)
+    with WriteSession(journal=tmp_path / "c", sync_behind=True) as s:
+        (tmp_path / "c").mkdir()
+        f = s.open(tmp_path / "c" / "x")
+        f.pwrite(b"x", 0)
+        f.close()
+        with pytest.raises(CheckpointFormatError, match=r"c/x: cannot sync to disk"):
+            s.flush()
+    assert read_journal(tmp_path / "c") == []
