@@ -1,4 +1,4 @@
-"""A DeepSeek-V3-shaped mixture of experts, Hugging Face -> Megatron ep=8,pp=4 -> back, under a memory budget:
+"""A DeepSeek-V3-shaped mixture of experts, Hugging Face -> Megatron (ep, pp) -> back, under a memory budget:
 peak RSS against the budget, wall time, bytes.
 
 Generates a Hugging Face checkpoint (bf16, one ``model.safetensors``) shaped like DeepSeek-V3 (the
@@ -8,15 +8,22 @@ correction bias; small widths, so that about 25,000 tensors (about 0.8 GiB, more
 budget) go through the planner and the writers in under a minute on 2 cores. Then, each in a fresh
 interpreter with ``--memory-budget``:
 
-- ``reshard convert`` to Megatron at tp=1,pp=4,dp=8,ep=8 (32 ranks; experts split 32 per ep rank;
-  Megatron's distributed optimizer, as expert parallelism needs);
+- ``reshard convert`` to Megatron at tp=1,pp=4,dp=8,ep=8 (32 ranks; experts split 32 per ep rank), or at
+  ``--to``;
 - ``reshard convert`` of that back to Hugging Face.
 
 Prints a markdown table (wall time, peak RSS of the converting process, bytes read and written, the
 budget) and fails unless every peak stays under the budget and the weights that come back are
 byte-identical to the generated ones.
 
-    python bench/moe_memory.py [--layers 32] [--experts 256] [--budget 512MiB] [--keep DIR] [--tiny]
+    python bench/moe_memory.py [--layers 32] [--experts 256] [--mtp 0] [--to TOPOLOGY] [--budget 512MiB]
+                               [--keep DIR] [--tiny]
+
+DeepSeek-V3's full tensor count and layout (61 layers, the first 3 dense, one MTP layer, at its training
+layout pp=16, ep=64; 1,024 rank files)::
+
+    python bench/moe_memory.py --layers 61 --mtp 1 --budget 1GiB \
+        --to tp=1,pp=16,dp=64,ep=64,stages=4+4+4+4+4+4+4+4+4+4+4+4+4+3+3+3
 """
 
 from __future__ import annotations
@@ -39,16 +46,17 @@ TARGET = "tp=1,pp=4,dp=8,ep=8"
 TOPK = 8
 
 
-def sizes_for(layers: int, experts: int, tiny: bool) -> dict:
-    """DeepSeek-V3's shape at small widths (fe: each routed expert's width; the first 3 layers dense)."""
+def sizes_for(layers: int, experts: int, tiny: bool, mtp: int = 0) -> dict:
+    """DeepSeek-V3's shape at small widths (fe: each routed expert's width; the first 3 layers dense; ``mtp``
+    multi-token-prediction layers after the decoder's, as DeepSeek-V3's release holds one)."""
     common = {"ql": 48, "kvl": 32, "nope": 16, "rope": 8, "vd": 16, "shared": 1, "vocab_div": 128,
               "experts": experts}
     if tiny:
         return {**common, "h": 64, "heads": 4, "f": 96, "fe": 16, "dense": 1, "vocab": 1000, "layers": 4,
                 "hf_layers": 4}
-    # hf_layers: the layers the files hold, multi-token-prediction ones included (none here)
+    # hf_layers: the layers the files hold, multi-token-prediction ones included
     return {**common, "h": 256, "heads": 8, "f": 512, "fe": 64, "dense": 3, "vocab": 8000, "layers": layers,
-            "hf_layers": layers}
+            "hf_layers": layers + mtp}
 
 
 def generate(src: Path, sizes: dict) -> float:
@@ -81,8 +89,10 @@ def same_weights(a: Path, b: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=32, help="decoder layers (a multiple of pp=4)")
+    ap.add_argument("--layers", type=int, default=32, help="decoder layers (a multiple of pp=4, or give stages=)")
     ap.add_argument("--experts", type=int, default=256, help="routed experts per layer (a multiple of ep=8)")
+    ap.add_argument("--mtp", type=int, default=0, help="multi-token-prediction layers (DeepSeek-V3: 1)")
+    ap.add_argument("--to", default=TARGET, help=f"the Megatron topology (default {TARGET})")
     ap.add_argument("--budget", default="512MiB", help="--memory-budget of each conversion")
     ap.add_argument("--keep", type=Path, help="write under this directory and keep the files")
     ap.add_argument("--tiny", action="store_true", help="4 narrow layers (a smoke test)")
@@ -90,18 +100,19 @@ def main() -> None:
     import reshard
     from reshard.core.units import parse_size
     budget = parse_size(args.budget, "budget")
-    sizes = sizes_for(args.layers, args.experts, args.tiny)
+    sizes = sizes_for(args.layers, args.experts, args.tiny, args.mtp)
     base = args.keep or Path(tempfile.mkdtemp(prefix="reshard-bench-", dir=os.environ.get("TMPDIR")))
     src, meg, back = base / "hf", base / "megatron", base / "back"
     try:
         if not src.exists():
             print(f"generated {src} in {generate(src, sizes):.1f} s", file=sys.stderr)
         size = dir_size(src)
-        runs = [("HF -> Megatron " + TARGET, *convert(src, meg, "megatron", TARGET, args.budget)),
+        runs = [("HF -> Megatron " + args.to, *convert(src, meg, "megatron", args.to, args.budget)),
                 ("Megatron -> HF", *convert(meg, back, "hf", None, args.budget))]
         tensors = len(reshard.open_checkpoint(src).layout.tensors)
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
-        print(f"checkpoint: DeepSeek-V3 shape, {sizes['layers']} layers ({sizes['dense']} dense) x "
+        mtp = sizes["hf_layers"] - sizes["layers"]
+        print(f"checkpoint: DeepSeek-V3 shape, {sizes['layers']} layers ({sizes['dense']} dense{f', + {mtp} MTP' if mtp else ''}) x "
               f"{sizes['experts']} routed experts (top-{TOPK}) + {sizes['shared']} shared, MLA, "
               f"{tensors:,} tensors, {size / 2**20:.0f} MiB bf16; memory budget {budget / 2**20:.0f} MiB\n")
         print("| conversion | wall s | peak RSS MiB | budget MiB | peak / budget | read MiB | written MiB | files |")

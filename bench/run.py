@@ -1,5 +1,10 @@
 """Every benchmark in one run, each printing its markdown table.
 
+- ``breakdown.py``: where one conversion's wall time goes (planning, reads, checksums, CRC-32, writes, fsync,
+  the rest), per thread;
+- ``baselines.py``: reshard against ``cp -r && sync``, ``safetensors`` load + save, DCP's ``dcp_to_torch_save``
+  and ``dcp.load``, page cache dropped before each run where it can be (not with ``--tiny``);
+- ``small_tensors.py``: 100,000 small tensors against 64 large ones of the same bytes, in bytes per second;
 - ``convert_memory.py``, twice: a Megatron checkpoint with the distributed optimizer, tp=2,pp=2 ->
   tp=1,pp=4, and a DeepSpeed ZeRO-2 one, dp=2 -> dp=4, against ``cp -r``, with ``--workers`` 1, 2, 4
   and 8 (the curve; 1 and 2 with ``--tiny``), and ``reshard.load`` of one rank of eight; peak RSS at two
@@ -14,7 +19,8 @@
 - ``any_model.py``: a model no family describes: 100,000 tensors planned from a derived layout, and a
   Qwen2-shaped model to DCP and back against ``cp -r``.
 - ``moe_memory.py``: 256 experts per layer, Hugging Face -> Megatron ep=8,pp=4 -> back under a memory
-  budget: peak RSS against the budget, byte-identical round trip.
+  budget: peak RSS against the budget, byte-identical round trip; and (not with ``--tiny``) DeepSeek-V3's full
+  tensor count and layout (61 layers, MTP) at its training layout pp=16, ep=64 under 1 GiB.
 - ``rank_load.py``: ``reshard.load`` of rank 3 of tp=2,pp=2 from a 595 MiB Hugging Face checkpoint, against
   reading every file whole and ``safetensors`` ``load_file`` + ``clone``, in one process, warm cache; and
   with ``--cold`` (the page cache dropped before each run) where the page cache can be dropped (root);
@@ -48,10 +54,13 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small checkpoints, one round: a smoke test")
     args = ap.parse_args()
     small = ["--tiny", "--repeat", "1"] if args.tiny else []
+    cold = os.access("/proc/sys/vm/drop_caches", os.W_OK)  # root: the page cache can be dropped
     curve = ["--workers", "1,2"] if args.tiny else []  # the whole curve (1, 2, 4, 8) on real sizes
     steps: list[tuple[str, list[str]]] = [
         ("Megatron conversion", ["convert_memory.py", *small, *curve, *([] if args.tiny else ["--rss-scale", "2"])]),
         ("DeepSpeed conversion", ["convert_memory.py", "--source", "deepspeed", *small, *curve]),
+        ("Where a conversion's time goes", ["breakdown.py", *(["--tiny"] if args.tiny else [])]),
+        ("Many small tensors against a few large ones", ["small_tensors.py", *(["--tiny"] if args.tiny else [])]),
         ("Planning a 405B-shaped checkpoint", ["plan_405b.py", "--validate"]),
         ("Models no family describes", ["any_model.py", *(["--tiny"] if args.tiny else [])]),
         ("A mixture of experts at ep=8 under a memory budget", ["moe_memory.py", *(["--tiny"] if args.tiny else [])]),
@@ -59,8 +68,13 @@ def main() -> None:
         ("One rank's load against reading everything", ["rank_load.py", *small]),
     ]
     if not args.tiny:  # seconds and most of a GiB: no smoke test
-        steps.insert(3, ("Planning a DeepSeek-V3-shaped mixture of experts", ["plan_moe.py", "--validate"]))
-    if not args.tiny and os.access("/proc/sys/vm/drop_caches", os.W_OK):  # root: the page cache can be dropped
+        steps.insert(5, ("Planning a DeepSeek-V3-shaped mixture of experts", ["plan_moe.py", "--validate"]))
+        steps.append(("DeepSeek-V3's full tensor count at its training layout", [
+            "moe_memory.py", "--layers", "61", "--mtp", "1", "--budget", "1GiB",
+            "--to", "tp=1,pp=16,dp=64,ep=64,stages=4+4+4+4+4+4+4+4+4+4+4+4+4+3+3+3"]))
+        steps.append(("Against the plain ways", ["baselines.py"]))
+    if not args.tiny and cold:
+        steps.insert(3, ("Where a conversion's time goes, caches dropped", ["breakdown.py", "--cold"]))
         steps.append(("One rank's load against reading everything, caches dropped", ["rank_load.py", "--cold"]))
     if importable("transformers"):
         steps.append(("Loading inside a job at world size 4", ["in_job_load.py", *(["--tiny"] if args.tiny else [])]))

@@ -28,6 +28,10 @@ def test_the_benchmark_runs_and_reads_each_needed_byte_once():
         assert float(rows["reshard convert --workers 1"][5]) <= 1.1, title  # the output written once
         assert float(rows[load_row][4]) <= 1.1, title  # a rank reads its share
     assert "**total (resolve + plan)**" in sections["Planning a 405B-shaped checkpoint"]
+    breakdown = sections["Where a conversion's time goes"]
+    assert all(f"| {thread} | rest: " in breakdown for thread in ("main", "writer", "sync")) and "**wall**" in breakdown
+    small = sections["Many small tensors against a few large ones"]
+    assert "| hf -> hf (4 shards) | many | 1,000 |" in small and "| hf -> dcp dp=2 | few | 64 |" in small
     assert "round trip byte-identical: True" in sections["Models no family describes"]
     assert "weights are byte-identical" in sections["A mixture of experts at ep=8 under a memory budget"]
     assert "byte-identical to the one-process conversion's: True" in sections["A conversion across torchrun ranks"]

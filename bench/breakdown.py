@@ -1,0 +1,153 @@
+"""Where one conversion's wall time goes: planning, reads, checksums, CRC-32, writes, fsync, and the rest.
+
+Converts the generated Megatron checkpoint of ``convert_memory.py`` (tp=2,pp=2 with the distributed
+optimizer, about 2.6 GiB) to tp=1,pp=4 with one worker, in this process, with every system call and
+checksum that moves bytes timed where it is made and on which thread:
+
+- the main thread plans, reads the source (``os.preadv``), gathers each window's runs and takes the
+  per-tensor checksums (xxh3-128);
+- the session's writer thread (``reshard-write``) takes the file checksums and the zip CRC-32s and hands
+  each window to the kernel (``os.pwrite``);
+- its sync thread (``reshard-sync``) ``fsync``s each file once it is closed, while the next one is written,
+  and records it in the resume journal.
+
+Prints one table: seconds per step and thread, and its share of the wall time; what a thread spends
+outside the timed calls is its "rest" (Python per window and per tensor, numpy copies, waiting on the
+other thread). With ``--cold`` the page cache is dropped first (root).
+
+    python bench/breakdown.py [--scale 1.0] [--cold] [--keep DIR] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from convert_memory import CASES, generate, sizes_for  # noqa: E402
+
+
+class Timers:
+    """Seconds per (thread, step), summed from every call wrapped by ``wrap``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    def add(self, step: str, seconds: float) -> None:
+        name = threading.current_thread().name
+        thread = "writer" if name.startswith("reshard-write") else "sync" if name.startswith("reshard-sync") else "main"
+        with self._lock:
+            self.seconds[thread, step] += seconds
+            self.calls[thread, step] += 1
+
+    def wrap(self, step: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(step, time.perf_counter() - t0)
+        return timed
+
+
+def instrument(timers: Timers) -> None:
+    """Time every byte-moving call a conversion makes, in this process only."""
+    import xxhash
+
+    import reshard.io.torch_write as torch_write
+
+    for name, step in (("preadv", "read"), ("pread", "read"), ("pwrite", "write"), ("write", "write"),
+                       ("fsync", "fsync")):
+        setattr(os, name, timers.wrap(step, getattr(os, name)))
+    torch_write.crc32 = timers.wrap("CRC-32 (zip records)", torch_write.crc32)
+    real = xxhash.xxh3_128
+
+    class TimedHash:
+        def __init__(self, *args) -> None:
+            self._h = real(*args)
+
+        def update(self, data) -> None:
+            t0 = time.perf_counter()
+            self._h.update(data)
+            timers.add("xxh3-128 (manifest checksums)", time.perf_counter() - t0)
+
+        def hexdigest(self) -> str:
+            return self._h.hexdigest()
+
+    xxhash.xxh3_128 = TimedHash
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply the layer count (1.0: about 2.6 GiB)")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before the conversion (root)")
+    ap.add_argument("--keep", type=Path, help="write under this directory and keep the files")
+    ap.add_argument("--tiny", action="store_true", help="a checkpoint of a few MiB (a smoke test)")
+    args = ap.parse_args()
+    source_topo, target, _ = CASES["megatron"]
+    base = args.keep or Path(tempfile.mkdtemp(prefix="reshard-bench-", dir=os.environ.get("TMPDIR")))
+    src, dst = base / "src", base / "dst"
+    shutil.rmtree(dst, ignore_errors=True)
+    try:
+        generate(src, sizes_for(args.scale, args.tiny), "megatron")
+        import reshard
+
+        reshard.plan(src, to=target)  # imports and first-use costs out of the measurement
+        timers = Timers()
+        instrument(timers)
+        os.sync()
+        if args.cold:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        first: list[float] = []
+        t0 = time.perf_counter()
+        result = reshard.convert(src, dst, to=target, workers=1,
+                                 progress=lambda done, total: first or first.append(time.perf_counter()))
+        wall = time.perf_counter() - t0
+        planning = (first[0] if first else t0) - t0
+        table(timers, wall, planning, result.bytes_read, result.bytes_written, source_topo, target, args.cold)
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def table(timers: Timers, wall: float, planning: float, read: int, written: int, source: str, target: str,
+          cold: bool) -> None:
+    s = timers.seconds
+    print(f"Megatron {source} -> {target}, one worker, {'page cache dropped' if cold else 'warm page cache'}: "
+          f"{read / 2**30:.2f} GiB read, {written / 2**30:.2f} GiB written in {wall:.2f} s\n")
+    print("| thread | step | seconds | share of wall | calls | rate |")
+    print("|---|---|---:|---:|---:|---:|")
+    print(f"| main | open, plan and lay out the files (until the first byte) | {planning:.2f} | {planning / wall:.0%} | | |")
+    for thread in ("main", "writer", "sync"):
+        timed = 0.0
+        for (t, step), sec in sorted(s.items(), key=lambda kv: -kv[1]):
+            if t != thread:
+                continue
+            timed += sec
+            nbytes = read if step == "read" else written if step in ("write",) else None
+            rate = f"{nbytes / sec / 1e9:.1f} GB/s" if nbytes and sec else ""
+            print(f"| {thread} | {step} | {sec:.2f} | {sec / wall:.0%} | {timers.calls[t, step]:,} | {rate} |")
+        busy = planning if thread == "main" else 0.0
+        rest = wall - timed - busy
+        what = {"main": "gathering runs into windows, Python per window and tensor, waiting on the other threads",
+                "writer": "idle: waiting for the next window, or not started",
+                "sync": "idle: waiting for the next closed file, or not started"}[thread]
+        print(f"| {thread} | rest: {what} | {rest:.2f} | {rest / wall:.0%} | | |")
+    print(f"| | **wall** | **{wall:.2f}** | 100% | | {written / wall / 1e9:.2f} GB/s written |")
+
+
+if __name__ == "__main__":
+    main()
