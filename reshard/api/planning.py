@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -82,9 +82,16 @@ class PlanReport:
     dst_files: Mapping[Item, Path]
     """The destination file (relative to the destination directory) of each destination item."""
 
+    _names: dict[Path, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Each source file's name as ``src_file`` gives it, worked out once per file."""
+
     def src_file(self, item: Item) -> str:
         path = self.source.where[item].path
-        return str(path.relative_to(self.source.path)) if path.is_relative_to(self.source.path) else str(path)
+        name = self._names.get(path)
+        if name is None:
+            name = str(path.relative_to(self.source.path)) if path.is_relative_to(self.source.path) else str(path)
+            self._names[path] = name
+        return name
 
     def dst_file(self, item: Item) -> str:
         return str(self.dst_files[item])

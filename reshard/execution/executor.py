@@ -227,7 +227,8 @@ class SourceReader:
 
     def _fill(self, pieces: list[tuple[_Region, int, tuple[int, ...]]], out: np.ndarray) -> None:
         """Read each piece ``(source region, destination offset, destination strides)`` into ``out``."""
-        gathered = [p for p in pieces if not self._read_direct(p[0], out, p[1], p[2])]
+        alone = len(pieces) == 1  # nothing to coalesce it with: a contiguous one is one read, however short
+        gathered = [p for p in pieces if not self._read_direct(p[0], out, p[1], p[2], alone)]
         if gathered:
             self._gather(gathered, out)
 
@@ -239,11 +240,12 @@ class SourceReader:
             raise CheckpointFormatError(f"{item}: stored as {loc.dtype}, copied as {size}-byte elements")
         return loc
 
-    def _direct(self, region: _Region, size: int, dst_strides: tuple[int, ...]) -> bool:
+    def _direct(self, region: _Region, size: int, dst_strides: tuple[int, ...], alone: bool = False) -> bool:
         """Whether each contiguous source run of a region (of ``size``-byte elements) is contiguous in the
-        destination too and long enough to be read there on its own."""
+        destination too and long enough to be read there on its own (any length if the region is one run and
+        ``alone`` in its window)."""
         outer, inner, run = region.split()
-        if run * size < _DIRECT_RUN or len(outer) > 1:
+        if (run * size < _DIRECT_RUN and not (alone and not outer)) or len(outer) > 1:
             return False
         # Inner axes must keep the same compact layout in the destination.
         step = 1
@@ -254,9 +256,10 @@ class SourceReader:
         loc = self.where.get(region.item)
         return loc is not None and size == itemsize(loc.dtype)
 
-    def _read_direct(self, region: _Region, out: np.ndarray, at: int, dst_strides: tuple[int, ...]) -> bool:
+    def _read_direct(self, region: _Region, out: np.ndarray, at: int, dst_strides: tuple[int, ...],
+                     alone: bool = False) -> bool:
         """Read a region straight into the destination window when ``_direct`` allows; False to gather it instead."""
-        if not self._direct(region, out.itemsize, dst_strides):
+        if not self._direct(region, out.itemsize, dst_strides, alone):
             return False
         outer, _, run = region.split()
         loc = self.where[region.item]
@@ -407,11 +410,7 @@ class PlanFill(SourceReader):
         self._copies: dict[Item, list[Copy]] = defaultdict(list)
         for c in plan.copies:
             self._copies[c.dst].append(c)
-        self._extents: dict[Item, tuple[np.ndarray, np.ndarray]] = {}
-        for dst, copies in self._copies.items():
-            starts = np.array([c.dst_offset for c in copies], dtype=np.int64)
-            ends = np.array([c.dst_offset + sum((n - 1) * s for n, s in zip(c.lengths, c.dst_strides)) + 1 for c in copies], dtype=np.int64)
-            self._extents[dst] = (starts, ends)
+        self._extents: dict[Item, tuple[np.ndarray, np.ndarray]] = {}  # of the items with several copies, made on use
         self.dtypes = destination_dtypes(plan, where) if dtypes is None else dtypes
 
     def __call__(self, item: Item, lo: int, hi: int) -> memoryview:
@@ -453,7 +452,8 @@ class PlanFill(SourceReader):
         gaps = []
         for item, lo, hi in windows:
             size = uint_dtype(self.dtypes.get(item, "uint8")).itemsize
-            pieces = [p for p in self._pieces(item, lo, hi)[0] if not self._direct(p[0], size, p[2])]
+            pieces = self._pieces(item, lo, hi)[0]
+            pieces = [p for p in pieces if not self._direct(p[0], size, p[2], len(pieces) == 1)]
             if pieces:
                 runs = self._runs(pieces, size)[1]
                 gaps.append(gap_sizes({path: segments(r) for path, r in runs.items()}))
@@ -474,14 +474,28 @@ class PlanFill(SourceReader):
         pieces = []
         copies = self._copies.get(item)
         if copies:
-            starts, ends = self._extents[item]
-            for k in np.nonzero((starts < hi) & (ends > lo))[0]:
-                c = copies[int(k)]
+            if len(copies) == 1:
+                c = copies[0]
+                hits: Iterable[int] = (0,) if c.dst_offset < hi and _end(c) > lo else ()
+            else:
+                extents = self._extents.get(item)
+                if extents is None:  # two threads may both make it: the same arrays
+                    extents = self._extents[item] = (np.array([c.dst_offset for c in copies], dtype=np.int64),
+                                                      np.array([_end(c) for c in copies], dtype=np.int64))
+                starts, ends = extents
+                hits = np.nonzero((starts < hi) & (ends > lo))[0].tolist()
+            for k in hits:
+                c = copies[k]
                 for offs, lens, base in restrict(c.box.offsets, c.lengths, c.dst_strides, c.dst_offset, lo, hi):
                     src_base = c.src_offset + sum((o - b) * s for o, b, s in zip(offs, c.box.offsets, c.src_strides))
                     pieces.append((_Region(c.src, src_base, c.src_strides, lens), base - lo, c.dst_strides))
         covered = sum(math.prod(r.lengths) for r, _, _ in pieces)  # pieces never overlap in the destination
         return pieces, covered
+
+
+def _end(c: Copy) -> int:
+    """One past the last destination element a copy writes."""
+    return c.dst_offset + sum((n - 1) * s for n, s in zip(c.lengths, c.dst_strides)) + 1
 
 
 class _Region:
