@@ -38,6 +38,9 @@ __all__ = ["DEFAULT_WINDOW", "Fill", "WriteSession"]
 DEFAULT_WINDOW = 8 << 20
 """Bytes a writer asks of ``fill`` at a time when the session is given no budget."""
 
+_HANDOFF = 1 << 20
+"""The smallest window handed to the writer thread: a smaller one costs less to write than to hand over."""
+
 Fill = Callable[[Item, int, int], "bytes | memoryview"]
 """``fill(item, lo, hi)``: the bytes of the item's elements ``[lo, hi)`` (row-major), padding included."""
 
@@ -74,6 +77,7 @@ class WriteSession:
         self._pending_items: dict[str, str] = {}
         self._pending_segments: list[list[Any]] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None  # the window being written on the writer thread
         self._syncer: ThreadPoolExecutor | None = None
         self._syncs: list[Future] = []
 
@@ -81,7 +85,7 @@ class WriteSession:
 
     def open(self, path: str | Path, size: int | None = None) -> OutputFile:
         """Create an output file (sized up front if ``size`` is given) whose checksum this session keeps."""
-        return OutputFile(path, size, on_close=self._closed, fsync=not self.sync_behind)
+        return OutputFile(path, size, on_close=self._closed, fsync=not self.sync_behind, settle=self.settle)
 
     def flush(self) -> None:
         """Wait until every file closed so far is on disk (and in the journal); raise the first failure."""
@@ -115,46 +119,53 @@ class WriteSession:
         """Copy an item's ``numel`` elements from ``fill`` to ``write``, at most ``window_bytes`` at a time.
 
         A window is written (checksummed, CRC'd, handed to the kernel) on the session's writer
-        thread while the next one is filled: both sides spend their time in code that releases the
-        GIL, so reading and writing overlap. At most two windows are in flight.
+        thread while the next one is filled, of this item or of the next one streamed: both sides
+        spend their time in code that releases the GIL, so reading and writing overlap. At most
+        two windows are in flight; a window under ``_HANDOFF`` bytes is written here, once the one
+        in flight is done. A file's writer must let the write in flight end before it closes the
+        file (the files ``open`` makes do, in ``close`` and ``abort``).
 
         Raises CheckpointFormatError when ``fill`` returns the wrong number of bytes.
         """
         size = itemsize(dtype)
         step = max(1, self.window_bytes // size)
         digest = ItemHasher(item, self._segments.get(item, ()), on_done=self._hashed)
-        if numel <= step:  # one window: nothing to overlap
-            data = fill(item, 0, numel)
-            got = _check_window(data, item, 0, numel, size, dtype)
-            digest.update(data)
-            write(data)
-            digest.done()
-            self._tick(got)
-            return
-        pending: Future | None = None
         try:
             for lo in range(0, numel, step):
                 hi = min(numel, lo + step)
                 data = fill(item, lo, hi)
                 got = _check_window(data, item, lo, hi, size, dtype)
                 digest.update(data)
-                if pending is not None:
-                    pending.result()
-                pending = self._writer().submit(write, data)
+                self.settle()
+                if got >= _HANDOFF:
+                    self._pending = self._writer().submit(write, data)
+                else:
+                    write(data)
                 self._tick(got)
-            if pending is not None:
-                pending.result()
-                pending = None
+            if numel == 0:
+                self.settle()
             digest.done()
-        finally:
-            if pending is not None:  # an error while filling: let the write in flight end before unwinding
-                pending.exception()
+        except BaseException:
+            self._settle_quietly()  # an error while filling: let the write in flight end before unwinding
+            raise
+
+    def settle(self) -> None:
+        """Wait for the window in flight, if any, and raise its failure."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _settle_quietly(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.exception()
 
     # --- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop the writer and sync threads, once their work is done (the session's files are closed by their
         writers; ``flush`` is what reports a failed sync)."""
+        self._settle_quietly()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -165,8 +176,12 @@ class WriteSession:
     def __enter__(self) -> WriteSession:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            if exc_type is None:
+                self.settle()  # a write failure no file's close reported
+        finally:
+            self.close()
 
     # --- internals -------------------------------------------------------------------------------
 

@@ -359,6 +359,11 @@ class SafetensorsWriter:
         """Finish the file; raises (and removes the file) if a tensor is incomplete."""
         if self._out is None:
             return
+        try:
+            self._out.settle()  # a write still in flight on the session's writer thread counts its bytes
+        except BaseException:
+            self.abort()
+            raise
         short = [f"'{n}' ({self._written[n]} of {t.nbytes} bytes)"
                  for n, t in self.tensors.items() if self._written[n] != t.nbytes]
         if short:

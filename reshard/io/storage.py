@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -132,13 +133,18 @@ class OutputFile:
       on_close: ``on_close(path, size, checksum)`` once the file is closed: its bytes on disk, or with
         ``fsync=False`` handed to the kernel, for the caller to sync (``sync_file``).
       fsync: whether ``close`` fsyncs the file.
+      settle: called first in ``close`` and ``abort``: the write session's wait for a write still in flight on
+        its writer thread (``pwrite`` may be called from two threads, for different byte ranges).
     """
 
     def __init__(self, path: str | Path, size: int | None = None, *,
-                 on_close: Callable[[Path, int, str], None] | None = None, fsync: bool = True) -> None:
+                 on_close: Callable[[Path, int, str], None] | None = None, fsync: bool = True,
+                 settle: Callable[[], None] | None = None) -> None:
         self.path = Path(path)
         self._on_close = on_close
         self._fsync = fsync
+        self._settle = settle
+        self._lock = threading.Lock()  # the checksum's bookkeeping, for writes from two threads
         try:
             self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
@@ -173,19 +179,26 @@ class OutputFile:
             raise CheckpointFormatError(f"{self.path}: cannot write {len(view)} bytes at byte {offset} "
                                         f"({e.strerror})") from None
         end = offset + len(view)
-        self.size = max(self.size, end)
-        if self._rehash or not view:
-            return
-        if offset < self._done:
-            self._rehash = True
-            return
-        if offset > self._done:
-            self._catch_up(offset)
-        if offset == self._done:
-            self._hash.update(view)
-            self._done = end
-        else:
-            bisect.insort(self._ahead, (offset, end))
+        with self._lock:
+            self.size = max(self.size, end)
+            if self._rehash or not view:
+                return
+            if offset < self._done:
+                self._rehash = True
+                return
+            if offset > self._done:
+                self._catch_up(offset)
+            if offset == self._done:
+                self._hash.update(view)
+                self._done = end
+            else:
+                bisect.insort(self._ahead, (offset, end))
+
+    def settle(self) -> None:
+        """Wait for a write to this file still in flight on another thread (the ``settle`` it was made with);
+        raise its failure."""
+        if self._settle is not None:
+            self._settle()
 
     def _catch_up(self, upto: int) -> None:
         """Hash the ranges written ahead that now lead up to ``upto``, read back from the file."""
@@ -214,6 +227,12 @@ class OutputFile:
 
     def close(self) -> str:
         """Fsync (unless made with ``fsync=False``), close and return the checksum of the file's bytes."""
+        if self._settle is not None and self._fd is not None:
+            try:
+                self._settle()
+            except BaseException:
+                self.abort()
+                raise
         if self._fd is None:
             if self.digest is None:
                 raise CheckpointFormatError(f"{self.path}: closed after a failed write")
@@ -244,6 +263,11 @@ class OutputFile:
 
     def abort(self) -> None:
         """Close and remove the file."""
+        if self._settle is not None and self._fd is not None:
+            try:
+                self._settle()  # no write may still be using the descriptor
+            except BaseException:  # noqa: BLE001 - the file is being removed: its failed write is moot
+                pass
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)

@@ -407,6 +407,11 @@ class TorchFileWriter:
         """Checks every tensor got exactly its bytes, writes the CRC-32s and fsyncs. Removes the file if not."""
         if self._out is None:
             return
+        try:
+            self._out.settle()  # a write still in flight on the session's writer thread counts its bytes
+        except BaseException:
+            self.abort()
+            raise
         short = [f"{k!r} ({r.written} of {r.size} bytes)" for k, r in self._tensors.items() if r.written != r.size]
         if short:
             self.abort()

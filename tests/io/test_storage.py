@@ -77,7 +77,7 @@ def test_write_errors_name_the_file_and_leave_nothing(tmp_path):
 
 def test_stream_item_overlaps_filling_and_writing_and_keeps_the_order():
     """Windows are written in order, each while the next is filled, and a failing write surfaces."""
-    payload = np.arange(10_000, dtype=np.uint32)
+    payload = np.arange(1_000_000, dtype=np.uint32)  # windows of 1.2 MB: over the size handed to the writer
     threads = set()
 
     def fill(item, lo, hi):
@@ -89,16 +89,18 @@ def test_stream_item_overlaps_filling_and_writing_and_keeps_the_order():
         threads.add(threading.current_thread().name)
         got.append(bytes(data))
 
-    with WriteSession(window_bytes=4 * 999) as session:
-        session.stream_item(fill, "item", 10_000, "float32", write)
-    assert b"".join(got) == payload.tobytes() and len(got) == 11
+    with WriteSession(window_bytes=4 * 299_999) as session:
+        session.stream_item(fill, "item", 1_000_000, "float32", write)
+        session.stream_item(fill, "again", 1_000_000, "float32", write)  # overlaps the last window of the first
+    assert b"".join(got) == payload.tobytes() * 2 and len(got) == 8
     assert any(t.startswith("reshard-write") for t in threads)
 
     def broken(data):
         raise CheckpointFormatError("disk full")
 
-    with pytest.raises(CheckpointFormatError, match="disk full"), WriteSession(window_bytes=4 * 999) as session:
-        session.stream_item(fill, "item", 10_000, "float32", broken)
+    for n in (1_000_000, 299_999):  # raised by the next window's wait, or at the session's end
+        with pytest.raises(CheckpointFormatError, match="disk full"), WriteSession(window_bytes=4 * 299_999) as session:
+            session.stream_item(fill, "item", n, "float32", broken)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
