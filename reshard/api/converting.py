@@ -276,11 +276,10 @@ def _convert(src: str | Path, dst: Path, *, to, format, spec, sizes, workers, me
         manifest = {
             "reshard": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            **report.to_json(),
+            **report.to_json(units=False),
             "files": files,
             "logical": logical_digests(target.dtypes, sources, tensors, segments),
         }
-        manifest.pop("work_units", None)
         partial.commit(json.dumps(manifest, indent=1) + "\n")
     except (KeyboardInterrupt, SystemExit, WorkerLost):
         raise  # interrupted, or a worker killed: the partial directory stays for --resume
@@ -397,7 +396,7 @@ def _finished(path: Path, report: PlanReport) -> dict[str, dict[str, Any]]:
     """The files of a finished conversion at ``path`` that ``resume`` is asked to redo: its manifest must
     describe this conversion and verify."""
     manifest = read_manifest(path)
-    want = report.to_json()
+    want = report.to_json(units=False)
     for key in ("source", "destination"):
         if manifest.get(key) != want[key]:
             raise CheckpointFormatError(f"{path}: holds a finished conversion of another {key} "

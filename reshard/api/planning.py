@@ -115,10 +115,12 @@ class PlanReport:
     def work_units(self) -> list[tuple[list[str], list[str]]]:
         return self.plan.work_units(self.src_file, self.dst_file)
 
-    def to_json(self, workers: int | str | None = None) -> dict[str, Any]:
+    def to_json(self, workers: int | str | None = None, *, units: bool = True) -> dict[str, Any]:
         """The report as JSON; with ``workers`` (a count, or ``"auto"``), also the byte share of each worker
-        a conversion with that many would start (``reshard.api.workers``)."""
+        a conversion with that many would start (``reshard.api.workers``); without ``units``, no independent
+        work units (a connected-components pass over every copy that a manifest does not keep)."""
         shares = {} if workers is None else {"workers": self.worker_shares(workers)}
+        work = {"work_units": [{"sources": s, "destinations": d} for s, d in self.work_units()]} if units else {}
         return {
             "source": {"path": str(self.source.path), "format": self.source.format, "topology": str(self.source.topology),
                        "spec": self.source.spec_name},
@@ -126,7 +128,7 @@ class PlanReport:
             "summary": self.plan.summary(),
             "dropped_states": list(self.dropped_states),
             "files": self.files(),
-            "work_units": [{"sources": s, "destinations": d} for s, d in self.work_units()],
+            **work,
             **shares,
         }
 
