@@ -284,6 +284,8 @@ def _convert(src: str | Path, dst: Path, *, to, format, spec, sizes, workers, me
     except (KeyboardInterrupt, SystemExit, WorkerLost):
         raise  # interrupted, or a worker killed: the partial directory stays for --resume
     except BaseException:
+        if session is not None:  # its threads' syncs and journal lines end before the directory goes
+            session.close()
         partial.abandon()
         raise
     finally:

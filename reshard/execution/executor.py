@@ -245,7 +245,8 @@ class SourceReader:
         destination too and long enough to be read there on its own (any length if the region is one run and
         ``alone`` in its window)."""
         outer, inner, run = region.split()
-        if (run * size < _DIRECT_RUN and not (alone and not outer)) or len(outer) > 1:
+        short = run * size < _DIRECT_RUN and (outer or not alone)  # one run alone in its window: read however short
+        if short or len(outer) > 1:
             return False
         # Inner axes must keep the same compact layout in the destination.
         step = 1

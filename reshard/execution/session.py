@@ -11,8 +11,7 @@ same way for every format:
 - stored tensors (``stream_item``): copied from ``fill`` window by window, at most
   ``window_bytes`` at a time, with a per-tensor checksum (and the checksums of the byte ranges
   inside it that hold a logical tensor of their own), one window written on the session's
-  writer thread while the next is filled;
-- progress, counted in bytes as windows are written.
+  writer thread while the next is filled (progress is the fill's to count: ``PlanFill``).
 
 Nothing is kept in module globals: two sessions in one process (two conversions in parallel
 threads, the load API inside a training job) never see each other's checksums or journal.
@@ -55,7 +54,6 @@ class WriteSession:
         tensor held row-major inside a larger item (a vocabulary padded for tp, one half of a fused
         weight, one param of a flat buffer).
       window_bytes: the most bytes a writer asks of ``fill`` at a time (from the memory budget).
-      progress: ``progress(nbytes)`` after each window is written.
       sync_behind: fsync each closed file on the session's sync thread, while the next one is written, instead
         of in ``close``; its journal entry follows the sync. The caller must ``flush`` before it relies on the
         files being on disk.
@@ -63,12 +61,10 @@ class WriteSession:
 
     def __init__(self, *, journal: str | Path | None = None,
                  segments: Mapping[Item, Sequence[tuple[int, int]]] | None = None,
-                 window_bytes: int = DEFAULT_WINDOW, progress: Callable[[int], None] | None = None,
-                 sync_behind: bool = False) -> None:
+                 window_bytes: int = DEFAULT_WINDOW, sync_behind: bool = False) -> None:
         self.journal = Path(journal).absolute() if journal is not None else None
         self.sync_behind = sync_behind
         self.window_bytes = window_bytes
-        self.progress = progress
         self._segments = {k: tuple(sorted(v)) for k, v in (segments or {}).items() if v}
         self._lock = threading.Lock()
         self._digests: dict[str, str] = {}
@@ -131,7 +127,7 @@ class WriteSession:
         step = max(1, self.window_bytes // size)
         digest = ItemHasher(item, self._segments.get(item, ()), on_done=self._hashed)
         try:
-            for lo in range(0, numel, step):
+            for lo in range(0, max(numel, 1), step):  # a tensor without elements: one empty window
                 hi = min(numel, lo + step)
                 data = fill(item, lo, hi)
                 got = _check_window(data, item, lo, hi, size, dtype)
@@ -141,9 +137,6 @@ class WriteSession:
                     self._pending = self._writer().submit(write, data)
                 else:
                     write(data)
-                self._tick(got)
-            if numel == 0:
-                self.settle()
             digest.done()
         except BaseException:
             self._settle_quietly()  # an error while filling: let the write in flight end before unwinding
@@ -189,10 +182,6 @@ class WriteSession:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-write")
         return self._pool
-
-    def _tick(self, nbytes: int) -> None:
-        if self.progress is not None:
-            self.progress(nbytes)
 
     def _hashed(self, item: Item, digest: str, ranges: Sequence[tuple[int, int, str]]) -> None:
         label = str(item)

@@ -227,9 +227,9 @@ class OutputFile:
 
     def close(self) -> str:
         """Fsync (unless made with ``fsync=False``), close and return the checksum of the file's bytes."""
-        if self._settle is not None and self._fd is not None:
+        if self._fd is not None:
             try:
-                self._settle()
+                self.settle()
             except BaseException:
                 self.abort()
                 raise
@@ -263,9 +263,9 @@ class OutputFile:
 
     def abort(self) -> None:
         """Close and remove the file."""
-        if self._settle is not None and self._fd is not None:
+        if self._fd is not None:
             try:
-                self._settle()  # no write may still be using the descriptor
+                self.settle()  # no write may still be using the descriptor
             except BaseException:  # noqa: BLE001 - the file is being removed: its failed write is moot
                 pass
         if self._fd is not None:

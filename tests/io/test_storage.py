@@ -282,3 +282,13 @@ def test_ranges_inside_a_streamed_item_are_checksummed_across_windows():
     assert bytes(out) == data and session.item_digests()["item"] == xxhash.xxh3_128(data).hexdigest()
     assert session.segment_digests() == {("item", lo, hi): xxhash.xxh3_128(data[lo:hi]).hexdigest()
                                          for lo, hi in ranges}
+
+
+def test_a_tensor_without_elements_is_streamed_as_one_empty_window():
+    """Its writer still sees the (empty) write that completes the tensor: a zip record's data descriptor
+    follows a tensor's last bytes, which for an empty tensor are none."""
+    asked, wrote = [], []
+    with WriteSession() as session:
+        session.stream_item(lambda item, lo, hi: asked.append((item, lo, hi)) or b"", "empty", 0, "float32",
+                            wrote.append)
+    assert asked == [("empty", 0, 0)] and wrote == [b""]
