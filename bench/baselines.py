@@ -37,21 +37,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
 
-CAN_DROP = os.access("/proc/sys/vm/drop_caches", os.W_OK)
-
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-
+import rank_load  # noqa: E402  (its checkpoint and its way of dropping the page cache)
+from convert_memory import dir_size  # noqa: E402
 
 def run(argv: list[str], cold: bool) -> dict:
     """Run ``argv`` once (from a cold cache if ``cold``): wall, peak RSS and storage bytes of it and its children."""
     if cold:
-        drop_caches()
+        rank_load.drop_caches()
     with tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
         p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
@@ -71,26 +65,15 @@ def python(imports: str, body: str) -> list[str]:
 
 
 def generate(base: str, layers: int, tiny: bool) -> None:
-    import fixtures
+    """The Hugging Face checkpoint (``rank_load.py``'s, in 400 MiB shards) and its DCP twin under ``base``."""
     import reshard
 
     hf, dcp = Path(base) / "hf", Path(base) / "dcp"
     if hf.exists() and dcp.exists():
         return
-    sizes = ({"h": 128, "heads": 4, "g": 2, "hd": 32, "f": 352, "vocab": 1000, "layers": 4, "vocab_div": 128} if tiny
-             else {"h": 2048, "heads": 16, "g": 4, "hd": 128, "f": 5632, "vocab": 32000, "layers": layers,
-                   "vocab_div": 128})
-    fixtures.MODELS["bench-llama"] = fixtures.Model("hf-llama", sizes)
-    one = Path(base) / "hf-one"
-    fixtures.make_fixture(one, format="hf", to="tp=1", model="bench-llama", states=("param",))
-    reshard.convert(one, hf, format="hf", max_shard_size="200KiB" if tiny else "400MiB")
-    shutil.rmtree(one)
+    rank_load.generate(hf, layers, tiny, shard="400MiB")
     reshard.convert(hf, dcp, format="dcp", to="dp=4")
     (dcp / "reshard.json").unlink()  # a plain DCP directory, as dcp.save leaves it
-
-
-def size_of(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
 
 
 def main() -> None:
@@ -141,7 +124,7 @@ def main() -> None:
             ("reshard.load to dp=1, rank 0", "cat every file (dcp)", dcp, python(
                 "import reshard", f"m = reshard.load({str(dcp)!r}, to='dp=1', rank=0)"), None),
         ]
-        cold = CAN_DROP and not args.tiny
+        cold = rank_load.can_drop_caches() and not args.tiny
         got: dict[str, list[dict]] = {name: [] for name, *_ in rows}
         outputs: dict[str, int] = {}
         for _ in range(args.repeat):
@@ -149,20 +132,20 @@ def main() -> None:
                 shutil.rmtree(out, ignore_errors=True)
                 got[name].append(run(argv, cold))
                 if dest is not None:
-                    outputs[name] = size_of(dest)
+                    outputs[name] = dir_size(dest)
         shutil.rmtree(out, ignore_errors=True)
         med = {name: statistics.median(r["wall"] for r in rs) for name, rs in got.items()}
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}; "
               f"{'page cache dropped before every run' if cold else 'warm page cache'}")
-        print(f"sources: hf {size_of(hf) / 2**30:.2f} GiB in {len(shards)} safetensors shards; dcp (FSDP2 dp=4) "
-              f"{size_of(dcp) / 2**30:.2f} GiB\n")
+        print(f"sources: hf {dir_size(hf) / 2**30:.2f} GiB in {len(shards)} safetensors shards; dcp (FSDP2 dp=4) "
+              f"{dir_size(dcp) / 2**30:.2f} GiB\n")
         print("| run | wall s | × floor | peak RSS GiB | read GiB | read / needed | written / output |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         for name, floor, src, _argv, dest in rows:
             last = got[name][-1]
             ratio = f"{med[name] / med[floor]:.2f}" if floor else "1.00" if any(r[1] == name for r in rows) else ""
             read = max(r["read"] for r in got[name])
-            per_needed = f"{read / size_of(src):.2f}" if src is not None else ""
+            per_needed = f"{read / dir_size(src):.2f}" if src is not None else ""
             written = f"{last['written'] / outputs[name]:.2f}" if dest is not None and outputs[name] else ""
             print(f"| {name} | {med[name]:.2f} | {ratio} | {max(r['rss'] for r in got[name]) / 2**30:.2f} "
                   f"| {read / 2**30:.2f} | {per_needed} | {written} |")

@@ -35,6 +35,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from convert_memory import CASES, generate, sizes_for  # noqa: E402
+from rank_load import drop_caches  # noqa: E402
 
 
 class Timers:
@@ -109,8 +110,7 @@ def main() -> None:
         instrument(timers)
         os.sync()
         if args.cold:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
+            drop_caches()
         first: list[float] = []
         t0 = time.perf_counter()
         result = reshard.convert(src, dst, to=target, workers=1,

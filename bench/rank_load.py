@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def generate(src: Path, layers: int, tiny: bool) -> None:
+def generate(src: Path, layers: int, tiny: bool, shard: str = "160MiB") -> None:
+    """A Hugging Face Llama-shaped checkpoint at ``src`` in safetensors shards of ``shard`` (kept if there)."""
     import fixtures
     import reshard
 
@@ -44,8 +45,13 @@ def generate(src: Path, layers: int, tiny: bool) -> None:
     fixtures.MODELS["bench-llama"] = fixtures.Model("hf-llama", sizes)
     one = src.with_name(src.name + "-one")
     fixtures.make_fixture(one, format="hf", to="tp=1", model="bench-llama", states=("param",))
-    reshard.convert(one, src, format="hf", max_shard_size="200KiB" if tiny else "160MiB")
+    reshard.convert(one, src, format="hf", max_shard_size="200KiB" if tiny else shard)
     shutil.rmtree(one)
+
+
+def can_drop_caches() -> bool:
+    """Whether this process may drop the page cache (root)."""
+    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
 
 
 def drop_caches() -> None:

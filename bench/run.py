@@ -42,6 +42,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from rank_load import can_drop_caches  # noqa: E402  (root: the page cache can be dropped)
 
 
 def importable(module: str) -> bool:
@@ -54,7 +57,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small checkpoints, one round: a smoke test")
     args = ap.parse_args()
     small = ["--tiny", "--repeat", "1"] if args.tiny else []
-    cold = os.access("/proc/sys/vm/drop_caches", os.W_OK)  # root: the page cache can be dropped
+    cold = can_drop_caches()
     curve = ["--workers", "1,2"] if args.tiny else []  # the whole curve (1, 2, 4, 8) on real sizes
     steps: list[tuple[str, list[str]]] = [
         ("Megatron conversion", ["convert_memory.py", *small, *curve, *([] if args.tiny else ["--rss-scale", "2"])]),
