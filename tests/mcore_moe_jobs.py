@@ -38,7 +38,8 @@ Llama: ``gpt2`` (LayerNorm with biases, biases on every linear, GELU, learned po
 --moe-use-legacy-grouped-gemm``: ``weight1`` and ``weight2`` per layer); the ``grouped_gemm`` package it asserts at
 construction runs only in its forward, which these jobs never call, so the assertion is skipped.
 ``etp`` splits the experts over their own tensor-parallel degree (``--expert-tensor-parallel-size``) instead of tp,
-and ``groups`` sets the query groups (``SIZES["g"]`` by default; tp 4 needs 4).
+``groups`` sets the query groups (``SIZES["g"]`` by default; tp 4 needs 4), and ``vocab`` the vocabulary
+(``SIZES["vocab"]`` by default; one that leaves no tp rank's rows all padding at tp 4 needs more than 384).
 """
 
 from __future__ import annotations
@@ -57,12 +58,12 @@ DIVISIBLE_BY = 128
 ITERATION = 10
 OPTIONS = {"dense": False, "bf16": False, "bucket_size": None, "torch_dist": False, "next": False,
            "weights_only": False, "qk_norm": False, "fully_reshardable": False, "family": "llama",
-           "grouped": False, "etp": None, "groups": None}
+           "grouped": False, "etp": None, "groups": None, "vocab": None}
 
 
-def padded_vocab(tp: int) -> int:
+def padded_vocab(tp: int, vocab: int | None = None) -> int:
     multiple = DIVISIBLE_BY * tp
-    return -(-SIZES["vocab"] // multiple) * multiple
+    return -(-(vocab or SIZES["vocab"]) // multiple) * multiple
 
 
 def save(out: Path, dump: Path, tp: int, pp: int, ep: int, dp: int, distopt: bool = False, **options) -> None:
@@ -95,7 +96,8 @@ def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool, opts: dict = OPTION
         num_layers=s["layers"], hidden_size=s["h"], ffn_hidden_size=s["f"], moe_ffn_hidden_size=s["f"],
         num_attention_heads=s["heads"], group_query_attention=True, num_query_groups=opts["groups"] or s["g"],
         kv_channels=s["hd"],
-        vocab_size=s["vocab"], padded_vocab_size=padded_vocab(tp), make_vocab_size_divisible_by=DIVISIBLE_BY,
+        vocab_size=opts["vocab"] or s["vocab"], padded_vocab_size=padded_vocab(tp, opts["vocab"]),
+        make_vocab_size_divisible_by=DIVISIBLE_BY,
         swiglu=True, normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
         untie_embeddings_and_output_weights=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=opts["etp"] or tp, data_parallel_size=dp,
@@ -173,7 +175,7 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
                          num_experts=experts, moe_grouped_gemm=opts["grouped"],
                          moe_use_legacy_grouped_gemm=opts["grouped"], normalization=a.normalization,
                          qk_layernorm=opts["qk_norm"]),
-                     vocab_size=padded_vocab(tp), max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
+                     vocab_size=padded_vocab(tp, opts["vocab"]), max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
                      position_embedding_type=a.position_embedding_type)

@@ -175,25 +175,30 @@ def assert_same_per_rank(got_dir, want_dir, ranks: int) -> None:
                 assert (ga, gz) == (a, z) and torch.equal(kept(name, a, gt), kept(name, a, t)), (r, name, k)
 
 
-def test_dp_reshardable_state_at_an_expert_tensor_parallelism_other_than_1_or_tp_is_not_written():
-    """Refused by name before any bucket is laid out, never laid out at another etp silently."""
+def test_dp_reshardable_state_at_an_expert_tensor_parallelism_it_cannot_lay_out_is_not_written():
+    """Refused by name before any bucket is laid out, never laid out at another etp silently: an etp other than tp
+    at ep 1, an etp that does not divide tp, and an etp other than tp in another rank order."""
     from reshard.core.topology import Topology
     from reshard.formats.megatron.dist_optim_target import bucket_target
     from reshard.models import get_family
 
-    with pytest.raises(reshard.errors.TopologyError, match=r"etp\(2\) with tp\(4\) at ep\(2\): .* at etp = tp or "):
-        bucket_target(get_family("mixtral"), {}, {}, Topology(tp=4, ep=2, etp=2, dp=2, zero=1))
-    with pytest.raises(reshard.errors.TopologyError, match=r"etp\(1\) with tp\(2\) at ep\(1\): .* with ep > 1"):
-        bucket_target(get_family("mixtral"), {}, {}, Topology(tp=2, ep=1, etp=1, dp=1, zero=1))
+    mixtral = get_family("mixtral")
+    with pytest.raises(reshard.errors.TopologyError, match=r"etp\(1\) with tp\(2\) at ep\(1\): .* at ep > 1 only"):
+        bucket_target(mixtral, {}, {}, Topology(tp=2, ep=1, etp=1, dp=1, zero=1))
+    with pytest.raises(reshard.errors.TopologyError, match=r"etp\(3\) does not divide tp\(4\)"):
+        bucket_target(mixtral, {}, {}, Topology(tp=4, ep=2, etp=3, dp=2, zero=1))
+    with pytest.raises(reshard.errors.TopologyError, match=r"etp\(2\) with tp\(4\) and order 'tp-cp-dp-ep-pp'"):
+        bucket_target(mixtral, {}, {}, Topology(tp=4, ep=2, etp=2, dp=2, zero=1, order="tp-cp-dp-ep-pp"))
 
 
 @pytest.mark.interop
-def test_real_dp_reshardable_run_at_etp2_tp4_converts_and_resumes_at_tp1(tmp_path):
+def test_real_dp_reshardable_run_at_etp2_tp4_converts_and_resumes_at_tp1_and_at_etp2_dp2(tmp_path):
     """megatron-core at tp=4, ep=2, etp=2 (world 4; bf16; 4 query groups; buckets of 6000 elements) saves
     torch_dist with dp_reshardable state: the experts split over an expert tensor parallelism that is neither 1 nor
     tp, their buffers laid out as at tp = etp and numbered over etp * ep -> Hugging Face, every weight bit-exact;
-    -> dp_reshardable at tp=1, ep=2, dp=2, which megatron-core resumes with every weight, main param, Adam moment
-    and step equal to the run's. (Model space at such an etp needs nothing new: each expert's etp shards are
+    -> dp_reshardable at tp=1, ep=2, dp=2, and at the run's own etp 2 with dp 2 (world 8: every bucket cut anew
+    over twice the ranks, the expert buffers over an expert data-parallel group of 2), which megatron-core
+    resumes with every weight, main param, Adam moment and step equal to the run's. (Model space at such an etp needs nothing new: each expert's etp shards are
     chunks of the global tensor, read as at any other layout.)"""
     require("megatron.core")
     from safetensors.torch import load_file
@@ -202,8 +207,8 @@ def test_real_dp_reshardable_run_at_etp2_tp4_converts_and_resumes_at_tp1(tmp_pat
     import test_mcore_dist_moe
     from test_mcore_dist_optim import gathered
 
-    S = {**jobs.SIZES, "g": 4}
-    run = {"bf16": True, "groups": S["g"], "bucket_size": 6000}
+    S = {**jobs.SIZES, "g": 4, "vocab": 400}  # at tp 4 every rank holds rows of the vocabulary (reshard's need)
+    run = {"bf16": True, "groups": S["g"], "bucket_size": 6000, "vocab": S["vocab"]}
     jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=4, pp=1, ep=2, dp=1, distopt=True, torch_dist=True, etp=2,
               **run)
     ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
@@ -222,8 +227,19 @@ def test_real_dp_reshardable_run_at_etp2_tp4_converts_and_resumes_at_tp1(tmp_pat
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
 
     reshard.convert(ckpt, tmp_path / "tp1", format="mcore-dist", to="tp=1,dp=2,ep=2,zero=1")
+    args = torch.load(tmp_path / "tp1" / "common.pt", weights_only=False)["args"]  # the experts follow tp there
+    assert (args.tensor_model_parallel_size, args.expert_tensor_parallel_size) == (1, 1)
     jobs.load(tmp_path / "tp1", tmp_path / "dump-tp1", tp=1, pp=1, ep=2, dp=2, distopt=True, torch_dist=True, **run)
     resumed = gathered(tmp_path / "dump-tp1", 1, S, experts=(1, S["experts"] // 2))
+    assert resumed.keys() == want.keys()
+    assert all(resumed[k].dtype == v.dtype and torch.equal(resumed[k], v) for k, v in want.items())
+
+    reshard.convert(tmp_path / "tp1", tmp_path / "etp2", format="mcore-dist", to="tp=4,dp=2,ep=2,etp=2,zero=1")
+    md = read_metadata(tmp_path / "etp2")
+    assert {k.split(".")[3] for k in md.tensors if k.startswith("chained_1.")} == experts
+    jobs.load(tmp_path / "etp2", tmp_path / "dump-etp2", tp=4, pp=1, ep=2, dp=2, distopt=True, torch_dist=True,
+              etp=2, **run)
+    resumed = gathered(tmp_path / "dump-etp2", 1, S, experts=(2, S["experts"] // 2))
     assert resumed.keys() == want.keys()
     assert all(resumed[k].dtype == v.dtype and torch.equal(resumed[k], v) for k, v in want.items())
 

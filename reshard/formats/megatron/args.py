@@ -185,7 +185,6 @@ def megatron_args(sizes: Mapping[str, int], topology: Topology, *, base: Mapping
         if model.megatron_args is None:
             raise CheckpointFormatError(f"Megatron has no args for the {family} family")
         a = {**model.megatron_args(sizes, tied), **_run_args(sizes, iteration)}
-    old_tp = a.get("tensor_model_parallel_size")
     tp, pp, dp, cp = topology.tp, topology.pp, topology.dp, topology.cp
     div = int(a.get("make_vocab_size_divisible_by") or sizes.get("vocab_div", 128))
     a.update(
@@ -202,7 +201,7 @@ def megatron_args(sizes: Mapping[str, int], topology: Topology, *, base: Mapping
         a["transformer_pipeline_model_parallel_size"] = pp
     if topology.etp is not None:
         a["expert_tensor_parallel_size"] = topology.etp
-    elif a.get("expert_tensor_parallel_size") is not None and a["expert_tensor_parallel_size"] in (old_tp, tp):
+    elif a.get("expert_tensor_parallel_size") is not None:  # the target lays its experts out at etp = tp
         a["expert_tensor_parallel_size"] = tp
     if "expert_model_parallel_size" in a or topology.ep > 1:
         a["expert_model_parallel_size"] = topology.ep

@@ -291,6 +291,9 @@ class _Buckets:
     """Model chunks per pipeline stage (``args.virtual_pipeline_model_parallel_size``): grad buffers per optimizer."""
     stages: tuple[int, ...] | None = None
     """Layers per virtual stage, None when even (``Topology.stages``)."""
+    expert_layout: Layout | None = None
+    """At an etp neither 1 nor tp, the bucketed spec resolved at tp = etp, whose expert buffers ``per_group``
+    holds; None otherwise (``layout`` holds every buffer)."""
 
 
 def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], topology: Topology,
@@ -312,7 +315,7 @@ def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], 
         def mixed(d: Mapping[Buffer, Any], x: Mapping[Buffer, Any]) -> dict[Buffer, Any]:
             return {**{b: v for b, v in d.items() if b[0] != EXPERT}, **{b: v for b, v in x.items() if b[0] == EXPERT}}
         return replace(dense, per_group=mixed(dense.per_group, experts.per_group),
-                       unpadded=mixed(dense.unpadded, experts.unpadded))
+                       unpadded=mixed(dense.unpadded, experts.unpadded), expert_layout=experts.layout)
     local = args.get("transformer_impl") == "local"
     tied = not args.get("untie_embeddings_and_output_weights", False)
     coalesced_name = spec_name(family, tied=tied, distopt=True, ep=topology.ep, local=local,  # distrib_optim.pt's

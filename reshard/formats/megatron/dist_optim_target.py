@@ -19,7 +19,10 @@ at ep > 1).
 Experts at expert tensor parallelism 1 (``etp=1`` in the topology, ep > 1) are whole on every tp rank: the
 expert optimizer numbers its groups over ep and pp alone (``ep_rank + ep * pp_rank``), its buffers come from the
 ``-etp1`` layouts, and each is split over the expert data-parallel group of ``tp * dp * cp / ep`` ranks, rank
-``ep_rank + ep * (edp_rank + edp * pp_rank)`` (the expert rank generator's order at etp 1). Other etp are refused.
+``ep_rank + ep * (edp_rank + edp * pp_rank)`` (the expert rank generator's order at etp 1). At another etp that
+divides tp (2 at tp 4) the expert buffers are those of a tp = etp run, numbered ``etp_rank + etp * (ep_rank + ep *
+pp_rank)`` and split over ``tp * dp * cp / (etp * ep)`` ranks, rank ``etp_rank + etp * (ep_rank + ep * (edp_rank +
+edp * pp_rank))``. An etp other than tp at ep 1, or one that does not divide tp, is refused.
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from reshard.core.layout import MASTER, PARAM, Fragment, Item, ItemInfo, chunk_fragments
-from reshard.core.topology import Topology
+from reshard.core.topology import DEFAULT_ORDER, Topology
 from reshard.errors import CheckpointFormatError, TopologyError
 from reshard.formats.base import Source
 from reshard.formats.dcp.layouts import _Chunk
 from reshard.formats.dcp.reading import _Verbatim
 from reshard.formats.megatron.dist_optim import DENSE, EXPERT, MAIN_STATE, PREFIX, _bucket_item, _buckets, _buffer_of
-from reshard.formats.megatron.etp import whole_experts
+from reshard.formats.megatron.etp import expert_tp
 from reshard.formats.megatron.param_groups import _default_param_groups, _expert_groups
 from reshard.formats.megatron.specs import _is_expert, _resolve
 from reshard.formats.megatron.state import KEY, TORCH_DIST_KEY, MegatronState, TorchDistState
@@ -112,23 +115,30 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
         if args.get(flag):
             raise CheckpointFormatError(f"args.{flag} is set: reshard writes dp_reshardable state of one grad buffer "
                                         "with the default bucket padding only")
-    whole = bool(family.experts) and whole_experts(topology)
-    if whole and (topology.etp != 1 or topology.ep == 1):
-        raise TopologyError(f"etp({topology.etp}) with tp({topology.tp}) at ep({topology.ep}): reshard writes "
-                            "dp_reshardable state of experts at etp = tp or etp = 1 only, and at etp = 1 with ep > 1 "
-                            "(at ep 1 the whole experts would sit in the dense buffers, which reshard does not read)")
     ep = topology.ep if family.experts else 1
     tp = topology.tp
-    r = _buckets(family, args, sizes, Topology(tp=tp, pp=topology.pp, ep=ep, dp=ep, etp=topology.etp if whole
-                                               else None), topology)
-    # The expert buffers are split over the expert data-parallel group: dp * cp / ep ranks at etp = tp, and
-    # tp * dp * cp / ep at etp = 1 (the expert rank generator's etp, ep, edp, pp over the same ranks), which a
-    # topology of tp * dp data-parallel ranks gives.
-    edp = topology.world_size // (topology.pp * ep) if whole else topology.edp
+    etp = expert_tp(topology) if family.experts else tp
+    whole = etp == 1 and tp > 1  # etp = 1: every tp unit holds the same whole experts
+    if etp != tp and ep == 1:
+        raise TopologyError(f"etp({topology.etp}) with tp({tp}) at ep({topology.ep}): reshard writes dp_reshardable "
+                            "state of experts split over an etp other than tp at ep > 1 only (at ep 1 the experts "
+                            "sit in the dense buffers, which reshard does not lay out at another etp)")
+    if tp % etp:
+        raise TopologyError(f"etp({etp}) does not divide tp({tp}): reshard lays the expert buffers out as at tp = etp, "
+                            "for an etp that divides tp")
+    if etp != tp and topology.order != DEFAULT_ORDER:
+        raise TopologyError(f"etp({etp}) with tp({tp}) and order '{topology.order}': megatron-core's expert ranks "
+                            f"follow the default order '{DEFAULT_ORDER}' there, which reshard writes only")
+    r = _buckets(family, args, sizes, Topology(tp=tp, pp=topology.pp, ep=ep, dp=ep, etp=etp if etp != tp else None),
+                 topology)
+    # The expert buffers are split over the expert data-parallel group of tp * dp * cp / (etp * ep) ranks (the
+    # expert rank generator's etp, ep, edp, pp over the same ranks as the dense tp, cp, dp, pp).
+    edp = topology.world_size // (topology.pp * ep * etp)
+    expert_spec = r.spec_name  # the tp = etp resolution's (the same spec), or the -etp1 one at etp = 1
     shard: dict[tuple, int] = {}  # (buffer, bucket) -> L
-    for dp, sections in ((topology.dp, (DENSE, EXPERT) if not whole else (DENSE,)),
-                         *(((edp * ep // topology.cp, (EXPERT,)),) if whole else ())):
-        at_dp = _resolve(layout_spec(r.spec_name), Topology(tp=tp, pp=topology.pp, dp=dp, cp=topology.cp, ep=ep,
+    for dp, at_tp, sections in ((topology.dp, tp, (DENSE, EXPERT) if etp == tp else (DENSE,)),
+                                *(((edp * ep // topology.cp, tp if whole else etp, (EXPERT,)),) if etp != tp else ())):
+        at_dp = _resolve(layout_spec(expert_spec), Topology(tp=at_tp, pp=topology.pp, dp=dp, cp=topology.cp, ep=ep,
                                                             vpp=r.vpp, stages=r.stages), r.sizes,
                          {"model": (PARAM,), DENSE: (MASTER,), EXPERT: (MASTER,)})
         for it, info in at_dp.items.items():
@@ -137,16 +147,17 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
                 shard[(_buffer_of(it), _bucket_item(it))] = info.shape[0]
     # A parameter keeps its row-major order in the buffer: it starts where a fragment of it sits, less that
     # fragment's offset in the parameter, and spans the whole parameter (rows that pad the vocabulary too).
-    param_of = {(f.tensor, f.box.offsets, f.box.lengths, _buffer_of(f.item)[1:]):
-                (f.item.key, f.offset, r.layout.items[f.item].numel)
-                for f in r.layout.fragments if f.item.section == "model"}
+    param_of = {section: {(f.tensor, f.box.offsets, f.box.lengths, _buffer_of(f.item)[1:]):
+                          (f.item.key, f.offset, layout.items[f.item].numel)
+                          for f in layout.fragments if f.item.section == "model"}
+                for section, layout in ((DENSE, r.layout), (EXPERT, r.expert_layout or r.layout))}
     writers = {}  # (buffer section, tp, pp, ep, data-parallel rank) -> the global rank (of every model chunk)
     for rank in range(topology.world_size):
         c = topology.coords(rank)
         writers.setdefault((DENSE, c["tp"], c["pp"], 0, c["dp"]), rank)
-        if whole:  # etp = 1: rank = ep_rank + ep * (edp_rank + edp * pp_rank)
+        if etp != tp:  # rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))
             within = rank % (topology.world_size // topology.pp)
-            writers.setdefault((EXPERT, 0, c["pp"], within % ep, within // ep), rank)
+            writers.setdefault((EXPERT, within % etp, c["pp"], within // etp % ep, within // (etp * ep)), rank)
         else:
             writers.setdefault((EXPERT, c["tp"], c["pp"], c["ep"], c["edp"]), rank)
     dtypes = buffer_dtypes(args)
@@ -161,7 +172,7 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
         expert = section == EXPERT
         if expert and whole and t:
             continue  # whole experts: every tp unit holds the same expert buffer, numbered by ep and pp alone
-        group = t + (1 if whole else tp) * (e + ep * p) if expert else p * tp + t
+        group = t + etp * (e + ep * p) if expert else p * tp + t
         base = f"{f'chained_{int(expert)}.' if ep > 1 else ''}{PREFIX}dp_group_idx_{group}"
         ranks = edp if expert else topology.dp
         # per group: each model chunk's buffer (gbuf_idx), in chunk order
@@ -174,7 +185,7 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
             size = r.unpadded[buffer][b]
             extents: dict[str, tuple[int, int]] = {}
             for f in frags:
-                found = param_of.get((f.tensor, f.box.offsets, f.box.lengths, buffer[1:]))
+                found = param_of[section].get((f.tensor, f.box.offsets, f.box.lengths, buffer[1:]))
                 if found is None:  # at dp 1 every fragment of a bucket is a whole model parameter's fragment
                     raise CheckpointFormatError(f"{r.spec_name}: {f} is no model parameter's fragment")
                 name, in_param, numel = found
