@@ -6,15 +6,17 @@ global rank through tp, cp, dp, pp; with the default ``tp-cp-ep-dp-pp``::
     rank = tp_r + tp * (cp_r + cp * (dp_r + dp * pp_r))
 
 ep is not a factor of world_size. Expert parameters see the same rank through
-tp, ep, edp, pp with ``edp = dp * cp // ep`` (Megatron's expert rank generator:
-the order with cp dropped and dp read as edp), by default::
+etp, ep, edp, pp with ``etp`` Megatron's ``--expert-tensor-parallel-size`` (tp
+unless given) and ``edp = tp * dp * cp // (etp * ep)`` (Megatron's expert rank
+generator: the order with cp dropped, tp read as etp and dp as edp), by default::
 
-    rank = tp_r + tp * (ep_r + ep * (edp_r + edp * pp_r))
+    rank = etp_r + etp * (ep_r + ep * (edp_r + edp * pp_r))
 
+At etp = tp that is ``edp = dp * cp // ep``, and ep must divide dp * cp; at another
+etp, etp * ep must divide tp * dp * cp (tp 2, dp 1, ep 2, etp 1 is a world of 2).
 An order that omits ep gets it just before dp; one that omits cp is valid only
-with cp=1. ``etp`` (Megatron's ``--expert-tensor-parallel-size``) is carried for the
-formats that lay experts out by it; the expert view above is tp's. Both views must give every rank the same tp and pp coordinates
-(Megatron requires equal pp groups); ``Topology`` checks this.
+with cp=1. Both views must give every rank the same pp coordinate, and at etp = tp
+the same tp coordinate (Megatron requires equal pp groups); ``Topology`` checks this.
 
 Pipeline. Layers fill virtual stages ``v = 0, 1, ...`` in order; virtual stage
 ``v`` lives on stage ``v % pp``, chunk ``v // pp`` (Megatron's interleaved
@@ -62,7 +64,8 @@ class Topology:
     dp: int = 1
     cp: int = 1
     ep: int = 1
-    """Expert parallel; divides dp * cp and is not a factor of world_size."""
+    """Expert parallel; divides dp * cp (etp * ep divides tp * dp * cp at an etp other than tp) and is not a factor
+    of world_size."""
     etp: int | None = None
     """Expert tensor parallel degree (Megatron's ``--expert-tensor-parallel-size``); None: tp's."""
     vpp: int = 1
@@ -83,8 +86,12 @@ class Topology:
                 raise TopologyError(f"{name} must be >= 1, got {value}")
         if self.etp is not None and (not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp < 1):
             raise TopologyError(f"etp must be an integer >= 1, got {self.etp!r}")
-        if (self.dp * self.cp) % self.ep:
-            raise TopologyError(f"ep({self.ep}) does not divide dp({self.dp}) * cp({self.cp}) = {self.dp * self.cp}")
+        if self.etp is None or self.etp == self.tp:
+            if (self.dp * self.cp) % self.ep:
+                raise TopologyError(f"ep({self.ep}) does not divide dp({self.dp}) * cp({self.cp}) = {self.dp * self.cp}")
+        elif (self.tp * self.dp * self.cp) % (self.etp * self.ep):
+            raise TopologyError(f"etp({self.etp}) * ep({self.ep}) = {self.etp * self.ep} does not divide tp({self.tp}) "
+                                f"* dp({self.dp}) * cp({self.cp}) = {self.tp * self.dp * self.cp}")
         if not 0 <= self.zero <= 3:
             raise TopologyError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.stages is not None:
@@ -119,6 +126,8 @@ class Topology:
                 raise TopologyError(f"order '{self.order}' does not name {name}{need}")
         dense, expert = self._views()
         for axis in ("tp", "pp"):
+            if axis not in expert:  # an etp of its own: the experts' tensor-parallel ranks are not tp's
+                continue
             d, e = dense[axis][0], expert[axis][0]
             if getattr(self, axis) > 1 and d != e:
                 raise TopologyError(
@@ -127,14 +136,18 @@ class Topology:
                 )
 
     def _views(self) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
-        """Axis -> (stride, degree), fastest first: the dense view (tp cp dp pp), the expert view (tp ep edp pp)."""
+        """Axis -> (stride, degree), fastest first: the dense view (tp cp dp pp), the expert view (tp ep edp pp, or
+        etp ep edp pp at an etp other than tp)."""
         names = self.order.split("-")
         if "cp" not in names:
             names.append("cp")
         dense = _radix([(a, getattr(self, a)) for a in names if a != "ep"])
         if "ep" not in names:
             names.insert(names.index("dp"), "ep")
-        return dense, _radix([("edp", self.edp) if a == "dp" else (a, getattr(self, a)) for a in names if a != "cp"])
+        renamed = {"dp": ("edp", self.edp)}
+        if self.etp is not None and self.etp != self.tp:
+            renamed["tp"] = ("etp", self.etp)
+        return dense, _radix([renamed.get(a, (a, getattr(self, a))) for a in names if a != "cp"])
 
     @property
     def world_size(self) -> int:
@@ -142,8 +155,8 @@ class Topology:
 
     @property
     def edp(self) -> int:
-        """Expert data parallel degree: dp * cp // ep."""
-        return self.dp * self.cp // self.ep
+        """Expert data parallel degree: tp * dp * cp // (etp * ep), which is dp * cp // ep at etp = tp."""
+        return self.tp * self.dp * self.cp // ((self.etp or self.tp) * self.ep)
 
     def degree(self, axis: str) -> int:
         """Degree of ``axis``, one of tp, pp, dp, cp, ep, edp, vpp."""

@@ -102,6 +102,27 @@ def test_ep_and_edp_coords_of_a_hand_computed_example() -> None:
     assert [t.coords(r)["dp"] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
+def test_an_etp_of_its_own_numbers_expert_ranks_over_etp_as_megatron_does() -> None:
+    # Megatron's expert generator reads tp as etp: rank = etp_r + etp * (ep_r + ep * (edp_r + edp * pp_r))
+    t = Topology(tp=2, dp=2, ep=2, etp=1)  # edp = tp * dp / (etp * ep) = 2
+    assert t.edp == 2 and t.world_size == 4
+    assert [(t.coords(r)["tp"], t.coords(r)["ep"], t.coords(r)["edp"]) for r in range(4)] == [
+        (0, 0, 0), (1, 1, 0), (0, 0, 1), (1, 1, 1),
+    ]  # fmt: skip
+    t = Topology(tp=4, dp=2, ep=2, etp=2, pp=2)
+    assert t.edp == 2
+    assert [(t.coords(r)["ep"], t.coords(r)["edp"], t.coords(r)["pp"]) for r in range(0, 16, 2)] == [
+        (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1),
+    ]  # fmt: skip
+    # ep need not divide dp there: the experts use the tp ranks (a world of 2)
+    t = Topology(tp=2, dp=1, ep=2, etp=1)
+    assert t.edp == 1 and [t.coords(r)["ep"] for r in range(2)] == [0, 1]
+    with pytest.raises(TopologyError, match=r"^etp\(1\) \* ep\(4\) = 4 does not divide tp\(2\) \* dp\(1\) \* cp\(1\) = 2$"):
+        Topology(tp=2, dp=1, ep=4, etp=1)
+    with pytest.raises(TopologyError, match=r"^ep\(2\) does not divide dp\(1\) \* cp\(1\) = 1$"):
+        Topology(tp=2, dp=1, ep=2, etp=2)  # etp = tp: the experts' ranks are tp's
+
+
 def test_expert_groups_span_cp_ranks() -> None:
     # cp=2, dp=2, ep=2: dense cp is fastest, and expert ep takes the same ranks
     t = Topology(cp=2, dp=2, ep=2)

@@ -58,8 +58,13 @@ def test_real_megatron_core_at_etp1_tp2_ep2_converts_to_hf_and_tp1_and_back_and_
     result = reshard.verify(tmp_path / "src", tmp_path / "back")
     assert result and result.compared > 0, result.differences
     jobs.load(tmp_path / "back", tmp_path / "dump-back", tp=2, pp=1, ep=2, dp=2, etp=1)
-    for r, want in enumerate(dumps):
-        got = torch.load(tmp_path / "dump-back" / f"rank{r}.pt", weights_only=False)
+    # and at dp 1 (world 2: ep over the tp ranks), whose ranks hold what ranks 0 and 1 of the run held
+    reshard.convert(tmp_path / "one", tmp_path / "dp1", to="tp=2,pp=1,dp=1,ep=2,etp=1")
+    assert sorted(p.name for p in (tmp_path / "dp1" / it).iterdir()) == ["mp_rank_00_000", "mp_rank_01_001"]
+    jobs.load(tmp_path / "dp1", tmp_path / "dump-dp1", tp=2, pp=1, ep=2, dp=1, etp=1)
+    for where, r in [*(("dump-back", r) for r in range(4)), ("dump-dp1", 0), ("dump-dp1", 1)]:
+        want = dumps[r]
+        got = torch.load(tmp_path / where / f"rank{r}.pt", weights_only=False)
         assert got["coords"] == want["coords"] and got["params"].keys() == want["params"].keys()
         for name, value in want["params"].items():
             have = got["params"][name]
@@ -91,7 +96,8 @@ def test_real_torch_dist_at_etp1_reads_every_expert_s_optimizer_state_and_resume
     experts -> every expert's fp32 main param and Adam moments as the run held them (Hugging Face's fused
     ``gate_up_proj`` / ``down_proj``); for a dp_reshardable source, -> dp_reshardable at the same layout (etp=1
     written: every optimizer key, chunk and bytes entry as megatron-core saved them), which megatron-core resumes
-    with every rank's weights, main params and Adam moments equal to the run's; -> dp_reshardable at tp=1, ep=1,
+    with every rank's weights, main params and Adam moments equal to the run's, and at tp=2, dp=1, ep=2 (ep over
+    the tp ranks), which megatron-core resumes with every weight and state equal; -> dp_reshardable at tp=1, ep=1,
     which megatron-core loads and steps on, and which holds what the source holds, every main param and moment."""
     require("megatron.core")
     import torch
@@ -137,6 +143,16 @@ def test_real_torch_dist_at_etp1_reads_every_expert_s_optimizer_state_and_resume
         jobs.load(tmp_path / "same", tmp_path / "dump-same", tp=2, pp=1, ep=2, dp=2, distopt=True, torch_dist=True,
                   etp=1, **run)
         assert_same_per_rank(tmp_path / "dump-same", tmp_path / "dump-src", 4)
+        # ep 2 over a world of 2 (tp 2, dp 1): the experts' ranks are not tp's, and ep does not divide dp
+        from test_mcore_dist_optim import gathered
+
+        reshard.convert(tmp_path / "same", tmp_path / "dp1", format="mcore-dist", to="tp=2,dp=1,ep=2,etp=1,zero=1")
+        jobs.load(tmp_path / "dp1", tmp_path / "dump-dp1", tp=2, pp=1, ep=2, dp=1, distopt=True, torch_dist=True,
+                  etp=1, **run)
+        whole = gathered(tmp_path / "dump-src", 1, S, experts=(1, S["experts"] // 2))
+        resumed = gathered(tmp_path / "dump-dp1", 1, S, experts=(1, S["experts"] // 2))
+        assert resumed.keys() == whole.keys() and {s for _, s in whole} >= {"param", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(resumed[k], v) for k, v in whole.items())
 
     reshard.convert(ckpt, tmp_path / "tp1", format="mcore-dist", to="tp=1,dp=1,ep=1,zero=1")
     jobs.load(tmp_path / "tp1", tmp_path / "dump-tp1", tp=1, pp=1, ep=1, dp=1, distopt=True, torch_dist=True, **run)
@@ -186,7 +202,7 @@ def test_dp_reshardable_state_at_an_expert_tensor_parallelism_it_cannot_lay_out_
     with pytest.raises(reshard.errors.TopologyError, match=r"etp\(1\) with tp\(2\) at ep\(1\): .* at ep > 1 only"):
         bucket_target(mixtral, {}, {}, Topology(tp=2, ep=1, etp=1, dp=1, zero=1))
     with pytest.raises(reshard.errors.TopologyError, match=r"etp\(3\) does not divide tp\(4\)"):
-        bucket_target(mixtral, {}, {}, Topology(tp=4, ep=2, etp=3, dp=2, zero=1))
+        bucket_target(mixtral, {}, {}, Topology(tp=4, ep=2, etp=3, dp=3, zero=1))
     with pytest.raises(reshard.errors.TopologyError, match=r"etp\(2\) with tp\(4\) and order 'tp-cp-dp-ep-pp'"):
         bucket_target(mixtral, {}, {}, Topology(tp=4, ep=2, etp=2, dp=2, zero=1, order="tp-cp-dp-ep-pp"))
 

@@ -132,13 +132,15 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
     r = _buckets(family, args, sizes, Topology(tp=tp, pp=topology.pp, ep=ep, dp=ep, etp=etp if etp != tp else None),
                  topology)
     # The expert buffers are split over the expert data-parallel group of tp * dp * cp / (etp * ep) ranks (the
-    # expert rank generator's etp, ep, edp, pp over the same ranks as the dense tp, cp, dp, pp).
-    edp = topology.world_size // (topology.pp * ep * etp)
-    expert_spec = r.spec_name  # the tp = etp resolution's (the same spec), or the -etp1 one at etp = 1
+    # expert rank generator's etp, ep, edp, pp over the same ranks as the dense tp, cp, dp, pp). At another etp
+    # than tp, the dense buckets' shards are those of the same buffers at ep 1 (ep need not divide dp * cp there),
+    # the experts' those of a run at tp = etp (or the -etp1 layout at tp) with edp * ep / cp data-parallel ranks.
+    edp = topology.edp if family.experts else topology.dp * topology.cp
     shard: dict[tuple, int] = {}  # (buffer, bucket) -> L
-    for dp, at_tp, sections in ((topology.dp, tp, (DENSE, EXPERT) if etp == tp else (DENSE,)),
-                                *(((edp * ep // topology.cp, tp if whole else etp, (EXPERT,)),) if etp != tp else ())):
-        at_dp = _resolve(layout_spec(expert_spec), Topology(tp=at_tp, pp=topology.pp, dp=dp, cp=topology.cp, ep=ep,
+    for dp, at_tp, at_ep, sections in (
+            (topology.dp, tp, ep if etp == tp else 1, (DENSE, EXPERT) if etp == tp else (DENSE,)),
+            *(((edp * ep // topology.cp, tp if whole else etp, ep, (EXPERT,)),) if etp != tp else ())):
+        at_dp = _resolve(layout_spec(r.spec_name), Topology(tp=at_tp, pp=topology.pp, dp=dp, cp=topology.cp, ep=at_ep,
                                                             vpp=r.vpp, stages=r.stages), r.sizes,
                          {"model": (PARAM,), DENSE: (MASTER,), EXPERT: (MASTER,)})
         for it, info in at_dp.items.items():

@@ -16,7 +16,6 @@ only the saved units kept), or etp = tp. Other etp are refused.
 
 from __future__ import annotations
 
-from math import gcd
 from types import MappingProxyType
 
 from reshard.core.layout import Layout
@@ -36,7 +35,7 @@ def whole_experts(topo: Topology) -> bool:
     return topo.etp is not None and topo.etp != topo.tp
 
 
-def check_etp(topo: Topology, where: str, *, moe: bool, distopt: bool = False) -> None:
+def check_etp(topo: Topology, where: str, *, moe: bool) -> None:
     """Raise unless the torch format can hold ``topo``'s expert tensor parallelism (``where`` names the args or
     the topology)."""
     if not whole_experts(topo):
@@ -54,11 +53,6 @@ def check_etp(topo: Topology, where: str, *, moe: bool, distopt: bool = False) -
             f"{where}: {etp} with expert_model_parallel_size={topo.ep} not a multiple of "
             f"tensor_model_parallel_size={topo.tp}: Megatron-LM's torch format would save no rank directory for "
             "some tp ranks' dense weights (written by expert-data-parallel rank 0 only)")
-    edp, dense_edp = topo.tp * topo.dp * topo.cp // topo.ep, topo.edp
-    if distopt and 128 * edp // gcd(edp, 128) != 128 * dense_edp // gcd(dense_edp, 128):
-        raise CheckpointFormatError(
-            f"{where}: {etp} with the distributed optimizer: the expert buffers are padded to lcm(edp({edp}), 128), "
-            f"which the layouts reshard resolves at edp({dense_edp}) do not give")
 
 
 def etp_ranks(topo: Topology) -> list[tuple[int, int, int]]:

@@ -123,7 +123,7 @@ class MegatronFormat:
         args = _namespace(first["args"], str(first_path))
         topo = _topology_from_args(args, str(first_path), sum(p.name.startswith("mp_rank_") for p in it_dir.iterdir()))
         distopt = bool(args.get("use_distributed_optimizer"))
-        check_etp(topo, f"{first_path}: args", moe=bool(args.get("num_experts")), distopt=distopt)
+        check_etp(topo, f"{first_path}: args", moe=bool(args.get("num_experts")))
         ranks = self._read_ranks(it_dir, topo, first_path, first, iteration)
         if distopt:
             topo = replace(topo, zero=1)
@@ -298,7 +298,7 @@ class MegatronFormat:
             topology = replace(topology, etp=1)
         if topology.etp == topology.tp or (topology.etp is not None and not moe):
             topology = replace(topology, etp=None if topology.etp == topology.tp else topology.etp)
-        check_etp(topology, f"topology {topology}", moe=moe, distopt=topology.zero == 1)
+        check_etp(topology, f"topology {topology}", moe=moe)
         name = spec or spec_name(family, tied=tied, distopt=topology.zero == 1, ep=topology.ep, local=local,
                                  legacy=legacy, mtp=sizes.get("hf_layers", 0) > sizes.get("layers", 0),
                                  etp1=whole_experts(topology))
