@@ -193,7 +193,7 @@ def assert_same_per_rank(got_dir, want_dir, ranks: int) -> None:
 
 def test_dp_reshardable_state_at_an_expert_tensor_parallelism_it_cannot_lay_out_is_not_written():
     """Refused by name before any bucket is laid out, never laid out at another etp silently: an etp other than tp
-    at ep 1, an etp that does not divide tp, and an etp other than tp in another rank order."""
+    at ep 1, and an etp other than tp in another rank order."""
     from reshard.core.topology import Topology
     from reshard.formats.megatron.dist_optim_target import bucket_target
     from reshard.models import get_family
@@ -201,8 +201,6 @@ def test_dp_reshardable_state_at_an_expert_tensor_parallelism_it_cannot_lay_out_
     mixtral = get_family("mixtral")
     with pytest.raises(reshard.errors.TopologyError, match=r"etp\(1\) with tp\(2\) at ep\(1\): .* at ep > 1 only"):
         bucket_target(mixtral, {}, {}, Topology(tp=2, ep=1, etp=1, dp=1, zero=1))
-    with pytest.raises(reshard.errors.TopologyError, match=r"etp\(3\) does not divide tp\(4\)"):
-        bucket_target(mixtral, {}, {}, Topology(tp=4, ep=2, etp=3, dp=3, zero=1))
     with pytest.raises(reshard.errors.TopologyError, match=r"etp\(2\) with tp\(4\) and order 'tp-cp-dp-ep-pp'"):
         bucket_target(mixtral, {}, {}, Topology(tp=4, ep=2, etp=2, dp=2, zero=1, order="tp-cp-dp-ep-pp"))
 
@@ -260,17 +258,54 @@ def test_real_dp_reshardable_run_at_etp2_tp4_converts_and_resumes_at_tp1_and_at_
     assert all(resumed[k].dtype == v.dtype and torch.equal(resumed[k], v) for k, v in want.items())
 
 
-def test_bucket_space_state_at_an_etp_that_does_not_divide_tp_is_refused_by_name():
-    """The bucket formats lay experts out as at tp = etp, for an etp that divides tp; another etp is refused,
-    naming the args (model space and the weights are read at any etp)."""
+def test_bucket_space_state_at_an_etp_that_is_no_positive_integer_is_refused_by_name():
+    """The bucket formats lay experts out as at tp = etp, above or below tp; an etp that is no positive integer is
+    refused, naming the args."""
     from pathlib import Path
 
     from reshard.formats.megatron.dist_optim import _expert_parallel
     from reshard.models import get_family
 
-    args = {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 3, "tensor_model_parallel_size": 4}
-    with pytest.raises(CheckpointFormatError, match=r"c/common.pt: args.expert_tensor_parallel_size is 3, which does "
-                                                    r"not divide tp \(4\)"):
+    args = {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 0, "tensor_model_parallel_size": 4}
+    with pytest.raises(CheckpointFormatError, match=r"c/common.pt: args.expert_tensor_parallel_size is 0, not a "
+                                                    r"positive integer"):
         _expert_parallel(args, get_family("mixtral"), Path("c/common.pt"))
     assert _expert_parallel({**args, "expert_tensor_parallel_size": 2}, get_family("mixtral"), Path("c")) == (2, 2)
+    assert _expert_parallel({**args, "expert_tensor_parallel_size": 8}, get_family("mixtral"), Path("c")) == (2, 8)
     assert _expert_parallel({**args, "expert_tensor_parallel_size": 4}, get_family("mixtral"), Path("c")) == (2, None)
+
+
+@pytest.mark.interop
+def test_real_dp_reshardable_run_with_etp_above_tp_converts_and_resumes(tmp_path):
+    """megatron-core at tp=1, ep=2, etp=2, dp=4 (world 4; bf16; buckets of 4000 elements): the experts split over
+    more tensor-parallel ranks than the dense layers, their buffers laid out as at tp = 2 -> Hugging Face, every
+    weight bit-exact; -> dp_reshardable at tp=2, dp=2 (etp = tp) and from there back at tp=1, etp=2, dp=4, which
+    megatron-core resumes with every weight, main param, Adam moment and step equal to the run's."""
+    require("megatron.core")
+    from safetensors.torch import load_file
+
+    import mcore_moe_jobs as jobs
+    import test_mcore_dist_moe
+    from test_mcore_dist_optim import gathered
+
+    S = jobs.SIZES
+    run = {"bf16": True, "bucket_size": 4000}
+    jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=1, pp=1, ep=2, dp=4, distopt=True, torch_dist=True, etp=2,
+              **run)
+    ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
+    experts = {k.split(".")[3] for k in read_metadata(ckpt).tensors if k.startswith("chained_1.")}
+    assert experts == {f"dp_group_idx_{g}" for g in range(4)}  # etp 2 x ep 2, at tp 1
+    want = gathered(tmp_path / "dump-src", 1, S, experts=(2, S["experts"] // 2))
+    reshard.convert(ckpt, tmp_path / "hf", format="hf")
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    expected = test_mcore_dist_moe.hf_of(want, "mixtral")
+    assert got.keys() == expected.keys()
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+
+    reshard.convert(ckpt, tmp_path / "tp2", format="mcore-dist", to="tp=2,dp=2,ep=2,zero=1")
+    reshard.convert(tmp_path / "tp2", tmp_path / "back", format="mcore-dist", to="tp=1,dp=4,ep=2,etp=2,zero=1")
+    jobs.load(tmp_path / "back", tmp_path / "dump-back", tp=1, pp=1, ep=2, dp=4, distopt=True, torch_dist=True,
+              etp=2, **run)
+    resumed = gathered(tmp_path / "dump-back", 1, S, experts=(2, S["experts"] // 2))
+    assert resumed.keys() == want.keys() and {s for _, s in want} >= {"param", "exp_avg", "exp_avg_sq", "step"}
+    assert all(resumed[k].dtype == v.dtype and torch.equal(resumed[k], v) for k, v in want.items())

@@ -22,8 +22,8 @@ A mixture of experts at ep > 1 has two distributed optimizers (megatron-core's
 ``chained_0.`` the dense params' buffer, sharded over dp, groups numbered as above (every
 ep rank holds the same one); ``chained_1.`` the experts' (``allreduce`` False), a buffer of
 their own with buckets of their own, sharded over the expert-data-parallel group (each
-bucket padded to ``lcm(edp, 128)``), groups numbered by rank in the expert tp-ep-pp group,
-``tp_rank + tp * (ep_rank + ep * pp_rank)``, each with its own ``per_bucket_numel[_unpadded]``
+bucket padded to ``lcm(edp, 128)``), groups numbered by rank in the expert etp-ep-pp group,
+``etp_rank + etp * (ep_rank + ep * pp_rank)`` (etp: tp unless the run gives its own), each with its own ``per_bucket_numel[_unpadded]``
 and ``optimizer`` entries. At ep 1 the experts are dense params: one optimizer, no prefix.
 
 The layout is not stored; it is the one the torch format's ``distrib_optim.pt`` has,
@@ -60,7 +60,7 @@ from typing import Any
 
 from reshard.core.layout import MASTER, PARAM, Fragment, Item, Layout
 from reshard.core.topology import Topology
-from reshard.errors import CheckpointFormatError
+from reshard.errors import CheckpointFormatError, SpecError, TopologyError
 from reshard.formats.base import MAX_COUNT, expect_int
 from reshard.formats.dcp.reading import _storage
 from reshard.formats.megatron.dist_moe import bucket_experts
@@ -120,8 +120,8 @@ def _buffer(chain: int | None, group: int, topology: Topology, chunk: int = 0) -
     one, or ``chained_0``) numbers its groups by rank in the tp-pp group, ``pp_rank * tp + tp_rank`` (every ep rank
     holds the same dense buffer: ep 0's); the expert optimizer (``chained_1``, ep > 1) by rank in the expert
     etp-ep-pp group, ``etp_rank + etp * (ep_rank + ep * pp_rank)``: at etp = tp the tp unit's buffer, at etp = 1
-    tp unit 0's of the ``-etp1`` layouts (every tp unit holds the same whole experts), at another etp dividing tp
-    that of the tp = etp layout ``_buckets`` resolves for the experts."""
+    tp unit 0's of the ``-etp1`` layouts (every tp unit holds the same whole experts), at another etp (below or
+    above tp) that of the tp = etp layout ``_buckets`` resolves for the experts."""
     tp = topology.tp
     if chain == 1:
         etp = expert_tp(topology)
@@ -156,7 +156,7 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
 
     Raises:
       CheckpointFormatError: no args, an unknown or unsupported key (another grad buffer, a group beyond the
-        model-parallel ranks, a third chained optimizer, an expert tensor parallelism that does not divide tp), a
+        model-parallel ranks, a third chained optimizer, an expert tensor parallelism the model cannot be split by), a
         bucket count
         or ``per_bucket_numel_unpadded`` that differs from the layout's (naming the buffer, the bucket and both
         numbers), a stored length that differs from ``per_bucket_numel_unpadded``, or a missing bucket tensor.
@@ -167,7 +167,7 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
                                     "(bucket size, layer implementation) is unknown; the dp_reshardable optimizer "
                                     "state cannot be decoded")
     ep, etp = _expert_parallel(args, family, where)
-    topology = Topology(tp=topology.tp, pp=topology.pp, ep=ep, dp=ep, etp=etp)
+    topology = Topology(tp=topology.tp, pp=topology.pp, ep=ep, dp=ep * (etp or 1), etp=etp)
     keys = [k for k in md.tensors if is_bucket_key(k)]
     parsed: dict[str, tuple[str, int, Buffer, int, str]] = {}  # key -> (prefix, group, buffer, bucket, state)
     chains = {m.group(1) for k in keys if (m := _BUCKET_KEY.fullmatch(k))}
@@ -248,8 +248,8 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
 
 def _expert_parallel(args: Mapping[str, Any], family: Family, where: Path) -> tuple[int, int | None]:
     """The run's ep (1 for a dense family) and its expert tensor parallelism where it is not tp (None: tp); that
-    must be 1 (the experts whole, their buffers laid out by the ``-etp1`` layouts) or divide tp (the expert
-    buffers laid out at tp = etp)."""
+    is 1 (the experts whole, their buffers laid out by the ``-etp1`` layouts) or another (the expert buffers laid
+    out at tp = etp, above or below tp)."""
     if not family.experts:
         return 1, None
     ep = expect_int(args.get("expert_model_parallel_size") or 1, "args.expert_model_parallel_size", str(where), lo=1,
@@ -257,9 +257,9 @@ def _expert_parallel(args: Mapping[str, Any], family: Family, where: Path) -> tu
     etp, tp = args.get("expert_tensor_parallel_size"), args.get("tensor_model_parallel_size") or 1
     if ep == 1 or etp is None or etp == tp:
         return ep, None
-    if type(etp) is not int or etp < 1 or tp % etp:
-        raise CheckpointFormatError(f"{where}: args.expert_tensor_parallel_size is {brief(etp)}, which does not "
-                                    f"divide tp ({tp}): distributed-optimizer state of experts split so is not read")
+    if type(etp) is not int or etp < 1:
+        raise CheckpointFormatError(f"{where}: args.expert_tensor_parallel_size is {brief(etp)}, not a positive "
+                                    "integer")
     return ep, etp
 
 
@@ -310,7 +310,12 @@ def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], 
     if family.experts and topology.etp not in (None, 1, topology.tp):
         # The expert buffers hold the experts alone (at ep > 1): laid out as at tp = etp, the dense ones at tp.
         dense = _buckets(family, args, sizes, replace(topology, etp=None), run, where)
-        experts = _buckets(family, args, sizes, replace(topology, tp=topology.etp, etp=None), run, where)
+        try:
+            experts = _buckets(family, args, sizes, replace(topology, tp=topology.etp, etp=None), run, where)
+        except (SpecError, TopologyError) as e:
+            raise CheckpointFormatError(f"{where}: the experts' buffers at expert_tensor_parallel_size "
+                                        f"{topology.etp} are those of a run at tp {topology.etp}, which this model "
+                                        f"cannot have: {e}") from None
 
         def mixed(d: Mapping[Buffer, Any], x: Mapping[Buffer, Any]) -> dict[Buffer, Any]:
             return {**{b: v for b, v in d.items() if b[0] != EXPERT}, **{b: v for b, v in x.items() if b[0] == EXPERT}}

@@ -19,10 +19,10 @@ at ep > 1).
 Experts at expert tensor parallelism 1 (``etp=1`` in the topology, ep > 1) are whole on every tp rank: the
 expert optimizer numbers its groups over ep and pp alone (``ep_rank + ep * pp_rank``), its buffers come from the
 ``-etp1`` layouts, and each is split over the expert data-parallel group of ``tp * dp * cp / ep`` ranks, rank
-``ep_rank + ep * (edp_rank + edp * pp_rank)`` (the expert rank generator's order at etp 1). At another etp that
-divides tp (2 at tp 4) the expert buffers are those of a tp = etp run, numbered ``etp_rank + etp * (ep_rank + ep *
-pp_rank)`` and split over ``tp * dp * cp / (etp * ep)`` ranks, rank ``etp_rank + etp * (ep_rank + ep * (edp_rank +
-edp * pp_rank))``. An etp other than tp at ep 1, or one that does not divide tp, is refused.
+``ep_rank + ep * (edp_rank + edp * pp_rank)`` (the expert rank generator's order at etp 1). At another etp, below
+or above tp (2 at tp 4 or at tp 1), the expert buffers are those of a tp = etp run, numbered ``etp_rank + etp *
+(ep_rank + ep * pp_rank)`` and split over ``tp * dp * cp / (etp * ep)`` ranks, rank ``etp_rank + etp * (ep_rank +
+ep * (edp_rank + edp * pp_rank))``. An etp other than tp at ep 1, or in another rank order, is refused.
 """
 
 from __future__ import annotations
@@ -123,14 +123,11 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
         raise TopologyError(f"etp({topology.etp}) with tp({tp}) at ep({topology.ep}): reshard writes dp_reshardable "
                             "state of experts split over an etp other than tp at ep > 1 only (at ep 1 the experts "
                             "sit in the dense buffers, which reshard does not lay out at another etp)")
-    if tp % etp:
-        raise TopologyError(f"etp({etp}) does not divide tp({tp}): reshard lays the expert buffers out as at tp = etp, "
-                            "for an etp that divides tp")
     if etp != tp and topology.order != DEFAULT_ORDER:
         raise TopologyError(f"etp({etp}) with tp({tp}) and order '{topology.order}': megatron-core's expert ranks "
                             f"follow the default order '{DEFAULT_ORDER}' there, which reshard writes only")
-    r = _buckets(family, args, sizes, Topology(tp=tp, pp=topology.pp, ep=ep, dp=ep, etp=etp if etp != tp else None),
-                 topology)
+    r = _buckets(family, args, sizes, Topology(tp=tp, pp=topology.pp, ep=ep, dp=ep * etp,
+                                               etp=etp if etp != tp else None), topology)
     # The expert buffers are split over the expert data-parallel group of tp * dp * cp / (etp * ep) ranks (the
     # expert rank generator's etp, ep, edp, pp over the same ranks as the dense tp, cp, dp, pp). At another etp
     # than tp, the dense buckets' shards are those of the same buffers at ep 1 (ep need not divide dp * cp there),

@@ -138,7 +138,7 @@ def zero_state(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fami
                                     f"{ZERO} state of experts split over an etp other than 1 or tp is not read "
                                     "(dp_reshardable and fully_reshardable state is)")
     chains = (0, 1) if ep > 1 else (None,)
-    topology = Topology(tp=topology.tp, pp=topology.pp, ep=ep, dp=ep, etp=etp)
+    topology = Topology(tp=topology.tp, pp=topology.pp, ep=ep, dp=ep * (etp or 1), etp=etp)
     entries: dict[tuple[int | None, int], str] = {}
     for key in md.byte_entries:
         m = _ZERO_KEY.fullmatch(key)
