@@ -276,34 +276,38 @@ def test_bucket_space_state_at_an_etp_that_is_no_positive_integer_is_refused_by_
 
 
 @pytest.mark.interop
-def test_real_dp_reshardable_run_with_etp_above_tp_converts_and_resumes(tmp_path):
-    """megatron-core at tp=1, ep=2, etp=2, dp=4 (world 4; bf16; buckets of 4000 elements): the experts split over
-    more tensor-parallel ranks than the dense layers, their buffers laid out as at tp = 2 -> Hugging Face, every
-    weight bit-exact; -> dp_reshardable at tp=2, dp=2 (etp = tp) and from there back at tp=1, etp=2, dp=4, which
-    megatron-core resumes with every weight, main param, Adam moment and step equal to the run's."""
+@pytest.mark.parametrize("sharding", ["dp_reshardable", "dp_zero_gather_scatter"])
+def test_real_run_with_etp_above_tp_converts_and_resumes(tmp_path, sharding):
+    """megatron-core at tp=1, ep=2, etp=2, dp=4 (world 4; bf16; buckets of 4000 elements) saves ``sharding`` state:
+    the experts split over more tensor-parallel ranks than the dense layers, their buffers laid out as at tp = 2.
+    dp_reshardable -> Hugging Face, every weight bit-exact, and -> dp_reshardable at tp=2, dp=2 (etp = tp) and from
+    there back at tp=1, etp=2, dp=4; dp_zero_gather_scatter -> dp_reshardable at its own layout. megatron-core
+    resumes either with every weight, main param, Adam moment and step equal to the run's."""
     require("megatron.core")
     from safetensors.torch import load_file
 
+    import mcore_dist_bucket_jobs
     import mcore_moe_jobs as jobs
     import test_mcore_dist_moe
     from test_mcore_dist_optim import gathered
 
     S = jobs.SIZES
     run = {"bf16": True, "bucket_size": 4000}
-    jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=1, pp=1, ep=2, dp=4, distopt=True, torch_dist=True, etp=2,
-              **run)
+    mcore_dist_bucket_jobs.save(tmp_path / "src", tmp_path / "dump-src", 1, 4, sharding, ep=2, etp=2, **run)
     ckpt = tmp_path / "src" / f"iter_{jobs.ITERATION:07d}"
-    experts = {k.split(".")[3] for k in read_metadata(ckpt).tensors if k.startswith("chained_1.")}
-    assert experts == {f"dp_group_idx_{g}" for g in range(4)}  # etp 2 x ep 2, at tp 1
+    assert sharding_type({}, read_metadata(ckpt)) == sharding
     want = gathered(tmp_path / "dump-src", 1, S, experts=(2, S["experts"] // 2))
-    reshard.convert(ckpt, tmp_path / "hf", format="hf")
-    got = load_file(tmp_path / "hf" / "model.safetensors")
-    expected = test_mcore_dist_moe.hf_of(want, "mixtral")
-    assert got.keys() == expected.keys()
-    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
-
-    reshard.convert(ckpt, tmp_path / "tp2", format="mcore-dist", to="tp=2,dp=2,ep=2,zero=1")
-    reshard.convert(tmp_path / "tp2", tmp_path / "back", format="mcore-dist", to="tp=1,dp=4,ep=2,etp=2,zero=1")
+    if sharding == "dp_reshardable":
+        experts = {k.split(".")[3] for k in read_metadata(ckpt).tensors if k.startswith("chained_1.")}
+        assert experts == {f"dp_group_idx_{g}" for g in range(4)}  # etp 2 x ep 2, at tp 1
+        reshard.convert(ckpt, tmp_path / "hf", format="hf")
+        got = load_file(tmp_path / "hf" / "model.safetensors")
+        expected = test_mcore_dist_moe.hf_of(want, "mixtral")
+        assert got.keys() == expected.keys()
+        assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+        reshard.convert(ckpt, tmp_path / "tp2", format="mcore-dist", to="tp=2,dp=2,ep=2,zero=1")
+        ckpt = tmp_path / "tp2"
+    reshard.convert(ckpt, tmp_path / "back", format="mcore-dist", to="tp=1,dp=4,ep=2,etp=2,zero=1")
     jobs.load(tmp_path / "back", tmp_path / "dump-back", tp=1, pp=1, ep=2, dp=4, distopt=True, torch_dist=True,
               etp=2, **run)
     resumed = gathered(tmp_path / "dump-back", 1, S, experts=(2, S["experts"] // 2))

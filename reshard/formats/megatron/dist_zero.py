@@ -133,10 +133,6 @@ def zero_state(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fami
                                     f"(bucket size, layer implementation) is unknown; the {ZERO} optimizer state "
                                     "cannot be decoded")
     ep, etp = _expert_parallel(args, family, where)
-    if etp not in (None, 1):
-        raise CheckpointFormatError(f"{where}: args.expert_tensor_parallel_size is {etp} with tp {topology.tp}: "
-                                    f"{ZERO} state of experts split over an etp other than 1 or tp is not read "
-                                    "(dp_reshardable and fully_reshardable state is)")
     chains = (0, 1) if ep > 1 else (None,)
     topology = Topology(tp=topology.tp, pp=topology.pp, ep=ep, dp=ep * (etp or 1), etp=etp)
     entries: dict[tuple[int | None, int], str] = {}
