@@ -20,6 +20,7 @@ from reshard import __version__
 from reshard.api.distributed import Ranks, join_ranks
 from reshard.api.planning import PlanReport, plan
 from reshard.api.workers import copies_per_share, shares, worker_count, worker_shares
+from reshard.core.collector import collector_paused
 from reshard.core.topology import Topology
 from reshard.core.units import parse_size
 from reshard.errors import CheckpointFormatError, ReshardError
@@ -38,6 +39,7 @@ from reshard.execution.partial import Partial, partial_path
 from reshard.execution.session import WriteSession
 from reshard.execution.workers import WorkerLost, run_shares
 from reshard.formats import get_format
+from reshard.io import json_text
 from reshard.io.location import UrlPath, as_path, is_url
 from reshard.io.upload import check_empty, upload_tree
 from reshard.io.storage import HASH
@@ -198,6 +200,15 @@ def _convert(src: str | Path, dst: Path, *, to, format, spec, sizes, workers, me
                            f"process; start more ranks per host (--nproc-per-node) instead")
     report = plan(src, to=to, format=format, spec=spec, sizes=sizes, max_shard_size=max_shard_size,
                   vocab_pad=vocab_pad, dist_optim=dist_optim)
+    with collector_paused():  # the collector would walk the plan's objects again and again while bytes move
+        return _run(report, src, dst, workers=workers, memory_budget=memory_budget, max_shard_size=max_shard_size,
+                    vocab_pad=vocab_pad, dist_optim=dist_optim, progress=progress, resume=resume, started=started,
+                    ranks=ranks)
+
+
+def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budget, max_shard_size, vocab_pad,
+         dist_optim, progress, resume: bool, started: float, ranks: Ranks | None) -> ConvertResult:
+    """``_convert`` once its plan is made: write the destination (or find it written), then its manifest."""
     if resume and dst.exists() and not partial_path(dst).exists() and (dst / MANIFEST).exists():
         files = _finished(dst, report)  # done before: killed after its rename, or run twice
         return ConvertResult(path=dst, report=report, files=files, bytes_read=0, bytes_written=0, reused=len(files),
@@ -280,7 +291,7 @@ def _convert(src: str | Path, dst: Path, *, to, format, spec, sizes, workers, me
             "files": files,
             "logical": logical_digests(target.dtypes, sources, tensors, segments),
         }
-        partial.commit(json.dumps(manifest, indent=1) + "\n")
+        partial.commit(json_text.dumps(manifest, indent=1) + "\n")
     except (KeyboardInterrupt, SystemExit, WorkerLost):
         raise  # interrupted, or a worker killed: the partial directory stays for --resume
     except BaseException:
@@ -379,7 +390,7 @@ def default_memory_budget() -> int:
 def _resume_header(report: PlanReport, options: Mapping[str, Any]) -> dict[str, Any]:
     """What identifies a conversion for ``resume``: source, destination, options, the plan, and the
     size and mtime of each source file it reads."""
-    plan_json = json.dumps({"files": report.files(), "summary": report.plan.summary()}, sort_keys=True, default=str)
+    plan_json = json.dumps({"files": report.files(), "summary": report.summary()}, sort_keys=True, default=str)
     src_files = {}
     for path in sorted({loc.path for loc in report.source.where.values()}):
         st = path.stat()

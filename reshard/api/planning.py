@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import defaultdict
 from collections.abc import Collection, Mapping
@@ -84,6 +85,9 @@ class PlanReport:
 
     _names: dict[Path, str] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Each source file's name as ``src_file`` gives it, worked out once per file."""
+    _made: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """``files()`` and ``summary()``, each worked out once (a conversion's resume header and manifest both
+    need them)."""
 
     def src_file(self, item: Item) -> str:
         path = self.source.where[item].path
@@ -103,14 +107,23 @@ class PlanReport:
                    if keep is None or self.dst_file(c.dst) in keep)
 
     def files(self) -> list[dict[str, Any]]:
-        per: dict[str, dict[str, Any]] = defaultdict(lambda: {"bytes": 0, "copies": 0, "sources": set()})
-        for c in self.plan.copies:
-            row = per[self.dst_file(c.dst)]
-            row["bytes"] += c.numel * itemsize(self.source.where[c.src].dtype)
-            row["copies"] += 1
-            row["sources"].add(self.src_file(c.src))
-        return [{"destination": k, "bytes": v["bytes"], "copies": v["copies"], "sources": sorted(v["sources"])}
-                for k, v in sorted(per.items())]
+        """Per destination file: the bytes the copies move into it, their count, and the source files they read."""
+        if "files" not in self._made:
+            per: dict[str, dict[str, Any]] = defaultdict(lambda: {"bytes": 0, "copies": 0, "sources": set()})
+            for c in self.plan.copies:
+                row = per[self.dst_file(c.dst)]
+                row["bytes"] += c.numel * itemsize(self.source.where[c.src].dtype)
+                row["copies"] += 1
+                row["sources"].add(self.src_file(c.src))
+            self._made["files"] = [{"destination": k, "bytes": v["bytes"], "copies": v["copies"],
+                                    "sources": sorted(v["sources"])} for k, v in sorted(per.items())]
+        return copy.deepcopy(self._made["files"])
+
+    def summary(self) -> dict[str, int]:
+        """The plan's ``summary()``, worked out once."""
+        if "summary" not in self._made:
+            self._made["summary"] = self.plan.summary()
+        return dict(self._made["summary"])
 
     def work_units(self) -> list[tuple[list[str], list[str]]]:
         return self.plan.work_units(self.src_file, self.dst_file)
@@ -125,7 +138,7 @@ class PlanReport:
             "source": {"path": str(self.source.path), "format": self.source.format, "topology": str(self.source.topology),
                        "spec": self.source.spec_name},
             "destination": {"format": self.target.format, "topology": str(self.target.topology), "spec": self.target.spec_name},
-            "summary": self.plan.summary(),
+            "summary": self.summary(),
             "dropped_states": list(self.dropped_states),
             "files": self.files(),
             **work,

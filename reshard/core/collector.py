@@ -2,7 +2,10 @@
 
 Resolving a spec and planning allocate hundreds of thousands of small objects that form no cycles (items,
 fragments, boxes, copies). The cyclic collector would walk all of them again and again as they pile up: about half
-the time of resolving and planning a Llama-405B-shaped checkpoint, and of a 100,000-tensor plan.
+the time of resolving and planning a Llama-405B-shaped checkpoint, and of a 100,000-tensor plan. Once made, they
+live until the conversion ends, while copying makes few objects and fewer cycles (18 collected over the 100,000
+tensors of ``bench/small_tensors.py``): a conversion keeps the collector paused until it has written its manifest,
+which saved a sixth of that benchmark's time.
 """
 
 from __future__ import annotations
@@ -32,3 +35,4 @@ def collector_paused() -> Iterator[None]:
             gc.unfreeze()
         if enabled:
             gc.enable()
+

@@ -177,13 +177,14 @@ class Plan:
         return {"copies": len(self.copies), "runs": max_runs - max(budget, 0), "unchecked_items": unchecked}
 
     def summary(self) -> dict[str, int]:
-        reads = self.reads()
+        """Counts: copies, items, elements written, and elements read (each distinct region of ``reads`` once)."""
+        regions = {(c.src, c.src_offset, c.src_strides, c.lengths) for c in self.copies}
         return {
             "copies": len(self.copies),
             "src_items": len(self.src_items),
             "dst_items": len(self.dst_items),
             "elements_written": sum(c.numel for c in self.copies),
-            "elements_read": sum(math.prod(r[2]) for regions in reads.values() for r in regions),
+            "elements_read": sum(math.prod(r[3]) for r in regions),
         }
 
     def to_json(self) -> dict:

@@ -28,6 +28,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from reshard.core.collector import collector_paused
 from reshard.core.layout import Item
 from reshard.core.planner import Copy, Plan
 from reshard.errors import ReshardError
@@ -82,7 +83,7 @@ def write_share(share: Share, progress: Callable[[int], None] | None = None) -> 
     """Write one share's files (in this process or thread); ``progress(nbytes)`` after each window, with the
     bytes its copies moved."""
     plan = Plan(src_items={}, dst_items={}, copies=share.copies, tensors={})
-    with WriteSession(journal=share.out, segments=share.segments, window_bytes=share.window_bytes,
+    with collector_paused(), WriteSession(journal=share.out, segments=share.segments, window_bytes=share.window_bytes,
                       sync_behind=True) as session, ByteReader() as reader:
         fill: Fill = PlanFill(plan, share.where, reader, dtypes=share.target.dtypes, progress=progress)
         written = share.write(share.target, share.out, fill, session, only=[Path(f) for f in share.files])

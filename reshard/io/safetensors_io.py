@@ -32,6 +32,7 @@ from typing import Any
 from reshard.core.dtypes import DTYPES, ITEMSIZE, SAFETENSORS_CODES
 from reshard.core.units import parse_size
 from reshard.errors import CheckpointFormatError
+from reshard.io import json_text
 from reshard.io.bounds import FieldError, check_count, check_offset, check_shape
 from reshard.io.location import UrlPath, file_size
 from reshard.io.storage import OutputFile
@@ -470,7 +471,7 @@ class ShardPlan:
 
     def index_json(self, total_parameters: int | None = None) -> str:
         """The index file's text, formatted as ``save_pretrained`` writes it."""
-        return json.dumps(self.index(total_parameters), indent=2, sort_keys=True) + "\n"
+        return json_text.dumps(self.index(total_parameters), indent=2, sort_keys=True) + "\n"
 
 
 def plan_shards(tensors: Iterable[tuple[str, int]], max_shard_size: int | str = "5GB", *,
