@@ -103,7 +103,18 @@ class ByteReader:
 
     def read_into(self, path: Path, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``path`` from byte ``offset`` on."""
-        self.read_vectored(path, offset, [out])
+        if isinstance(path, UrlPath) or offset < 0:
+            self.read_vectored(path, offset, [out])
+            return
+        try:  # one call, most often: a small tensor read whole
+            n = os.preadv(self._fd(path), [out], offset)
+        except (OSError, OverflowError):
+            n = 0  # read_vectored says what went wrong
+        if n != len(out):
+            self.read_vectored(path, offset + n, [out[n:]])  # the rest, or the error
+        with self._lock:
+            self.bytes_read += n
+            self.reads += 1
 
     def read_vectored(self, path: Path, offset: int, buffers: list[memoryview]) -> None:
         """Fill ``buffers``, in order, with the consecutive bytes of ``path`` from byte ``offset`` on."""
@@ -240,29 +251,31 @@ class SourceReader:
             raise CheckpointFormatError(f"{item}: stored as {loc.dtype}, copied as {size}-byte elements")
         return loc
 
-    def _direct(self, region: _Region, size: int, dst_strides: tuple[int, ...], alone: bool = False) -> bool:
-        """Whether each contiguous source run of a region (of ``size``-byte elements) is contiguous in the
-        destination too and long enough to be read there on its own (any length if the region is one run and
-        ``alone`` in its window)."""
-        outer, inner, run = region.split()
+    def _direct(self, region: _Region, size: int, dst_strides: tuple[int, ...],
+                alone: bool = False) -> tuple[list[int], list[int], int] | None:
+        """The region's ``split()`` where each contiguous source run of it (of ``size``-byte elements) is contiguous
+        in the destination too and long enough to be read there on its own (any length if the region is one run
+        and ``alone`` in its window); None where it is not."""
+        parts = outer, inner, run = region.split()
         short = run * size < _DIRECT_RUN and (outer or not alone)  # one run alone in its window: read however short
         if short or len(outer) > 1:
-            return False
+            return None
         # Inner axes must keep the same compact layout in the destination.
         step = 1
         for k in reversed(inner):
             if dst_strides[k] != step:
-                return False
+                return None
             step *= region.lengths[k]
         loc = self.where.get(region.item)
-        return loc is not None and size == itemsize(loc.dtype)
+        return parts if loc is not None and size == itemsize(loc.dtype) else None
 
     def _read_direct(self, region: _Region, out: np.ndarray, at: int, dst_strides: tuple[int, ...],
                      alone: bool = False) -> bool:
         """Read a region straight into the destination window when ``_direct`` allows; False to gather it instead."""
-        if not self._direct(region, out.itemsize, dst_strides, alone):
+        parts = self._direct(region, out.itemsize, dst_strides, alone)
+        if parts is None:
             return False
-        outer, _, run = region.split()
+        outer, _, run = parts
         loc = self.where[region.item]
         size = out.itemsize
         flat = memoryview(out).cast("B")
@@ -454,7 +467,7 @@ class PlanFill(SourceReader):
         for item, lo, hi in windows:
             size = uint_dtype(self.dtypes.get(item, "uint8")).itemsize
             pieces = self._pieces(item, lo, hi)[0]
-            pieces = [p for p in pieces if not self._direct(p[0], size, p[2], len(pieces) == 1)]
+            pieces = [p for p in pieces if self._direct(p[0], size, p[2], len(pieces) == 1) is None]
             if pieces:
                 runs = self._runs(pieces, size)[1]
                 gaps.append(gap_sizes({path: segments(r) for path, r in runs.items()}))
@@ -487,6 +500,10 @@ class PlanFill(SourceReader):
                 hits = np.nonzero((starts < hi) & (ends > lo))[0].tolist()
             for k in hits:
                 c = copies[k]
+                if c.dst_offset >= lo and _end(c) <= hi:  # the whole copy in the window: restrict's one box
+                    pieces.append((_Region(c.src, c.src_offset, c.src_strides, c.lengths), c.dst_offset - lo,
+                                   c.dst_strides))
+                    continue
                 for offs, lens, base in restrict(c.box.offsets, c.lengths, c.dst_strides, c.dst_offset, lo, hi):
                     src_base = c.src_offset + sum((o - b) * s for o, b, s in zip(offs, c.box.offsets, c.src_strides))
                     pieces.append((_Region(c.src, src_base, c.src_strides, lens), base - lo, c.dst_strides))

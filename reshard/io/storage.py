@@ -146,7 +146,8 @@ class OutputFile:
         self._settle = settle
         self._lock = threading.Lock()  # the checksum's bookkeeping, for writes from two threads
         try:
-            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # read and write: pieces written ahead of the checksum are read back through the same descriptor
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise CheckpointFormatError(f"{self.path}: cannot create ({e.strerror})") from None
         self.size = 0
@@ -213,17 +214,13 @@ class OutputFile:
                 bisect.insort(self._ahead, (stop, b))
 
     def _read_into_hash(self, a: int, b: int) -> None:
-        rfd = os.open(self.path, os.O_RDONLY)
-        try:
-            while a < b:
-                chunk = os.pread(rfd, min(_CHUNK, b - a), a)
-                if not chunk:  # past the end: the file is shorter than its writes said
-                    raise CheckpointFormatError(f"{self.path}: ends at byte {a}, expected {b}")
-                self._hash.update(chunk)
-                a += len(chunk)
-                self.read_back += len(chunk)
-        finally:
-            os.close(rfd)
+        while a < b:
+            chunk = os.pread(self._fd, min(_CHUNK, b - a), a)
+            if not chunk:  # past the end: the file is shorter than its writes said
+                raise CheckpointFormatError(f"{self.path}: ends at byte {a}, expected {b}")
+            self._hash.update(chunk)
+            a += len(chunk)
+            self.read_back += len(chunk)
 
     def close(self) -> str:
         """Fsync (unless made with ``fsync=False``), close and return the checksum of the file's bytes."""

@@ -19,7 +19,7 @@ from reshard.io.storage import JOURNAL, read_journal
 
 JOB = Path(__file__).resolve().parents[1] / "crash_job.py"
 ROOT = JOB.parent.parent
-TO = "tp=1,pp=4"  # four rank files of ~1.1 MiB, some 860 positioned writes in all
+TO = "tp=1,pp=4"  # four rank files of ~1.1 MiB, some 480 positioned writes in all (120 in the first)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +74,9 @@ def _resume_and_check(src: Path, dst: Path, uninterrupted: dict) -> reshard.Conv
 POINTS = [
     ("header", 1, 0),
     ("write", 1, 0),
-    ("write", 150, 0),
-    ("write", 400, 1),
-    ("write", 858, 3),
+    ("write", 80, 0),
+    ("write", 200, 1),
+    ("write", 470, 3),
     ("journal", 1, 0),
     ("journal", 3, 2),
     ("close", 1, 1),

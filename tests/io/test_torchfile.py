@@ -653,3 +653,25 @@ def test_plain_tensor_attributes_round_trip_as_deepspeed_zero3_writes_them(tmp_p
     torch.save(t, tmp_path / "bad.pt")
     with pytest.raises(CheckpointFormatError, match="a tensor with Python attributes"):
         read_torch_file(tmp_path / "bad.pt")
+
+
+def test_archives_of_one_tensor_spec_share_a_layout_but_never_their_bytes(tmp_path):
+    """A lone TensorSpec is laid out once (DCP writes one archive per chunk, many alike); each archive still gets
+    its own CRCs and serialization id, and torch.load reads each one's own tensor."""
+    from reshard.io.torch_write import _lay_out_alone
+
+    spec = TensorSpec("float32", (3, 5), key=0)
+    datas = [np.arange(15, dtype=np.float32) * k for k in (1, 2, 3)]
+    for k, data in enumerate(datas):
+        with TorchFileWriter(tmp_path / f"a{k}.pt", spec, archive_name="archive") as w:
+            w.write(0, data)
+    for k, data in enumerate(datas):
+        got = torch.load(tmp_path / f"a{k}.pt", weights_only=True)
+        assert torch.equal(got, torch.from_numpy(data.reshape(3, 5)))
+        with zipfile.ZipFile(tmp_path / f"a{k}.pt") as z:
+            assert z.testzip() is None
+    template = _lay_out_alone(spec, "archive")
+    assert all(r.crc == 0 and r.written == 0 for r in template.tensors.values())
+    assert template.ident.payload == b"0" * 40
+    ids = {zipfile.ZipFile(tmp_path / f"a{k}.pt").read("archive/.data/serialization_id") for k in range(3)}
+    assert len(ids) == 3
