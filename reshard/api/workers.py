@@ -26,12 +26,18 @@ from reshard.formats import get_format
 if TYPE_CHECKING:
     from reshard.api.planning import PlanReport
 
-__all__ = ["MIN_SHARE_BYTES", "copies_per_share", "file_bytes", "share_table", "shares", "usable_cores", "worker_count",
+__all__ = ["MIN_COPY_BYTES", "MIN_SHARE_BYTES", "copies_per_share", "file_bytes", "share_table", "shares", "usable_cores", "worker_count",
            "worker_shares"]
 
 MIN_SHARE_BYTES = 64 << 20
 """Destination bytes below which another worker does not pay for its start (an interpreter and imports,
 about 0.3 s): ``auto`` starts one worker per this many bytes at most."""
+
+
+MIN_COPY_BYTES = 256 << 10
+"""The average bytes per copy below which ``auto`` starts no worker: each one is sent its slice of the plan
+and the target, and unpickles them, at some 60 microseconds per copy, while a small copy moves in a few. 100,000
+tensors of 10 KiB took 14 s with two workers and 7.8 s with one (``bench/small_tensors.py``'s checkpoint)."""
 
 
 def file_bytes(report: PlanReport) -> dict[str, int]:
@@ -88,10 +94,13 @@ def usable_cores() -> int:
 
 def worker_count(report: PlanReport, workers: int | str, files: Collection[str]) -> int:
     """How many workers to start: ``workers`` itself (never more than there are files), or for ``auto``
-    as many as help: at most one per core, per file and per ``MIN_SHARE_BYTES`` of destination bytes."""
+    as many as help: at most one per core, per file and per ``MIN_SHARE_BYTES`` of destination bytes, and one
+    alone where the copies average under ``MIN_COPY_BYTES``."""
     if workers == "auto":
         weight = file_bytes(report)
         total = sum(weight.get(f, 0) for f in files)
+        if total < MIN_COPY_BYTES * len(report.plan.copies):
+            return 1
         return max(1, min(usable_cores(), len(files), total // MIN_SHARE_BYTES))
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ReshardError(f"workers must be 'auto' or an integer of at least 1, got {workers!r}")

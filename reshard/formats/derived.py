@@ -26,6 +26,7 @@ from reshard.core.layout import PARAM, Fragment, Item, ItemInfo, Layout, Logical
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
 from reshard.core.spec import Spec, parse_spec
+from reshard.core.spec_ast import LazySpec
 from reshard.errors import CheckpointFormatError
 
 __all__ = ["DERIVED", "Recorded", "derived_spec", "derived_spec_name", "is_derived", "logical_lines",
@@ -100,8 +101,14 @@ def whole_text(tensors: Sequence[Recorded], where: Path | str, section: str = "m
 
 
 def derived_spec(text: str, format_name: str, where: Path | str) -> Spec:
-    """The parsed derived layout, its errors pointing at the checkpoint it was derived from."""
-    return parse_spec(text, source=f"<{derived_spec_name(format_name)}: {where}>")
+    """The derived layout, parsed when its statements are first asked for (a conversion that builds the layout
+    from the checkpoint directly never asks), its errors pointing at the checkpoint it was derived from."""
+    return _lazy(f"<{derived_spec_name(format_name)}: {where}>", tuple(text.splitlines()))
+
+
+def _lazy(source: str, lines: tuple[str, ...]) -> LazySpec:
+    """The ``LazySpec`` of spec text ``lines``; how one is made again where it is unpickled."""
+    return LazySpec(source, lines, lambda: parse_spec("\n".join(lines), source=source).statements, _lazy)
 
 
 def recorded_of(layout: Layout) -> list[Recorded]:

@@ -375,3 +375,31 @@ def test_a_part_of_an_index_names_a_declared_parent_and_lies_inside_it(change, m
     bad = PARTS.replace(change, message)
     with pytest.raises(SpecError):
         resolve(parse_spec(bad), parse_topology("pp=2"), {"layers": 4, "k": 1, "h": 3})
+
+
+def test_a_lazy_spec_parses_when_its_statements_are_first_asked_for_and_pickles_as_its_text():
+    """A derived layout's spec (``LazySpec``) keeps its text and parses it once, on first use."""
+    import pickle
+
+    from reshard.core.spec_ast import LazySpec
+
+    text = "logical w = f h\nsection model\nw = f/tp h\n"
+    calls = []
+
+    def make():
+        calls.append(1)
+        return parse_spec(text, "<lazy>").statements
+
+    lazy = LazySpec("<lazy>", tuple(text.splitlines()), make, _remade)
+    assert lazy.lines == tuple(text.splitlines()) and lazy.source == "<lazy>" and not calls
+    assert lazy.statements == parse_spec(text, "<lazy>").statements and lazy.statements is lazy.statements
+    assert calls == [1]
+    again = pickle.loads(pickle.dumps(LazySpec("<lazy>", tuple(text.splitlines()), make, _remade)))  # as its text
+    assert calls == [1] and type(again) is LazySpec and again.lines == lazy.lines and again.source == "<lazy>"
+    assert again.statements == parse_spec(text, "<lazy>").statements
+
+
+def _remade(source, lines):
+    from reshard.core.spec_ast import LazySpec
+
+    return LazySpec(source, lines, lambda: parse_spec("\n".join(lines), source).statements, _remade)

@@ -140,16 +140,21 @@ def test_the_default_budget_holds_a_worker_per_core_with_4_gib_free(hf_shards, m
     assert converting._workers_and_window(report, "auto", files, None)[0] == 1  # too few bytes to pay a start
 
 
-def test_workers_auto_is_bounded_by_cores_files_and_bytes(hf_shards, monkeypatch):
+def test_workers_auto_is_bounded_by_cores_files_bytes_and_bytes_per_copy(hf_shards, monkeypatch):
     import reshard.api.workers as workers
 
     report = reshard.plan(hf_shards, format="megatron", to=TO)
     files = sorted(file_bytes(report))
     monkeypatch.setattr(workers, "MIN_SHARE_BYTES", 1)
+    monkeypatch.setattr(workers, "MIN_COPY_BYTES", 1)
     monkeypatch.setattr(workers, "usable_cores", lambda: 3)
     assert workers.worker_count(report, "auto", files) == 3
     monkeypatch.setattr(workers, "usable_cores", lambda: 64)
     assert workers.worker_count(report, "auto", files) == 4
+    # copies too small to pay for shipping a slice of the plan to each worker: one process
+    monkeypatch.setattr(workers, "MIN_COPY_BYTES", sum(file_bytes(report).values()) // len(report.plan.copies) + 1)
+    assert workers.worker_count(report, "auto", files) == 1
+    assert workers.worker_count(report, 3, files) == 3  # asked for: started
     with pytest.raises(ReshardError, match="workers must be 'auto' or an integer of at least 1, got 0"):
         reshard.convert(hf_shards, "unused", format="megatron", to=TO, workers=0)
 
