@@ -26,8 +26,8 @@ from reshard.formats import get_format
 if TYPE_CHECKING:
     from reshard.api.planning import PlanReport
 
-__all__ = ["MIN_COPY_BYTES", "MIN_SHARE_BYTES", "copies_per_share", "file_bytes", "share_table", "shares", "usable_cores", "worker_count",
-           "worker_shares"]
+__all__ = ["MIN_COPY_BYTES", "MIN_SHARE_BYTES", "copies_per_share", "file_bytes", "share_table", "shares",
+           "usable_cores", "worker_count", "worker_shares"]
 
 MIN_SHARE_BYTES = 64 << 20
 """Destination bytes below which another worker does not pay for its start (an interpreter and imports,

@@ -35,4 +35,3 @@ def collector_paused() -> Iterator[None]:
             gc.unfreeze()
         if enabled:
             gc.enable()
-

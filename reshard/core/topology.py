@@ -36,7 +36,7 @@ __all__ = ["AXES", "LayerPlace", "Topology", "parse_topology"]
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 DEGREE_AXES = ("tp", "pp", "dp", "cp", "ep", "edp", "vpp")
-COORD_AXES = ("tp", "cp", "dp", "pp", "ep", "edp")
+COORD_AXES = ("tp", "cp", "dp", "pp", "ep", "edp", "etp")
 KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "zero", "stages", "layout", "order")
 _INT_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "zero")
 _LAYOUT_SYMBOLS = "EtmL"
@@ -88,7 +88,8 @@ class Topology:
             raise TopologyError(f"etp must be an integer >= 1, got {self.etp!r}")
         if self.etp is None or self.etp == self.tp:
             if (self.dp * self.cp) % self.ep:
-                raise TopologyError(f"ep({self.ep}) does not divide dp({self.dp}) * cp({self.cp}) = {self.dp * self.cp}")
+                raise TopologyError(f"ep({self.ep}) does not divide dp({self.dp}) * cp({self.cp}) = "
+                                    f"{self.dp * self.cp}")
         elif (self.tp * self.dp * self.cp) % (self.etp * self.ep):
             raise TopologyError(f"etp({self.etp}) * ep({self.ep}) = {self.etp * self.ep} does not divide tp({self.tp}) "
                                 f"* dp({self.dp}) * cp({self.cp}) = {self.tp * self.dp * self.cp}")
@@ -165,14 +166,16 @@ class Topology:
         return getattr(self, axis)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Coordinates of global ``rank``: tp, cp, dp, pp from the dense view, ep, edp from the expert view."""
+        """Coordinates of global ``rank``: tp, cp, dp, pp from the dense view, ep, edp and etp (the experts'
+        tensor-parallel rank: tp's unless the topology has an etp of its own) from the expert view."""
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise TopologyError(f"rank {rank!r} is out of range for world_size({self.world_size})")
         out = {a: rank // s % d for view in self._views() for a, (s, d) in view.items()}
+        out.setdefault("etp", out["tp"])
         return {a: out[a] for a in COORD_AXES}
 
     def rank(self, **coords: int) -> int:
-        """Global rank of dense coordinates tp, cp, dp, pp (missing ones are 0; ep and edp are ignored)."""
+        """Global rank of dense coordinates tp, cp, dp, pp (missing ones are 0; ep, edp and etp are ignored)."""
         for name in coords:
             if name not in COORD_AXES:
                 raise TopologyError(f"unknown coordinate '{name}' (expected one of: {', '.join(COORD_AXES)})")

@@ -106,17 +106,19 @@ def test_an_etp_of_its_own_numbers_expert_ranks_over_etp_as_megatron_does() -> N
     # Megatron's expert generator reads tp as etp: rank = etp_r + etp * (ep_r + ep * (edp_r + edp * pp_r))
     t = Topology(tp=2, dp=2, ep=2, etp=1)  # edp = tp * dp / (etp * ep) = 2
     assert t.edp == 2 and t.world_size == 4
-    assert [(t.coords(r)["tp"], t.coords(r)["ep"], t.coords(r)["edp"]) for r in range(4)] == [
-        (0, 0, 0), (1, 1, 0), (0, 0, 1), (1, 1, 1),
+    assert [(t.coords(r)["tp"], t.coords(r)["etp"], t.coords(r)["ep"], t.coords(r)["edp"]) for r in range(4)] == [
+        (0, 0, 0, 0), (1, 0, 1, 0), (0, 0, 0, 1), (1, 0, 1, 1),
     ]  # fmt: skip
     t = Topology(tp=4, dp=2, ep=2, etp=2, pp=2)
     assert t.edp == 2
+    assert [t.coords(r)["etp"] for r in range(4)] == [0, 1, 0, 1] and t.coords(3)["tp"] == 3
     assert [(t.coords(r)["ep"], t.coords(r)["edp"], t.coords(r)["pp"]) for r in range(0, 16, 2)] == [
         (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1),
     ]  # fmt: skip
     # ep need not divide dp there: the experts use the tp ranks (a world of 2)
     t = Topology(tp=2, dp=1, ep=2, etp=1)
     assert t.edp == 1 and [t.coords(r)["ep"] for r in range(2)] == [0, 1]
+    assert Topology(tp=2, dp=2, ep=2).coords(3)["etp"] == 1  # no etp of its own: tp's rank
     with pytest.raises(TopologyError, match=r"^etp\(1\) \* ep\(4\) = 4 does not divide tp\(2\) \* dp\(1\) \* cp\(1\) = 2$"):
         Topology(tp=2, dp=1, ep=4, etp=1)
     with pytest.raises(TopologyError, match=r"^ep\(2\) does not divide dp\(1\) \* cp\(1\) = 1$"):
@@ -401,7 +403,7 @@ INVALID_CALLS = [
     (lambda: Topology(tp=2).coords(2), "rank 2 is out of range for world_size(2)"),
     (lambda: Topology(tp=2).coords(-1), "rank -1 is out of range for world_size(2)"),
     (lambda: Topology(tp=2).rank(tp=2), "tp coordinate 2 is out of range for tp(2)"),
-    (lambda: Topology(tp=2).rank(vpp=0), "unknown coordinate 'vpp' (expected one of: tp, cp, dp, pp, ep, edp)"),
+    (lambda: Topology(tp=2).rank(vpp=0), "unknown coordinate 'vpp' (expected one of: tp, cp, dp, pp, ep, edp, etp)"),
     (
         lambda: Topology(pp=4).layer_placement(10),
         "num_layers(10) is not divisible by pp(4) * vpp(1) = 4; give explicit stages, e.g. stages=3+3+2+2",

@@ -23,8 +23,8 @@ A mixture of experts at ep > 1 has two distributed optimizers (megatron-core's
 ep rank holds the same one); ``chained_1.`` the experts' (``allreduce`` False), a buffer of
 their own with buckets of their own, sharded over the expert-data-parallel group (each
 bucket padded to ``lcm(edp, 128)``), groups numbered by rank in the expert etp-ep-pp group,
-``etp_rank + etp * (ep_rank + ep * pp_rank)`` (etp: tp unless the run gives its own), each with its own ``per_bucket_numel[_unpadded]``
-and ``optimizer`` entries. At ep 1 the experts are dense params: one optimizer, no prefix.
+``etp_rank + etp * (ep_rank + ep * pp_rank)`` (etp: tp unless the run gives its own), each with its own
+``per_bucket_numel[_unpadded]`` and ``optimizer`` entries. At ep 1 the experts are dense params: one optimizer, no prefix.
 
 The layout is not stored; it is the one the torch format's ``distrib_optim.pt`` has,
 bucket by bucket. The generated Megatron spec of the family with the distributed

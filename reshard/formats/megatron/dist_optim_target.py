@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from reshard.core.layout import MASTER, PARAM, Fragment, Item, ItemInfo, chunk_fragments
+from reshard.core.layout import MASTER, PARAM, Fragment, Item, ItemInfo, Layout, chunk_fragments
 from reshard.core.topology import DEFAULT_ORDER, Topology
 from reshard.errors import CheckpointFormatError, TopologyError
 from reshard.formats.base import Source
@@ -146,19 +146,17 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
                 shard[(_buffer_of(it), _bucket_item(it))] = info.shape[0]
     # A parameter keeps its row-major order in the buffer: it starts where a fragment of it sits, less that
     # fragment's offset in the parameter, and spans the whole parameter (rows that pad the vocabulary too).
-    param_of = {section: {(f.tensor, f.box.offsets, f.box.lengths, _buffer_of(f.item)[1:]):
-                          (f.item.key, f.offset, layout.items[f.item].numel)
-                          for f in layout.fragments if f.item.section == "model"}
-                for section, layout in ((DENSE, r.layout), (EXPERT, r.expert_layout or r.layout))}
+    def params(layout: Layout) -> dict[tuple, tuple[str, int, int]]:
+        return {(f.tensor, f.box.offsets, f.box.lengths, _buffer_of(f.item)[1:]):
+                (f.item.key, f.offset, layout.items[f.item].numel)
+                for f in layout.fragments if f.item.section == "model"}
+    dense_params = params(r.layout)
+    param_of = {DENSE: dense_params, EXPERT: params(r.expert_layout) if r.expert_layout else dense_params}
     writers = {}  # (buffer section, tp, pp, ep, data-parallel rank) -> the global rank (of every model chunk)
     for rank in range(topology.world_size):
         c = topology.coords(rank)
         writers.setdefault((DENSE, c["tp"], c["pp"], 0, c["dp"]), rank)
-        if etp != tp:  # rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))
-            within = rank % (topology.world_size // topology.pp)
-            writers.setdefault((EXPERT, within % etp, c["pp"], within // etp % ep, within // (etp * ep)), rank)
-        else:
-            writers.setdefault((EXPERT, c["tp"], c["pp"], c["ep"], c["edp"]), rank)
+        writers.setdefault((EXPERT, c["etp"], c["pp"], c["ep"], c["edp"]), rank)
     dtypes = buffer_dtypes(args)
     chunks: list[BucketChunk] = []
     padded: dict[str, list[int]] = {}
