@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING
 
 from reshard.core import spec as S
-from reshard.core.layout import Fragment, Item, ItemInfo
+from reshard.core.layout import Fragment, Item, ItemInfo, new_fragment, new_item
 from reshard.core.names import MESH_AXES
 from reshard.core.terms import FlatCuts, flat_layout, flat_pieces
 from reshard.errors import SpecError
@@ -34,7 +34,8 @@ class FlatBuffers:
     if TYPE_CHECKING:
         def err(self, message: str, pos: S.Pos | None) -> SpecError: ...
 
-        def add_item(self, item: Item, info: ItemInfo, pos: S.Pos | None = None) -> None: ...
+        def add_item(self, item: Item, info: ItemInfo, pos: S.Pos | None = None,
+                     frags: list[Fragment] | None = None) -> None: ...
 
     def init_flats(self) -> None:
         # per source unit and chunk: its params (one per key) and their element counts
@@ -91,12 +92,10 @@ class FlatBuffers:
             self.flat_shares[share_key] = share
         for geo, info, keys in share:
             for state, key in zip(states, keys):
-                item = Item(sec.name, unit, chunk, state, key)
-                self.add_item(item, info, fl.pos)
-                frags = [Fragment(tensor=name, state=state, box=box, item=item, offset=base, strides=strides)
-                         for name, box, base, strides, _ in geo]
+                item = new_item(sec.name, unit, chunk, state, key)
+                frags = [new_fragment(name, state, box, item, base, strides) for name, box, base, strides, _ in geo]
+                self.add_item(item, info, fl.pos, frags)
                 self.fragments += frags
-                self.item_frags[item] = frags
 
     def flat_choose(self, fl: S.Flat, src: S.Section, src_unit: tuple, chunk: int) -> tuple:
         """The params a flat rule takes from a unit of its source section, their element counts, a blob among them

@@ -25,7 +25,8 @@ from reshard.core.geometry import Box, restrict, row_major_strides
 from reshard.core.topology import Topology
 from reshard.errors import PlanError
 
-__all__ = ["MASTER", "PARAM", "Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "chunk_fragments", "common_views", "dims_of", "held_tensors", "with_state_alias"]
+__all__ = ["MASTER", "PARAM", "Fragment", "Item", "ItemInfo", "Layout", "LogicalTensor", "box_fragments", "chunk_fragments",
+           "common_views", "dims_of", "held_tensors", "new_fragment", "new_item", "with_state_alias"]
 
 PARAM = "param"
 """The state of an item holding the model's own tensor, as the model holds it (its dtype)."""
@@ -68,6 +69,24 @@ class Item:
         where = ",".join(f"{a}={c}" for a, c in self.unit)
         chunk = f",chunk={self.chunk}" if self.chunk else ""
         return f"{self.section}[{where}{chunk}] {self.state}:{self.key}"
+
+
+_new = object.__new__
+_set = object.__setattr__
+
+
+def new_item(section: str, unit: tuple[tuple[str, int], ...], chunk: int, state: str, key: str) -> Item:
+    """``Item(section, unit, chunk, state, key)``, made at twice the speed for the loops that make them by the
+    hundred thousand (a resolved layout's items): a frozen dataclass's generated ``__init__`` looks
+    ``object.__setattr__`` up once per field, and ``__post_init__`` is one more call."""
+    item = _new(Item)
+    _set(item, "section", section)
+    _set(item, "unit", unit)
+    _set(item, "chunk", chunk)
+    _set(item, "state", state)
+    _set(item, "key", key)
+    _set(item, "_hash", hash((section, unit, chunk, state, key)))
+    return item
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,6 +182,22 @@ class Fragment:
     """Element stride in the item of each view axis."""
     fill: bool = False
     """Padding that repeats logical data (pad policy ``last``): written, never read."""
+
+
+def new_fragment(tensor: str, state: str, box: Box, item: Item, offset: int, strides: tuple[int, ...],
+                 fill: bool = False) -> Fragment:
+    """``Fragment(tensor=..., state=..., ...)`` with its fields in order, made at nearly twice the speed for the
+    loops that make them by the million (a resolved layout's fragments): the keywords and a frozen dataclass's
+    per-field lookup of ``object.__setattr__`` cost more than the object."""
+    f = _new(Fragment)
+    _set(f, "tensor", tensor)
+    _set(f, "state", state)
+    _set(f, "box", box)
+    _set(f, "item", item)
+    _set(f, "offset", offset)
+    _set(f, "strides", strides)
+    _set(f, "fill", fill)
+    return f
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,29 @@ class Copy:
         return math.prod(self.lengths)
 
 
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _new_copy(src: Item, src_offset: int, src_strides: tuple[int, ...], dst: Item, dst_offset: int,
+              dst_strides: tuple[int, ...], lengths: tuple[int, ...], tensor: str, state: str, box: Box) -> Copy:
+    """``Copy(src=..., ...)`` with its fields in order, made at nearly twice the speed: a plan makes them by the
+    hundred thousand, and the keywords and a frozen dataclass's per-field lookup of ``object.__setattr__`` cost
+    more than the object."""
+    c = _new(Copy)
+    _set(c, "src", src)
+    _set(c, "src_offset", src_offset)
+    _set(c, "src_strides", src_strides)
+    _set(c, "dst", dst)
+    _set(c, "dst_offset", dst_offset)
+    _set(c, "dst_strides", dst_strides)
+    _set(c, "lengths", lengths)
+    _set(c, "tensor", tensor)
+    _set(c, "state", state)
+    _set(c, "box", box)
+    return c
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """Every copy that turns the source items into the destination items."""
@@ -272,11 +295,8 @@ def _plan(src: Layout, dst: Layout) -> Plan:
         owned = own.get((f.item, f.tensor, f.state)) if f.item in owners else None
         same = next((s for s in owned if contains(s.box, f.box)), None) if owned else None
         if same is not None:
-            made[k].append(Copy(
-                src=same.item, src_offset=offset_of(same, f.box), src_strides=same.strides,
-                dst=f.item, dst_offset=f.offset, dst_strides=f.strides,
-                lengths=f.box.lengths, tensor=f.tensor, state=f.state, box=f.box,
-            ))
+            made[k].append(_new_copy(same.item, offset_of(same, f.box), same.strides, f.item, f.offset, f.strides,
+                                     f.box.lengths, f.tensor, f.state, f.box))
         else:
             wanted[(f.tensor, f.state)].append(k)
     missing: list[tuple[int, str]] = []
@@ -288,11 +308,8 @@ def _plan(src: Layout, dst: Layout) -> Plan:
         for k, f, meets in zip(ks, frags, meetings):
             out = made[k]
             for s, common, src_at, dst_at in meets:
-                out.append(Copy(
-                    src=s.item, src_offset=src_at, src_strides=s.strides,
-                    dst=f.item, dst_offset=dst_at, dst_strides=f.strides,
-                    lengths=common.lengths, tensor=f.tensor, state=f.state, box=common,
-                ))
+                out.append(_new_copy(s.item, src_at, s.strides, f.item, dst_at, f.strides, common.lengths, f.tensor,
+                                     f.state, common))
             if len(meets) == 1 and meets[0][1] is f.box:  # the whole box from one place (most often)
                 continue
             got = sum(common.volume for _, common, _, _ in meets)

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from reshard.core import spec as S
 from reshard.core.collector import collector_paused
 from reshard.core.geometry import Box, row_major_strides
-from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor
+from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, new_fragment, new_item
 from reshard.core.flats import FlatBuffers, order_key
 from reshard.core.names import MESH_AXES, Captures, _layer_name, _stacks_over_pp
 from reshard.core.terms import Ctx, eval_term
@@ -409,10 +409,11 @@ class _Resolver(Captures, FlatBuffers):
         key, frags, info = made
         out = []
         for state in states:
-            item = Item(sec.name, unit, chunk, state, key)
-            self.add_item(item, info, rule.pos)
-            for name, box, base, strides, fill in frags:
-                self.add_frag(Fragment(tensor=name, state=state, box=box, item=item, offset=base, strides=strides, fill=fill), sec)
+            item = new_item(sec.name, unit, chunk, state, key)
+            made_frags = [new_fragment(name, state, box, item, base, strides, fill)
+                          for name, box, base, strides, fill in frags]
+            self.add_item(item, info, rule.pos, made_frags)
+            self.fragments += made_frags
             out.append(item)
         return out
 
@@ -511,11 +512,14 @@ class _Resolver(Captures, FlatBuffers):
             return None
         return name if name in self.tensors else None
 
-    def add_item(self, item: Item, info: ItemInfo, pos: S.Pos | None = None) -> None:
-        if item in self.items:
-            raise self.err(f"two rules store {item} (rules '{self.items[item].rule}' and '{info.rule}')", pos)
-        self.items[item] = info
-        self.item_frags[item] = []
+    def add_item(self, item: Item, info: ItemInfo, pos: S.Pos | None = None, frags: list[Fragment] | None = None) -> None:
+        """Record ``item`` and the fragments it holds (``frags``; none yet when None)."""
+        # One lookup of the item, not two: a resolved layout has hundreds of thousands.
+        count = len(self.items)
+        held = self.items.setdefault(item, info)
+        if len(self.items) == count:
+            raise self.err(f"two rules store {item} (rules '{held.rule}' and '{info.rule}')", pos)
+        self.item_frags[item] = [] if frags is None else frags
 
     def add_frag(self, frag: Fragment, sec: S.Section) -> None:
         self.fragments.append(frag)

@@ -1,0 +1,45 @@
+"""The positional constructors the resolver and the planner make their objects with build what the dataclasses'
+own constructors build: equal, hashing alike, frozen, and pickled alike."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from reshard.core.geometry import Box
+from reshard.core.layout import Fragment, Item, new_fragment, new_item
+from reshard.core.planner import Copy, _new_copy
+
+ITEM = ("optim", (("pp", 1), ("dp", 3)), 0, "exp_avg", "optimizer.distributed.bucket_0.exp_avg")
+
+
+def test_new_item_equals_and_hashes_as_the_item_of_its_fields():
+    made, want = new_item(*ITEM), Item(*ITEM)
+    assert made == want and hash(made) == hash(want) and {want: 1}[made] == 1
+    assert pickle.loads(pickle.dumps(made)) == want
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.key = "other"  # type: ignore[misc]
+
+
+def test_new_fragment_equals_the_fragment_of_its_fields():
+    box = Box((0, 4), (2, 8))
+    fields = {"tensor": "w", "state": "master", "box": box, "item": Item(*ITEM), "offset": 16, "strides": (8, 1)}
+    made, want = new_fragment(*fields.values()), Fragment(**fields)
+    assert made == want and repr(made) == repr(want)
+    assert new_fragment(*fields.values(), True) == Fragment(**fields, fill=True)
+    assert pickle.loads(pickle.dumps(made)) == want
+    assert dataclasses.replace(made, offset=0) == Fragment(**{**fields, "offset": 0})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.offset = 0  # type: ignore[misc]
+
+
+def test_new_copy_equals_the_copy_of_its_fields():
+    item = Item(*ITEM)
+    fields = {"src": item, "src_offset": 3, "src_strides": (1,), "dst": item, "dst_offset": 5, "dst_strides": (1,),
+              "lengths": (4,), "tensor": "w", "state": "param", "box": Box((2,), (4,))}
+    made = _new_copy(*fields.values())
+    assert made == Copy(**fields) and made.numel == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.dst_offset = 0  # type: ignore[misc]
