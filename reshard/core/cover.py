@@ -42,11 +42,9 @@ class Cover:
 
     def __init__(self, frags: list[Fragment]) -> None:
         # Replicas are preferred in the order the source layout lists them (item order).
-        replicas: dict[Box, list[Fragment]] = {}
-        for f in frags:
-            replicas.setdefault(f.box, []).append(f)
+        replicas = _by_box(frags)
         self.lo = self.hi = None
-        self.picks: dict[int, dict[Item, int]] = {}
+        self.picks: dict[int, dict[int, list[int]]] = {}
         if len(replicas) == 1:  # one box (a whole tensor and its replicas): nothing to subtract or search
             self.entries = list(replicas.items())
             return
@@ -88,13 +86,16 @@ class Cover:
 
     def pick(self, e: int, item: Item) -> int:
         """Which replica of box ``e`` a part for ``item`` is read from: the first in ``item``, else the first."""
-        firsts = self.picks.get(e)
-        if firsts is None:
-            firsts = {}
-            for k, a in enumerate(self.entries[e][1]):
-                firsts.setdefault(a.item, k)
-            self.picks[e] = firsts
-        return firsts.get(item, 0)
+        reps = self.entries[e][1]
+        # Replicas by their item's hash, which an item keeps (hashing an item is a Python call): the few that
+        # share ``item``'s hash are compared.
+        by_hash = self.picks.get(e)
+        if by_hash is None:
+            by_hash = {}
+            for k, a in enumerate(reps):
+                by_hash.setdefault(a.item._hash, []).append(k)
+            self.picks[e] = by_hash
+        return next((k for k in by_hash.get(item._hash, ()) if reps[k].item == item), 0)
 
     def _meet_one(self, f: Fragment) -> list[Meeting]:
         out: list[Meeting] = []
@@ -123,8 +124,9 @@ class Cover:
         alts = [a for _, reps in entries for a in reps]
         ai = np.cumsum([0] + [len(reps) for _, reps in entries[:-1]])[ei]
         if len(alts) > len(entries):  # replicas: those in a destination fragment's own item come first
-            holders = {a.item for a in alts}
-            mine = np.flatnonzero(np.array([f.item in holders for f in frags]))
+            # Those whose item has the hash of a holder's; ``pick`` compares the items.
+            holders = {a.item._hash for a in alts}
+            mine = np.flatnonzero(np.array([f.item._hash in holders for f in frags]))
             if len(mine):
                 ai = ai.tolist()
                 for k in np.flatnonzero(np.isin(di, mine)).tolist():
@@ -152,8 +154,16 @@ class Cover:
         dst_at = (doff[di] + ((clo - lo_d) * dstr[di]).sum(axis=1)).tolist()
         out: list[list[Meeting]] = [[] for _ in frags]
         clo, lens = clo.tolist(), (chi - clo).tolist()
+        # Destination fragments laid out alike in other items (replicas) meet the same parts: one Box each.
+        made: dict[tuple[tuple[int, ...], tuple[int, ...]], Box] = {}
         for k, (f, a) in enumerate(zip(di.tolist(), ai.tolist())):
-            box = frags[f].box if whole[k] else Box(tuple(clo[k]), tuple(lens[k]))
+            if whole[k]:
+                box = frags[f].box
+            else:
+                corner = (tuple(clo[k]), tuple(lens[k]))
+                box = made.get(corner)
+                if box is None:
+                    box = made[corner] = Box(*corner)
             out[f].append((alts[a], box, src_at[k], dst_at[k]))
         return out
 
@@ -189,6 +199,28 @@ class Meetings:
         if all(len(reps) == 1 for _, reps in cover.entries):
             seen.append((sources, frags, meetings))
         return meetings
+
+
+def _by_box(frags: list[Fragment]) -> dict[Box, list[Fragment]]:
+    """The fragments by their box, in order: each box with the fragments that hold it, in the order given."""
+    # Replicas most often share one Box object (a resolver makes each once): grouped by identity, which hashes
+    # in C, then by value where distinct objects are equal boxes.
+    by_id: dict[int, list[Fragment]] = {}
+    for f in frags:
+        group = by_id.get(id(f.box))
+        if group is None:
+            by_id[id(f.box)] = [f]
+        else:
+            group.append(f)
+    out: dict[Box, list[Fragment]] = {}
+    for group in by_id.values():
+        box = group[0].box
+        held = out.get(box)
+        if held is None:
+            out[box] = group
+        else:  # an equal box made apart: keep the fragments in the order given
+            out[box] = [f for f in frags if f.box == box]
+    return out
 
 
 def _meet_single(s: Fragment, f: Fragment) -> list[Meeting]:

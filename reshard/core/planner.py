@@ -278,38 +278,57 @@ def _plan(src: Layout, dst: Layout) -> Plan:
         raise PlanError("the layouts disagree on logical tensors:\n  " + "\n  ".join(problems[:20]))
 
     sources: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
-    own: dict[tuple[Item, str, str], list[Fragment]] = defaultdict(list)
-    wanted_items = {f.item for f in dst.fragments}
+    own: dict[Item, dict[tuple[str, str], list[Fragment]]] = {}
+    # A layout lists an item's fragments together: each item is looked up once per run of them, not once per
+    # fragment (hashing an item is a Python call, and a large layout has millions of fragments).
+    wanted_items = set()
+    last = None
+    for f in dst.fragments:
+        if f.item is not last:
+            last = f.item
+            wanted_items.add(last)
+    last = None
+    mine: dict[tuple[str, str], list[Fragment]] | None = None
     for f in src.fragments:
         if not f.fill:
-            sources[(f.tensor, f.state)].append(f)
-            if f.item in wanted_items:
-                own[(f.item, f.tensor, f.state)].append(f)
-    owners = {key[0] for key in own}
+            key = (f.tensor, f.state)
+            sources[key].append(f)
+            if f.item is not last:
+                last = f.item
+                mine = own.setdefault(last, {}) if last in wanted_items else None
+            if mine is not None:
+                mine.setdefault(key, []).append(f)
 
-    # Each destination fragment's copies, in the order of its fragments; then sorted by destination place.
-    made: list[list[Copy]] = [[] for _ in dst.fragments]
+    # Every copy with the destination fragment it fills; then sorted by destination place.
+    copies: list[Copy] = []
+    filled: list[int] = []
     wanted: dict[tuple[str, str], list[int]] = defaultdict(list)
+    last = None
     for k, f in enumerate(dst.fragments):
+        if f.item is not last:
+            last = f.item
+            mine = own.get(last)
         # The same item in the source holds the whole box: copy in place (plan(A, A) is item -> itself).
-        owned = own.get((f.item, f.tensor, f.state)) if f.item in owners else None
+        owned = mine.get((f.tensor, f.state)) if mine else None
         same = next((s for s in owned if contains(s.box, f.box)), None) if owned else None
         if same is not None:
-            made[k].append(_new_copy(same.item, offset_of(same, f.box), same.strides, f.item, f.offset, f.strides,
-                                     f.box.lengths, f.tensor, f.state, f.box))
+            copies.append(_new_copy(same.item, offset_of(same, f.box), same.strides, last, f.offset, f.strides,
+                                    f.box.lengths, f.tensor, f.state, f.box))
+            filled.append(k)
         else:
             wanted[(f.tensor, f.state)].append(k)
     missing: list[tuple[int, str]] = []
     meetings_of = Meetings()
+    dst_frags = dst.fragments
     for key, ks in wanted.items():
-        frags = [dst.fragments[k] for k in ks]
+        frags = [dst_frags[k] for k in ks]
         held = sources.get(key)
         meetings = meetings_of.meet(held, frags) if held else [[] for _ in frags]
         for k, f, meets in zip(ks, frags, meetings):
-            out = made[k]
             for s, common, src_at, dst_at in meets:
-                out.append(_new_copy(s.item, src_at, s.strides, f.item, dst_at, f.strides, common.lengths, f.tensor,
-                                     f.state, common))
+                copies.append(_new_copy(s.item, src_at, s.strides, f.item, dst_at, f.strides, common.lengths, f.tensor,
+                                        f.state, common))
+                filled.append(k)
             if len(meets) == 1 and meets[0][1] is f.box:  # the whole box from one place (most often)
                 continue
             got = sum(common.volume for _, common, _, _ in meets)
@@ -325,24 +344,30 @@ def _plan(src: Layout, dst: Layout) -> Plan:
     return Plan(
         src_items=MappingProxyType(_dict_of(src.items)),
         dst_items=MappingProxyType(_dict_of(dst.items)),
-        copies=_in_destination_order(made, dst),
+        copies=_in_destination_order(copies, filled, dst),
         tensors=MappingProxyType({n: t for n, t in dst.tensors.items()}),
     )
 
 
-def _in_destination_order(made: list[list[Copy]], dst: Layout) -> tuple[Copy, ...]:
-    """The copies, made per destination fragment in the layout's order, by destination item (in the layout's
-    order) and offset; copies of the same item and offset keep the order they were made in."""
+def _in_destination_order(copies: list[Copy], filled: list[int], dst: Layout) -> tuple[Copy, ...]:
+    """The copies by destination item (in the layout's order) and offset; copies of the same item and offset by
+    the destination fragment they fill (``filled``, its index in the layout), then in the order they were made."""
     rank_of = {item: k for k, item in enumerate(dst.items)}
-    copies = [c for cs in made for c in cs]
-    try:  # one stable numpy sort, keyed by each fragment's item's rank (numbers past int64 take the list's sort)
-        ranks = np.repeat(np.array([rank_of[f.item] for f in dst.fragments], dtype=np.int64),
-                          [len(cs) for cs in made])
-        offsets = np.fromiter((c.dst_offset for c in copies), dtype=np.int64, count=len(copies))
+    ranks = []
+    last, rank = None, 0
+    for f in dst.fragments:
+        if f.item is not last:
+            last = f.item
+            rank = rank_of[last]
+        ranks.append(rank)
+    try:  # one stable numpy sort (numbers past int64 take the list's sort)
+        at = np.array(filled, dtype=np.int64)
+        keys = (at, np.fromiter((c.dst_offset for c in copies), dtype=np.int64, count=len(copies)),
+                np.array(ranks, dtype=np.int64)[at])
     except OverflowError:
-        copies.sort(key=lambda c: (rank_of[c.dst], c.dst_offset))
-        return tuple(copies)
-    return tuple([copies[k] for k in np.lexsort((offsets, ranks)).tolist()])
+        order = sorted(range(len(copies)), key=lambda j: (ranks[filled[j]], copies[j].dst_offset, filled[j]))
+        return tuple(map(copies.__getitem__, order))
+    return tuple(map(copies.__getitem__, np.lexsort(keys).tolist()))
 
 
 def _dict_of(items: Mapping[Item, ItemInfo]) -> dict[Item, ItemInfo]:
