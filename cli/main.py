@@ -187,8 +187,10 @@ def _print_plan(report: dict) -> None:
         out.print(f"{shares['workers']} worker{'s' if shares['workers'] != 1 else ''}, largest byte share "
                   f"{shares['largest_over_mean']:.2f} x the mean:", highlight=False)
         for k, row in enumerate(shares["shares"]):
+            part = {p["file"]: f" ({_bytes(p['bytes'])} of it, {p['tensors']} tensors)" for p in row["parts"]}
+            files = ", ".join(f + part.get(f, "") for f in row["files"])
             out.print(f"  worker {k}: {_bytes(row['bytes'])} in {len(row['files'])} file"
-                      f"{'s' if len(row['files']) != 1 else ''}: {', '.join(row['files'])}", highlight=False)
+                      f"{'s' if len(row['files']) != 1 else ''}: {files}", highlight=False)
     if report["dropped_states"]:
         out.print(f"not carried: {', '.join(report['dropped_states'])}", highlight=False)
 

@@ -52,3 +52,26 @@ class FaultyWrite:
             Path(self.marker + ".worker-survived").write_text(str(os.getpid()))
         else:
             raise ValueError(f"unknown fault action {self.action!r}")
+
+
+class KillInPart:
+    """Run ``write``, and SIGKILL the worker right after its ``n``-th positioned write into its part of a file
+    split between workers (``FilePart``): its range half written, nothing of it journaled."""
+
+    def __init__(self, write, n: int = 1) -> None:
+        self.write, self.n = write, n
+
+    def __call__(self, target, out, fill, session=None, **kw):
+        import reshard.io.storage
+
+        writes = [0]
+        real = reshard.io.storage.FilePart.pwrite
+
+        def pwrite(part, data, offset):  # patched in the worker process only, which ends with this share
+            real(part, data, offset)
+            writes[0] += 1
+            if writes[0] == self.n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        reshard.io.storage.FilePart.pwrite = pwrite
+        return self.write(target, out, fill, session, **kw)

@@ -19,7 +19,7 @@ import xxhash
 from reshard import __version__
 from reshard.api.distributed import Ranks, join_ranks
 from reshard.api.planning import PlanReport, plan
-from reshard.api.workers import copies_per_share, shares, worker_count, worker_shares
+from reshard.api.workers import copies_per_share, shares, split_items, worker_count, worker_shares
 from reshard.core.collector import collector_paused
 from reshard.core.topology import Topology
 from reshard.core.units import parse_size
@@ -37,7 +37,7 @@ from reshard.execution.manifest import (
 )
 from reshard.execution.partial import Partial, partial_path
 from reshard.execution.session import WriteSession
-from reshard.execution.workers import WorkerLost, run_shares
+from reshard.execution.workers import WorkerLost, finish_split, run_shares
 from reshard.formats import get_format
 from reshard.io import json_text
 from reshard.io.location import UrlPath, as_path, is_url
@@ -244,7 +244,8 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
         sources = logical_sources(target.layout, target.dtypes)
         session = WriteSession(journal=tmp, segments=segments_of(sources), window_bytes=window, sync_behind=True)
         written: dict[Path, str | None] = {Path(rel): e[HASH] for rel, e in kept.items()}
-        parts = shares(report, count if ranks is None else ranks.size, todo)
+        # across ranks, whole files: a split file's parts would meet on a shared file system only
+        parts = shares(report, count, todo) if ranks is None else shares(report, ranks.size, todo, split=False)
         if len(parts) <= 1 and ranks is None:
             with ByteReader() as reader:
                 fill = PlanFill(report.plan, report.source.where, reader, progress=tick)
@@ -268,6 +269,9 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
                 segments.update(r.segments)
             bytes_read = sum(r.bytes_read for r in results)
             tensors = tensor_digests(items, report.dst_files)
+            if any(p.split for p in parts):  # the files the workers wrote in parts: framing, checksum, journal
+                written.update(finish_split(fmt.write, target, tmp, results, split_items(report, parts),
+                                            window_bytes=window))
             with ByteReader() as reader:  # the files that hold no items: trackers, configs, indexes
                 paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), session, only=())
                 written.update({p: session.digest(tmp / p) for p in paths})

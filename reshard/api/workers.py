@@ -6,13 +6,22 @@ destination-file graph: most conversions are one connected component (Hugging Fa
 layers, ZeRO flat partitions span every parameter), and workers reading the same source file at
 once need no coordination. Components only break ties, keeping a component's files together when
 balance does not care.
+
+Whole files go to workers while that keeps every share within ``BALANCE`` of the mean. Otherwise (fewer
+files than workers, or one file much larger than the rest) the files that do not fit whole are split at
+their stored tensors, each worker writing its own tensors of such a file (``reshard.execution.workers``),
+so that no share exceeds the mean by more than a tenth or by more than the largest tensor.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 import os
 from collections import defaultdict
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,8 +35,11 @@ from reshard.formats import get_format
 if TYPE_CHECKING:
     from reshard.api.planning import PlanReport
 
-__all__ = ["MIN_COPY_BYTES", "MIN_SHARE_BYTES", "copies_per_share", "file_bytes", "share_table", "shares",
-           "usable_cores", "worker_count", "worker_shares"]
+__all__ = ["BALANCE", "MIN_COPY_BYTES", "MIN_SHARE_BYTES", "Portion", "copies_per_share", "file_bytes", "share_table",
+           "shares", "split_items", "usable_cores", "worker_count", "worker_shares"]
+
+BALANCE = 1.1
+"""The largest share over the mean that whole files may give before files are split between workers."""
 
 MIN_SHARE_BYTES = 64 << 20
 """Destination bytes below which another worker does not pay for its start (an interpreter and imports,
@@ -42,22 +54,55 @@ tensors of 10 KiB took 14 s with two workers and 7.8 s with one (``bench/small_t
 
 def file_bytes(report: PlanReport) -> dict[str, int]:
     """Each item-holding destination file's bytes: its items' elements (padding included) at their dtypes."""
-    out: dict[str, int] = defaultdict(int)
+    return {f: sum(n for _, n in items) for f, items in _item_bytes(report).items()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Portion:
+    """One worker's share of the destination."""
+
+    files: tuple[str, ...]
+    """Its destination files, sorted, those it writes in part included."""
+    split: tuple[tuple[str, tuple[Item, ...]], ...] = ()
+    """The files of ``files`` split between workers, each with the stored tensors of it this worker writes."""
+    bytes: int = 0
+    """The destination bytes it writes (its tensors' elements, padding included, at their dtypes)."""
+
+
+def _item_bytes(report: PlanReport) -> dict[str, list[tuple[Item, int]]]:
+    """Each item-holding destination file's stored tensors with their bytes, in the plan's order."""
+    out: dict[str, list[tuple[Item, int]]] = defaultdict(list)
     for item, path in report.dst_files.items():
         info = report.target.layout.items.get(item)
         if info is not None:
-            out[str(path)] += info.numel * itemsize(report.target.dtypes.get(item, "uint8"))
+            out[str(path)].append((item, info.numel * itemsize(report.target.dtypes.get(item, "uint8"))))
     return dict(out)
 
 
-def shares(report: PlanReport, workers: int, files: Collection[str] | None = None) -> list[list[str]]:
+def shares(report: PlanReport, workers: int, files: Collection[str] | None = None, *,
+           split: bool = True) -> list[Portion]:
     """``files`` (default: every item-holding destination file) in at most ``workers`` shares of balanced bytes.
 
-    Largest file first, each to the least loaded worker (ties: one already holding a file of the same
-    connected component, then the lowest number). Each share is sorted; empty shares are dropped.
+    Whole files first: largest first, each to the least loaded worker (ties: one already holding a file of
+    the same connected component, then the lowest number). Where that leaves a share over ``BALANCE`` times
+    the mean, or a worker idle, and ``split`` allows, files are split instead (``_split``), if that brings the
+    largest share down by more than a tenth. Empty shares are dropped.
     """
     weight = file_bytes(report)
     todo = sorted(weight if files is None else files)
+    whole = _whole_files(report, weight, todo, workers)
+    loads = [sum(weight.get(f, 0) for f in s) for s in whole]
+    total = sum(loads)
+    balanced = len(whole) == workers and max(loads) <= BALANCE * total / workers
+    kept = [Portion(files=tuple(s), bytes=n) for s, n in zip(whole, loads, strict=True)]
+    if workers <= 1 or not todo or not split or balanced or total == 0:
+        return kept
+    cut = _split(_item_bytes(report), weight, todo, workers)
+    # a split file costs the parent a read back: worth it where the largest share shrinks by more than that slack
+    return cut if BALANCE * max(p.bytes for p in cut) < max(loads) else kept
+
+
+def _whole_files(report: PlanReport, weight: Mapping[str, int], todo: list[str], workers: int) -> list[list[str]]:
     if workers <= 1 or len(todo) <= 1:
         return [todo] if todo else []
     component = {f: k for k, (_, dsts) in enumerate(report.work_units()) for f in dsts}
@@ -74,12 +119,61 @@ def shares(report: PlanReport, workers: int, files: Collection[str] | None = Non
     return [sorted(s) for s in out if s]
 
 
+def _split(items: Mapping[str, list[tuple[Item, int]]], weight: Mapping[str, int], todo: list[str],
+           workers: int) -> list[Portion]:
+    """Shares that split as few files as balance needs.
+
+    Largest first, a file goes whole to the least loaded worker if that keeps it within ``BALANCE`` of the
+    mean; the files left over are split: their stored tensors, in order, fill what each worker lacks of the
+    bound, the emptiest worker first (each file split between neighbours, as in McNaughton's wrap-around rule): the
+    least bound on any share that cuts at tensors allow (found by bisection; a check packs worker by worker,
+    jumping over the tensors' prefix sums).
+    """
+    mean = sum(weight[f] for f in todo) / workers
+    loads, mine = [0] * workers, [defaultdict(list) for _ in range(workers)]
+    rest = []
+    for f in sorted(todo, key=lambda f: (-weight[f], f)):
+        k = min(range(workers), key=lambda k: (loads[k], k))
+        if loads[k] + weight[f] <= BALANCE * mean:
+            loads[k] += weight[f]
+            mine[k][f] = [it for it, _ in items[f]]
+        else:
+            rest.append(f)
+    seq = [(f, item, n) for f in sorted(rest) for item, n in items[f]]
+    ends = list(itertools.accumulate(n for _, _, n in seq))
+
+    order = sorted(range(workers), key=lambda k: (loads[k], k))  # the emptiest first: large tensors fit there
+
+    def cuts(most: int) -> list[int]:  # where each worker's run ends (exclusive), or [] if ``most`` is too little
+        out, at = [], 0
+        for k in order:
+            start = ends[at - 1] if at else 0
+            out.append(at := bisect.bisect_right(ends, start + max(0, most - loads[k]), lo=at))
+        return out if at == len(seq) else []
+
+    lo, hi = math.ceil(mean), max(loads) + (ends[-1] if ends else 0)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if cuts(mid) else (mid + 1, hi)
+    at = 0
+    for k, stop in zip(order, cuts(lo), strict=True):
+        for f, item, n in seq[at:stop]:
+            mine[k][f].append(item)
+            loads[k] += n
+        at = stop
+    return [Portion(files=tuple(sorted(m)), bytes=loads[k],
+                    split=tuple((f, tuple(its)) for f, its in sorted(m.items()) if len(its) != len(items[f])))
+            for k, m in enumerate(mine) if m]
+
+
 def share_table(report: PlanReport, workers: int) -> dict[str, object]:
-    """The shares ``workers`` workers would get, for ``reshard plan``: per worker its files and bytes, and
-    the largest share over the mean."""
-    weight = file_bytes(report)
+    """The shares ``workers`` workers would get, for ``reshard plan``: per worker its files (those it writes in
+    part, with their bytes) and bytes, and the largest share over the mean."""
+    weight = _item_bytes(report)
     parts = shares(report, workers)
-    rows = [{"files": s, "bytes": sum(weight[f] for f in s)} for s in parts]
+    rows = [{"files": list(p.files), "bytes": p.bytes,
+             "parts": [{"file": f, "bytes": sum(n for it, n in weight[f] if it in set(its)), "tensors": len(its)}
+                       for f, its in p.split]} for p in parts]
     mean = sum(r["bytes"] for r in rows) / len(rows) if rows else 0
     return {"workers": len(rows), "shares": rows,
             "largest_over_mean": round(max(r["bytes"] for r in rows) / mean, 3) if mean else 1.0}
@@ -93,37 +187,41 @@ def usable_cores() -> int:
 
 
 def worker_count(report: PlanReport, workers: int | str, files: Collection[str]) -> int:
-    """How many workers to start: ``workers`` itself (never more than there are files), or for ``auto``
-    as many as help: at most one per core, per file and per ``MIN_SHARE_BYTES`` of destination bytes, and one
-    alone where the copies average under ``MIN_COPY_BYTES``."""
+    """How many workers to start: ``workers`` itself (never more than there are stored tensors to write), or
+    for ``auto`` as many as help: at most one per core and per ``MIN_SHARE_BYTES`` of destination bytes, and
+    one alone where the copies average under ``MIN_COPY_BYTES``."""
+    if isinstance(workers, bool) or (workers != "auto" and (not isinstance(workers, int) or workers < 1)):
+        raise ReshardError(f"workers must be 'auto' or an integer of at least 1, got {workers!r}")
+    items = _item_bytes(report)
+    tensors = sum(len(items.get(f, ())) for f in files)
     if workers == "auto":
-        weight = file_bytes(report)
-        total = sum(weight.get(f, 0) for f in files)
+        total = sum(n for f in files for _, n in items.get(f, ()))
         if total < MIN_COPY_BYTES * len(report.plan.copies):
             return 1
-        return max(1, min(usable_cores(), len(files), total // MIN_SHARE_BYTES))
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ReshardError(f"workers must be 'auto' or an integer of at least 1, got {workers!r}")
-    return max(1, min(workers, len(files)))
+        return max(1, min(usable_cores(), tensors, total // MIN_SHARE_BYTES))
+    return max(1, min(workers, tensors))
 
 
-def worker_shares(report: PlanReport, parts: list[list[str]], out: Path, window: int) -> list[Share]:
-    """What each worker is sent: its files, the plan's copies into them and where those read, the target."""
-    owner = {f: k for k, part in enumerate(parts) for f in part}
+def worker_shares(report: PlanReport, parts: list[Portion], out: Path, window: int) -> list[Share]:
+    """What each worker is sent: its files, the plan's copies into the tensors it writes and where those read,
+    the target, and for the files it writes in part, the tensors the other workers write."""
+    owner = _owner(parts)
     copies: list[list] = [[] for _ in parts]
     for c in report.plan.copies:
-        k = owner.get(report.dst_file(c.dst))
+        k = owner(report.dst_file(c.dst), c.dst)
         if k is not None:
             copies[k].append(c)
     segments = segments_of(logical_sources(report.target.layout, report.target.dtypes))
     write = get_format(report.target.format).write
+    items = _item_bytes(report)
     result = []
-    for k, part in enumerate(parts):
-        mine = set(part)
+    for k, p in enumerate(parts):
+        split = dict(p.split)
+        skip = frozenset(it for f, its in p.split for it, _ in items[f] if it not in set(its))
         where: dict[Item, object] = {c.src: report.source.where[c.src] for c in copies[k]}
-        result.append(Share(write=write, target=report.target, out=out, files=tuple(part), copies=tuple(copies[k]),
-                            where=where, window_bytes=window,
-                            segments={it: v for it, v in segments.items() if _file_of(report, it) in mine}))
+        result.append(Share(write=write, target=report.target, out=out, files=p.files, copies=tuple(copies[k]),
+                            where=where, window_bytes=window, split=tuple(split), skip=skip,
+                            segments={it: v for it, v in segments.items() if owner(_file_of(report, it), it) == k}))
     return result
 
 
@@ -132,12 +230,28 @@ def _file_of(report: PlanReport, item: Item) -> str | None:
     return None if path is None else str(path)
 
 
-def copies_per_share(report: PlanReport, parts: list[list[str]]) -> list[int]:
+def copies_per_share(report: PlanReport, parts: list[Portion]) -> list[int]:
     """How many of the plan's copies each share holds (what a worker's slice of the plan weighs)."""
-    owner: Mapping[str, int] = {f: k for k, part in enumerate(parts) for f in part}
     counts = [0] * len(parts)
+    owner = _owner(parts)
     for c in report.plan.copies:
-        k = owner.get(report.dst_file(c.dst))
+        k = owner(report.dst_file(c.dst), c.dst)
         if k is not None:
             counts[k] += 1
     return counts
+
+
+def _owner(parts: list[Portion]) -> Callable[[str | None, Item], int | None]:
+    """``owner(file, item)``: the number of the share that writes that stored tensor; None: no share does."""
+    files: dict[str, int] = {}
+    tensors: dict[tuple[str, Item], int] = {}
+    for k, p in enumerate(parts):
+        files.update({f: k for f in p.files if f not in dict(p.split)})
+        tensors.update({(f, it): k for f, its in p.split for it in its})
+    return lambda f, item: files.get(f, tensors.get((f, item))) if f is not None else None
+
+
+def split_items(report: PlanReport, parts: list[Portion]) -> dict[str, list[Item]]:
+    """The stored tensors of each file split between workers."""
+    items = _item_bytes(report)
+    return {f: [it for it, _ in items[f]] for f in sorted({f for p in parts for f, _ in p.split})}

@@ -11,7 +11,12 @@ same way for every format:
 - stored tensors (``stream_item``): copied from ``fill`` window by window, at most
   ``window_bytes`` at a time, with a per-tensor checksum (and the checksums of the byte ranges
   inside it that hold a logical tensor of their own), one window written on the session's
-  writer thread while the next is filled (progress is the fill's to count: ``PlanFill``).
+  writer thread while the next is filled (progress is the fill's to count: ``PlanFill``);
+- files split between processes (``split``): a worker's session writes only its own stored
+  tensors of such a file (the others are in ``skip``) into a ``FilePart``, journals nothing and
+  reports the zip record CRCs it took (``part_crcs``); once every worker is done, the parent's
+  session writes the file's framing with those CRCs, reads the file back for its checksum and
+  journals it with the tensor checksums the workers took.
 
 Nothing is kept in module globals: two sessions in one process (two conversions in parallel
 threads, the load API inside a training job) never see each other's checksums or journal.
@@ -22,17 +27,18 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from reshard.core.dtypes import itemsize
 from reshard.core.layout import Item
 from reshard.errors import CheckpointFormatError
-from reshard.io.storage import HASH, JOURNAL, ItemHasher, OutputFile, sync_file
+from reshard.io.storage import HASH, JOURNAL, FilePart, ItemHasher, OutputFile, sync_file
 
-__all__ = ["DEFAULT_WINDOW", "Fill", "WriteSession"]
+__all__ = ["DEFAULT_WINDOW", "Fill", "SplitFile", "WriteSession"]
 
 DEFAULT_WINDOW = 8 << 20
 """Bytes a writer asks of ``fill`` at a time when the session is given no budget."""
@@ -42,6 +48,21 @@ _HANDOFF = 1 << 20
 
 Fill = Callable[[Item, int, int], "bytes | memoryview"]
 """``fill(item, lo, hi)``: the bytes of the item's elements ``[lo, hi)`` (row-major), padding included."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SplitFile:
+    """How a session takes part in writing a file that several processes write side by side."""
+
+    frames: bool = False
+    """True: this session finishes the file once the others are done (its framing, its checksum read back,
+    its journal entry): the parent's. False: it writes its stored tensors of it, those not in ``skip``."""
+    crcs: Mapping[int, int] = field(default_factory=dict)
+    """Finishing: the CRC-32 of each zip record the others wrote, by the byte offset of its data in the file."""
+    tensors: Mapping[Item, str] = field(default_factory=dict)
+    """Finishing: the checksums the others took of the file's stored tensors, journaled with the file."""
+    segments: Mapping[tuple[str, int, int], str] = field(default_factory=dict)
+    """Finishing: the checksums the others took of ranges inside those tensors (``segments``)."""
 
 
 class WriteSession:
@@ -57,14 +78,20 @@ class WriteSession:
       sync_behind: fsync each closed file on the session's sync thread, while the next one is written, instead
         of in ``close``; its journal entry follows the sync. The caller must ``flush`` before it relies on the
         files being on disk.
+      split: files written side by side with other processes (by path), and this session's part in each.
+      skip: stored tensors ``stream_item`` leaves alone: the other processes' tensors of the ``split`` files.
     """
 
     def __init__(self, *, journal: str | Path | None = None,
                  segments: Mapping[Item, Sequence[tuple[int, int]]] | None = None,
-                 window_bytes: int = DEFAULT_WINDOW, sync_behind: bool = False) -> None:
+                 window_bytes: int = DEFAULT_WINDOW, sync_behind: bool = False,
+                 split: Mapping[str | Path, SplitFile] | None = None, skip: Collection[Item] = ()) -> None:
         self.journal = Path(journal).absolute() if journal is not None else None
         self.sync_behind = sync_behind
         self.window_bytes = window_bytes
+        self._split = {str(Path(p).absolute()): v for p, v in (split or {}).items()}
+        self._skip = frozenset(skip)
+        self._parts: dict[str, FilePart] = {}
         self._segments = {k: tuple(sorted(v)) for k, v in (segments or {}).items() if v}
         self._lock = threading.Lock()
         self._digests: dict[str, str] = {}
@@ -80,8 +107,24 @@ class WriteSession:
     # --- files -----------------------------------------------------------------------------------
 
     def open(self, path: str | Path, size: int | None = None) -> OutputFile:
-        """Create an output file (sized up front if ``size`` is given) whose checksum this session keeps."""
-        return OutputFile(path, size, on_close=self._closed, fsync=not self.sync_behind, settle=self.settle)
+        """Create an output file (sized up front if ``size`` is given) whose checksum this session keeps; for a
+        ``split`` file, this session's part of it."""
+        key = str(Path(path).absolute())
+        split = self._split.get(key)
+        if split is None:
+            return OutputFile(path, size, on_close=self._closed, fsync=not self.sync_behind, settle=self.settle)
+        if split.frames:  # the file's journal entry carries the tensors the others wrote
+            with self._lock:
+                self._item_digests.update(split.tensors)
+                self._segment_digests.update(split.segments)
+                if self.journal is not None:
+                    self._pending_items.update({str(it): d for it, d in split.tensors.items()})
+                    self._pending_segments += [[label, lo, hi, d] for (label, lo, hi), d in split.segments.items()]
+        part = FilePart(path, size, frames=split.frames, crcs=dict(split.crcs), fsync=not self.sync_behind,
+                        on_close=self._closed if split.frames else self._part_closed, settle=self.settle)
+        with self._lock:
+            self._parts[key] = part
+        return part
 
     def flush(self) -> None:
         """Wait until every file closed so far is on disk (and in the journal); raise the first failure."""
@@ -103,6 +146,12 @@ class WriteSession:
         with self._lock:
             return dict(self._item_digests)
 
+    def part_crcs(self) -> dict[str, dict[int, int]]:
+        """The zip record CRC-32s this session took in the parts of ``split`` files it wrote (by absolute path;
+        by the byte offset of each record's data)."""
+        with self._lock:
+            return {p: dict(part.crcs) for p, part in self._parts.items() if not part.frames}
+
     def segment_digests(self) -> dict[tuple[str, int, int], str]:
         """The checksums of the ranges named by ``segments``, by (item label, first byte, end byte)."""
         with self._lock:
@@ -123,6 +172,8 @@ class WriteSession:
 
         Raises CheckpointFormatError when ``fill`` returns the wrong number of bytes.
         """
+        if item in self._skip:  # another process's part of a split file
+            return
         size = itemsize(dtype)
         step = max(1, self.window_bytes // size)
         digest = ItemHasher(item, self._segments.get(item, ()), on_done=self._hashed)
@@ -208,6 +259,17 @@ class WriteSession:
                 self._syncs.append(self._syncer.submit(self._synced, path, entry, True))
                 return
         self._synced(path, entry, False)  # close fsynced it
+
+    def _part_closed(self, path: Path, size: int, digest: None) -> None:
+        """A worker's part of a split file: synced, never journaled (the parent journals the whole file); the
+        tensors streamed into it go with the part, not with the next file's journal entry."""
+        with self._lock:
+            self._pending_items.clear()
+            self._pending_segments.clear()
+            if self.sync_behind:
+                if self._syncer is None:
+                    self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-sync")
+                self._syncs.append(self._syncer.submit(sync_file, path))
 
     def _synced(self, path: Path, entry: dict | None, sync: bool) -> None:
         if sync:

@@ -6,6 +6,12 @@ copies into them, where the source bytes of those copies are, the target to writ
 of the format's package, and plans nothing. Workers read the same source files side by side:
 positioned reads need no coordination.
 
+A file larger than a fair share is split between workers at its stored tensors: each writes its own
+tensors of it into the one file with positioned writes (``FilePart``) and reports the tensors' checksums
+and zip record CRC-32s; ``finish_split`` then writes what depends on all of them (the zip central
+directory and serialization id, a safetensors header) in the parent, reads the file back once for its
+checksum and journals it. The file is the same, byte for byte, as one process writes it.
+
 A worker that reports an error fails the conversion with that error. A worker that dies (killed, or
 exiting without a result) fails it with ``WorkerLost``, after every other worker is stopped: the
 files finished so far stay journaled in the partial directory for ``resume``. Workers die with the
@@ -33,10 +39,10 @@ from reshard.core.layout import Item
 from reshard.core.planner import Copy, Plan
 from reshard.errors import ReshardError
 from reshard.execution.executor import ByteReader, PlanFill
-from reshard.execution.session import Fill, WriteSession
+from reshard.execution.session import Fill, SplitFile, WriteSession
 from reshard.io.smallfiles import Located
 
-__all__ = ["Share", "ShareResult", "WorkerLost", "run_shares", "write_share"]
+__all__ = ["Share", "ShareResult", "WorkerLost", "finish_split", "run_shares", "write_share"]
 
 Write = Callable[..., list[Path]]
 """A format's ``write(target, out, fill, session, *, only=...)``."""
@@ -57,39 +63,86 @@ class Share:
     out: Path
     """The directory being written (the partial directory), journaled."""
     files: tuple[str, ...]
-    """This worker's destination files, relative to ``out``."""
+    """This worker's destination files, relative to ``out``, those in ``split`` included."""
     copies: tuple[Copy, ...]
-    """The plan's copies into the items of ``files``, in the plan's order."""
+    """The plan's copies into the items of ``files`` it writes, in the plan's order."""
     where: Mapping[Item, Located]
     """Where the source items those copies read are."""
     segments: Mapping[Item, Sequence[tuple[int, int]]]
     """Byte ranges inside this share's items to checksum on their own (``WriteSession``)."""
     window_bytes: int
     """The most bytes a writer asks of ``fill`` at a time."""
+    split: tuple[str, ...] = ()
+    """The files of ``files`` split between workers, of which this one writes the stored tensors not in ``skip``."""
+    skip: frozenset[Item] = frozenset()
+    """The stored tensors of the ``split`` files that other workers write."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShareResult:
     files: dict[str, str | None]
-    """The files written (relative to ``out``) and the checksum taken of each while writing."""
+    """The whole files written (relative to ``out``) and the checksum taken of each while writing."""
     bytes_read: int
     items: dict[Item, str]
     """The checksum of each stored tensor written."""
     segments: dict[tuple[str, int, int], str]
     """The checksums of the ranges named by the share's ``segments``."""
+    crcs: dict[str, dict[int, int]]
+    """Per ``split`` file, the CRC-32 of each zip record written here, by the byte offset of its data."""
 
 
 def write_share(share: Share, progress: Callable[[int], None] | None = None) -> ShareResult:
     """Write one share's files (in this process or thread); ``progress(nbytes)`` after each window, with the
     bytes its copies moved."""
     plan = Plan(src_items={}, dst_items={}, copies=share.copies, tensors={})
+    split = {share.out / f: SplitFile() for f in share.split}
     with collector_paused(), WriteSession(journal=share.out, segments=share.segments, window_bytes=share.window_bytes,
-                      sync_behind=True) as session, ByteReader() as reader:
+                                          sync_behind=True, split=split, skip=share.skip) as session, \
+            ByteReader() as reader:
         fill: Fill = PlanFill(plan, share.where, reader, dtypes=share.target.dtypes, progress=progress)
         written = share.write(share.target, share.out, fill, session, only=[Path(f) for f in share.files])
         session.flush()
-        return ShareResult(files={str(w): session.digest(share.out / w) for w in written}, bytes_read=reader.bytes_read,
-                           items=session.item_digests(), segments=session.segment_digests())
+        root = share.out.absolute()
+        return ShareResult(files={str(w): session.digest(share.out / w) for w in written if str(w) not in share.split},
+                           bytes_read=reader.bytes_read, items=session.item_digests(),
+                           segments=session.segment_digests(),
+                           crcs={str(Path(p).relative_to(root)): c for p, c in session.part_crcs().items()})
+
+
+def finish_split(write: Write, target: Any, out: Path, results: Sequence[ShareResult],
+                 items: Mapping[str, Collection[Item]], *, window_bytes: int) -> dict[Path, str | None]:
+    """Finish the files the workers wrote in parts (``items``: each file's stored tensors): write what depends
+    on all the parts (headers, the zip directory with the CRC-32s the workers took), read each file back once
+    for its checksum, fsync and journal it with the tensor checksums the workers took. The checksum of each.
+
+    Raises:
+      ReshardError: a stored tensor of a file that no worker reported (a bug).
+    """
+    digests: dict[Item, str] = {}
+    segments: dict[tuple[str, int, int], str] = {}
+    crcs: dict[str, dict[int, int]] = {}
+    for r in results:
+        digests.update(r.items)
+        segments.update(r.segments)
+        for f, c in r.crcs.items():
+            crcs.setdefault(f, {}).update(c)
+    split: dict[Path, SplitFile] = {}
+    for f, held in items.items():
+        missing = [str(it) for it in held if it not in digests]
+        if missing:
+            raise ReshardError(f"{out / f}: no worker wrote {', '.join(missing[:3])} of this split file")
+        labels = {str(it) for it in held}
+        split[out / f] = SplitFile(frames=True, crcs=crcs.get(f, {}), tensors={it: digests[it] for it in held},
+                                   segments={k: d for k, d in segments.items() if k[0] in labels})
+    skip = {it for held in items.values() for it in held}
+    with WriteSession(journal=out, window_bytes=window_bytes, sync_behind=True, split=split, skip=skip) as session:
+        written = write(target, out, _no_fill, session, only=[Path(f) for f in items])
+        session.flush()
+        return {Path(w): session.digest(out / w) for w in written}
+
+
+def _no_fill(item: Item, lo: int, hi: int) -> bytes:
+    raise AssertionError(f"{item}: the workers wrote this split file's tensors")  # stream_item skips them all
 
 
 def dumps(value: Any) -> bytes:

@@ -35,7 +35,7 @@ from reshard.errors import CheckpointFormatError
 from reshard.io import json_text
 from reshard.io.bounds import FieldError, check_count, check_offset, check_shape
 from reshard.io.location import UrlPath, file_size
-from reshard.io.storage import OutputFile
+from reshard.io.storage import FilePart, OutputFile
 
 __all__ = [
     "INDEX_NAME",
@@ -331,6 +331,10 @@ class SafetensorsWriter:
         """Final file size in bytes."""
         self._written = dict.fromkeys(self.tensors, 0)
         self._out: OutputFile | None = open_file(self.path, self.size)
+        # part of a file that several processes write: the header is the finishing part's (``FilePart``)
+        self._part = self._out if isinstance(self._out, FilePart) else None
+        if self._part is not None and not self._part.frames:
+            return
         try:
             self._out.pwrite(len(header).to_bytes(_N_LEN, "little") + header, 0)
         except BaseException:
@@ -365,8 +369,9 @@ class SafetensorsWriter:
         except BaseException:
             self.abort()
             raise
-        short = [f"'{n}' ({self._written[n]} of {t.nbytes} bytes)"
-                 for n, t in self.tensors.items() if self._written[n] != t.nbytes]
+        # a part writes some tensors whole and leaves the others to the other parts
+        short = [f"'{n}' ({self._written[n]} of {t.nbytes} bytes)" for n, t in self.tensors.items()
+                 if self._written[n] != t.nbytes and (self._part is None or self._written[n])]
         if short:
             self.abort()
             raise CheckpointFormatError(f"{self.path}: incomplete, tensors not fully written: {', '.join(short)}")
@@ -378,7 +383,8 @@ class SafetensorsWriter:
         if self._out is not None:
             out, self._out = self._out, None
             out.abort()
-        self.path.unlink(missing_ok=True)
+        if self._part is None:  # a part leaves the file to the others
+            self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> SafetensorsWriter:
         return self

@@ -33,7 +33,7 @@ import xxhash
 
 from reshard.errors import CheckpointFormatError
 
-__all__ = ["HASH", "JOURNAL", "ItemHasher", "OutputFile", "file_digest", "read_journal", "sync_file"]
+__all__ = ["HASH", "JOURNAL", "FilePart", "ItemHasher", "OutputFile", "file_digest", "read_journal", "sync_file"]
 
 HASH = "xxh3_128"
 """The manifest's checksum: xxh3-128 of a file's bytes, as hex."""
@@ -139,7 +139,7 @@ class OutputFile:
 
     def __init__(self, path: str | Path, size: int | None = None, *,
                  on_close: Callable[[Path, int, str], None] | None = None, fsync: bool = True,
-                 settle: Callable[[], None] | None = None) -> None:
+                 settle: Callable[[], None] | None = None, truncate: bool = True) -> None:
         self.path = Path(path)
         self._on_close = on_close
         self._fsync = fsync
@@ -147,7 +147,8 @@ class OutputFile:
         self._lock = threading.Lock()  # the checksum's bookkeeping, for writes from two threads
         try:
             # read and write: pieces written ahead of the checksum are read back through the same descriptor
-            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            flags = os.O_RDWR | os.O_CREAT | (os.O_TRUNC if truncate else 0)
+            self._fd: int | None = os.open(self.path, flags, 0o644)
         except OSError as e:
             raise CheckpointFormatError(f"{self.path}: cannot create ({e.strerror})") from None
         self.size = 0
@@ -235,13 +236,7 @@ class OutputFile:
                 raise CheckpointFormatError(f"{self.path}: closed after a failed write")
             return self.digest
         try:
-            if self._rehash:
-                self._hash = xxhash.xxh3_128()
-                self._read_into_hash(0, self.size)
-            else:
-                self._catch_up(self.size)
-                if self._done < self.size:  # holes (zeros) and anything left ahead
-                    self._read_into_hash(self._done, self.size)
+            digest = self._checksum()
             if self._fsync:
                 os.fsync(self._fd)
             size = os.fstat(self._fd).st_size
@@ -253,10 +248,21 @@ class OutputFile:
             raise
         fd, self._fd = self._fd, None
         os.close(fd)
-        self.digest = self._hash.hexdigest()
+        self.digest = digest
         if self._on_close is not None:
-            self._on_close(self.path, size, self.digest)
-        return self.digest
+            self._on_close(self.path, size, digest)
+        return digest
+
+    def _checksum(self) -> str | None:
+        """The checksum of the whole file, its bytes not hashed yet read back."""
+        if self._rehash:
+            self._hash = xxhash.xxh3_128()
+            self._read_into_hash(0, max(self.size, os.fstat(self._fd).st_size))
+        else:
+            self._catch_up(self.size)
+            if self._done < self.size:  # holes (zeros) and anything left ahead
+                self._read_into_hash(self._done, self.size)
+        return self._hash.hexdigest()
 
     def abort(self) -> None:
         """Close and remove the file."""
@@ -268,4 +274,52 @@ class OutputFile:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
-            self.path.unlink(missing_ok=True)
+            self._remove()
+
+    def _remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+class FilePart(OutputFile):
+    """This process's part of a file that several processes write side by side, each its own stored tensors.
+
+    The file is opened without truncating it (every part sizes it to the same ``size``), and ``abort`` leaves
+    it in place (the other parts are still writing it). A part that writes the ``frames`` (headers, the zip
+    central directory: whatever depends on every tensor) is the one that finishes the file: it runs after the
+    others, and its ``close`` reads the whole file back for its checksum. The others take no checksum: their
+    ``close`` hands ``on_close`` a checksum of None.
+
+    Args:
+      frames: whether this part writes the file's framing and finishes it.
+      crcs: the CRC-32 of each zip record, by the byte offset of its data in the file: for the finishing part,
+        those the others wrote; the others add the records they complete (``TorchFileWriter``).
+    """
+
+    def __init__(self, path: str | Path, size: int | None = None, *, frames: bool, crcs: dict[int, int] | None = None,
+                 on_close: Callable[[Path, int, str | None], None] | None = None, fsync: bool = True,
+                 settle: Callable[[], None] | None = None) -> None:
+        self.frames = frames
+        self.crcs: dict[int, int] = {} if crcs is None else crcs
+        super().__init__(path, None, on_close=on_close, fsync=fsync, settle=settle, truncate=False)
+        self._rehash = True  # no checksum while writing: read back whole at close (frames), or none at all
+        if size:
+            try:
+                if os.fstat(self._fd).st_size != size:
+                    os.ftruncate(self._fd, size)
+            except OSError as e:
+                self.abort()
+                raise CheckpointFormatError(f"{self.path}: cannot size to {size} bytes ({e.strerror})") from None
+            self.size = size
+
+    def close(self) -> str | None:
+        """Fsync (unless made with ``fsync=False``) and close; the finishing part returns the checksum of the
+        whole file, read back, the others None."""
+        if self._fd is None and not self.frames:
+            return None
+        return super().close()
+
+    def _checksum(self) -> str | None:
+        return super()._checksum() if self.frames else None
+
+    def _remove(self) -> None:
+        pass  # the other parts are still writing it; ``resume`` rewrites it whole

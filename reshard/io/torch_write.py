@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from reshard.errors import CheckpointFormatError
-from reshard.io.storage import OutputFile
+from reshard.io.storage import FilePart, OutputFile
 from reshard.io.torch_read import _is_builtin_type
 from reshard.io.zipdir import crc32
 from reshard.io.torch_types import (
@@ -425,6 +425,10 @@ class TorchFileWriter:
         self.entries = {k: (base + r.data_offset, r.size) for k, r in self._tensors.items()}
         self.size = layout.size
         self._out: OutputFile | None = open_file(self.path, self.size) if file is None else file
+        # part of a file that several processes write: the framing is the finishing part's (``FilePart``)
+        self._part = self._out if isinstance(self._out, FilePart) else None
+        if self._part is not None and not self._part.frames:
+            return
         try:
             for at, data in layout.framing:  # one write per run between tensors' bytes
                 self._out.pwrite(data, base + at)
@@ -463,6 +467,18 @@ class TorchFileWriter:
         except BaseException:
             self.abort()
             raise
+        part, base = self._part, self._base
+        if part is not None:
+            for r in self._tensors.values():
+                if r.written == r.size:
+                    part.crcs[base + r.data_offset] = r.crc
+                elif base + r.data_offset in part.crcs:  # written by another part
+                    r.crc, r.written = part.crcs[base + r.data_offset], r.size
+            if not part.frames:  # the others' records and the directory are the finishing part's
+                out, self._out = self._out, None
+                if self._owned:
+                    out.close()
+                return
         short = [f"{k!r} ({r.written} of {r.size} bytes)" for k, r in self._tensors.items() if r.written != r.size]
         if short:
             self.abort()
@@ -473,7 +489,6 @@ class TorchFileWriter:
         crcs = hashlib.blake2b(b"".join(struct.pack("<I", r.crc) for r in self._records), digest_size=8).digest()
         self._id.payload = f"{int.from_bytes(names, 'little'):020d}{int.from_bytes(crcs, 'little'):020d}".encode()
         self._id.crc = crc32(self._id.payload)
-        base = self._base
         try:
             self._out.pwrite(self._id.payload + self._id.descriptor(), base + self._id.data_offset)
             # the central directory again, now with every CRC (tensors' data descriptors went with their last bytes)

@@ -60,12 +60,13 @@ def test_a_one_component_plan_splits_into_balanced_byte_shares(hf_shards):
     assert len(report.work_units()) == 1
     weight = file_bytes(report)
     parts = shares(report, 2)
-    assert len(parts) == 2 and sorted(sum(parts, [])) == sorted(weight)
-    loads = [sum(weight[f] for f in part) for part in parts]
-    assert max(loads) <= 1.1 * sum(loads) / len(loads), loads
+    assert len(parts) == 2 and sorted(f for p in parts for f in p.files) == sorted(weight)
+    assert not any(p.split for p in parts)  # whole files balance: none is split
+    loads = [sum(weight[f] for f in p.files) for p in parts]
+    assert loads == [p.bytes for p in parts] and max(loads) <= 1.1 * sum(loads) / len(loads), loads
     table = report.to_json(workers=2)["workers"]
     assert [row["bytes"] for row in table["shares"]] == loads and table["largest_over_mean"] <= 1.1
-    assert sorted(shares(report, 8)) == [[f] for f in sorted(weight)]  # never more workers than files
+    assert shares(report, 8, split=False) == shares(report, 4)  # unsplit, never more shares than files
 
 
 def test_two_workers_write_what_one_writes_manifest_included(hf_shards, one_worker, tmp_path):
@@ -140,7 +141,7 @@ def test_the_default_budget_holds_a_worker_per_core_with_4_gib_free(hf_shards, m
     assert converting._workers_and_window(report, "auto", files, None)[0] == 1  # too few bytes to pay a start
 
 
-def test_workers_auto_is_bounded_by_cores_files_bytes_and_bytes_per_copy(hf_shards, monkeypatch):
+def test_workers_auto_is_bounded_by_cores_tensors_bytes_and_bytes_per_copy(hf_shards, monkeypatch):
     import reshard.api.workers as workers
 
     report = reshard.plan(hf_shards, format="megatron", to=TO)
@@ -149,8 +150,8 @@ def test_workers_auto_is_bounded_by_cores_files_bytes_and_bytes_per_copy(hf_shar
     monkeypatch.setattr(workers, "MIN_COPY_BYTES", 1)
     monkeypatch.setattr(workers, "usable_cores", lambda: 3)
     assert workers.worker_count(report, "auto", files) == 3
-    monkeypatch.setattr(workers, "usable_cores", lambda: 64)
-    assert workers.worker_count(report, "auto", files) == 4
+    monkeypatch.setattr(workers, "usable_cores", lambda: 64)  # files are split: one worker per stored tensor at most
+    assert workers.worker_count(report, "auto", files) == len(report.dst_files)
     # copies too small to pay for shipping a slice of the plan to each worker: one process
     monkeypatch.setattr(workers, "MIN_COPY_BYTES", sum(file_bytes(report).values()) // len(report.plan.copies) + 1)
     assert workers.worker_count(report, "auto", files) == 1

@@ -1,0 +1,130 @@
+"""A destination file larger than a fair share is split between workers at its stored tensors: each writes
+its own tensors into the one file, the parent its framing and checksum; the bytes and the manifest are one
+worker's, shares stay balanced with fewer files than workers, and a worker killed inside its range leaves
+nothing that looks complete, which ``resume`` rewrites with any number of workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from reshard.fixtures import make_fixture
+
+import reshard
+from reshard.api.workers import file_bytes, shares
+from reshard.execution.partial import partial_path
+from reshard.execution.workers import WorkerLost
+from reshard.io.storage import read_journal
+
+# One destination file each: a torch.save zip (Megatron), a safetensors file (Hugging Face) and a DCP
+# .distcp holding one zip archive per tensor.
+ONE_FILE = {
+    "megatron": ({"format": "megatron", "to": "tp=1,pp=1"}, "iter_0000000/mp_rank_00/model_optim_rng.pt"),
+    "hf": ({"format": "hf"}, "model.safetensors"),
+    "dcp": ({"format": "dcp", "to": "dp=1"}, "__0_0.distcp"),
+}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("split") / "meg"
+    make_fixture(src, format="megatron", to="tp=2,pp=2")
+    return src
+
+
+def contents(path: Path) -> dict[str, bytes | dict]:
+    """Every file's bytes; the manifest as JSON without its creation time."""
+    out: dict[str, bytes | dict] = {p.relative_to(path).as_posix(): p.read_bytes()
+                                    for p in sorted(path.rglob("*")) if p.is_file()}
+    manifest = json.loads(out.pop("reshard.json"))
+    manifest.pop("created")
+    out["reshard.json"] = manifest
+    return out
+
+
+@pytest.mark.parametrize("fmt", sorted(ONE_FILE))
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_one_file_destination_split_between_workers_is_one_workers_bytes_manifest_included(
+        source, tmp_path, monkeypatch, fmt, workers):
+    import reshard.api.converting
+
+    options, only = ONE_FILE[fmt]
+    sent = []
+    real = reshard.api.converting.run_shares
+    monkeypatch.setattr(reshard.api.converting, "run_shares", lambda s, **kw: sent.extend(s) or real(s, **kw))
+    reshard.convert(source, tmp_path / "one", workers=1, **options)
+    result = reshard.convert(source, tmp_path / "many", workers=workers, **options)
+    assert [s.split for s in sent] == [(only,)] * workers  # every worker wrote a part of the one file
+    assert contents(tmp_path / "many") == contents(tmp_path / "one")
+    assert result.bytes_read == reshard.plan(source, **options).needed_bytes()
+    assert reshard.verify(tmp_path / "many")
+
+
+@pytest.mark.parametrize("workers", [2, 3, 5])
+def test_split_shares_hold_every_tensor_once_within_a_tenth_of_the_mean(source, workers):
+    report = reshard.plan(source, format="megatron", to="tp=1,pp=1")
+    parts = shares(report, workers)
+    assert len(parts) == workers
+    (only,) = file_bytes(report)
+    held = [it for p in parts for f, its in p.split for it in its]
+    assert sorted(map(str, held)) == sorted(str(it) for it, f in report.dst_files.items() if str(f) == only)
+    loads = [p.bytes for p in parts]
+    assert sum(loads) == file_bytes(report)[only] and max(loads) <= 1.1 * sum(loads) / workers, loads
+    table = report.to_json(workers=workers)["workers"]
+    assert [row["bytes"] for row in table["shares"]] == loads and table["largest_over_mean"] <= 1.1
+    assert [sum(p["bytes"] for p in row["parts"]) for row in table["shares"]] == loads
+
+
+def test_more_files_than_workers_that_balance_badly_are_split(source):
+    """Four files of about equal size for three workers: whole, one worker would write two of them (1.5 x
+    the mean), so three files go whole and the fourth is split between the three workers, every share within a
+    tenth of the mean."""
+    report = reshard.plan(source, format="megatron", to="tp=2,pp=2")
+    weight = file_bytes(report)
+    assert len(weight) == 4 and max(weight.values()) <= 1.01 * min(weight.values())
+    parts = shares(report, 3)
+    assert [len(p.split) for p in parts] == [1, 1, 1] and len({f for p in parts for f, _ in p.split}) == 1
+    (cut,) = {f for p in parts for f, _ in p.split}
+    assert sorted(f for p in parts for f in p.files if f != cut) == sorted(set(weight) - {cut})
+    assert max(p.bytes for p in parts) <= 1.1 * sum(weight.values()) / 3
+
+
+@pytest.mark.parametrize("resume_workers", [1, 3])
+def test_a_worker_killed_inside_its_range_leaves_no_complete_file_and_resume_rewrites_it(
+        source, tmp_path, monkeypatch, resume_workers):
+    from worker_faults import KillInPart
+
+    import reshard.api.converting
+
+    options, only = ONE_FILE["megatron"]
+    real = reshard.api.converting.worker_shares
+
+    def faulty(*args, **kw):  # the second worker dies after its third write into its part
+        parts = real(*args, **kw)
+        return [parts[0], dataclasses.replace(parts[1], write=KillInPart(parts[1].write, 3))]
+
+    monkeypatch.setattr(reshard.api.converting, "worker_shares", faulty)
+    dst = tmp_path / "dst"
+    with pytest.raises(WorkerLost, match=r"^worker 2 of 2 was killed \(SIGKILL\) while writing "):
+        reshard.convert(source, dst, workers=2, **options)
+    monkeypatch.undo()
+    partial = partial_path(dst)
+    assert not dst.exists() and not (partial / "reshard.json").exists()
+    assert (partial / only).exists() and only not in {e["file"] for e in read_journal(partial)}
+    reshard.convert(source, tmp_path / "one", workers=1, **options)
+    result = reshard.convert(source, dst, workers=resume_workers, resume=True, **options)
+    assert result.reused == 0 and not partial.exists()
+    assert contents(dst) == contents(tmp_path / "one")
+
+
+def test_the_cli_plan_names_the_files_a_worker_writes_in_part(source):
+    from typer.testing import CliRunner
+
+    from reshard.cli.main import app
+
+    result = CliRunner().invoke(app, ["plan", str(source), "--format", "hf", "--workers", "2"])
+    assert result.exit_code == 0, result.output
+    assert "2 workers, largest byte share 1.00 x the mean:" in result.output
+    assert "  worker 0: 306.1 KiB in 1 file: model.safetensors (306.1 KiB of it, 20 tensors)" in result.output
