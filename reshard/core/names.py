@@ -30,6 +30,10 @@ class Captures:
     topo: Topology
     indexes: dict[str, int]
     parts: dict[str, tuple[int, int, str]]
+    rule_facts: dict[int, tuple[S.Capture | None, str | None, bool, tuple[str, ...]]]
+    """Per rule (by id): ``facts``."""
+    rule_values_made: dict[tuple, list[dict[str, tuple[int, int]]]]
+    """Per rule, layer and coordinates of the axes its captures split: ``rule_values``."""
 
     if TYPE_CHECKING:
         def err(self, message: str, pos: S.Pos | None) -> SpecError: ...
@@ -64,6 +68,18 @@ class Captures:
 
     # -- the rules a unit stores, with their capture values
 
+    def facts(self, rule: S.Statement) -> tuple[S.Capture | None, str | None, bool, tuple[str, ...]]:
+        """A rule's capture split over pp, the name of its first capture split over another axis, whether it
+        stacks layers on a dim split over pp, and the axes its captures split other than pp; read once per rule,
+        as every unit asks."""
+        got = self.rule_facts.get(id(rule))
+        if got is None:
+            axes = tuple(c.axis for c in rule.pattern.captures if c.axis not in (None, "pp")) \
+                if hasattr(rule, "pattern") else ()
+            got = (_pp_capture(rule), _split_capture(rule), _stacks_over_pp(rule), axes)
+            self.rule_facts[id(rule)] = got
+        return got
+
     def expand(self, sec: S.Section, rules: list[S.Statement], coords: dict[str, int], chunk: int, pipelined: bool):
         """Rules with their capture values for one unit, in registration order.
 
@@ -73,34 +89,36 @@ class Captures:
         another axis form a block repeated index by index (a local expert's
         parameters stay together).
         """
+        facts = self.facts
         i = 0
         while i < len(rules):
             rule = rules[i]
-            layer = _pp_capture(rule)
+            layer = facts(rule)[0]
             if layer is None:
                 j = i + 1
-                while j < len(rules) and _pp_capture(rules[j]) is None:
+                while j < len(rules) and facts(rules[j])[0] is None:
                     j += 1
-                yield from self.by_index([r for r in rules[i:j] if self.placed(r, coords, chunk, pipelined)],
-                                         coords, chunk, None)
+                placed = [r for r in rules[i:j] if self.placed(r, coords, chunk, pipelined)]
+                yield from self.by_index(placed, coords, None)
                 i = j
                 continue
             if getattr(rule, "place", None) is not None:
                 raise self.err(f"a rule with '{{{layer.name}/pp}}' sits on the stage of its layer; drop '@{rule.place}'", rule.pos)
             j = i
-            while j < len(rules) and _layer_name(rules[j]) == layer.name:
+            while j < len(rules) and (cap := facts(rules[j])[0]) is not None and cap.name == layer.name:
                 j += 1
             block = rules[i:j]
             for lv in self.layer_values(layer, coords, chunk, rule):
-                yield from self.by_index(block, coords, chunk, lv)
+                yield from self.by_index(block, coords, lv)
             i = j
 
-    def by_index(self, rules: list[S.Statement], coords: dict[str, int], chunk: int, layer: tuple[int, int] | None):
+    def by_index(self, rules: list[S.Statement], coords: dict[str, int], layer: tuple[int, int] | None):
         """Rules with their capture values; a run of rules sharing a ``{x/axis}`` capture (axis not pp) goes index by index."""
-        caps = [_split_capture(r) for r in rules]
+        caps = [self.facts(r)[1] for r in rules]
         if not any(caps):
             for r in rules:
-                yield from ((r, v) for v in self.rule_values(r, coords, chunk, layer))
+                for v in self.rule_values(r, coords, layer):
+                    yield r, v
             return
         i = 0
         while i < len(rules):
@@ -108,7 +126,7 @@ class Captures:
             j = i + 1
             while cap is not None and j < len(rules) and caps[j] == cap:
                 j += 1
-            run = [(r, list(self.rule_values(r, coords, chunk, layer))) for r in rules[i:j]]
+            run = [(r, self.rule_values(r, coords, layer)) for r in rules[i:j]]
             if j - i == 1:
                 yield from ((r, v) for r, vs in run for v in vs)
             else:
@@ -122,7 +140,7 @@ class Captures:
             return False
         if place == "stage":
             return chunk == 0 and (self.stage_of(rule) == coords["pp"] or not pipelined)
-        if pipelined and place is None and _stacks_over_pp(rule):
+        if pipelined and place is None and self.facts(rule)[2]:
             return True  # layers stacked on a dim split over pp: one item per (stage, chunk)
         if not pipelined or place is None:
             return chunk == 0
@@ -160,8 +178,17 @@ class Captures:
             raise self.err(f"unknown index '{cap.name}' (declared: {', '.join(self.indexes) or 'none'})", cap.pos)
         return self.indexes[cap.name]
 
-    def rule_values(self, rule: S.Statement, coords: dict[str, int], chunk: int, layer: tuple[int, int] | None):
-        """Capture values of one rule: each a dict name -> (global, local)."""
+    def rule_values(self, rule: S.Statement, coords: dict[str, int],
+                    layer: tuple[int, int] | None) -> list[dict[str, tuple[int, int]]]:
+        """Capture values of one rule: each a dict name -> (global, local), not to be changed (units alike share
+        them: the layers of a stage on every expert-parallel rank)."""
+        at = (id(rule), layer, tuple([coords.get(a) for a in self.facts(rule)[3]]))
+        got = self.rule_values_made.get(at)
+        if got is None:
+            got = self.rule_values_made[at] = list(self.each_rule_values(rule, coords, layer))
+        return got
+
+    def each_rule_values(self, rule: S.Statement, coords: dict[str, int], layer: tuple[int, int] | None):
         caps = list({c.name: c for c in rule.pattern.captures}.values())
         choices = []
         for cap in caps:

@@ -19,7 +19,7 @@ from reshard.core.collector import collector_paused
 from reshard.core.geometry import Box, row_major_strides
 from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, new_fragment, new_item
 from reshard.core.flats import FlatBuffers, order_key
-from reshard.core.names import MESH_AXES, Captures, _layer_name, _stacks_over_pp
+from reshard.core.names import MESH_AXES, Captures, _layer_name
 from reshard.core.terms import Ctx, eval_term
 from reshard.core.topology import Topology
 from reshard.errors import SpecError
@@ -79,11 +79,14 @@ class _Resolver(Captures, FlatBuffers):
         self.init_flats()
         # items holding a blob's bytes: flat buffers hold tensors, not bytes
         self.blob_items: set[Item] = set()
-        # per stored rule, chunk and coordinates of its split axes: its shape and fragment templates (``templates``),
-        # shared by the layers; with capture values too, what ``stored_parts`` gives, shared by the units alike
-        self.shaped: dict[tuple, tuple[tuple[int, ...], list[tuple]]] = {}
+        # per stored rule, chunk and coordinates of its split axes: its shape, fragment templates (``templates``) and
+        # item infos, shared by the layers; with capture values too, what ``stored_parts`` gives, shared by the units
+        # alike
+        self.shaped: dict[tuple, tuple[tuple[int, ...], list[tuple], dict[tuple, ItemInfo]]] = {}
         self.stored_made: dict[tuple, tuple] = {}
         self.rule_splits: dict[int, tuple[str, ...]] = {}
+        self.rule_facts: dict[int, tuple[S.Capture | None, str | None, bool, tuple[str, ...]]] = {}
+        self.rule_values_made: dict[tuple, list[dict[str, tuple[int, int]]]] = {}
 
     def err(self, message: str, pos: S.Pos | None) -> SpecError:
         return self.spec.error(message, pos)
@@ -399,7 +402,7 @@ class _Resolver(Captures, FlatBuffers):
             return self.blob(sec, rule, unit, chunk, values, states)
         # Units that split the rule's dims alike store the same fragments under the same key (the attention of
         # every expert-parallel rank): worked out once, only the items differ.
-        at = (id(rule), chunk, tuple(values.items()), tuple(coords[a] for a in self.split_axes(rule)))
+        at = (id(rule), chunk, tuple(values.items()), tuple(map(coords.__getitem__, self.split_axes(rule))))
         made = self.stored_made.get(at)
         if made is None:
             made = self.stored_parts(rule, coords, chunk, values, at)
@@ -470,10 +473,10 @@ class _Resolver(Captures, FlatBuffers):
         if shaped is None:
             shape, combos = self.dims(rule, Ctx(self.spec, self.topo, self.env, self.indexes, coords, chunk, key,
                                                 _layer_name(rule)))
-            shaped = (shape, self.templates(rule, shape, combos))
+            shaped = (shape, self.templates(rule, shape, combos), {})
             self.shaped[(at[0], at[1], at[3])] = shaped
-        shape, templates = shaped
-        if _stacks_over_pp(rule) and 0 in shape:
+        shape, templates, infos = shaped
+        if 0 in shape and self.facts(rule)[2]:
             return ()
         frags: list[tuple] = []
         mapped = 0
@@ -489,8 +492,12 @@ class _Resolver(Captures, FlatBuffers):
             mapped += boxed[2]
             frags.append((name, boxed[0], base, boxed[1], fill))
         empty = self.empty_tensor(rule, global_values) if not frags and 0 in shape else None
-        return key, frags, ItemInfo(shape=self.stored_shape(rule, shape), mapped=mapped, rule=rule.pattern.text,
-                                    tensor=empty)
+        # The layers of a stage share their item info too (it says the same of each).
+        info = infos.get((mapped, empty))
+        if info is None:
+            info = infos[(mapped, empty)] = ItemInfo(shape=self.stored_shape(rule, shape), mapped=mapped,
+                                                     rule=rule.pattern.text, tensor=empty)
+        return key, frags, info
 
     def stored_shape(self, rule: S.Stored, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The item's shape: its dims' extents, or the rule's ``as (...)``, a row-major reshape of them (the

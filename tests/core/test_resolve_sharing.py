@@ -1,9 +1,10 @@
 """The resolver's shared work gives the layouts that working out every unit on its own gives.
 
-The resolver works out once what units share: a stored rule's dims per split coordinates, its fragments per
-capture values (the attention of every expert-parallel rank), a flat buffer's placement and its buckets' parts
-per params' content and rank of the split axis, the cuts of a param's fragments. With every one of those caches
-forgetting what it is told, each unit is worked out from scratch: the reference.
+The resolver works out once what units share: a stored rule's dims and item info per split coordinates, its
+fragments per capture values (the attention of every expert-parallel rank), a rule's capture values per layer and
+split coordinates, a flat buffer's placement and its buckets' parts per params' content and rank of the split axis,
+the cuts of a param's fragments. With every one of those caches forgetting what it is told, each unit is worked
+out from scratch: the reference.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def unshared(monkeypatch):
 
     def forgetting(self, *args, **kwargs) -> None:
         init(self, *args, **kwargs)
-        for name in ("shaped", "stored_made", "flat_places", "flat_shares", "flat_contents"):
+        for name in ("shaped", "stored_made", "rule_values_made", "flat_places", "flat_shares", "flat_contents"):
             setattr(self, name, _Forgetful())
         self.flat_cuts = FlatCuts(spans=_Forgetful(), boxes=_Forgetful())
 
