@@ -38,13 +38,12 @@ class Cover:
     destination box against every source box in one pass.
     """
 
-    __slots__ = ("entries", "lo", "hi", "picks")
+    __slots__ = ("entries", "lo", "hi")
 
     def __init__(self, frags: list[Fragment]) -> None:
         # Replicas are preferred in the order the source layout lists them (item order).
         replicas = _by_box(frags)
         self.lo = self.hi = None
-        self.picks: dict[int, dict[int, list[int]]] = {}
         if len(replicas) == 1:  # one box (a whole tensor and its replicas): nothing to subtract or search
             self.entries = list(replicas.items())
             return
@@ -71,45 +70,46 @@ class Cover:
         self.entries = entries
         self.lo, self.hi = bounds([b for b, _ in entries])
 
-    def meet(self, frags: list[Fragment]) -> list[list[Meeting]]:
+    def meet(self, frags: list[Fragment], owned: list[list[Fragment] | None] | None = None) -> list[list[Meeting]]:
         """For each destination fragment, the parts of its box the source holds, in the order of the boxes.
 
         A part is read from the replica in the destination fragment's own item when there is one, else from
-        the first replica.
+        the first replica. ``owned`` gives, for each destination fragment, the source's fragments in its item
+        (in the source's order; None for none), as the planner has them; without it they are looked for here.
         """
+        if owned is None:
+            owned = self.owned(frags)
         if self.lo is None or len(frags) * len(self.entries) < _VECTOR_MIN or not self.lo.shape[1]:
-            return [self._meet_one(f) for f in frags]
+            return [self._meet_one(f, own) for f, own in zip(frags, owned)]
         try:
-            return self._meet_all(frags)
+            return self._meet_all(frags, owned)
         except OverflowError:  # a number past int64: the loop works on Python's ints
-            return [self._meet_one(f) for f in frags]
+            return [self._meet_one(f, own) for f, own in zip(frags, owned)]
 
-    def pick(self, e: int, item: Item) -> int:
-        """Which replica of box ``e`` a part for ``item`` is read from: the first in ``item``, else the first."""
-        reps = self.entries[e][1]
-        # Replicas by their item's hash, which an item keeps (hashing an item is a Python call): the few that
-        # share ``item``'s hash are compared.
-        by_hash = self.picks.get(e)
-        if by_hash is None:
-            by_hash = {}
-            for k, a in enumerate(reps):
-                by_hash.setdefault(a.item._hash, []).append(k)
-            self.picks[e] = by_hash
-        return next((k for k in by_hash.get(item._hash, ()) if reps[k].item == item), 0)
+    def owned(self, frags: list[Fragment]) -> list[list[Fragment] | None]:
+        """For each destination fragment, the source's fragments in its item, in the source's order."""
+        by_item: dict[Item, list[Fragment]] = {}
+        seen: set[int] = set()
+        for _, reps in self.entries:
+            for a in reps:
+                if id(a) not in seen:
+                    seen.add(id(a))
+                    by_item.setdefault(a.item, []).append(a)
+        return [by_item.get(f.item) for f in frags]
 
-    def _meet_one(self, f: Fragment) -> list[Meeting]:
+    def _meet_one(self, f: Fragment, own: list[Fragment] | None = None) -> list[Meeting]:
         out: list[Meeting] = []
         box = f.box
-        for e, (ebox, alts) in enumerate(self.entries):
+        for ebox, alts in self.entries:
             # Most often one source box holds the whole destination box (a whole tensor, chunked).
             common = box if contains(ebox, box) else intersect(ebox, box)
             if common is None:
                 continue
-            s = alts[0] if len(alts) == 1 else alts[self.pick(e, f.item)]
+            s = alts[0] if len(alts) == 1 or not own else _pick(alts, own)
             out.append((s, common, offset_of(s, common), offset_of(f, common)))
         return out
 
-    def _meet_all(self, frags: list[Fragment]) -> list[list[Meeting]]:
+    def _meet_all(self, frags: list[Fragment], owned: list[list[Fragment] | None]) -> list[list[Meeting]]:
         entries = self.entries
         rank = self.lo.shape[1]
         # One row per destination fragment: its box's offsets and lengths, its strides and offset.
@@ -121,19 +121,19 @@ class Cover:
         if not len(di):
             return [[] for _ in frags]
         # The replica each part is read from: the first, or the first in the destination fragment's own item.
-        alts = [a for _, reps in entries for a in reps]
-        ai = np.cumsum([0] + [len(reps) for _, reps in entries[:-1]])[ei]
-        if len(alts) > len(entries):  # replicas: those in a destination fragment's own item come first
-            # Those whose item has the hash of a holder's; ``pick`` compares the items.
-            holders = {a.item._hash for a in alts}
-            mine = np.flatnonzero(np.array([f.item._hash in holders for f in frags]))
-            if len(mine):
-                ai = ai.tolist()
-                for k in np.flatnonzero(np.isin(di, mine)).tolist():
-                    e = int(ei[k])
-                    if len(entries[e][1]) > 1:
-                        ai[k] += self.pick(e, frags[int(di[k])].item)
-                ai = np.array(ai, dtype=np.int64)
+        alts = [reps[0] for _, reps in entries]
+        ai = ei
+        mine = [k for k, own in enumerate(owned) if own]
+        if mine and any(len(reps) > 1 for _, reps in entries):
+            ai = ei.tolist()
+            for k in np.flatnonzero(np.isin(di, mine)).tolist():
+                reps = entries[ai[k]][1]
+                if len(reps) > 1:
+                    picked = _pick(reps, owned[int(di[k])])
+                    if picked is not reps[0]:
+                        alts.append(picked)
+                        ai[k] = len(alts) - 1
+            ai = np.array(ai, dtype=np.int64)
         # One row per replica read from: its box's offsets, its strides and offset.
         used, back = np.unique(ai, return_inverse=True)
         s = np.array([alts[a].box.offsets + alts[a].strides + (alts[a].offset,) for a in used.tolist()],
@@ -144,7 +144,7 @@ class Cover:
         top = max(dtop[:rank]) + max(dtop[rank:2 * rank])
         step = max(dtop[2 * rank:3 * rank] + smax[rank:2 * rank])
         if rank * top * step + max(dtop[3 * rank], smax[2 * rank]) > _INT64:
-            return [self._meet_one(f) for f in frags]
+            return [self._meet_one(f, own) for f, own in zip(frags, owned)]
         at = s[back.reshape(-1)]
         lo_d, hi_d = dlo[di], dhi[di]
         clo = np.maximum(lo_d, self.lo[ei])
@@ -181,8 +181,9 @@ class Meetings:
 
     done: dict[tuple, list[tuple[list[Fragment], list[Fragment], list[list[Meeting]]]]] = field(default_factory=dict)
 
-    def meet(self, sources: list[Fragment], frags: list[Fragment]) -> list[list[Meeting]]:
-        """``Cover(sources).meet(frags)``."""
+    def meet(self, sources: list[Fragment], frags: list[Fragment],
+             owned: list[list[Fragment] | None]) -> list[list[Meeting]]:
+        """``Cover(sources).meet(frags, owned)``."""
         if len(sources) == 1:  # one fragment holds what the source has of it (a whole tensor, an expert)
             return [_meet_single(sources[0], f) for f in frags]
         first, last, want = sources[0], sources[-1], frags[0]
@@ -195,7 +196,7 @@ class Meetings:
                          for s, box, src_at, dst_at in meets]
                         for was, f, meets in zip(dst_ref, frags, meetings)]
         cover = Cover(sources)
-        meetings = cover.meet(frags)
+        meetings = cover.meet(frags, owned)
         if all(len(reps) == 1 for _, reps in cover.entries):
             seen.append((sources, frags, meetings))
         return meetings
@@ -221,6 +222,13 @@ def _by_box(frags: list[Fragment]) -> dict[Box, list[Fragment]]:
         else:  # an equal box made apart: keep the fragments in the order given
             out[box] = [f for f in frags if f.box == box]
     return out
+
+
+def _pick(reps: list[Fragment], own: list[Fragment]) -> Fragment:
+    """The replica a part is read from: the first of ``reps`` (fragments of one box, in the source's order) in the
+    destination fragment's item, whose fragments ``own`` are (in the source's order), else the first."""
+    box = reps[0].box
+    return next((a for a in own if a.box is box or a.box == box), reps[0])
 
 
 def _meet_single(s: Fragment, f: Fragment) -> list[Meeting]:

@@ -303,6 +303,9 @@ def _plan(src: Layout, dst: Layout) -> Plan:
     copies: list[Copy] = []
     filled: list[int] = []
     wanted: dict[tuple[str, str], list[int]] = defaultdict(list)
+    # Per destination fragment left to meet, the source's fragments of its key in its own item, if any: where its
+    # parts are read from when a box is held by several items.
+    owned_at: dict[int, list[Fragment]] = {}
     last = None
     for k, f in enumerate(dst.fragments):
         if f.item is not last:
@@ -317,13 +320,18 @@ def _plan(src: Layout, dst: Layout) -> Plan:
             filled.append(k)
         else:
             wanted[(f.tensor, f.state)].append(k)
+            if owned:
+                owned_at[k] = owned
     missing: list[tuple[int, str]] = []
     meetings_of = Meetings()
     dst_frags = dst.fragments
     for key, ks in wanted.items():
         frags = [dst_frags[k] for k in ks]
         held = sources.get(key)
-        meetings = meetings_of.meet(held, frags) if held else [[] for _ in frags]
+        if not held:
+            meetings = [[] for _ in frags]
+        else:
+            meetings = meetings_of.meet(held, frags, [owned_at.get(k) for k in ks] if owned_at else [None] * len(ks))
         for k, f, meets in zip(ks, frags, meetings):
             for s, common, src_at, dst_at in meets:
                 copies.append(_new_copy(s.item, src_at, s.strides, f.item, dst_at, f.strides, common.lengths, f.tensor,

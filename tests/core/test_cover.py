@@ -88,7 +88,10 @@ def test_meeting_overlapping_replicated_boxes_all_at_once_equals_one_at_a_time(s
     dst = _random_fragments(rng, rng.randint(1, 30), shape, 6)
     cover = Cover(src)
     assert cover.lo is not None  # several distinct boxes
-    assert cover._meet_all(dst) == [cover._meet_one(f) for f in dst]
+    owned = cover.owned(dst)
+    assert cover._meet_all(dst, owned) == [cover._meet_one(f, own) for f, own in zip(dst, owned)]
+    # the replica in a destination fragment's own item, as the planner gives them and as the cover finds them
+    assert cover.meet(dst) == cover.meet(dst, [[a for a in src if a.item == f.item] or None for f in dst])
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -133,5 +136,5 @@ def test_meetings_reused_for_alike_tensors_plan_what_a_cover_each_plans(name, si
     spec = layout_spec(name)
     a, b = (resolve(spec, parse_topology(t), sizes) for t in (src, dst))
     want = [plan(a, b).copies, plan(b, a).copies]
-    monkeypatch.setattr(cover_module.Meetings, "meet", lambda self, sources, frags: Cover(sources).meet(frags))
+    monkeypatch.setattr(cover_module.Meetings, "meet", lambda self, sources, frags, owned: Cover(sources).meet(frags))
     assert [plan(a, b).copies, plan(b, a).copies] == want
