@@ -1,13 +1,14 @@
 """Time resolving and planning one conversion from metadata alone and print the figures as a markdown table:
-what ``plan_405b.py`` and ``plan_moe.py`` share."""
+what ``plan_405b.py`` and ``plan_moe.py`` share; and how that time grows with the model (``curve``)."""
 
 from __future__ import annotations
 
+import gc
 import platform
 import resource
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -52,3 +53,26 @@ def report(spec_name: str, src_text: str, dst_text: str, sizes: Mapping[str, int
         print(f"| {name} | {secs:.2f} | {detail} |")
     print(f"| **total (resolve + plan)** | **{t3 - t0:.2f}** | target {total_target} |")
     print(f"| peak RSS | {rss:.2f} GiB | target {rss_target} |")
+
+
+def curve(spec_name: str, src_text: str, dst_text: str, sizes: Sequence[Mapping[str, int]], *, vary: str,
+          repeat: int = 2) -> None:
+    """Resolve both topologies and plan at each of ``sizes`` (a model grown along ``vary``), best of ``repeat``
+    runs, and print a markdown table of the seconds against the fragments and copies made: planning work grows
+    linearly with them when the time per fragment stays flat."""
+    spec = layout_spec(spec_name)
+    print(f"\n{src_text}  ->  {dst_text}, by {vary}\n")
+    print(f"| {vary} | fragments (src + dst) | copies | seconds (resolve + plan) | microseconds per fragment |")
+    print("|---:|---:|---:|---:|---:|")
+    for point in sizes:
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            src = resolve(spec, parse_topology(src_text), point)
+            dst = resolve(spec, parse_topology(dst_text), point)
+            p = plan(src, dst)
+            best = min(best, time.perf_counter() - t0)
+            fragments, copies = len(src.fragments) + len(dst.fragments), len(p.copies)
+            del src, dst, p
+            gc.collect()
+        print(f"| {point[vary]} | {fragments:,} | {copies:,} | {best:.2f} | {best / fragments * 1e6:.2f} |")

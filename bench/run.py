@@ -71,7 +71,7 @@ def main() -> None:
         ("One rank's load against reading everything", ["rank_load.py", *small]),
     ]
     if not args.tiny:  # seconds and most of a GiB: no smoke test
-        steps.insert(5, ("Planning a DeepSeek-V3-shaped mixture of experts", ["plan_moe.py", "--validate"]))
+        steps.insert(5, ("Planning a DeepSeek-V3-shaped mixture of experts", ["plan_moe.py", "--validate", "--curve"]))
         steps.append(("DeepSeek-V3's full tensor count at its training layout", [
             "moe_memory.py", "--layers", "61", "--mtp", "1", "--budget", "1GiB",
             "--to", "tp=1,pp=16,dp=64,ep=64,stages=4+4+4+4+4+4+4+4+4+4+4+4+4+3+3+3"]))
