@@ -8,7 +8,7 @@ tensor under its own name and global shape (``mcore-dist-derived``, a layout in
 the spec language like a family's), each chunk an item, and the distributed
 optimizer's ``fully_reshardable`` keys (``optimizer.state.<state>.<key>``) the
 same tensors' states. Bytes entries (``_extra_state``, ``rng_state``, ...) and
-0-d tensors are carried verbatim, ``common.pt`` whole.
+0-d tensors are carried verbatim, the common state (``common_state``) whole.
 
 Such a source converts to formats that keep every tensor by name (dcp, and
 torch_dist itself at the same tp and pp and any dp: the chunks as recorded,
@@ -19,7 +19,6 @@ that need the family (hf, the torch format) refuse it through
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -33,15 +32,13 @@ from reshard.formats.base import Source, Target
 from reshard.formats.dcp.layouts import _Chunk
 from reshard.formats.dcp.reading import DcpWrite, _Naming
 from reshard.formats.derived import Recorded, derived_spec_name, whole_text
+from reshard.formats.megatron.common_state import common_bytes
 from reshard.formats.megatron.identity import carried_identity
-from reshard.formats.megatron.small import _capture, _map_small
+from reshard.formats.megatron.small import _capture
 from reshard.formats.megatron.state import TORCH_DIST_KEY, TorchDistState
 from reshard.io.dcp_metadata import DcpChunk, DcpMetadata
-from reshard.io.torch_types import SmallTensor
-from reshard.io.torch_write import write_torch_file
-from reshard.io.torchfile import TensorSpec
 
-__all__ = ["DERIVED_SPEC", "MAIN_STATE", "derived_target", "derived_text", "optimizer_state", "write_common"]
+__all__ = ["DERIVED_SPEC", "MAIN_STATE", "derived_target", "derived_text", "optimizer_state"]
 
 DERIVED_SPEC = derived_spec_name("mcore-dist")
 MAIN_STATE = "param"
@@ -123,8 +120,9 @@ def derived_target(source: Source, topology: Topology) -> Target:
         if name in args:
             args[name] = value
     out = TorchDistState(args=args, iteration=state.iteration, checkpoint_version=state.checkpoint_version,
-                         common=state.common)
-    extra = {"dcp": DcpWrite(chunks=chunks, verbatim=list(state.extra_states), planner_data=dict(state.planner_data),
+                         common=state.common, common_entry=state.common_entry)
+    verbatim = [*state.extra_states, *([common_bytes(out)] if out.common_entry else [])]
+    extra = {"dcp": DcpWrite(chunks=chunks, verbatim=verbatim, planner_data=dict(state.planner_data),
                              naming=_Naming("", "", frozenset())), TORCH_DIST_KEY: out}
     return Target(format=source.format, spec_name=source.spec_name, spec=source.spec, topology=topology,
                   sizes=dict(source.sizes), layout=layout, dtypes=dtypes, model=carried_identity(source, None),
@@ -134,21 +132,3 @@ def derived_target(source: Source, topology: Topology) -> Target:
 def carried_common(common: Mapping[str, Any], where: Path) -> dict[str, Any]:
     """``common.pt`` without its ``args`` (kept as a dict in the state), small tensors read by value."""
     return _capture({k: v for k, v in common.items() if k != "args"}, str(where))
-
-
-def write_common(path: Path, state: TorchDistState, open_file) -> None:
-    """``common.pt``: the carried tree with the state's ``args``, or the args, version and iteration alone."""
-    tree: dict[str, Any] = {"args": argparse.Namespace(**state.args)}
-    if state.common is None:
-        tree |= {"checkpoint_version": state.checkpoint_version, "iteration": state.iteration}
-    else:
-        tree |= state.common
-        if not state.args:
-            tree.pop("args")
-    tensors: dict[int, bytes] = {}
-
-    def leaf(st: SmallTensor) -> TensorSpec:
-        tensors[len(tensors)] = st.data
-        return TensorSpec(st.dtype, st.shape, key=len(tensors) - 1)
-
-    write_torch_file(path, _map_small(tree, leaf), tensors, open_file=open_file)

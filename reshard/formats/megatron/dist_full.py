@@ -44,6 +44,7 @@ from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import MAX_COUNT, Located, Source, expect_int
 from reshard.formats.dcp.layouts import _Chunk
+from reshard.formats.megatron.common_state import common_where
 from reshard.formats.megatron.dist_derived import optimizer_state, stored_key
 from reshard.io.location import read_at
 from reshard.models import Family
@@ -141,14 +142,14 @@ def check_buckets(path: Path, args: Mapping[str, Any] | None, family: Family, si
         return
     from reshard.formats.megatron.dist_optim import _buckets
 
-    dp = expect_int(args.get("data_parallel_size") or 1, "args.data_parallel_size", str(path / "common.pt"),
+    dp = expect_int(args.get("data_parallel_size") or 1, "args.data_parallel_size", str(common_where(path)),
                     lo=1, hi=MAX_COUNT)
-    cp = expect_int(args.get("context_parallel_size") or 1, "args.context_parallel_size", str(path / "common.pt"),
+    cp = expect_int(args.get("context_parallel_size") or 1, "args.context_parallel_size", str(common_where(path)),
                     lo=1, hi=MAX_COUNT)
     ep = expect_int(args.get("expert_model_parallel_size") or 1, "args.expert_model_parallel_size",
-                    str(path / "common.pt"), lo=1, hi=MAX_COUNT) if family.experts else 1
+                    str(common_where(path)), lo=1, hi=MAX_COUNT) if family.experts else 1
     r = _buckets(family, args, sizes, Topology(tp=topology.tp, pp=topology.pp, ep=ep),
-                 Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp), f"{path / 'common.pt'}: args")
+                 Topology(tp=topology.tp, pp=topology.pp, dp=dp, cp=cp), f"{common_where(path)}: args")
     nccl = 2 ** 16 if args.get("ddp_pad_buckets_for_high_nccl_busbw") else 1
     for buffer, buckets in sorted(r.per_group.items()):
         section, tp, pp = buffer[:3]

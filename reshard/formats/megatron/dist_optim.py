@@ -63,6 +63,7 @@ from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError, SpecError, TopologyError
 from reshard.formats.base import MAX_COUNT, expect_int
 from reshard.formats.dcp.reading import _storage
+from reshard.formats.megatron.common_state import common_where
 from reshard.formats.megatron.dist_moe import bucket_experts
 from reshard.formats.megatron.etp import expert_tp, whole_experts
 from reshard.formats.megatron.small import _capture
@@ -163,7 +164,7 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
     """
     where = path / ".metadata"
     if args is None:
-        raise CheckpointFormatError(f"{path / 'common.pt'}: no args, so the distributed optimizer's bucket layout "
+        raise CheckpointFormatError(f"{common_where(path)}: no args, so the distributed optimizer's bucket layout "
                                     "(bucket size, layer implementation) is unknown; the dp_reshardable optimizer "
                                     "state cannot be decoded")
     ep, etp = _expert_parallel(args, family, where)

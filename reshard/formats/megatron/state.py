@@ -135,6 +135,9 @@ class TorchDistState:
     param_groups: list[dict[str, Any]] | None = None
     """Source: the distributed optimizer's param groups (without ``params``, with Adam's ``step``), None if not
     saved; a Megatron target carries them."""
+    common_entry: bool = False
+    """The common state is megatron-core 0.19's ``common_state`` bytes entry, not ``common.pt`` (``common_state``):
+    as read on a source; on a target, the form written."""
 
 
 def carried_args(source: Source) -> dict[str, Any]:

@@ -104,9 +104,17 @@ from reshard.formats.megatron.dist_derived import (
     carried_common,
     derived_target,
     derived_text,
-    write_common,
 )
 from reshard.formats.megatron.dist_derived import optimizer_state as _optimizer_state
+from reshard.formats.megatron.common_state import (
+    COMMON,
+    COMMON_ENTRY,
+    common_bytes,
+    common_where,
+    metadata_json,
+    read_common,
+    write_common,
+)
 from reshard.formats.megatron.dist_full import FULL, check_buckets, full_target, sharding_of
 from reshard.formats.megatron.dist_layers import mtp_layers, with_mtp
 from reshard.core.chunks import chunk_boxes
@@ -122,13 +130,11 @@ from reshard.formats.specs import family_of, layout_spec, require_family
 from reshard.io.bounds import brief
 from reshard.io.dcp_metadata import DcpChunk, read_metadata
 from reshard.io.location import as_path
-from reshard.io.torch_read import read_torch_file
 from reshard.models import Family, llama
 
 __all__ = ["FORMAT", "McoreDistFormat"]
 
 METADATA_JSON = "metadata.json"
-COMMON = "common.pt"
 _EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -170,16 +176,17 @@ class McoreDistFormat:
         if backend != "torch_dist":
             raise CheckpointFormatError(f"{path / METADATA_JSON}: sharded_backend is {brief(backend)}; reshard reads "
                                         "'torch_dist' (zarr and others are not supported)")
-        common = _common(path)
         md = read_metadata(path)
+        common, common_entry = read_common(path, md)
+        common_at = common_where(path)
         carried, config_path = read_carried(path, path.parent)
         args = _args_of(common)
-        family = agreed_family(args, carried, path / COMMON, config_path, spec=spec)
+        family = agreed_family(args, carried, common_at, config_path, spec=spec)
         derived = spec is None and (family is None or not family.torch_dist)
         if derived:  # a model no family describes: every stored tensor under its own name
             spec_name = DERIVED_SPEC
             spec_ast = derived_spec(derived_text(md, path), self.name, path)
-            model_sizes, topology = given_sizes(sizes), _parallel(args, path / COMMON, MAX_COUNT)
+            model_sizes, topology = given_sizes(sizes), _parallel(args, common_at, MAX_COUNT)
         else:
             spec_name = spec or _spec_name(family, _tied(family, args, carried.config), is_local(args),
                                            mtp_layers(md.tensors) > 0, is_grouped(args))
@@ -276,19 +283,19 @@ class McoreDistFormat:
         layout = Layout(topology=topology, tensors=MappingProxyType({n: t for n, t in whole.tensors.items() if n in used}),
                         items=MappingProxyType(items), fragments=tuple(fragments))
         it = common.get("iteration")
-        step = _group_step(common, path / COMMON) if buckets is None else \
+        step = _group_step(common, common_at) if buckets is None else \
             _step_of((buckets.param_groups or [{}])[0].get("step"), path / ".metadata")
-        progress = Progress(iteration=expect_step(it, "iteration", path / COMMON) if it is not None else None,
+        progress = Progress(iteration=expect_step(it, "iteration", common_at) if it is not None else None,
                             step=step)
         # Per-layer _extra_state (Transformer Engine's FP8 metadata, or [None]): keyed by global layer, so a
         # torch_dist target at any tp/pp takes them as they are. A derived layout carries every bytes entry.
         verbatim += [_Verbatim(k, None, _entry_bytes(path, md, k, None)[0]) for k in md.byte_entries
-                     if derived or "._extra_state/shard_" in k]
+                     if (derived and k != COMMON_ENTRY) or "._extra_state/shard_" in k]
         state = TorchDistState(args=args or {}, iteration=progress.iteration, extra_states=verbatim,
                                param_groups=buckets.param_groups if buckets else
-                               common_param_groups(common, str(path / COMMON)))
+                               common_param_groups(common, str(common_at)), common_entry=common_entry)
         if derived:
-            state.common, state.chunks = carried_common(common, path / COMMON), chunks
+            state.common, state.chunks = carried_common(common, common_at), chunks
             state.planner_data = dict(md.planner_data)
         model = replace(carried, family=family.name if family else None,
                         hints=family.config_hints(args) if family and args and family.config_hints else {})
@@ -381,7 +388,8 @@ class McoreDistFormat:
         carried = source.extra.get(TORCH_DIST_KEY) if source.format == self.name else None
         verbatim = list(carried.extra_states if isinstance(carried, TorchDistState) and carried.extra_states
                         else extra_states(whole, sizes))
-        state = TorchDistState(args=args, iteration=int(source.progress.iteration or 0))
+        state = TorchDistState(args=args, iteration=int(source.progress.iteration or 0),
+                               common_entry=isinstance(carried, TorchDistState) and carried.common_entry)
         if dist_optim is not None and topology.zero != 1:
             raise CheckpointFormatError(f"dist_optim '{dist_optim}' is the distributed optimizer's format: give zero=1")
         if topology.zero == 1 and any(s != PARAM for s in source.layout.states):
@@ -405,6 +413,8 @@ class McoreDistFormat:
             layout = Layout(topology=topology, tensors=MappingProxyType(
                 {n: t for n, t in whole.tensors.items() if n in {f.tensor for f in fragments}}),
                 items=MappingProxyType(items), fragments=tuple(fragments))
+        if state.common_entry:  # megatron-core 0.19's form, as the source holds it
+            verbatim.append(common_bytes(state))
         extra = {"dcp": DcpWrite(chunks=chunks, verbatim=verbatim, planner_data={},
                                  naming=_Naming("", "", frozenset())), TORCH_DIST_KEY: state}
         return Target(format=self.name, spec_name=spec_name, spec=spec_ast, topology=topology, sizes=dict(source.sizes),
@@ -422,13 +432,14 @@ class McoreDistFormat:
         written = DCP.write(target, out, fill, session, only=only)
         if only:
             return written
-        write_common(out / COMMON, target.extra[TORCH_DIST_KEY], session.open)
-        (out / METADATA_JSON).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                                                     "common_backend": "torch", "common_backend_version": 1}))
+        state = target.extra[TORCH_DIST_KEY]
+        if not state.common_entry:  # else it is a DCP entry (common_state), written with the rest
+            write_common(out / COMMON, state, session.open)
+        (out / METADATA_JSON).write_text(json.dumps(metadata_json(state.common_entry)))
         # Not Megatron's: the model's identity as the source carried it, for later conversions (the dcp writer
         # may have written it already; writing it again is harmless, listing it twice is not).
         identity = [p for p in write_identity(out, target.model) if p not in written]
-        return [*written, Path(COMMON), Path(METADATA_JSON), *identity]
+        return [*written, *([] if state.common_entry else [Path(COMMON)]), Path(METADATA_JSON), *identity]
 
 
 def whole_tensors(spec_ast, sizes: Mapping[str, int]) -> tuple[Layout, dict[str, Item], dict[Item, list[Fragment]]]:
@@ -468,14 +479,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _common(path: Path) -> dict[str, Any]:
-    file = path / COMMON
-    if not file.is_file():
-        return {}
-    obj = read_torch_file(file)
-    return obj if isinstance(obj, dict) else {}
-
-
 def _sizes(path: Path, common: Mapping[str, Any], md, given: Mapping[str, int],
            required: tuple[str, ...]) -> tuple[dict[str, int], Topology]:
     from reshard.formats.megatron.args import _sizes_from_args
@@ -489,9 +492,9 @@ def _sizes(path: Path, common: Mapping[str, Any], md, given: Mapping[str, int],
     fc1 = md.tensors.get("decoder.layers.mlp.linear_fc1.weight")
     stacked = {"layers": qkv.size[0] if qkv is not None and len(qkv.size) == 3 else len(md.tensors)}
     args = _args_of(common)
-    where = f"{path / COMMON}: args"
+    where = f"{common_where(path)}: args"
     if args is not None:
-        topology = _parallel(args, path / COMMON, stacked["layers"], tp)  # each stage holds a layer at least
+        topology = _parallel(args, common_where(path), stacked["layers"], tp)  # each stage holds a layer at least
         sizes = _sizes_from_args(args, given, topology, where)
         sizes.pop("vocab_div", None)
     else:
@@ -505,7 +508,7 @@ def _sizes(path: Path, common: Mapping[str, Any], md, given: Mapping[str, int],
             sizes.setdefault("f", fc1.size[1] // 2)
         missing = [k for k in required if k not in sizes]
         if missing:
-            raise CheckpointFormatError(f"{path}: {COMMON} holds no args, so the model sizes {', '.join(missing)} "
+            raise CheckpointFormatError(f"{common_where(path)} holds no args, so the model sizes {', '.join(missing)} "
                                         "are unknown; give them as sizes")
     sizes["vpad"] = embedding.size[0]
     return check_sizes(sizes, where, counts=stacked), topology
