@@ -56,6 +56,32 @@ def mcore_legacy():
     return mcore_legacy_jobs.install_dir()
 
 
+@pytest.fixture
+def mcore(request, monkeypatch) -> str:
+    """The megatron-core release a test's jobs run: the test environment's own, or, where the test is
+    parametrized with ``RELEASES`` (``indirect``), another of ``mcore_releases``, whose folder then goes first on
+    ``PYTHONPATH`` for every job the test starts; a missing install fails the test, naming the step that makes
+    it. Its value is the release's version."""
+    import mcore_releases
+
+    version = getattr(request, "param", None)
+    if version is None:
+        from importlib.metadata import version as installed
+
+        return installed("megatron-core")
+    if problem := mcore_releases.missing(version):
+        pytest.fail(problem, pytrace=False)
+    monkeypatch.setenv("PYTHONPATH", mcore_releases.python_path(version))
+    return version
+
+
+def releases(*others: str):
+    """Parametrize a test over the installed megatron-core and ``others`` (``mcore_releases``' versions), through
+    the ``mcore`` fixture."""
+    return pytest.mark.parametrize("mcore", [None, *others], indirect=True,
+                                   ids=["mcore-installed", *(f"mcore-{v}" for v in others)])
+
+
 def logical_values(layout: Layout, states: tuple[str, ...] = ("param",), dtype=np.float32) -> dict:
     """Distinct, position-dependent values for every logical tensor and state.
 

@@ -70,6 +70,29 @@ def run_ranks(script: str, args: list[str], what: str) -> None:
         raise RuntimeError(f"{what} job {args} failed ({code}):\n{err[-4000:]}")
 
 
+MEGATRON = ("megatron.core.parallel_state", "megatron.core.distributed", "megatron.core.models.gpt",
+            "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.optimizer", "megatron.core.dist_checkpointing",
+            "megatron.core.transformer.transformer_config")
+"""What a megatron-core job's ranks import: ``spawn`` imports it once, before the ranks fork."""
+
+
+def spawn(fn, args: tuple, nprocs: int, preload: tuple[str, ...] = MEGATRON) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes forked from this one after it imported ``preload``, so that no
+    rank imports them again (megatron-core takes some 4 s a rank to import; a spawned rank starts a fresh
+    interpreter). Nothing here has started a thread pool or a process group before the fork: the jobs run with
+    ``OMP_NUM_THREADS=1`` and each rank initializes its own group."""
+    import importlib
+    import warnings
+
+    import torch.multiprocessing as mp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ranks' own imports would say it again
+        for module in preload:
+            importlib.import_module(module)
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork")
+
+
 def exit_now() -> None:
     """End a rank that finished its work without running C++ static destructors (gloo's threads sometimes
     abort at interpreter exit, failing a job that succeeded), stopping its helper processes first."""

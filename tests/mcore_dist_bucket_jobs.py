@@ -112,10 +112,15 @@ def _several_pieces() -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    import numpy
+    import torch
+
+    from jobs import spawn
 
     tp, pp, ep, dp, sharding = (*map(int, sys.argv[2:6]), sys.argv[6])
     options, paths = json.loads(sys.argv[7]), sys.argv[8:]
     os.makedirs(paths[-1], exist_ok=True)
-    mp.spawn(_rank, args=(tp * pp * dp, tp, pp, ep, sharding, options, int(os.environ["RESHARD_MCORE_PORT"]), paths),
-             nprocs=tp * pp * dp)
+    numpy.product = getattr(numpy, "product", numpy.prod)  # 0.14 calls np.product (removed in numpy 2)
+    mcore_moe_jobs.cpu_only(torch)  # before megatron-core is imported, as in a rank of its own
+    spawn(_rank, (tp * pp * dp, tp, pp, ep, sharding, options, int(os.environ["RESHARD_MCORE_PORT"]), paths),
+          tp * pp * dp)

@@ -41,8 +41,8 @@ def _rank(rank: int, tp: int, port: int, case: str) -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    from jobs import spawn
 
     tp = int(sys.argv[2])
     (Path(sys.argv[1]) / "real").mkdir()
-    mp.spawn(_rank, args=(tp, int(os.environ["RESHARD_MCORE_PORT"]), sys.argv[1]), nprocs=tp)
+    spawn(_rank, (tp, int(os.environ["RESHARD_MCORE_PORT"]), sys.argv[1]), tp)

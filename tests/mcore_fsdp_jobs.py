@@ -50,7 +50,8 @@ def _cpu_only(torch) -> None:
     mcore_moe_jobs.cpu_only(torch)
     import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
 
-    if not isinstance(adapter.TELinear, type):  # a stand-in object without Transformer Engine; tp > 1 tests it
+    # 0.16: a stand-in object without Transformer Engine, which tp > 1 tests with isinstance (0.19 compares names)
+    if hasattr(adapter, "TELinear") and not isinstance(adapter.TELinear, type):
         adapter.TELinear = type("NoTransformerEngine", (), {})
     adapter.FullyShardedDataParallel.sync_rng_states_across_tp_group = lambda self: None  # CUDA RNG states only
     torch.cuda.current_device = lambda: 0
@@ -183,8 +184,12 @@ def _rank(rank: int, world: int, port: int, out: str, tp: int, ep: int) -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    import torch
+
+    import mcore_moe_jobs
+    from jobs import spawn
 
     dp, out, tp, ep = int(sys.argv[2]), sys.argv[3], *map(int, sys.argv[4:6])
     os.makedirs(out, exist_ok=True)
-    mp.spawn(_rank, args=(tp * dp, int(os.environ["RESHARD_MCORE_PORT"]), out, tp, ep), nprocs=tp * dp)
+    mcore_moe_jobs.cpu_only(torch)  # before megatron-core is imported, as in a rank of its own
+    spawn(_rank, (tp * dp, int(os.environ["RESHARD_MCORE_PORT"]), out, tp, ep), tp * dp)

@@ -158,8 +158,8 @@ def _rank(rank: int, world: int, tp: int, pp: int, port: int, action: str, paths
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    from jobs import spawn
 
     action, tp, pp, paths = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
     os.makedirs(paths[0] if action.endswith("-families") else paths[-1], exist_ok=True)
-    mp.spawn(_rank, args=(tp * pp, tp, pp, int(os.environ["RESHARD_MCORE_PORT"]), action, paths), nprocs=tp * pp)
+    spawn(_rank, (tp * pp, tp, pp, int(os.environ["RESHARD_MCORE_PORT"]), action, paths), tp * pp)

@@ -4,8 +4,8 @@ model space (``fully_sharded_model_space``), written on CPU with gloo.
 Megatron-core 0.8 to 0.14 save the distributed optimizer's state this way by default; 0.16 (the
 installed one) can neither save nor load it. The older release is installed beside it, without its
 dependencies, into its own folder (``.ci/run``: ``pip install --no-deps --target
-.venv-ci/mcore-legacy/0.14.0 megatron-core==0.14.0``); a job here runs with that folder first on
-``PYTHONPATH``, so its ranks import megatron-core 0.14 and everything else from the test environment.
+.venv-ci/mcore-legacy/0.14.0 megatron-core==0.14.0``, ``mcore_releases``); a job here runs with that folder first
+on ``PYTHONPATH``, so its ranks import megatron-core 0.14 and everything else from the test environment.
 
 ``save`` runs ``mcore_moe_jobs``'s run (the same model, DDP and ``get_megatron_optimizer`` Adam step,
 the same dumps of what each rank holds: weights, fp32 main params and Adam moments by name, and with
@@ -22,26 +22,21 @@ import sys
 from pathlib import Path
 
 import mcore_moe_jobs
+import mcore_releases
 from jobs import run_job
 
-VERSION = "0.14.0"
+VERSION = mcore_releases.LEGACY
 SHARDING = "fully_sharded_model_space"
-INSTALL_STEP = f"bash .ci/run (or: .venv-ci/bin/pip install --no-deps --target .venv-ci/mcore-legacy/{VERSION} " \
-               f"megatron-core=={VERSION})"
 
 
 def install_dir() -> Path:
-    """Where the older megatron-core lives: ``$RESHARD_MCORE_LEGACY``, else ``<venv>/mcore-legacy/<version>``."""
-    given = os.environ.get("RESHARD_MCORE_LEGACY")
-    return Path(given) if given else Path(sys.prefix) / "mcore-legacy" / VERSION
+    """Where the older megatron-core lives (``mcore_releases.install_dir``)."""
+    return mcore_releases.install_dir(VERSION)
 
 
 def missing() -> str | None:
-    """Why the older megatron-core cannot run here (not installed where ``install_dir`` says), None if it can."""
-    where = install_dir()
-    if (where / "megatron" / "core" / "__init__.py").is_file():
-        return None
-    return f"megatron-core {VERSION} is not installed at {where}; run {INSTALL_STEP}"
+    """Why the older megatron-core cannot run here, None if it can."""
+    return mcore_releases.missing(VERSION)
 
 
 def save(out: Path, dump: Path, tp: int, dp: int, ep: int = 1, **options) -> None:
@@ -50,7 +45,6 @@ def save(out: Path, dump: Path, tp: int, dp: int, ep: int = 1, **options) -> Non
     ``dense``); ``options``: ``mcore_moe_jobs.OPTIONS`` (``torch_dist`` implied)."""
     if problem := missing():
         raise RuntimeError(problem)
-    where = install_dir()
     opts = mcore_moe_jobs._options({**options, "torch_dist": True})
     import socket
 
@@ -58,7 +52,7 @@ def save(out: Path, dump: Path, tp: int, dp: int, ep: int = 1, **options) -> Non
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESHARD_MCORE_PORT": str(port),
-           "PYTHONPATH": os.pathsep.join([str(where), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": mcore_releases.python_path(VERSION)}
     args = ["save", str(tp), str(dp), str(ep), opts, str(out), str(dump)]
     code, output = run_job([sys.executable, __file__, *args], env)
     if code:
@@ -94,9 +88,14 @@ def _rank(rank: int, world: int, tp: int, ep: int, opts: dict, port: int, paths:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    import numpy
+    import torch
+
+    from jobs import spawn
 
     tp, dp, ep, options, paths = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]), \
         sys.argv[6:]
     os.makedirs(paths[-1], exist_ok=True)
-    mp.spawn(_rank, args=(tp * dp, tp, ep, options, int(os.environ["RESHARD_MCORE_PORT"]), paths), nprocs=tp * dp)
+    numpy.product = getattr(numpy, "product", numpy.prod)  # 0.14 calls np.product (removed in numpy 2)
+    mcore_moe_jobs.cpu_only(torch)  # before megatron-core is imported, as in a rank of its own
+    spawn(_rank, (tp * dp, tp, ep, options, int(os.environ["RESHARD_MCORE_PORT"]), paths), tp * dp)

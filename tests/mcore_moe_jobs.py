@@ -45,6 +45,7 @@ construction runs only in its forward, which these jobs never call, so the asser
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -112,7 +113,10 @@ def _args(tp: int, pp: int, ep: int, dp: int, distopt: bool, opts: dict = OPTION
 
 
 def cpu_only(torch) -> None:
-    """megatron-core on the CPU: its calls to CUDA devices, tensors and type names answered by the CPU's."""
+    """megatron-core on the CPU: its calls to CUDA devices, tensors and type names answered by the CPU's (once per
+    process: a rank forked from a job that did it already keeps it)."""
+    if getattr(torch.Tensor.type, "cpu_only", False):
+        return
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
     for name in ("tensor", "zeros", "ones", "empty", "full"):
@@ -129,6 +133,7 @@ def cpu_only(torch) -> None:
     def cuda_type(self, *a, **k):  # the optimizers check for torch.cuda.*Tensor
         name = type_of(self, *a, **k)
         return name.replace("torch.", "torch.cuda.", 1) if not a and not k and "cuda" not in name else name
+    cuda_type.cpu_only = True
     torch.Tensor.type = cuda_type
 
 
@@ -159,8 +164,12 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
     s = SIZES
     experts = None if opts["dense"] else s["experts"]
     dtype = torch.bfloat16 if opts["bf16"] else torch.float32
+    # GroupedMLP (moe_use_legacy_grouped_gemm) is gone from megatron-core 0.17 on
+    legacy_grouped = {"moe_use_legacy_grouped_gemm": opts["grouped"]} \
+        if "moe_use_legacy_grouped_gemm" in {f.name for f in dataclasses.fields(TransformerConfig)} else {}
+    assert legacy_grouped or not opts["grouped"], "this megatron-core has no GroupedMLP"
     moe = {"num_moe_experts": experts, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather",
-           "moe_grouped_gemm": opts["grouped"], "moe_use_legacy_grouped_gemm": opts["grouped"]} if experts else {}
+           "moe_grouped_gemm": opts["grouped"], **legacy_grouped} if experts else {}
     a = _args(tp, pp, ep, world // (tp * pp), distopt, opts)  # the family's structure
     config = TransformerConfig(
         num_layers=s["layers"], hidden_size=s["h"], num_attention_heads=s["heads"], num_query_groups=a.num_query_groups,
@@ -172,9 +181,8 @@ def _rank(rank: int, world: int, tp: int, pp: int, ep: int, distopt: bool, opts:
         expert_tensor_parallel_size=opts["etp"] or tp,
         qk_layernorm=opts["qk_norm"], **moe)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-                         num_experts=experts, moe_grouped_gemm=opts["grouped"],
-                         moe_use_legacy_grouped_gemm=opts["grouped"], normalization=a.normalization,
-                         qk_layernorm=opts["qk_norm"]),
+                         num_experts=experts, moe_grouped_gemm=opts["grouped"], normalization=a.normalization,
+                         qk_layernorm=opts["qk_norm"], **legacy_grouped),
                      vocab_size=padded_vocab(tp, opts["vocab"]), max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
@@ -372,11 +380,14 @@ def dump_named(path: Path, names: dict, optimizer, coords: dict, torch) -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    import torch
+
+    from jobs import spawn
 
     action = sys.argv[1]
     tp, pp, ep, dp, distopt = (int(a) for a in sys.argv[2:7])
     options, paths = json.loads(sys.argv[7]), sys.argv[8:]
     os.makedirs(paths[-1], exist_ok=True)
-    mp.spawn(_rank, args=(tp * pp * dp, tp, pp, ep, bool(distopt), options, int(os.environ["RESHARD_MCORE_PORT"]),
-                          action, paths), nprocs=tp * pp * dp)
+    cpu_only(torch)  # before megatron-core is imported, as in a rank of its own
+    spawn(_rank, (tp * pp * dp, tp, pp, ep, bool(distopt), options, int(os.environ["RESHARD_MCORE_PORT"]), action,
+                  paths), tp * pp * dp)

@@ -164,11 +164,14 @@ def _step(ddps, optimizer) -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    import torch
+
+    import mcore_moe_jobs
+    from jobs import spawn
 
     action = sys.argv[1]
     pp, vpp, dp = (int(a) for a in sys.argv[2:5])
     options, paths = json.loads(sys.argv[5]), sys.argv[6:]
     os.makedirs(paths[-1], exist_ok=True)
-    mp.spawn(_rank, args=(pp * dp, pp, vpp, options, int(os.environ["RESHARD_MCORE_PORT"]), action, paths),
-             nprocs=pp * dp)
+    mcore_moe_jobs.cpu_only(torch)  # before megatron-core is imported, as in a rank of its own
+    spawn(_rank, (pp * dp, pp, vpp, options, int(os.environ["RESHARD_MCORE_PORT"]), action, paths), pp * dp)

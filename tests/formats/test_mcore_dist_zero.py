@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import require
+from conftest import releases, require
+from mcore_releases import NEWEST
 from test_mcore_dist_optim import assert_resumed, gathered, hf_of
 
 import reshard
@@ -60,8 +61,9 @@ def check_against_the_run(tmp_path, ckpt, dump) -> None:
 
 
 @pytest.mark.interop
-def test_real_dp_zero_gather_scatter_state_converts_to_hf_and_to_dp_reshardable_at_another_layout(tmp_path):
-    """megatron-core 0.16 trains one step at tp 1, dp 2 (bf16 weights, fp32 main params, buckets of 4000
+@releases(NEWEST)
+def test_real_dp_zero_gather_scatter_state_converts_to_hf_and_to_dp_reshardable_at_another_layout(tmp_path, mcore):
+    """megatron-core (0.16.1, and 0.19.2) trains one step at tp 1, dp 2 (bf16 weights, fp32 main params, buckets of 4000
     elements) and saves torch_dist with dp_zero_gather_scatter optimizer state -> every optimizer tensor equal to
     what the run held; -> dp_reshardable at tp 2, dp 1, which megatron-core resumes: every weight, main param,
     Adam moment and step as the run held them, and the step after equal to the run's next; -> Hugging Face: every

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import require
+from mcore_releases import NEWEST
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -70,9 +71,11 @@ def flat(path, tmp_path, name: str) -> dict:
 
 
 @pytest.mark.interop
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_real_megatron_fsdp_checkpoint_is_read_by_name_and_converts_bit_exact(tmp_path, tp):
-    """At dp 2, and at tp 2 x dp 2 (each tensor global: tensor parallelism folded into the DTensor)."""
+@pytest.mark.parametrize("tp,mcore", [(1, None), (2, None), (1, NEWEST)], indirect=["mcore"],
+                         ids=["tp1", "tp2", f"tp1-mcore-{NEWEST}"])
+def test_a_real_megatron_fsdp_checkpoint_is_read_by_name_and_converts_bit_exact(tmp_path, tp, mcore):
+    """At dp 2, and at tp 2 x dp 2 (each tensor global: tensor parallelism folded into the DTensor); at dp 2 also
+    by megatron-core 0.19.2's Megatron-FSDP."""
     require("megatron.core")
     src = tmp_path / "src"
     mcore_fsdp_jobs.save(src, 2, tp)

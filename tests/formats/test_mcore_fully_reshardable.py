@@ -14,7 +14,8 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import require
+from conftest import releases, require
+from mcore_releases import NEWEST
 from test_mcore_dist_optim import STATES, gathered, write_dp_reshardable
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -82,8 +83,10 @@ def _equal_runs(tmp_path, pairs, pp: int, sizes: dict, gated: bool) -> None:
 
 
 @pytest.mark.interop
-@pytest.mark.parametrize("family,sharding", [("qwen2", "fully_reshardable"), ("gpt2", "dp_reshardable")])
-def test_real_dp_reshardable_run_resumes_in_megatron_core_at_tp2_and_gpt2_at_pp2(tmp_path, family, sharding):
+@pytest.mark.parametrize("family,sharding,mcore", [("qwen2", "fully_reshardable", None), ("gpt2", "dp_reshardable", None),
+                                                   ("gpt2", "dp_reshardable", NEWEST)], indirect=["mcore"],
+                         ids=["qwen2-fully_reshardable", "gpt2-dp_reshardable", f"gpt2-dp_reshardable-mcore-{NEWEST}"])
+def test_real_dp_reshardable_run_resumes_in_megatron_core_at_tp2_and_gpt2_at_pp2(tmp_path, family, sharding, mcore):
     """megatron-core trains one step of a Qwen2 style (q/k/v biases, tied) or GPT-2 style (LayerNorm, biases,
     learned positions, tied) model at tp 1, dp 2 in buckets and
     saves dp_reshardable -> torch_dist at tp 2, dp 1 with the optimizer state fully_reshardable (resumed with
@@ -113,8 +116,9 @@ def test_real_dp_reshardable_run_resumes_in_megatron_core_at_tp2_and_gpt2_at_pp2
 
 
 @pytest.mark.interop
-def test_real_fully_reshardable_checkpoint_of_several_buckets_is_refused_naming_the_shifted_state(tmp_path):
-    """megatron-core 0.16.1 saves fully_reshardable with buckets of 4000 elements at dp 2: the state of the
+@releases(NEWEST)
+def test_real_fully_reshardable_checkpoint_of_several_buckets_is_refused_naming_the_shifted_state(tmp_path, mcore):
+    """megatron-core (0.16.1, and 0.19.2, which still has the bug) saves fully_reshardable with buckets of 4000 elements at dp 2: the state of the
     parameters after the first padded bucket comes from shifted offsets (their main params are the weights
     shifted; those of bucket 0 match) -> refused, naming the key, the bucket and the shift."""
     require("megatron.core")
