@@ -19,7 +19,7 @@ import xxhash
 from reshard import __version__
 from reshard.api.distributed import Ranks, join_ranks
 from reshard.api.planning import PlanReport, plan
-from reshard.api.workers import copies_per_share, shares, split_items, worker_count, worker_shares
+from reshard.api.workers import Portion, copies_per_share, shares, split_items, worker_count, worker_shares
 from reshard.core.collector import collector_paused
 from reshard.core.topology import Topology
 from reshard.core.units import parse_size
@@ -217,7 +217,8 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
         _check_destination(Path(src), dst)
     every = sorted({str(f) for f in report.dst_files.values()})
     # across ranks, this host's ranks share its memory budget as workers would
-    count, window = _workers_and_window(report, workers if ranks is None else ranks.local_size, every, memory_budget)
+    count, window, planned = _workers_and_window(report, workers if ranks is None else ranks.local_size, every,
+                                                 memory_budget)
     target = report.target
     fmt = get_format(target.format)
     options = {"max_shard_size": max_shard_size, "vocab_pad": vocab_pad}
@@ -242,10 +243,14 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
                 progress(done[0], total)
 
         sources = logical_sources(target.layout, target.dtypes)
-        session = WriteSession(journal=tmp, segments=segments_of(sources), window_bytes=window, sync_behind=True)
+        ranges = segments_of(sources)
+        session = WriteSession(journal=tmp, segments=ranges, window_bytes=window, sync_behind=True)
         written: dict[Path, str | None] = {Path(rel): e[HASH] for rel, e in kept.items()}
         # across ranks, whole files: a split file's parts would meet on a shared file system only
-        parts = shares(report, count, todo) if ranks is None else shares(report, ranks.size, todo, split=False)
+        if ranks is not None:
+            parts = shares(report, ranks.size, todo, split=False)
+        else:  # the shares the budget was worked out for, unless resume left fewer files to write
+            parts = planned if todo == every else shares(report, count, todo)
         if len(parts) <= 1 and ranks is None:
             with ByteReader() as reader:
                 fill = PlanFill(report.plan, report.source.where, reader, progress=tick)
@@ -259,8 +264,8 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
             session.flush()
             tensors, segments = tensor_digests(session.item_digests(), report.dst_files), session.segment_digests()
         else:
-            results = (run_shares if ranks is None else ranks.run_shares)(worker_shares(report, parts, tmp, window),
-                                                                          progress=tick)
+            results = (run_shares if ranks is None else ranks.run_shares)(
+                worker_shares(report, parts, tmp, window, ranges), progress=tick)
             items: dict = {}
             segments = {}
             for r in results:
@@ -329,9 +334,10 @@ _MIB = 1 << 20
 
 
 def _workers_and_window(report: PlanReport, workers: int | str, files: list[str],
-                        memory_budget: int | str | None) -> tuple[int, int]:
-    """How many workers, and the window each writer asks of fill, from the memory budget: for ``auto``
-    workers, as many as help and as the budget holds; an error if the budget cannot hold the plan."""
+                        memory_budget: int | str | None) -> tuple[int, int, list[Portion]]:
+    """How many workers, the window each writer asks of fill, and the workers' shares of ``files``, from the
+    memory budget: for ``auto`` workers, as many as help and as the budget holds; an error if the budget cannot
+    hold the plan."""
     budget = default_memory_budget() if memory_budget in (None, "auto") else parse_size(memory_budget, "memory budget")
     count = worker_count(report, workers, files)
     while True:
@@ -348,7 +354,7 @@ def _workers_and_window(report: PlanReport, workers: int | str, files: list[str]
         raise ReshardError(f"memory budget {budget / _MIB:.0f} MiB{over} is below the {need} MiB this conversion needs: "
                            f"{what} + 4 windows of 1 MiB" + (" each" if len(parts) > 1 else "")
                            + (f"; give --memory-budget {need}MiB or more, or fewer workers" if len(parts) > 1 else ""))
-    return max(1, len(parts)), window
+    return max(1, len(parts)), window, parts
 
 
 def _fixed_bytes(report: PlanReport, parts: list[list[str]]) -> tuple[int, str]:

@@ -202,16 +202,19 @@ def worker_count(report: PlanReport, workers: int | str, files: Collection[str])
     return max(1, min(workers, tensors))
 
 
-def worker_shares(report: PlanReport, parts: list[Portion], out: Path, window: int) -> list[Share]:
+def worker_shares(report: PlanReport, parts: list[Portion], out: Path, window: int,
+                  segments: Mapping[Item, object] | None = None) -> list[Share]:
     """What each worker is sent: its files, the plan's copies into the tensors it writes and where those read,
-    the target, and for the files it writes in part, the tensors the other workers write."""
+    the target, and for the files it writes in part, the tensors the other workers write. ``segments``: the
+    conversion's (``segments_of``), when the caller has them."""
     owner = _owner(parts)
     copies: list[list] = [[] for _ in parts]
     for c in report.plan.copies:
         k = owner(report.dst_file(c.dst), c.dst)
         if k is not None:
             copies[k].append(c)
-    segments = segments_of(logical_sources(report.target.layout, report.target.dtypes))
+    if segments is None:
+        segments = segments_of(logical_sources(report.target.layout, report.target.dtypes))
     write = get_format(report.target.format).write
     items = _item_bytes(report)
     result = []

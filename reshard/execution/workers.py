@@ -2,8 +2,10 @@
 
 The parent plans and validates once; each worker gets a ``Share``: its destination files, the plan's
 copies into them, where the source bytes of those copies are, the target to write, and the format's
-``write``. A worker therefore starts at the cost of the interpreter and the imports of this module and
-of the format's package, and plans nothing. Workers read the same source files side by side:
+``write``, and plans nothing. On Linux, from a process of one Python thread, a worker is a fork made
+once the plan is: it holds its share from the start, with no interpreter to start, nothing to import
+and nothing to unpickle. Otherwise it is a fresh interpreter that imports this module and unpickles
+its share (the format's package comes with it). Workers read the same source files side by side:
 positioned reads need no coordination.
 
 A file larger than a fair share is split between workers at its stored tensors: each writes its own
@@ -27,7 +29,10 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
+import time
 import traceback
+import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +48,9 @@ from reshard.execution.session import Fill, SplitFile, WriteSession
 from reshard.io.smallfiles import Located
 
 __all__ = ["Share", "ShareResult", "WorkerLost", "finish_split", "run_shares", "write_share"]
+
+_PROGRESS_S = 0.05
+"""The least time between two of a worker's progress messages."""
 
 Write = Callable[..., list[Path]]
 """A format's ``write(target, out, fill, session, *, only=...)``."""
@@ -166,11 +174,15 @@ def _proxy(mapping: dict) -> MappingProxyType:
     return MappingProxyType(mapping)
 
 
-def run_shares(shares: Sequence[Share], progress: Callable[[int], None] | None = None) -> list[ShareResult]:
+def run_shares(shares: Sequence[Share], progress: Callable[[int], None] | None = None, *,
+               fork: bool | None = None) -> list[ShareResult]:
     """Write each share in its own worker process; their results in the order of ``shares``.
 
-    A worker is a fresh interpreter that imports this module and, as its share arrives, the format's
-    package: nothing of the caller's ``__main__`` (no main guard needed, no script run twice).
+    With ``fork`` (default: on Linux, while this process runs a single Python thread), a worker is a fork of this
+    process: it starts holding its share, with no interpreter to start, nothing to import and nothing to
+    unpickle. Otherwise (another thread could hold a lock the fork would copy held) a worker is a fresh
+    interpreter that imports this module and, as its pickled share arrives, the format's package: nothing of
+    the caller's ``__main__`` (no main guard needed, no script run twice).
 
     Raises:
       ReshardError: the first error a worker reported, naming the files it was writing.
@@ -179,22 +191,26 @@ def run_shares(shares: Sequence[Share], progress: Callable[[int], None] | None =
     """
     from multiprocessing.connection import Connection, wait
 
-    if not sys.executable:
+    fork = _alone() if fork is None else fork
+    if not fork and not sys.executable:
         raise ReshardError("cannot start workers: this Python does not know its own executable; use workers=1")
     # The worker sees the modules this process sees, as multiprocessing's spawn arranges it.
     code = f"import sys; sys.path[:] = {sys.path!r}; from reshard.execution.workers import _main; _main()"
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | _Forked] = []
     conns: list[Connection] = []
     try:
-        for _ in shares:
+        for share in shares:
             r, w = os.pipe()
-            try:
-                procs.append(subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), str(w)],
+            try:  # closed here once the worker has it: its death then reads as the end of the pipe
+                procs.append(_Forked(share, w) if fork else
+                             subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), str(w)],
                                               stdin=subprocess.PIPE, pass_fds=(w,)))
             finally:
                 os.close(w)
             conns.append(Connection(r, writable=False))
-        for proc, share in zip(procs, shares):  # all started first: they import side by side
+        for proc, share in zip(procs, shares, strict=True):  # all started first: they import side by side
+            if isinstance(proc, _Forked):
+                continue
             try:
                 proc.stdin.write(dumps(share))
                 proc.stdin.close()
@@ -249,13 +265,27 @@ def _died(code: int | None) -> str:
 def _main() -> None:
     """A worker (``python -c``, argv: the parent's pid, the fd to answer on): die with the parent, read
     the share from stdin, write it, send back its result or its error."""
+    _die_with(int(sys.argv[1]))
+    _serve(lambda: pickle.loads(sys.stdin.buffer.read()), int(sys.argv[2]))
+
+
+def _serve(share: Callable[[], Share], fd: int) -> None:
+    """Write the share ``share()`` gives, answering on ``fd``: progress, then the result or the error."""
     from multiprocessing.connection import Connection
 
-    _die_with(int(sys.argv[1]))
-    conn = Connection(int(sys.argv[2]), readable=False)
+    conn = Connection(fd, readable=False)
+    pending, last = [0], [time.monotonic()]
+
+    def progress(n: int) -> None:  # at most one message per _PROGRESS_S: 100,000 small tensors would send as many
+        pending[0] += n
+        if time.monotonic() - last[0] >= _PROGRESS_S:
+            conn.send_bytes(dumps(("progress", pending[0])))
+            pending[0], last[0] = 0, time.monotonic()
+
     try:
-        share = pickle.loads(sys.stdin.buffer.read())
-        result = write_share(share, progress=lambda n: conn.send_bytes(dumps(("progress", n))))
+        result = write_share(share(), progress=progress)
+        if pending[0]:
+            conn.send_bytes(dumps(("progress", pending[0])))
         conn.send_bytes(dumps(("done", result)))
     except ReshardError as e:
         conn.send_bytes(dumps(("error", str(e))))
@@ -263,6 +293,49 @@ def _main() -> None:
         conn.send_bytes(dumps(("bug", traceback.format_exc())))
     finally:
         conn.close()
+
+
+def _alone() -> bool:
+    """Whether a fork of this process is safe: Linux, and no Python thread but this one. Native thread pools
+    are left out of the count: numpy's OpenBLAS starts one at import, and stops it around a fork itself
+    (``pthread_atfork``); a worker calls into no such library."""
+    return sys.platform.startswith("linux") and threading.active_count() == 1
+
+
+class _Forked:
+    """A worker forked from this process, writing ``share`` and answering on ``fd``; with ``Popen``'s
+    ``poll``, ``wait`` and ``kill``."""
+
+    def __init__(self, share: Share, fd: int) -> None:
+        parent = os.getpid()
+        self.returncode: int | None = None
+        with warnings.catch_warnings():  # Python 3.12 warns of any native thread, such as OpenBLAS's (``_alone``)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.pid = os.fork()
+        if self.pid == 0:  # the worker: never returns into the caller's frames, runs none of its exit handlers
+            code = 1
+            try:
+                _die_with(parent)
+                _serve(lambda: share, fd)
+                code = 0
+            finally:
+                os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def _die_with(parent: int) -> None:

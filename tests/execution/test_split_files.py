@@ -128,3 +128,45 @@ def test_the_cli_plan_names_the_files_a_worker_writes_in_part(source):
     assert result.exit_code == 0, result.output
     assert "2 workers, largest byte share 1.00 x the mean:" in result.output
     assert "  worker 0: 306.1 KiB in 1 file: model.safetensors (306.1 KiB of it, 20 tensors)" in result.output
+
+
+FORKED = """
+import sys
+sys.path.insert(0, {tests!r})
+import reshard, reshard.api.converting as converting, reshard.execution.workers as workers
+from reshard.execution.workers import WorkerLost
+forks = []
+start = workers._Forked.__init__
+workers._Forked.__init__ = lambda self, *a: forks.append(1) or start(self, *a)
+if {kill!r}:
+    import dataclasses
+    from worker_faults import KillInPart
+    real = converting.worker_shares
+    converting.worker_shares = lambda *a, **kw: [s if k == 0 else dataclasses.replace(s, write=KillInPart(s.write, 2))
+                                                 for k, s in enumerate(real(*a, **kw))]
+try:
+    reshard.convert({src!r}, {dst!r}, format="hf", workers=2)
+except WorkerLost as e:
+    print("lost:", str(e).split(" while")[0])
+print("forked:", len(forks))
+"""
+
+
+@pytest.mark.parametrize("kill", [False, True])
+def test_a_single_threaded_process_forks_its_workers_and_sees_one_die(source, tmp_path, kill):
+    """In a process of one thread (a CLI run) workers are forks, holding their shares without a pickle: the
+    same bytes as one worker; a forked worker killed inside its range is seen at once (its end of the pipe
+    is its alone)."""
+    import subprocess
+    import sys
+
+    code = FORKED.format(tests=str(Path(__file__).resolve().parents[1]), kill=kill, src=str(source),
+                         dst=str(tmp_path / "two"))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    if kill:
+        assert run.stdout.splitlines() == ["lost: worker 2 of 2 was killed (SIGKILL)", "forked: 2"]
+        return
+    assert run.stdout.splitlines() == ["forked: 2"]
+    reshard.convert(source, tmp_path / "one", format="hf", workers=1)
+    assert contents(tmp_path / "two") == contents(tmp_path / "one")
