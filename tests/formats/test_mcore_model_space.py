@@ -16,6 +16,7 @@ import math
 import re
 
 import mcore_jobs
+import mcore_releases
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -94,12 +95,14 @@ def test_one_dimensional_flattened_state_is_refused_naming_key_and_file(tmp_path
 
 
 @pytest.mark.interop
-def test_megatron_core_0_14_model_space_checkpoint_resumes_in_0_16_as_dp_reshardable(tmp_path, mcore_legacy):
+def test_megatron_core_0_14_model_space_checkpoint_resumes_in_0_16_and_0_19_as_dp_reshardable(tmp_path, mcore_legacy,
+                                                                                              monkeypatch):
     """megatron-core 0.14 trains one step at tp 2, dp 2 (bf16 weights, fp32 main params, buckets of 4000
     elements, so each dp rank holds pieces of parameters) and saves torch_dist with its default
     fully_sharded_model_space optimizer state -> torch_dist dp_reshardable at tp 1, dp 2 (the run's buckets),
-    which megatron-core 0.16 loads with dist_checkpointing.load: every weight, main param, Adam moment and step
-    equal to what the 0.14 run held, and the step after equal to the 0.14 run's own next step."""
+    which megatron-core 0.16 loads with dist_checkpointing.load, and so does the newest release, 0.19.2: every
+    weight, main param, Adam moment and step equal to what the 0.14 run held, and the step after equal to the
+    0.14 run's own next step."""
     require("megatron.core")
     import mcore_legacy_jobs
     import mcore_moe_jobs as jobs
@@ -122,6 +125,12 @@ def test_megatron_core_0_14_model_space_checkpoint_resumes_in_0_16_as_dp_reshard
     assert {s for _, s in gathered(tmp_path / "dump-src", 1, jobs.SIZES)} == \
         {"value", "param", "exp_avg", "exp_avg_sq", "step"}
     assert_resumed(tmp_path, "dump-src", "dump-dist")
+    if problem := mcore_releases.missing(mcore_releases.NEWEST):
+        pytest.fail(problem, pytrace=False)
+    monkeypatch.setenv("PYTHONPATH", mcore_releases.python_path(mcore_releases.NEWEST))
+    jobs.load(tmp_path / "dist", tmp_path / "dump-newest", tp=t_tp, pp=1, ep=1, dp=t_dp, distopt=True,
+              bucket_size=4000, torch_dist=True, **run)
+    assert_resumed(tmp_path, "dump-src", "dump-newest")
 
 
 @pytest.mark.interop
