@@ -47,9 +47,11 @@ about 0.3 s): ``auto`` starts one worker per this many bytes at most."""
 
 
 MIN_COPY_BYTES = 256 << 10
-"""The average bytes per copy below which ``auto`` starts no worker: each one is sent its slice of the plan
-and the target, and unpickles them, at some 60 microseconds per copy, while a small copy moves in a few. 100,000
-tensors of 10 KiB took 14 s with two workers and 7.8 s with one (``bench/small_tensors.py``'s checkpoint)."""
+"""The average bytes per copy below which ``auto`` starts no worker: Python per tensor, not bytes, is the cost
+then. A worker started as a fresh interpreter is sent its slice of the plan and the whole target and unpickles
+them, at some 60 microseconds per copy; a forked one is sent nothing, and still did not pay on 2 busy cores:
+100,000 tensors of 10 KiB (``bench/small_tensors.py``'s checkpoint) took 18.7 s with two forked workers and
+18.8 s with one, 46.7 s with two fresh interpreters (medians of 2, load average 7 to 13)."""
 
 
 def file_bytes(report: PlanReport) -> dict[str, int]:
@@ -86,7 +88,7 @@ def shares(report: PlanReport, workers: int, files: Collection[str] | None = Non
     Whole files first: largest first, each to the least loaded worker (ties: one already holding a file of
     the same connected component, then the lowest number). Where that leaves a share over ``BALANCE`` times
     the mean, or a worker idle, and ``split`` allows, files are split instead (``_split``), if that brings the
-    largest share down by more than a tenth. Empty shares are dropped.
+    largest share within ``BALANCE`` of the mean, or down by more than a tenth. Empty shares are dropped.
     """
     weight = file_bytes(report)
     todo = sorted(weight if files is None else files)
@@ -98,8 +100,10 @@ def shares(report: PlanReport, workers: int, files: Collection[str] | None = Non
     if workers <= 1 or not todo or not split or balanced or total == 0:
         return kept
     cut = _split(_item_bytes(report), weight, todo, workers)
-    # a split file costs the parent a read back: worth it where the largest share shrinks by more than that slack
-    return cut if BALANCE * max(p.bytes for p in cut) < max(loads) else kept
+    # a split file costs the parent a read back: worth it where shares come within BALANCE of the mean, or else
+    # where the largest shrinks by more than that slack
+    most = max(p.bytes for p in cut)
+    return cut if most < max(loads) and (most <= BALANCE * total / workers or BALANCE * most < max(loads)) else kept
 
 
 def _whole_files(report: PlanReport, weight: Mapping[str, int], todo: list[str], workers: int) -> list[list[str]]:

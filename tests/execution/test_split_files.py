@@ -91,6 +91,18 @@ def test_more_files_than_workers_that_balance_badly_are_split(source):
     assert max(p.bytes for p in parts) <= 1.1 * sum(weight.values()) / 3
 
 
+@pytest.mark.parametrize("to", ["tp=2,pp=2", "tp=1,pp=4", "tp=4,pp=1"])
+@pytest.mark.parametrize("workers", [2, 3, 4, 6])
+def test_shares_are_within_a_tenth_of_the_mean_or_of_one_tensor(source, to, workers):
+    report = reshard.plan(source, format="megatron", to=to)
+    weight = file_bytes(report)
+    parts = shares(report, workers)
+    loads = [p.bytes for p in parts]
+    largest = max(report.target.layout.items[it].numel for it in report.dst_files) * 4  # fp32 at most
+    assert sum(loads) == sum(weight.values()) and len(parts) <= workers
+    assert max(loads) <= max(1.1 * sum(loads) / workers, sum(loads) / workers + largest), (loads, largest)
+
+
 @pytest.mark.parametrize("resume_workers", [1, 3])
 def test_a_worker_killed_inside_its_range_leaves_no_complete_file_and_resume_rewrites_it(
         source, tmp_path, monkeypatch, resume_workers):
