@@ -18,12 +18,13 @@ from reshard.execution.partial import partial_path
 from reshard.execution.workers import WorkerLost
 from reshard.io.storage import read_journal
 
-# One destination file each: a torch.save zip (Megatron), a safetensors file (Hugging Face) and a DCP
-# .distcp holding one zip archive per tensor.
+# One destination file each: a torch.save zip (Megatron), a safetensors file (Hugging Face), and a .distcp
+# holding one zip archive per tensor (DCP, Megatron's torch_dist).
 ONE_FILE = {
     "megatron": ({"format": "megatron", "to": "tp=1,pp=1"}, "iter_0000000/mp_rank_00/model_optim_rng.pt"),
     "hf": ({"format": "hf"}, "model.safetensors"),
     "dcp": ({"format": "dcp", "to": "dp=1"}, "__0_0.distcp"),
+    "mcore-dist": ({"format": "mcore-dist", "to": "tp=1,pp=1"}, "__0_0.distcp"),
 }
 
 
