@@ -11,6 +11,7 @@ import functools
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -119,14 +120,22 @@ def convert(
         return
     follower = launched_rank() != 0  # a torchrun rank other than 0: rank 0 reports progress, the result and errors
     columns = (TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=True, disable=follower or not err.is_terminal) as bar:
+    # redrawn from the progress callback, not by a thread of rich's: a conversion in one thread forks its workers
+    with Progress(*columns, console=err, transient=True, disable=follower or not err.is_terminal,
+                  auto_refresh=False) as bar:
         task = bar.add_task("convert", total=None)
+        drawn = [0.0]
+
+        def show(done: int, total: int) -> None:  # redrawn at most 10 times a second
+            due = time.monotonic() - drawn[0] >= 0.1
+            bar.update(task, completed=done, total=total, refresh=due)
+            if due:
+                drawn[0] = time.monotonic()
+
         try:
             result = reshard.convert(src, dst, to=to, format=format, spec=spec, sizes=_sizes(sizes), workers=_workers(workers),
                                      memory_budget=memory_budget, max_shard_size=max_shard_size, vocab_pad=vocab_pad,
-                                     dist_optim=dist_optim,
-                                     progress=lambda done, total: bar.update(task, completed=done, total=total),
-                                     resume=resume)
+                                     dist_optim=dist_optim, progress=show, resume=resume)
         except KeyboardInterrupt:
             if not follower:
                 err.print(f"interrupted: {dst} was not written; the same command with --resume continues where this "

@@ -133,9 +133,8 @@ def test_a_worker_killed_inside_its_range_leaves_no_complete_file_and_resume_rew
 
 
 def test_the_cli_plan_names_the_files_a_worker_writes_in_part(source):
-    from typer.testing import CliRunner
-
     from reshard.cli.main import app
+    from typer.testing import CliRunner
 
     result = CliRunner().invoke(app, ["plan", str(source), "--format", "hf", "--workers", "2"])
     assert result.exit_code == 0, result.output
@@ -183,3 +182,42 @@ def test_a_single_threaded_process_forks_its_workers_and_sees_one_die(source, tm
     assert run.stdout.splitlines() == ["forked: 2"]
     reshard.convert(source, tmp_path / "one", format="hf", workers=1)
     assert contents(tmp_path / "two") == contents(tmp_path / "one")
+
+
+CLI_IN_A_TERMINAL = """
+import reshard.execution.workers as workers
+from reshard.cli.main import app
+forks = []
+start = workers._Forked.__init__
+workers._Forked.__init__ = lambda self, *a: forks.append(1) or start(self, *a)
+try:
+    app(["convert", {src!r}, {dst!r}, "--format", "hf", "--workers", "2"])
+except SystemExit:
+    pass
+print("forked:", len(forks))
+"""
+
+
+def test_the_cli_in_a_terminal_draws_its_bar_without_a_thread_and_forks_its_workers(source, tmp_path):
+    """rich redraws a progress bar on a thread of its own unless told not to: with it, a conversion from the
+    command line would start fresh interpreters."""
+    import os
+    import pty
+    import sys
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child, on the terminal
+        os.execv(sys.executable, [sys.executable, "-c", CLI_IN_A_TERMINAL.format(src=str(source),
+                                                                                 dst=str(tmp_path / "two"))])
+    out = b""
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+        except OSError:  # the terminal closed with the child
+            break
+        if not data:
+            break
+        out += data
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, out.decode(errors="replace")
+    text = out.decode(errors="replace")
+    assert "converting" in text and "forked: 2" in text, text[-2000:]
