@@ -273,10 +273,13 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
                 items.update(r.items)
                 segments.update(r.segments)
             bytes_read = sum(r.bytes_read for r in results)
-            tensors = tensor_digests(items, report.dst_files)
             if any(p.split for p in parts):  # the files the workers wrote in parts: framing, checksum, journal
-                written.update(finish_split(fmt.write, target, tmp, results, split_items(report, parts),
-                                            window_bytes=window))
+                done = finish_split(fmt.write, target, tmp, results, split_items(report, parts), window_bytes=window,
+                                    segments=ranges, pieced={it for p in parts for _, it, _, _ in p.pieces})
+                written.update({Path(f): d for f, d in done.files.items()})
+                items.update(done.items)
+                segments.update(done.segments)
+            tensors = tensor_digests(items, report.dst_files)
             with ByteReader() as reader:  # the files that hold no items: trackers, configs, indexes
                 paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), session, only=())
                 written.update({p: session.digest(tmp / p) for p in paths})

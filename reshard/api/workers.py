@@ -10,7 +10,8 @@ balance does not care.
 Whole files go to workers while that keeps every share within ``BALANCE`` of the mean. Otherwise (fewer
 files than workers, or one file much larger than the rest) the files that do not fit whole are split at
 their stored tensors, each worker writing its own tensors of such a file (``reshard.execution.workers``),
-so that no share exceeds the mean by more than a tenth or by more than the largest tensor.
+and where a tensor is larger than the slack, inside tensors too (each worker writing a piece of one), so
+that no share exceeds the mean by more than a tenth.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class Portion:
     """Its destination files, sorted, those it writes in part included."""
     split: tuple[tuple[str, tuple[Item, ...]], ...] = ()
     """The files of ``files`` split between workers, each with the stored tensors of it this worker writes."""
+    pieces: tuple[tuple[str, Item, int, int], ...] = ()
+    """The tensors of ``split`` this worker writes a piece of: file, tensor, first and end element."""
     bytes: int = 0
     """The destination bytes it writes (its tensors' elements, padding included, at their dtypes)."""
 
@@ -99,7 +102,9 @@ def shares(report: PlanReport, workers: int, files: Collection[str] | None = Non
     kept = [Portion(files=tuple(s), bytes=n) for s, n in zip(whole, loads, strict=True)]
     if workers <= 1 or not todo or not split or balanced or total == 0:
         return kept
-    cut = _split(_item_bytes(report), weight, todo, workers)
+    dtypes = report.target.dtypes
+    cut = _split(_item_bytes(report), weight, todo, workers,
+                 {it: itemsize(dtypes.get(it, "uint8")) for it in report.dst_files})
     # a split file costs the parent a read back: worth it where shares come within BALANCE of the mean, or else
     # where the largest shrinks by more than that slack
     most = max(p.bytes for p in cut)
@@ -124,14 +129,15 @@ def _whole_files(report: PlanReport, weight: Mapping[str, int], todo: list[str],
 
 
 def _split(items: Mapping[str, list[tuple[Item, int]]], weight: Mapping[str, int], todo: list[str],
-           workers: int) -> list[Portion]:
+           workers: int, sizes: Mapping[Item, int]) -> list[Portion]:
     """Shares that split as few files as balance needs.
 
     Largest first, a file goes whole to the least loaded worker if that keeps it within ``BALANCE`` of the
     mean; the files left over are split: their stored tensors, in order, fill what each worker lacks of the
     bound, the emptiest worker first (each file split between neighbours, as in McNaughton's wrap-around rule): the
     least bound on any share that cuts at tensors allow (found by bisection; a check packs worker by worker,
-    jumping over the tensors' prefix sums).
+    jumping over the tensors' prefix sums). Where that bound passes ``BALANCE`` of the mean (a tensor larger
+    than the slack), tensors are cut too, at elements (``_cut_inside``).
     """
     mean = sum(weight[f] for f in todo) / workers
     loads, mine = [0] * workers, [defaultdict(list) for _ in range(workers)]
@@ -159,28 +165,72 @@ def _split(items: Mapping[str, list[tuple[Item, int]]], weight: Mapping[str, int
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if cuts(mid) else (mid + 1, hi)
-    at = 0
-    for k, stop in zip(order, cuts(lo), strict=True):
-        for f, item, n in seq[at:stop]:
-            mine[k][f].append(item)
-            loads[k] += n
-        at = stop
-    return [Portion(files=tuple(sorted(m)), bytes=loads[k],
-                    split=tuple((f, tuple(its)) for f, its in sorted(m.items()) if len(its) != len(items[f])))
+    pieces: list[list[tuple[str, Item, int, int]]] = [[] for _ in range(workers)]
+    if lo <= BALANCE * mean or not seq:
+        at = 0
+        for k, stop in zip(order, cuts(lo), strict=True):
+            for f, item, n in seq[at:stop]:
+                mine[k][f].append(item)
+                loads[k] += n
+            at = stop
+    else:  # a tensor larger than the slack: cut inside tensors too
+        _cut_inside(seq, ends, [(k, max(0.0, mean - loads[k])) for k in order], mean, sizes, mine, loads, pieces)
+    return [Portion(files=tuple(sorted(m)), bytes=loads[k], pieces=tuple(pieces[k]),
+                    split=tuple((f, tuple(its)) for f, its in sorted(m.items())
+                                if len(its) != len(items[f]) or any(p[0] == f for p in pieces[k])))
             for k, m in enumerate(mine) if m]
+
+
+def _cut_inside(seq: list[tuple[str, Item, int]], ends: list[int], rooms: list[tuple[int, float]], mean: float,
+                sizes: Mapping[Item, int], mine: list[dict[str, list[Item]]], loads: list[int],
+                pieces: list[list[tuple[str, Item, int, int]]]) -> None:
+    """The tensors of ``seq``, in order, cut into a run per worker (``rooms``: each worker and what it lacks of
+    the mean, scaled to what ``seq`` holds) at the cut's own element where no tensor boundary lies within half
+    the slack of it: such a tensor is written in pieces (``pieces``: file, tensor, first and end element)."""
+    total = ends[-1]
+    scale = total / (sum(r for _, r in rooms) or 1)
+    cuts = [0]
+    for bound in itertools.accumulate(r * scale for _, r in rooms[:-1]):
+        j = min(bisect.bisect_left(ends, bound), len(seq) - 1)  # the tensor the cut falls in
+        start = ends[j] - seq[j][2]
+        near = min((start, ends[j]), key=lambda b: abs(b - bound))
+        size = sizes[seq[j][1]]
+        cut = near if abs(near - bound) <= (BALANCE - 1) / 2 * mean else start + int(bound - start) // size * size
+        cuts.append(max(cuts[-1], min(total, cut)))
+    cuts.append(total)
+    for (k, _), a, b in zip(rooms, cuts[:-1], cuts[1:], strict=True):
+        for j in range(bisect.bisect_left(ends, a), len(seq)):
+            f, item, n = seq[j]
+            start = ends[j] - n
+            if start >= b and not (n == 0 and start == b == total):
+                break
+            lo, hi = max(a, start), min(b, ends[j])
+            if hi <= lo and n:
+                continue
+            mine[k][f].append(item)
+            loads[k] += hi - lo
+            if hi - lo != n:
+                pieces[k].append((f, item, (lo - start) // sizes[item], (hi - start) // sizes[item]))
 
 
 def share_table(report: PlanReport, workers: int) -> dict[str, object]:
     """The shares ``workers`` workers would get, for ``reshard plan``: per worker its files (those it writes in
-    part, with their bytes) and bytes, and the largest share over the mean."""
+    part, with their bytes and tensors, whole or in pieces) and bytes, and the largest share over the mean."""
     weight = _item_bytes(report)
+    sizes = {it: itemsize(report.target.dtypes.get(it, "uint8")) for it in report.dst_files}
     parts = shares(report, workers)
     rows = [{"files": list(p.files), "bytes": p.bytes,
-             "parts": [{"file": f, "bytes": sum(n for it, n in weight[f] if it in set(its)), "tensors": len(its)}
+             "parts": [{"file": f, "bytes": _part_bytes(weight[f], its, p, sizes), "tensors": len(its)}
                        for f, its in p.split]} for p in parts]
     mean = sum(r["bytes"] for r in rows) / len(rows) if rows else 0
     return {"workers": len(rows), "shares": rows,
             "largest_over_mean": round(max(r["bytes"] for r in rows) / mean, 3) if mean else 1.0}
+
+
+def _part_bytes(weight: list[tuple[Item, int]], its: tuple[Item, ...], p: Portion, sizes: Mapping[Item, int]) -> int:
+    piece = {it: (hi - lo) * sizes[it] for _, it, lo, hi in p.pieces}
+    mine = set(its)
+    return sum(piece.get(it, n) for it, n in weight if it in mine)
 
 
 def usable_cores() -> int:
@@ -211,11 +261,10 @@ def worker_shares(report: PlanReport, parts: list[Portion], out: Path, window: i
     """What each worker is sent: its files, the plan's copies into the tensors it writes and where those read,
     the target, and for the files it writes in part, the tensors the other workers write. ``segments``: the
     conversion's (``segments_of``), when the caller has them."""
-    owner = _owner(parts)
+    owners = _owners(parts)
     copies: list[list] = [[] for _ in parts]
     for c in report.plan.copies:
-        k = owner(report.dst_file(c.dst), c.dst)
-        if k is not None:
+        for k in owners(report.dst_file(c.dst), c.dst):
             copies[k].append(c)
     if segments is None:
         segments = segments_of(logical_sources(report.target.layout, report.target.dtypes))
@@ -228,7 +277,8 @@ def worker_shares(report: PlanReport, parts: list[Portion], out: Path, window: i
         where: dict[Item, object] = {c.src: report.source.where[c.src] for c in copies[k]}
         result.append(Share(write=write, target=report.target, out=out, files=p.files, copies=tuple(copies[k]),
                             where=where, window_bytes=window, split=tuple(split), skip=skip,
-                            segments={it: v for it, v in segments.items() if owner(_file_of(report, it), it) == k}))
+                            pieces={it: (lo, hi) for _, it, lo, hi in p.pieces},
+                            segments={it: v for it, v in segments.items() if k in owners(_file_of(report, it), it)}))
     return result
 
 
@@ -240,22 +290,24 @@ def _file_of(report: PlanReport, item: Item) -> str | None:
 def copies_per_share(report: PlanReport, parts: list[Portion]) -> list[int]:
     """How many of the plan's copies each share holds (what a worker's slice of the plan weighs)."""
     counts = [0] * len(parts)
-    owner = _owner(parts)
+    owners = _owners(parts)
     for c in report.plan.copies:
-        k = owner(report.dst_file(c.dst), c.dst)
-        if k is not None:
+        for k in owners(report.dst_file(c.dst), c.dst):
             counts[k] += 1
     return counts
 
 
-def _owner(parts: list[Portion]) -> Callable[[str | None, Item], int | None]:
-    """``owner(file, item)``: the number of the share that writes that stored tensor; None: no share does."""
+def _owners(parts: list[Portion]) -> Callable[[str | None, Item], list[int]]:
+    """``owners(file, item)``: the numbers of the shares that write that stored tensor (several for one written
+    in pieces)."""
     files: dict[str, int] = {}
-    tensors: dict[tuple[str, Item], int] = {}
+    tensors: dict[tuple[str, Item], list[int]] = defaultdict(list)
     for k, p in enumerate(parts):
         files.update({f: k for f in p.files if f not in dict(p.split)})
-        tensors.update({(f, it): k for f, its in p.split for it in its})
-    return lambda f, item: files.get(f, tensors.get((f, item))) if f is not None else None
+        for f, its in p.split:
+            for it in its:
+                tensors[(f, it)].append(k)
+    return lambda f, item: [] if f is None else [files[f]] if f in files else tensors.get((f, item), [])
 
 
 def split_items(report: PlanReport, parts: list[Portion]) -> dict[str, list[Item]]:

@@ -36,7 +36,7 @@ from typing import Any
 from reshard.core.dtypes import itemsize
 from reshard.core.layout import Item
 from reshard.errors import CheckpointFormatError
-from reshard.io.storage import HASH, JOURNAL, FilePart, ItemHasher, OutputFile, sync_file
+from reshard.io.storage import HASH, JOURNAL, FilePart, ItemHasher, OutputFile, ReadBack, Skip, sync_file
 
 __all__ = ["DEFAULT_WINDOW", "Fill", "SplitFile", "WriteSession"]
 
@@ -80,17 +80,24 @@ class WriteSession:
         files being on disk.
       split: files written side by side with other processes (by path), and this session's part in each.
       skip: stored tensors ``stream_item`` leaves alone: the other processes' tensors of the ``split`` files.
+      pieces: stored tensors of the ``split`` files that processes write in pieces: the elements ``[first, end)``
+        this session writes of each (no checksum of the tensor here).
+      read_back: tensors written in pieces by other processes that this session, finishing their file, reads
+        back for their checksums and CRC-32s.
     """
 
     def __init__(self, *, journal: str | Path | None = None,
                  segments: Mapping[Item, Sequence[tuple[int, int]]] | None = None,
                  window_bytes: int = DEFAULT_WINDOW, sync_behind: bool = False,
-                 split: Mapping[str | Path, SplitFile] | None = None, skip: Collection[Item] = ()) -> None:
+                 split: Mapping[str | Path, SplitFile] | None = None, skip: Collection[Item] = (),
+                 pieces: Mapping[Item, tuple[int, int]] | None = None, read_back: Collection[Item] = ()) -> None:
         self.journal = Path(journal).absolute() if journal is not None else None
         self.sync_behind = sync_behind
         self.window_bytes = window_bytes
         self._split = {str(Path(p).absolute()): v for p, v in (split or {}).items()}
         self._skip = frozenset(skip)
+        self._pieces = dict(pieces or {})
+        self._read_back = frozenset(read_back)
         self._parts: dict[str, FilePart] = {}
         self._segments = {k: tuple(sorted(v)) for k, v in (segments or {}).items() if v}
         self._lock = threading.Lock()
@@ -176,22 +183,42 @@ class WriteSession:
             return
         size = itemsize(dtype)
         step = max(1, self.window_bytes // size)
-        digest = ItemHasher(item, self._segments.get(item, ()), on_done=self._hashed)
+        if item in self._read_back:
+            return self._read_back_item(item, numel, size, step, write)
+        first, end = self._pieces.get(item, (0, numel))
+        digest = ItemHasher(item, self._segments.get(item, ()), on_done=self._hashed) if item not in self._pieces \
+            else None  # a piece of a tensor: the finishing process reads the tensor back for its checksum
         try:
-            for lo in range(0, max(numel, 1), step):  # a tensor without elements: one empty window
-                hi = min(numel, lo + step)
+            if digest is None:
+                self.settle()
+                write(Skip(first * size))
+            for lo in range(first, max(end, first + 1), step):  # a tensor without elements: one empty window
+                hi = min(end, lo + step)
                 data = fill(item, lo, hi)
                 got = _check_window(data, item, lo, hi, size, dtype)
-                digest.update(data)
+                if digest is not None:
+                    digest.update(data)
                 self.settle()
                 if got >= _HANDOFF:
                     self._pending = self._writer().submit(write, data)
                 else:
                     write(data)
-            digest.done()
+            if digest is not None:
+                digest.done()
         except BaseException:
             self._settle_quietly()  # an error while filling: let the write in flight end before unwinding
             raise
+
+    def _read_back_item(self, item: Item, numel: int, size: int, step: int, write: Callable) -> None:
+        """A tensor other processes wrote in pieces: read back from the file through its writer, window by
+        window (its CRC, its descriptor), for its checksums."""
+        digest = ItemHasher(item, self._segments.get(item, ()), on_done=self._hashed)
+        self.settle()
+        for lo in range(0, numel, step):
+            window = ReadBack((min(numel, lo + step) - lo) * size)
+            write(window)
+            digest.update(window.data)
+        digest.done()
 
     def settle(self) -> None:
         """Wait for the window in flight, if any, and raise its failure."""

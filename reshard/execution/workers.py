@@ -12,7 +12,9 @@ A file larger than a fair share is split between workers at its stored tensors: 
 tensors of it into the one file with positioned writes (``FilePart``) and reports the tensors' checksums
 and zip record CRC-32s; ``finish_split`` then writes what depends on all of them (the zip central
 directory and serialization id, a safetensors header) in the parent, reads the file back once for its
-checksum and journals it. The file is the same, byte for byte, as one process writes it.
+checksum and journals it. A tensor too large for one share is written in pieces, one per worker, and read
+back by the parent for its checksums and CRC-32 (``WriteSession``'s ``pieces`` and ``read_back``). The file
+is the same, byte for byte, as one process writes it.
 
 A worker that reports an error fails the conversion with that error. A worker that dies (killed, or
 exiting without a result) fails it with ``WorkerLost``, after every other worker is stopped: the
@@ -34,7 +36,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -84,6 +86,9 @@ class Share:
     """The files of ``files`` split between workers, of which this one writes the stored tensors not in ``skip``."""
     skip: frozenset[Item] = frozenset()
     """The stored tensors of the ``split`` files that other workers write."""
+    pieces: Mapping[Item, tuple[int, int]] = field(default_factory=dict)
+    """Stored tensors of the ``split`` files written in pieces by several workers: the elements ``[first, end)``
+    of each that this one writes."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,7 +110,8 @@ def write_share(share: Share, progress: Callable[[int], None] | None = None) -> 
     plan = Plan(src_items={}, dst_items={}, copies=share.copies, tensors={})
     split = {share.out / f: SplitFile() for f in share.split}
     with collector_paused(), WriteSession(journal=share.out, segments=share.segments, window_bytes=share.window_bytes,
-                                          sync_behind=True, split=split, skip=share.skip) as session, \
+                                          sync_behind=True, split=split, skip=share.skip,
+                                          pieces=share.pieces) as session, \
             ByteReader() as reader:
         fill: Fill = PlanFill(plan, share.where, reader, dtypes=share.target.dtypes, progress=progress)
         written = share.write(share.target, share.out, fill, session, only=[Path(f) for f in share.files])
@@ -118,35 +124,43 @@ def write_share(share: Share, progress: Callable[[int], None] | None = None) -> 
 
 
 def finish_split(write: Write, target: Any, out: Path, results: Sequence[ShareResult],
-                 items: Mapping[str, Collection[Item]], *, window_bytes: int) -> dict[Path, str | None]:
+                 items: Mapping[str, Collection[Item]], *, window_bytes: int, pieced: Collection[Item] = (),
+                 segments: Mapping[Item, Sequence[tuple[int, int]]] | None = None) -> ShareResult:
     """Finish the files the workers wrote in parts (``items``: each file's stored tensors): write what depends
     on all the parts (headers, the zip directory with the CRC-32s the workers took), read each file back once
-    for its checksum, fsync and journal it with the tensor checksums the workers took. The checksum of each.
+    for its checksum, fsync and journal it with the tensor checksums the workers took. The tensors written in
+    pieces (``pieced``) are read back first, for their checksums (and those of their ``segments``) and CRC-32s.
+    Returns the checksum of each file, and those taken of the tensors read back.
 
     Raises:
       ReshardError: a stored tensor of a file that no worker reported (a bug).
     """
     digests: dict[Item, str] = {}
-    segments: dict[tuple[str, int, int], str] = {}
+    ranges: dict[tuple[str, int, int], str] = {}
     crcs: dict[str, dict[int, int]] = {}
     for r in results:
         digests.update(r.items)
-        segments.update(r.segments)
+        ranges.update(r.segments)
         for f, c in r.crcs.items():
             crcs.setdefault(f, {}).update(c)
     split: dict[Path, SplitFile] = {}
     for f, held in items.items():
-        missing = [str(it) for it in held if it not in digests]
+        missing = [str(it) for it in held if it not in digests and it not in pieced]
         if missing:
             raise ReshardError(f"{out / f}: no worker wrote {', '.join(missing[:3])} of this split file")
         labels = {str(it) for it in held}
-        split[out / f] = SplitFile(frames=True, crcs=crcs.get(f, {}), tensors={it: digests[it] for it in held},
-                                   segments={k: d for k, d in segments.items() if k[0] in labels})
-    skip = {it for held in items.values() for it in held}
-    with WriteSession(journal=out, window_bytes=window_bytes, sync_behind=True, split=split, skip=skip) as session:
+        split[out / f] = SplitFile(frames=True, crcs=crcs.get(f, {}),
+                                   tensors={it: digests[it] for it in held if it in digests},
+                                   segments={k: d for k, d in ranges.items() if k[0] in labels})
+    skip = {it for held in items.values() for it in held} - set(pieced)
+    with WriteSession(journal=out, window_bytes=window_bytes, sync_behind=True, split=split, skip=skip,
+                      read_back=pieced, segments={it: (segments or {}).get(it, ()) for it in pieced}) as session:
         written = write(target, out, _no_fill, session, only=[Path(f) for f in items])
         session.flush()
-        return {Path(w): session.digest(out / w) for w in written}
+        return ShareResult(files={str(w): session.digest(out / w) for w in written}, bytes_read=0, crcs={},
+                           items={it: d for it, d in session.item_digests().items() if it in pieced},
+                           segments={k: d for k, d in session.segment_digests().items()
+                                     if k[0] in {str(it) for it in pieced}})
 
 
 def _no_fill(item: Item, lo: int, hi: int) -> bytes:

@@ -35,7 +35,7 @@ from reshard.errors import CheckpointFormatError
 from reshard.io import json_text
 from reshard.io.bounds import FieldError, check_count, check_offset, check_shape
 from reshard.io.location import UrlPath, file_size
-from reshard.io.storage import FilePart, OutputFile
+from reshard.io.storage import FilePart, OutputFile, ReadBack, Skip
 
 __all__ = [
     "INDEX_NAME",
@@ -330,6 +330,7 @@ class SafetensorsWriter:
         self.size = _N_LEN + len(header) + sum(t.nbytes for t in self.tensors.values())
         """Final file size in bytes."""
         self._written = dict.fromkeys(self.tensors, 0)
+        self._partial: set[str] = set()  # tensors part of which another process writes (``Skip``)
         self._out: OutputFile | None = open_file(self.path, self.size)
         # part of a file that several processes write: the header is the finishing part's (``FilePart``)
         self._part = self._out if isinstance(self._out, FilePart) else None
@@ -346,19 +347,26 @@ class SafetensorsWriter:
         """Tensor names in file order."""
         return tuple(self.tensors)
 
-    def write(self, name: str, data: bytes | bytearray | memoryview) -> None:
-        """Append ``data`` to tensor ``name`` (its next bytes, row-major)."""
+    def write(self, name: str, data: bytes | bytearray | memoryview | Skip | ReadBack) -> None:
+        """Append ``data`` to tensor ``name`` (its next bytes, row-major); a ``Skip`` moves past bytes another
+        process writes, a ``ReadBack`` reads them back from the file."""
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointFormatError(f"{self.path}: tensor '{name}' is not in this file")
         if self._out is None:
             raise CheckpointFormatError(f"{self.path}: write to tensor '{name}' after the file was closed")
-        view = memoryview(data).cast("B")
+        marker = isinstance(data, (Skip, ReadBack))
+        n = data.nbytes if marker else memoryview(data).nbytes
         done = self._written[name]
-        if done + len(view) > info.nbytes:
-            raise _error(self.path, f"writing {len(view)} bytes at byte {done} overflows its {info.nbytes} bytes", name)
-        self._out.pwrite(view, info.data_offset + done)
-        self._written[name] = done + len(view)
+        if done + n > info.nbytes:
+            raise _error(self.path, f"writing {n} bytes at byte {done} overflows its {info.nbytes} bytes", name)
+        if isinstance(data, Skip):
+            self._partial.add(name)
+        elif isinstance(data, ReadBack):
+            data.data = self._out.pread(n, info.data_offset + done)
+        else:
+            self._out.pwrite(memoryview(data).cast("B"), info.data_offset + done)
+        self._written[name] = done + n
 
     def close(self) -> None:
         """Finish the file; raises (and removes the file) if a tensor is incomplete."""
@@ -371,7 +379,7 @@ class SafetensorsWriter:
             raise
         # a part writes some tensors whole and leaves the others to the other parts
         short = [f"'{n}' ({self._written[n]} of {t.nbytes} bytes)" for n, t in self.tensors.items()
-                 if self._written[n] != t.nbytes and (self._part is None or self._written[n])]
+                 if self._written[n] != t.nbytes and (self._part is None or (self._written[n] and n not in self._partial))]
         if short:
             self.abort()
             raise CheckpointFormatError(f"{self.path}: incomplete, tensors not fully written: {', '.join(short)}")

@@ -33,7 +33,8 @@ import xxhash
 
 from reshard.errors import CheckpointFormatError
 
-__all__ = ["HASH", "JOURNAL", "FilePart", "ItemHasher", "OutputFile", "file_digest", "read_journal", "sync_file"]
+__all__ = ["HASH", "JOURNAL", "FilePart", "ItemHasher", "OutputFile", "ReadBack", "Skip", "file_digest", "read_journal",
+           "sync_file"]
 
 HASH = "xxh3_128"
 """The manifest's checksum: xxh3-128 of a file's bytes, as hex."""
@@ -83,6 +84,29 @@ def file_digest(path: str | Path) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
+
+
+class Skip:
+    """Handed to a tensor writer's ``write`` in place of bytes: the next ``nbytes`` of the tensor are another
+    process's part of it (a file split inside a tensor), and the writer moves past them, taking no CRC of the
+    tensor and writing no descriptor after it."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+class ReadBack:
+    """Handed to a tensor writer's ``write`` in place of bytes: the next ``nbytes`` of the tensor are in the file
+    already (other processes wrote them), and the writer reads them back into ``data``, taking them as written
+    (their CRC, the descriptor after the tensor's last byte)."""
+
+    __slots__ = ("data", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.data = b""
 
 
 class ItemHasher:
@@ -195,6 +219,23 @@ class OutputFile:
                 self._done = end
             else:
                 bisect.insort(self._ahead, (offset, end))
+
+    def pread(self, length: int, offset: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of the file, as written so far (by any process)."""
+        if self._fd is None:
+            raise CheckpointFormatError(f"{self.path}: read after close")
+        out = bytearray()
+        try:
+            while len(out) < length:
+                chunk = os.pread(self._fd, length - len(out), offset + len(out))
+                if not chunk:
+                    raise CheckpointFormatError(f"{self.path}: ends at byte {offset + len(out)}, expected "
+                                                f"{offset + length}")
+                out += chunk
+        except OSError as e:
+            raise CheckpointFormatError(f"{self.path}: cannot read {length} bytes at byte {offset} "
+                                        f"({e.strerror})") from None
+        return bytes(out)
 
     def settle(self) -> None:
         """Wait for a write to this file still in flight on another thread (the ``settle`` it was made with);

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from reshard.errors import CheckpointFormatError
-from reshard.io.storage import FilePart, OutputFile
+from reshard.io.storage import FilePart, OutputFile, ReadBack, Skip
 from reshard.io.torch_read import _is_builtin_type
 from reshard.io.zipdir import crc32
 from reshard.io.torch_types import (
@@ -245,6 +245,7 @@ class _Record:
     central_offset: int = 0  # of its central directory entry
     written: int = 0
     crc: int = 0
+    partial: bool = False  # bytes of it were another process's (``Skip``): its CRC is not the record's
 
     def zip64_fields(self) -> bytes:
         """The zip64 extra field miniz writes: sizes when >= 4 GiB, then the header offset when it is >= 4 GiB."""
@@ -441,21 +442,29 @@ class TorchFileWriter:
         """Bytes of the archive ``TorchFileWriter(path, obj, archive_name=...)`` would write."""
         return _lay_out(obj, archive_name).size
 
-    def write(self, key: object, data: bytes | memoryview | np.ndarray) -> None:
-        """Appends the next bytes of tensor ``key`` (row-major; an array's raw bytes are used whatever its dtype)."""
+    def write(self, key: object, data: bytes | memoryview | np.ndarray | Skip | ReadBack) -> None:
+        """Appends the next bytes of tensor ``key`` (row-major; an array's raw bytes are used whatever its dtype);
+        a ``Skip`` moves past bytes another process writes, a ``ReadBack`` reads them back from the file."""
         if self._out is None:
             raise CheckpointFormatError(f"{self.path}: write after close")
         r = self._tensors[key]
         if isinstance(data, np.ndarray):
             data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        n = memoryview(data).nbytes
+        n = data.nbytes if isinstance(data, (Skip, ReadBack)) else memoryview(data).nbytes
         if r.written + n > r.size:
             raise CheckpointFormatError(
                 f"{self.path}: tensor {key!r} takes {r.size} bytes; {n} more after {r.written} would overflow it")
-        self._out.pwrite(data, self._base + r.data_offset + r.written)
+        if isinstance(data, Skip):
+            r.written, r.partial = r.written + n, True
+            return
+        if isinstance(data, ReadBack):
+            data.data = self._out.pread(n, self._base + r.data_offset + r.written)
+            data = data.data
+        else:
+            self._out.pwrite(data, self._base + r.data_offset + r.written)
         r.crc = crc32(data, r.crc)
         r.written += n
-        if r.written == r.size:  # its data descriptor now, so the file is final up to the next tensor
+        if r.written == r.size and not r.partial:  # its data descriptor now: the file is final up to the next tensor
             self._out.pwrite(r.descriptor(), self._base + r.data_offset + r.size)
 
     def close(self) -> None:
@@ -470,7 +479,7 @@ class TorchFileWriter:
         part, base = self._part, self._base
         if part is not None:
             for r in self._tensors.values():
-                if r.written == r.size:
+                if r.written == r.size and not r.partial:
                     part.crcs[base + r.data_offset] = r.crc
                 elif base + r.data_offset in part.crcs:  # written by another part
                     r.crc, r.written = part.crcs[base + r.data_offset], r.size

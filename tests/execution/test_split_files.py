@@ -6,6 +6,7 @@ nothing that looks complete, which ``resume`` rewrites with any number of worker
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -102,6 +103,56 @@ def test_shares_are_within_a_tenth_of_the_mean_or_of_one_tensor(source, to, work
     largest = max(report.target.layout.items[it].numel for it in report.dst_files) * 4  # fp32 at most
     assert sum(loads) == sum(weight.values()) and len(parts) <= workers
     assert max(loads) <= max(1.1 * sum(loads) / workers, sum(loads) / workers + largest), (loads, largest)
+
+
+ZERO = {"format": "deepspeed", "to": "dp=1"}  # the flat fp32 buffers: one stored tensor each
+
+
+@pytest.mark.parametrize("workers", [2, 3, 5])
+def test_tensors_larger_than_the_slack_are_written_in_pieces_with_one_workers_bytes(source, tmp_path, workers):
+    """DeepSpeed's optimizer states are three flat buffers: cut between tensors, two workers' shares would be
+    1.14 x the mean at best; cut inside them, each worker writes a piece of a buffer and the main process reads
+    the pieced buffers back for their checksums and CRC-32s."""
+    report = reshard.plan(source, **ZERO)
+    parts = shares(report, workers)
+    assert any(p.pieces for p in parts) and max(p.bytes for p in parts) <= 1.1 * sum(p.bytes for p in parts) / workers
+    for _, item, lo, hi in (x for p in parts for x in p.pieces):  # the pieces of a tensor tile it
+        assert 0 <= lo < hi <= report.target.layout.items[item].numel
+    cover: dict = {}
+    for p in parts:
+        for _, item, lo, hi in p.pieces:
+            cover.setdefault(item, []).append((lo, hi))
+    for item, spans in cover.items():
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == report.target.layout.items[item].numel
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    reshard.convert(source, tmp_path / "one", workers=1, **ZERO)
+    result = reshard.convert(source, tmp_path / "many", workers=workers, **ZERO)
+    assert contents(tmp_path / "many") == contents(tmp_path / "one")
+    assert result.bytes_read == report.needed_bytes()
+
+
+def test_a_worker_killed_inside_its_piece_of_a_tensor_leaves_it_to_resume(source, tmp_path, monkeypatch):
+    from worker_faults import KillInPart
+
+    import reshard.api.converting
+
+    real = reshard.api.converting.worker_shares
+
+    def faulty(*args, **kw):  # the first worker dies after its second write into its part
+        parts = real(*args, **kw)
+        assert parts[0].pieces
+        return [dataclasses.replace(parts[0], write=KillInPart(parts[0].write, 2)), *parts[1:]]
+
+    monkeypatch.setattr(reshard.api.converting, "worker_shares", faulty)
+    dst = tmp_path / "dst"
+    with pytest.raises(WorkerLost, match=r"^worker 1 of 3 was killed \(SIGKILL\) while writing "):
+        reshard.convert(source, dst, workers=3, **ZERO)
+    monkeypatch.undo()
+    assert not dst.exists() and not (partial_path(dst) / "reshard.json").exists()
+    reshard.convert(source, tmp_path / "one", workers=1, **ZERO)
+    reshard.convert(source, dst, workers=2, resume=True, **ZERO)
+    assert contents(dst) == contents(tmp_path / "one")
 
 
 @pytest.mark.parametrize("resume_workers", [1, 3])
