@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import networkx as nx
 import numpy as np
 
 from reshard.core.collector import collector_paused
@@ -116,6 +115,8 @@ class Plan:
         ``src_file``/``dst_file`` (default: one per item's section and unit).
         Returns ``(source files, destination files)`` per component, largest first.
         """
+        import networkx as nx  # here alone: importing it costs every process (and worker) some 75 ms
+
         src_file = src_file or _default_file
         dst_file = dst_file or _default_file
         graph = nx.Graph()
