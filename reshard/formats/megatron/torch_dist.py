@@ -1,7 +1,8 @@
 """Megatron-core ``torch_dist`` checkpoints (``dist_checkpointing.save``): read as a source.
 
 A directory holds ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``),
-``common.pt`` (the non-sharded state: ``args``, ``iteration``, ...) and a
+the non-sharded state (``args``, ``iteration``, ...: ``common.pt``, or from megatron-core 0.19 the DCP
+entry ``common_state``, see ``common_state``) and a
 PyTorch DCP checkpoint (``.metadata``, ``__{rank}_{n}.distcp``). Unlike the
 torch format, every stored key is the *global* tensor: layers stacked on a
 leading dim (``decoder.layers.self_attention.linear_qkv.weight`` is
@@ -20,7 +21,7 @@ a tied output layer is no key of its own (it is the embedding's). ``chunk_fragme
 so a conversion reads just the rows each target needs, in place inside the
 chunks' ``torch.save`` archives.
 
-Model sizes come from ``common.pt``'s ``args`` (as Megatron's training loop
+Model sizes come from the common state's ``args`` (as Megatron's training loop
 saves them) or from ``sizes``; ``vpad`` is the stored embedding's row count.
 Per-layer ``_extra_state`` entries are bytes entries, carried as they are to a
 torch_dist target (written as megatron-core's local layers write them,
