@@ -18,9 +18,13 @@ from reshard.core import spec as S
 from reshard.core.topology import Topology
 from reshard.errors import SpecError, TopologyError
 
-__all__ = ["MESH_AXES", "Captures"]
+__all__ = ["ETP", "MESH_AXES", "Captures"]
 
 MESH_AXES = ("tp", "pp", "dp", "cp", "ep", "edp")
+ETP = "etp"
+"""An axis dims may be split over, not one a section is stored per: the experts' tensor-parallel rank of a unit
+stored per tp, which is its tp coordinate modulo etp, where etp divides tp (Megatron's torch format names each
+rank file by its dense tp rank; the experts it holds are its etp rank's shard)."""
 
 
 class Captures:

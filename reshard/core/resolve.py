@@ -19,7 +19,7 @@ from reshard.core.collector import collector_paused
 from reshard.core.geometry import Box, row_major_strides
 from reshard.core.layout import Fragment, Item, ItemInfo, Layout, LogicalTensor, new_fragment, new_item
 from reshard.core.flats import FlatBuffers, order_key
-from reshard.core.names import MESH_AXES, Captures, _layer_name
+from reshard.core.names import ETP, MESH_AXES, Captures, _layer_name
 from reshard.core.terms import Ctx, eval_term
 from reshard.core.topology import Topology
 from reshard.errors import SpecError
@@ -96,6 +96,7 @@ class _Resolver(Captures, FlatBuffers):
     def run(self) -> Layout:
         for name in TOPOLOGY_VARS:
             self.env[name] = self.topo.degree(name)
+        self.env[ETP] = self.topo.degree(ETP)  # the experts' tensor parallelism; a size 'etp' given overrides it
         for name, value in self.sizes.items():
             if name in TOPOLOGY_VARS:
                 if int(value) != self.env[name]:
@@ -247,7 +248,7 @@ class _Resolver(Captures, FlatBuffers):
 
     def axis_size(self, name: str, pos: S.Pos) -> int:
         if name not in self.env:
-            known = ", ".join(sorted(k for k in self.env if k not in TOPOLOGY_VARS)) or "none"
+            known = ", ".join(sorted(k for k in self.env if k not in (*TOPOLOGY_VARS, ETP))) or "none"
             raise self.err(f"unknown axis '{name}' (sizes known: {known})", pos)
         if self.env[name] < 0:
             raise self.err(f"axis '{name}' has size {self.env[name]}; a size must be >= 0", pos)
@@ -270,8 +271,11 @@ class _Resolver(Captures, FlatBuffers):
         if flats and tensor_rules:
             raise self.err(f"section '{sec.name}' mixes flat buffers with stored tensors; give flat buffers their own section", flats[0].pos)
         checked: set[int] = set()
+        etp = self.env[ETP]
         for unit in units:
             coords = dict(unit)
+            if "tp" in coords:
+                coords[ETP] = coords["tp"] % etp
             for chunk in chunks:
                 if flats:
                     for fl in flats:
@@ -311,12 +315,14 @@ class _Resolver(Captures, FlatBuffers):
                 for t in term.terms:
                     walk(t, acc, in_part)
             elif isinstance(term, S.Split):
-                if term.axis not in MESH_AXES:
-                    raise self.err(f"unknown mesh axis '{term.axis}' (expected one of: {', '.join(MESH_AXES)})", term.pos)
-                if term.axis not in sec.axes:
+                if term.axis not in MESH_AXES and term.axis != ETP:
+                    raise self.err(f"unknown mesh axis '{term.axis}' (expected one of: {', '.join(MESH_AXES)}, {ETP})",
+                                   term.pos)
+                per = "tp" if term.axis == ETP else term.axis  # a unit's etp rank is its tp rank mod etp
+                if per not in sec.axes:
                     raise self.err(
                         f"split over '{term.axis}' but section '{sec.name}' is stored per {', '.join(sec.axes) or 'nothing'}"
-                        f" (add '{term.axis}' to its 'per' axes)", term.pos)
+                        f" (add '{per}' to its 'per' axes)", term.pos)
                 splits.append((term.axis, term.pos))
                 walk(term.term, acc, in_part)
             elif isinstance(term, S.Pad):

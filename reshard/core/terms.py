@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from reshard.core import spec as S
 from reshard.core.geometry import Box, restrict, row_major_strides, split_range
+from reshard.core.names import ETP
 from reshard.core.topology import Topology
 from reshard.errors import TopologyError
 
@@ -118,8 +119,11 @@ def eval_term(term: S.Term, ctx: Ctx, r: _Resolver) -> tuple[int, list[_Piece]]:
         return padded, pcs
     # Split
     n, pcs = eval_term(term.term, ctx, r)
-    d = ctx.topo.degree(term.axis)
+    d = r.env[ETP] if term.axis == ETP else ctx.topo.degree(term.axis)
     c = ctx.coords[term.axis]
+    if term.axis == ETP and ctx.topo.tp % d:
+        raise TopologyError(f"{ctx.tensor}: split over etp({d}), which does not divide tp({ctx.topo.tp}): a unit "
+                            "stored per tp holds the experts' shard of etp rank tp mod etp only where it does")
     if term.axis == "pp" and isinstance(term.term, S.Index):
         if term.term.name != ctx.layers and ctx.layers is not None:
             raise r.err(f"only the pipelined index '{ctx.layers}' can be split over pp", term.pos)

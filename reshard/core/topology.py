@@ -35,7 +35,7 @@ __all__ = ["AXES", "LayerPlace", "Topology", "parse_topology"]
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
-DEGREE_AXES = ("tp", "pp", "dp", "cp", "ep", "edp", "vpp")
+DEGREE_AXES = ("tp", "pp", "dp", "cp", "ep", "edp", "etp", "vpp")
 COORD_AXES = ("tp", "cp", "dp", "pp", "ep", "edp", "etp")
 KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "zero", "stages", "layout", "order")
 _INT_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "zero")
@@ -160,10 +160,10 @@ class Topology:
         return self.tp * self.dp * self.cp // ((self.etp or self.tp) * self.ep)
 
     def degree(self, axis: str) -> int:
-        """Degree of ``axis``, one of tp, pp, dp, cp, ep, edp, vpp."""
+        """Degree of ``axis``, one of tp, pp, dp, cp, ep, edp, etp (tp unless the topology has an etp), vpp."""
         if axis not in DEGREE_AXES:
             raise TopologyError(f"unknown axis '{axis}' (expected one of: {', '.join(DEGREE_AXES)})")
-        return getattr(self, axis)
+        return self.tp if axis == "etp" and self.etp is None else getattr(self, axis)
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of global ``rank``: tp, cp, dp, pp from the dense view, ep, edp and etp (the experts'

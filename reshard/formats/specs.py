@@ -33,7 +33,8 @@ The rules, per format:
   registration order, each at a multiple of 64 elements, closed into buckets, padded for dp; ``-torch`` as
   ``distrib_optim.pt`` holds them (coalesced per (tp, pp)), without it per dp rank; ``-ep`` gives experts their
   own buffer; ``mtp`` adds the multi-token-prediction layers of a family that has them (size ``hf_layers``);
-  ``etp1`` stores the routed experts whole on every tp rank (``--expert-tensor-parallel-size 1``). The
+  ``etp`` splits the routed experts over etp instead of tp (``--expert-tensor-parallel-size``; a unit's etp rank
+  is its tp rank mod etp, whole experts at etp 1). The
   ``megatron-legacy`` prefix is Megatron-LM's legacy model.
 - ``mcore-dist`` (Megatron-core ``torch_dist``): the family's ``megatron`` layout with each tensor whole: no tp
   split, layers stacked on a leading dim ``{i}`` (or, for layers of several kinds, DeepSeek-V3's dense and MoE
@@ -253,7 +254,7 @@ def megatron(family: Family, options: tuple[str, ...]) -> str:
     # How megatron-core stores the routed experts (reshard.models.moe_experts): SequentialMLP without an option.
     impl = {"experts": o for o in options if o in ("grouped", "tegrouped")}
     _only(options, ("tied", "local", "ep", "distopt", "torch", *(["mtp"] if "hf_layers" in family.sizes else []),
-                    *(["grouped", "tegrouped", "etp1"] if family.experts else [])), family, "megatron")
+                    *(["grouped", "tegrouped", "etp"] if family.experts else [])), family, "megatron")
     if (ep or torch_file) and not distopt:
         raise SpecError(f"megatron-{family.name}-{'-'.join(options)}: -ep and -torch need -distopt")
     if "grouped" in options and "tegrouped" in options:
@@ -267,8 +268,8 @@ def megatron(family: Family, options: tuple[str, ...]) -> str:
         raise SpecError(f"{'-'.join(('megatron', family.name, *options))}: no Megatron layout for {family.name}"
                         f"{' tied' if tied else ''}{' in local layers' if local else ''}"
                         f"{''.join(f' with {v} experts' for v in impl.values())}{_why_not(family)}")
-    if "etp1" in options:
-        body = _whole_experts(body)
+    if "etp" in options:
+        body = _expert_tp(body)
     axes = "tp pp ep" if family.experts else "tp pp"
     lines = [family.logical_text(tied), f"section model per {axes}", body]
     model = "model"  # the params of the model section: its persistent buffers are in no optimizer
@@ -297,14 +298,15 @@ def megatron(family: Family, options: tuple[str, ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _whole_experts(body: str) -> str:
-    """Megatron rules with the routed experts (``.mlp.experts.``) not split over tp: expert tensor parallelism 1
-    (``--expert-tensor-parallel-size 1``) keeps every expert whole; shared experts and dense layers keep tp."""
-    def whole(rule: str) -> str:
-        if ".mlp.experts." not in rule.split(" = ", 1)[0]:
+def _expert_tp(body: str) -> str:
+    """Megatron rules with the routed experts (``.mlp.experts.``) split over etp instead of tp (expert tensor
+    parallelism, ``--expert-tensor-parallel-size``: whole experts at 1); shared experts and dense layers keep tp."""
+    def split(rule: str) -> str:
+        stored, eq, dims = rule.partition(" = ")
+        if ".mlp.experts." not in stored:
             return rule
-        return re.sub(r"\*tp\)", ")", re.sub(r"/tp\b", "", rule))
-    return "\n".join(whole(rule) for rule in body.splitlines()) + ("\n" if body.endswith("\n") else "")
+        return stored + eq + re.sub(r"\btp\b", "etp", dims)
+    return "\n".join(split(rule) for rule in body.splitlines()) + ("\n" if body.endswith("\n") else "")
 
 
 def _megatron_name(body: str, alias: str) -> str | None:

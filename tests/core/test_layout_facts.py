@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import assert_round_trip, items_by_key, layouts, logical_values
 
-from reshard.errors import SpecError
+from reshard.errors import SpecError, TopologyError
 from reshard.execution.arrays import scatter
 
 
@@ -569,3 +569,39 @@ w = f/tp h as (h, f)
 """
     with pytest.raises(SpecError, match=r"'as' shape \(3, 4\) holds 12 elements but its dims \(2, 3\) hold 6"):
         layouts(text, {"f": 4, "h": 3}, "tp=2", "tp=1")
+
+
+def test_l20_a_split_over_etp_takes_the_tp_rank_mod_etp():
+    # Megatron's torch format at tp=4, ep=2, etp=2: the rank file of tp rank t holds the experts' etp shard t % 2.
+    text = """
+index e < experts
+logical dense = d h
+logical experts.{e}.down as down = h f
+section model per tp ep
+dense = d/tp h
+experts.{e/ep} -> down = h f/etp
+"""
+    sizes = {"experts": 2, "f": 4, "h": 2, "d": 4}
+    a, b = layouts(text, sizes, "tp=4,ep=2,etp=2", "tp=1")
+    values = logical_values(a)
+    assert_round_trip(a, b, values)
+    items = scatter(a, values)
+    for t in range(4):
+        for r in range(2):
+            got = items_by_key(a, items, tp=t, ep=r)
+            down = values[(f"experts.{r}.down", "param")]
+            np.testing.assert_array_equal(got["experts.0"], down[:, 2 * (t % 2):2 * (t % 2) + 2])
+            np.testing.assert_array_equal(got["dense"], values[("dense", "param")][t:t + 1])
+
+
+def test_l20_a_split_over_etp_needs_a_section_per_tp_and_etp_dividing_tp():
+    text = """
+logical w = f h
+section model per ep
+w = f/etp h
+"""
+    with pytest.raises(SpecError, match=r"split over 'etp' but section 'model' is stored per ep \(add 'tp' to its"):
+        layouts(text, {"f": 4, "h": 3}, "tp=2,dp=2,ep=2,etp=1", "tp=1")
+    text = text.replace("per ep", "per tp")
+    with pytest.raises(TopologyError, match=r"w: split over etp\(4\), which does not divide tp\(2\)"):
+        layouts(text, {"f": 4, "h": 3}, "tp=2,dp=2,etp=4", "tp=1")

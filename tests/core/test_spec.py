@@ -86,7 +86,7 @@ def test_syntax_errors_point_at_the_token(text, message):
 MEANING_ERRORS = [
     # (spec text, sizes, topology, exact message)
     ("logical w = f h\nsection model per tp\nw = f/tq h", {"f": 4, "h": 2}, "tp=2",
-     "bad.spec:3:7: unknown mesh axis 'tq' (expected one of: tp, pp, dp, cp, ep, edp)\n    w = f/tq h\n          ^^"),
+     "bad.spec:3:7: unknown mesh axis 'tq' (expected one of: tp, pp, dp, cp, ep, edp, etp)\n    w = f/tq h\n          ^^"),
     ("logical w = f h\nsection model per tp\nw = (gg/tp) h", {"f": 4, "h": 2}, "tp=2",
      "bad.spec:3:6: unknown axis 'gg' for w (its axes: f, h)\n    w = (gg/tp) h\n         ^^"),
     ("logical w = f h\nsection model per tp\nw = f/tp", {"f": 4, "h": 2}, "tp=2",

@@ -399,7 +399,7 @@ INVALID_CALLS = [
     (lambda: Topology(pp=2, stages=(1, "2")), "stages must be a tuple of integers, got (1, '2')"),
     (lambda: Topology(tp=4, dp=3, pp=2).check_world_size(16), "tp(4) * dp(3) * pp(2) = 24 != world_size(16)"),
     (lambda: Topology(cp=2, ep=2).check_world_size(4), "tp(1) * cp(2) = 2 != world_size(4)"),
-    (lambda: Topology().degree("xp"), "unknown axis 'xp' (expected one of: tp, pp, dp, cp, ep, edp, vpp)"),
+    (lambda: Topology().degree("xp"), "unknown axis 'xp' (expected one of: tp, pp, dp, cp, ep, edp, etp, vpp)"),
     (lambda: Topology(tp=2).coords(2), "rank 2 is out of range for world_size(2)"),
     (lambda: Topology(tp=2).coords(-1), "rank -1 is out of range for world_size(2)"),
     (lambda: Topology(tp=2).rank(tp=2), "tp coordinate 2 is out of range for tp(2)"),

@@ -32,7 +32,7 @@ def test_real_megatron_core_at_etp1_tp2_ep2_converts_to_hf_and_tp1_and_back_and_
     it = f"iter_{jobs.ITERATION:07d}"
     assert sorted(p.name for p in (tmp_path / "src" / it).iterdir()) == ["mp_rank_00_000", "mp_rank_01_001"]
     src = reshard.open_checkpoint(tmp_path / "src")
-    assert src.spec_name == "megatron-mixtral-local-etp1" and str(src.topology) == "tp=2,pp=1,dp=2,ep=2,etp=1"
+    assert src.spec_name == "megatron-mixtral-local-etp" and str(src.topology) == "tp=2,pp=1,dp=2,ep=2,etp=1"
     dumps = [torch.load(tmp_path / "dump-src" / f"rank{r}.pt", weights_only=False) for r in range(4)]
     reshard.convert(tmp_path / "src", tmp_path / "hf", format="hf")
     hf = load_file(tmp_path / "hf" / "model.safetensors")
@@ -76,16 +76,106 @@ def test_real_megatron_core_at_etp1_tp2_ep2_converts_to_hf_and_tp1_and_back_and_
 
 
 def test_expert_tensor_parallelism_the_torch_format_cannot_hold_is_refused_naming_the_args(tmp_path):
-    """etp=2 at tp=4 (neither 1 nor tp), and etp=1 with ep not a multiple of tp (Megatron would save no rank file
-    for some tp ranks' dense weights), are refused before anything is written."""
+    """etp above tp (ranks of different etp rank would write one rank directory), and etp * ep not a multiple of tp
+    (Megatron would save no rank directory for some tp ranks' dense weights), are refused before anything is
+    written."""
     from reshard.fixtures import make_fixture
 
     make_fixture(tmp_path / "a", to="tp=1,dp=4,ep=2", model="tiny-mixtral")
-    with pytest.raises(CheckpointFormatError, match=r"expert_tensor_parallel_size=2 with tensor_model_parallel_size=4"):
-        reshard.convert(tmp_path / "a", tmp_path / "b", to="tp=4,dp=2,ep=2,etp=2")
-    with pytest.raises(CheckpointFormatError, match=r"expert_model_parallel_size=1 not a multiple of tensor_model"):
+    with pytest.raises(CheckpointFormatError, match=r"expert_tensor_parallel_size=4 does not divide tensor_model_"
+                                                    r"parallel_size=2: .* would write the same one"):
+        reshard.convert(tmp_path / "a", tmp_path / "b", to="tp=2,dp=2,ep=1,etp=4")
+    with pytest.raises(CheckpointFormatError, match=r"expert_tensor_parallel_size=1 times expert_model_parallel_size"
+                                                    r"=1 is 1, not a multiple of tensor_model_parallel_size=2"):
         reshard.convert(tmp_path / "a", tmp_path / "c", to="tp=2,dp=2,ep=1,etp=1")
-    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    with pytest.raises(CheckpointFormatError, match=r"expert_tensor_parallel_size=2 times expert_model_parallel_size"
+                                                    r"=1 is 2, not a multiple of tensor_model_parallel_size=4"):
+        reshard.convert(tmp_path / "a", tmp_path / "d", to="tp=4,dp=1,ep=1,etp=2")
+    assert not any((tmp_path / n).exists() for n in "bcd")
+
+
+@pytest.mark.parametrize("distopt", [False, True])
+def test_an_etp_between_1_and_tp_keeps_each_rank_directory_s_etp_shard_and_round_trips_bit_exact(tmp_path, distopt):
+    """tp=4, ep=2, etp=2 in the torch format: the rank directories of the ranks below etp * ep (tp rank g % 4, ep
+    rank g // 2), each holding its dense tp shard and etp shard tp % 2 of its ep rank's experts (and with the
+    distributed optimizer, the dense buffers in ep rank 0's and 1's files as their dense dp rank 0 writes them) ->
+    tp=1 and back -> the same bytes for every tensor and state; and at tp=1 each expert equal to the etp shards
+    side by side."""
+    from reshard.fixtures import make_fixture
+
+    zero = ",zero=1" if distopt else ""
+    make_fixture(tmp_path / "a", to=f"tp=1,dp=2,ep=2{zero}", model="tiny-mixtral")
+    reshard.convert(tmp_path / "a", tmp_path / "b", to=f"tp=4,dp=1,ep=2,etp=2{zero}")
+    it = next(p for p in (tmp_path / "b").iterdir() if p.name.startswith("iter_"))
+    assert sorted(p.name for p in it.iterdir()) == ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001",
+                                                    "mp_rank_03_001"]
+    b = reshard.open_checkpoint(tmp_path / "b")
+    assert b.spec_name.endswith("-etp" + ("-ep-distopt-torch" if distopt else ""))
+    assert str(b.topology).endswith("etp=2" + zero)
+    import torch
+
+    def model(rank: str) -> dict:
+        return torch.load(it / rank / "model_optim_rng.pt", weights_only=False)["model"]
+    one = model("mp_rank_01_000")
+    a = reshard.load(tmp_path / "a", to="tp=1", format="megatron", rank=0).state_dict()
+    f = a["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"].shape[1]
+    for key, value in one.items():
+        if ".linear_fc2.weight" in key and ".local_experts." in key:  # etp rank 1 of ep rank 0: the second half
+            assert torch.equal(value, a[key][:, f // 2:]), key
+    reshard.convert(tmp_path / "b", tmp_path / "c", to=f"tp=1,dp=2,ep=2{zero}")
+    result = reshard.verify(tmp_path / "a", tmp_path / "c")
+    assert result and result.compared > 0, result.differences
+    result = reshard.verify(tmp_path / "a", tmp_path / "b")
+    assert result and result.compared > 0, result.differences
+
+
+@pytest.mark.interop
+def test_real_torch_format_at_etp2_tp4_with_the_distributed_optimizer_converts_and_loads_in_megatron_core(tmp_path):
+    """megatron-core at tp=4, ep=2, etp=2 (world 4; 4 query groups) with the distributed optimizer saves the torch
+    format: four rank directories named by dense tp rank (mp_rank_00_000, 01_000, 02_001, 03_001), each with its
+    etp shard (tp rank mod 2) of its ep rank's experts and a distrib_optim.pt -> Hugging Face, every expert equal
+    to the run's etp shards side by side -> tp=1, ep=2, dp=2 and back at tp=4, ep=2, etp=2: the same rank
+    directories, which megatron-core loads with every rank's weights, main params, Adam moments and steps equal to
+    the saving run's."""
+    require("megatron.core")
+    from safetensors.torch import load_file
+
+    import mcore_moe_jobs as jobs
+
+    S = {**jobs.SIZES, "g": 4, "vocab": 400}  # at tp 4 every rank holds rows of the vocabulary (reshard's need)
+    f = S["f"]
+    run = {"groups": S["g"], "vocab": S["vocab"], "etp": 2}
+    jobs.save(tmp_path / "src", tmp_path / "dump-src", tp=4, pp=1, ep=2, dp=1, distopt=True, **run)
+    it = f"iter_{jobs.ITERATION:07d}"
+    dirs = ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001"]
+    assert sorted(p.name for p in (tmp_path / "src" / it).iterdir()) == dirs
+    src = reshard.open_checkpoint(tmp_path / "src")
+    assert src.spec_name == "megatron-mixtral-local-etp-ep-distopt-torch"
+    assert str(src.topology) == "tp=4,pp=1,dp=1,ep=2,etp=2,zero=1"
+    dumps = [torch.load(tmp_path / "dump-src" / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    reshard.convert(tmp_path / "src", tmp_path / "hf", format="hf")
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    halves: dict[str, dict[int, torch.Tensor]] = {}
+    for d in dumps:  # ep rank e's experts: etp shard k on the rank of tp rank 2 e + k
+        for name, value in d["params"].items():
+            if ".local_experts." in name:
+                halves.setdefault(f"{d['coords']['ep']}.{name}", {})[d["coords"]["tp"] % 2] = value
+    for key, parts in halves.items():
+        e, name = key.split(".", 1)
+        i, j = int(name.split(".")[2]), int(name.split("local_experts.")[1].split(".")[0])
+        at = f"model.layers.{i}.block_sparse_moe.experts.{int(e) * 2 + j}."
+        if ".linear_fc1." in name:  # each etp shard: its gate rows, then its up rows
+            g = [parts[k][:f // 2] for k in (0, 1)], [parts[k][f // 2:] for k in (0, 1)]
+            assert torch.equal(hf[at + "w1.weight"], torch.cat(g[0])) and torch.equal(hf[at + "w3.weight"],
+                                                                                      torch.cat(g[1])), key
+        else:
+            assert torch.equal(hf[at + "w2.weight"], torch.cat([parts[0], parts[1]], 1)), key
+    assert len(halves) == 2 * S["layers"] * S["experts"]
+    reshard.convert(tmp_path / "src", tmp_path / "one", to="tp=1,pp=1,dp=2,ep=2,zero=1")
+    reshard.convert(tmp_path / "one", tmp_path / "back", to="tp=4,pp=1,dp=1,ep=2,etp=2,zero=1")
+    assert sorted(p.name for p in (tmp_path / "back" / it).iterdir()) == dirs
+    jobs.load(tmp_path / "back", tmp_path / "dump-back", tp=4, pp=1, ep=2, dp=1, distopt=True, **run)
+    assert_same_per_rank(tmp_path / "dump-back", tmp_path / "dump-src", 4)
 
 
 @pytest.mark.interop

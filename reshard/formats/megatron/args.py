@@ -68,8 +68,12 @@ def _topology_from_args(args: Mapping[str, Any], where: str, ranks: int) -> Topo
     if world and world != tp * pp * cp * dp:
         raise CheckpointFormatError(f"{where}: tp({tp}) * pp({pp}) * dp({dp}) = {tp * pp * dp} != world_size({world})")
     layers = _int_arg(args, "num_layers", where)
-    if (dp * cp) % ep:
+    if etp is None and (dp * cp) % ep:
         raise CheckpointFormatError(f"{where}: expert_model_parallel_size={ep} does not divide data_parallel_size={dp}")
+    if etp is not None and (tp * dp * cp) % (etp * ep):
+        raise CheckpointFormatError(
+            f"{where}: expert_tensor_parallel_size({etp}) * expert_model_parallel_size({ep}) = {etp * ep} does "
+            f"not divide tp({tp}) * dp({dp}) * cp({cp}) = {tp * dp * cp}")
     try:
         vpp, stages = _pipeline_from_args(args, pp, layers, where)
         return Topology(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, stages=stages)

@@ -65,7 +65,7 @@ from reshard.formats.base import MAX_COUNT, expect_int
 from reshard.formats.dcp.reading import _storage
 from reshard.formats.megatron.common_state import common_where
 from reshard.formats.megatron.dist_moe import bucket_experts
-from reshard.formats.megatron.etp import expert_tp, whole_experts
+from reshard.formats.megatron.etp import expert_tp, own_etp
 from reshard.formats.megatron.small import _capture
 from reshard.formats.megatron.specs import _resolve, spec_name
 from reshard.formats.specs import layout_spec
@@ -121,7 +121,7 @@ def _buffer(chain: int | None, group: int, topology: Topology, chunk: int = 0) -
     one, or ``chained_0``) numbers its groups by rank in the tp-pp group, ``pp_rank * tp + tp_rank`` (every ep rank
     holds the same dense buffer: ep 0's); the expert optimizer (``chained_1``, ep > 1) by rank in the expert
     etp-ep-pp group, ``etp_rank + etp * (ep_rank + ep * pp_rank)``: at etp = tp the tp unit's buffer, at etp = 1
-    tp unit 0's of the ``-etp1`` layouts (every tp unit holds the same whole experts), at another etp (below or
+    tp unit 0's of the ``-etp`` layouts (every tp unit holds the same whole experts), at another etp (below or
     above tp) that of the tp = etp layout ``_buckets`` resolves for the experts."""
     tp = topology.tp
     if chain == 1:
@@ -249,7 +249,7 @@ def bucket_space(path: Path, md: DcpMetadata, args: Mapping[str, Any] | None, fa
 
 def _expert_parallel(args: Mapping[str, Any], family: Family, where: Path) -> tuple[int, int | None]:
     """The run's ep (1 for a dense family) and its expert tensor parallelism where it is not tp (None: tp); that
-    is 1 (the experts whole, their buffers laid out by the ``-etp1`` layouts) or another (the expert buffers laid
+    is 1 (the experts whole, their buffers laid out by the ``-etp`` layouts) or another (the expert buffers laid
     out at tp = etp, above or below tp)."""
     if not family.experts:
         return 1, None
@@ -325,11 +325,11 @@ def _buckets(family: Family, args: Mapping[str, Any], sizes: Mapping[str, int], 
     local = args.get("transformer_impl") == "local"
     tied = not args.get("untie_embeddings_and_output_weights", False)
     coalesced_name = spec_name(family, tied=tied, distopt=True, ep=topology.ep, local=local,  # distrib_optim.pt's
-                               experts=bucket_experts(family, args, where), etp1=whole_experts(topology))
+                               experts=bucket_experts(family, args, where), etp=own_etp(topology))
     bucketed_name = coalesced_name.removesuffix("-torch")  # one item per bucket and dp rank
     bucket_size = _bucket_size(args, run)
     rank_sizes = {**sizes, "vocab_div": int(args.get("make_vocab_size_divisible_by") or 128),
-                  "bucket_size": bucket_size}
+                  "bucket_size": bucket_size, **({"etp": topology.etp} if own_etp(topology) else {})}
     vpp, stages = _pipeline(args, topology.pp, sizes, where)
     topo = Topology(tp=topology.tp, pp=topology.pp, ep=topology.ep, cp=topology.ep, vpp=vpp, stages=stages)
     states = {"model": (PARAM,), "optim": (MASTER,), "expert_optim": (MASTER,)}

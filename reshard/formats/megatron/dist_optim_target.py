@@ -18,7 +18,7 @@ at ep > 1).
 
 Experts at expert tensor parallelism 1 (``etp=1`` in the topology, ep > 1) are whole on every tp rank: the
 expert optimizer numbers its groups over ep and pp alone (``ep_rank + ep * pp_rank``), its buffers come from the
-``-etp1`` layouts, and each is split over the expert data-parallel group of ``tp * dp * cp / ep`` ranks, rank
+``-etp`` layouts, and each is split over the expert data-parallel group of ``tp * dp * cp / ep`` ranks, rank
 ``ep_rank + ep * (edp_rank + edp * pp_rank)`` (the expert rank generator's order at etp 1). At another etp, below
 or above tp (2 at tp 4 or at tp 1), the expert buffers are those of a tp = etp run, numbered ``etp_rank + etp *
 (ep_rank + ep * pp_rank)`` and split over ``tp * dp * cp / (etp * ep)`` ranks, rank ``etp_rank + etp * (ep_rank +
@@ -131,7 +131,7 @@ def bucket_target(family: Family, args: Mapping[str, Any], sizes: Mapping[str, i
     # The expert buffers are split over the expert data-parallel group of tp * dp * cp / (etp * ep) ranks (the
     # expert rank generator's etp, ep, edp, pp over the same ranks as the dense tp, cp, dp, pp). At another etp
     # than tp, the dense buckets' shards are those of the same buffers at ep 1 (ep need not divide dp * cp there),
-    # the experts' those of a run at tp = etp (or the -etp1 layout at tp) with edp * ep / cp data-parallel ranks.
+    # the experts' those of a run at tp = etp (or the -etp layout at tp) with edp * ep / cp data-parallel ranks.
     edp = topology.edp if family.experts else topology.dp * topology.cp
     shard: dict[tuple, int] = {}  # (buffer, bucket) -> L
     for dp, at_tp, at_ep, sections in (

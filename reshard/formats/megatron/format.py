@@ -25,7 +25,7 @@ from reshard.formats.megatron.args import (
     _topology_from_args,
     megatron_args,
 )
-from reshard.formats.megatron.etp import check_etp, etp_ranks, restrict, whole_experts
+from reshard.formats.megatron.etp import check_etp, etp_ranks, own_etp, restrict
 from reshard.formats.megatron.extra import _default_dtypes, _target_state
 from reshard.formats.megatron.files import (
     CHECKPOINT_VERSION,
@@ -148,7 +148,7 @@ class MegatronFormat:
                     "untied: give a spec for this one")
             spec = spec_name(family, local=args.get("transformer_impl") == "local", distopt=distopt, ep=topo.ep,
                              mtp=bool(args.get("mtp_num_layers")), experts=moe_experts.impl_from_args(args),
-                             etp1=whole_experts(topo))
+                             etp=own_etp(topo))
         if spec is None and _is_legacy(first):
             if distopt:
                 raise CheckpointFormatError(
@@ -195,7 +195,7 @@ class MegatronFormat:
                 f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; args say "
                 f"tensor_model_parallel_size={topo.tp}, pipeline_model_parallel_size={topo.pp}"
                 f"{f', expert_model_parallel_size={topo.ep}' if topo.ep > 1 else ''}"
-                f"{f', expert_tensor_parallel_size={topo.etp}' if whole_experts(topo) else ''}")
+                f"{f', expert_tensor_parallel_size={topo.etp}' if own_etp(topo) else ''}")
         extra = sorted(found - set(expected))
         if extra:
             raise CheckpointFormatError(
@@ -301,7 +301,7 @@ class MegatronFormat:
         check_etp(topology, f"topology {topology}", moe=moe)
         name = spec or spec_name(family, tied=tied, distopt=topology.zero == 1, ep=topology.ep, local=local,
                                  legacy=legacy, mtp=sizes.get("hf_layers", 0) > sizes.get("layers", 0),
-                                 etp1=whole_experts(topology))
+                                 etp=own_etp(topology))
         spec_ast = layout_spec(name)
         distopt = _has_flat(spec_ast)
         per_ep = _per_ep(spec_ast)

@@ -19,7 +19,7 @@ from reshard.core.layout import MASTER, PARAM, Item, Layout
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError
 from reshard.formats.base import Located, expect_int
-from reshard.formats.megatron.etp import holds_dense_buffers, whole_experts
+from reshard.formats.megatron.etp import dense_holder, holds_dense_buffers
 from reshard.formats.megatron.files import DISTOPT_FILE, _buffer_key, _buffer_state, _chunks, _flat_items, _Rank
 from reshard.formats.megatron.param_groups import _assign_groups
 from reshard.formats.megatron.small import _capture, _contiguous_offset, _dtype_name, _is_tensor, _small
@@ -321,7 +321,7 @@ class _Reader:
         for it in layout.items:  # the dense buffers of ep ranks > 0: replicas of ep rank 0's, stored there only
             u = dict(it.unit)
             if it.section == "optim" and u.get("ep", 0) > 0 and self.chained and it not in where:
-                holder = u["tp"] if whole_experts(self.topo) else 0  # the ep rank whose file holds them
+                holder = dense_holder(self.topo, u["tp"])  # the ep rank whose file holds them
                 twin = replace(it, unit=tuple((a, holder if a == "ep" else c) for a, c in it.unit))
                 if twin in where:
                     where[it] = where[twin]

@@ -24,13 +24,13 @@ from reshard.models import Family
 
 
 def spec_name(family: Family, *, tied: bool = False, distopt: bool = False, ep: int = 1, local: bool = False,
-              legacy: bool = False, mtp: bool = False, experts: str = "sequential", etp1: bool = False) -> str:
+              legacy: bool = False, mtp: bool = False, experts: str = "sequential", etp: bool = False) -> str:
     """The generated layout (``reshard.formats.specs``) of a Megatron checkpoint of ``family``: Megatron-core
     (``-local`` with ``--transformer-impl local``) or the legacy model; ``-tied`` output layer; ``-mtp`` with
     multi-token-prediction layers (``args.mtp_num_layers``); with the distributed optimizer, one coalesced buffer
     (``-distopt-torch``), or at ep > 1 a dense and an expert buffer (``-ep-distopt-torch``), as
     ``distrib_optim.pt`` holds them; ``experts``: ``-grouped`` or ``-tegrouped`` (``reshard.models.moe_experts``);
-    ``etp1``: experts whole on every tp rank (expert tensor parallelism 1)."""
+    ``etp``: experts split over an expert tensor parallelism of their own (whole on every tp rank at 1)."""
     if legacy:
         return f"megatron-legacy-{family.name}{'-tied' if tied and family.can_tie else ''}"
     parts = ["megatron", family.name]
@@ -42,8 +42,8 @@ def spec_name(family: Family, *, tied: bool = False, distopt: bool = False, ep: 
         parts.append("mtp")
     if experts != "sequential" and family.experts:
         parts.append(experts)
-    if etp1 and family.experts:
-        parts.append("etp1")
+    if etp and family.experts:
+        parts.append("etp")
     if distopt:
         parts += [*(["ep"] if ep > 1 and family.experts else []), "distopt", "torch"]
     return "-".join(parts)
