@@ -246,9 +246,10 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
         ranges = segments_of(sources)
         session = WriteSession(journal=tmp, segments=ranges, window_bytes=window, sync_behind=True)
         written: dict[Path, str | None] = {Path(rel): e[HASH] for rel, e in kept.items()}
-        # across ranks, whole files: a split file's parts would meet on a shared file system only
+        # across ranks, files are split as between workers: the ranks write into one partial directory on a shared
+        # file system, each rank's part of a split file fsynced before rank 0 finishes it
         if ranks is not None:
-            parts = shares(report, ranks.size, todo, split=False)
+            parts = shares(report, ranks.size, todo)
         else:  # the shares the budget was worked out for, unless resume left fewer files to write
             parts = planned if todo == every else shares(report, count, todo)
         if len(parts) <= 1 and ranks is None:

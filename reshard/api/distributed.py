@@ -3,7 +3,8 @@
 torch.distributed (gloo, on the CPU) is the engine; there is no other coordinator. Rank 0 plans and
 validates once and sets up the partial directory (or takes it over, for ``resume``). One ``scatter``
 then gives each rank its byte-balanced share of the destination files, with the plan's copies into
-them (``reshard.api.workers``). Every rank, rank 0 included, writes its share into the shared partial
+them (``reshard.api.workers``; a file larger than a fair share split between ranks, each fsyncing its part
+before rank 0 finishes the file). Every rank, rank 0 included, writes its share into the shared partial
 directory on a thread. Meanwhile its main thread joins an ``all_reduce`` of the bytes written, the shares
 finished and the shares failed, four times a second. Rank 0 reports the sum as progress, and a failure
 anywhere stops every rank within one window. A ``gather`` then brings the checksums to rank 0, which

@@ -77,6 +77,26 @@ def test_ranks_write_what_one_process_writes(source, one_process, tmp_path, rank
     assert report.endswith(f"read by {ranks} ranks")
 
 
+def test_ranks_split_a_file_larger_than_a_fair_share_and_write_what_one_process_writes(source, tmp_path):
+    """To tp=1,pp=1 the destination is one rank file: two ranks each write part of it (byte-balanced), and rank
+    0 finishes it; the bytes and the manifest are one process's (its creation time aside)."""
+    from reshard.api.planning import plan
+    from reshard.api.workers import shares
+
+    one = tmp_path / "one"
+    reshard.convert(source, one, to="tp=1,pp=1", workers=1)
+    report = plan(source, to="tp=1,pp=1")
+    parts = shares(report, 2)
+    assert len(parts) == 2 and all(p.split for p in parts)
+    assert max(p.bytes for p in parts) <= 1.1 * sum(p.bytes for p in parts) / 2
+    dst = tmp_path / "dst"
+    code, out, err = finish(torchrun("--standalone", "--nproc-per-node=2", "-m", "reshard", "convert", str(source),
+                                     str(dst), "--to", "tp=1,pp=1"))
+    assert code == 0, err[-3000:]
+    assert contents(dst) == contents(one)
+    assert not partial_path(dst).exists()
+
+
 def test_two_hosts_are_two_torchrun_invocations(source, one_process, tmp_path):
     """``--nnodes 2``: two launchers on loopback, as two hosts sharing a filesystem would run them. With the
     c10d rendezvous the node ranks come from the rendezvous (``--node-rank`` is for the static one); the
