@@ -1,11 +1,10 @@
 """Carry out a plan against files: read only the spans the plan names, window by window.
 
-The only module besides the format adapters that opens checkpoint files.
-``ByteReader`` is the whole read surface (positioned reads on cached
-descriptors, every byte and every read call counted); ``PlanFill`` answers a
-writer's ``fill(item, lo, hi)`` (or fills a caller's buffer in place,
-``fill_into``) by cutting the plan's copies into that window of the
-destination item and reading the source bytes they need in few, large reads:
+Reads go through ``ByteReader`` (``reshard.execution.reader``), the whole read
+surface; ``PlanFill`` answers a writer's ``fill(item, lo, hi)`` (or fills a
+caller's buffer in place, ``fill_into``) by cutting the plan's copies into that
+window of the destination item and reading the source bytes they need in few,
+large reads:
 
 - a run of source bytes at least ``_DIRECT_RUN`` long that is contiguous in
   the destination too is read straight into the destination;
@@ -31,7 +30,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -46,7 +44,7 @@ from reshard.core.planner import Copy, Plan
 from reshard.errors import CheckpointFormatError, ReshardError
 from reshard.execution.arrays import view
 from reshard.execution.coalescing import Coalescing, GapBudget, coalesce, gap_sizes, runs_in_place, segments
-from reshard.io.location import UrlPath
+from reshard.execution.reader import ByteReader
 from reshard.io.smallfiles import Located
 
 __all__ = ["ByteReader", "PlanFill", "SourceReader", "destination_dtypes", "uint_dtype"]
@@ -59,7 +57,6 @@ _DIRECT_RUN = 256 << 10
 
 _DISCARD = 256 << 10  # the buffer gap bytes are read into (a longer gap takes several descriptors)
 _BUFFER_STEP = 1 << 20
-_IOV_MAX = 1024  # buffers one vectored read takes (Linux's IOV_MAX; POSIX guarantees 16)
 
 
 def uint_dtype(dtype: str) -> np.dtype:
@@ -68,116 +65,6 @@ def uint_dtype(dtype: str) -> np.dtype:
     if size not in _UINT:
         raise CheckpointFormatError(f"dtype '{dtype}' of {size} bytes cannot be copied element-wise")
     return np.dtype(_UINT[size])
-
-
-class ByteReader:
-    """Reads byte ranges of files and counts them; the whole read surface.
-
-    Paths are kept open (a checkpoint has a bounded number of files) and read
-    with ``os.preadv`` so concurrent windows never share a file position. A
-    file in object storage (``reshard.io.location.UrlPath``) is read with one
-    range request per read.
-    ``bytes_read`` (every byte read, gaps read through included) and ``reads``
-    (read calls) add up across threads.
-    """
-
-    def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
-        self._lock = threading.Lock()
-        self.bytes_read = 0
-        self.reads = 0
-
-    def _fd(self, path: Path) -> int:
-        fd = self._fds.get(path)
-        if fd is not None:
-            return fd
-        with self._lock:  # two threads opening one path keep one descriptor
-            fd = self._fds.get(path)
-            if fd is None:
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except OSError as e:
-                    raise CheckpointFormatError(f"{path}: cannot open ({e.strerror})") from None
-                self._fds[path] = fd
-            return fd
-
-    def read_into(self, path: Path, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the bytes of ``path`` from byte ``offset`` on."""
-        if isinstance(path, UrlPath) or offset < 0:
-            self.read_vectored(path, offset, [out])
-            return
-        try:  # one call, most often: a small tensor read whole
-            n = os.preadv(self._fd(path), [out], offset)
-        except (OSError, OverflowError):
-            n = 0  # read_vectored says what went wrong
-        if n != len(out):
-            self.read_vectored(path, offset + n, [out[n:]])  # the rest, or the error
-        with self._lock:
-            self.bytes_read += n
-            self.reads += 1
-
-    def read_vectored(self, path: Path, offset: int, buffers: list[memoryview]) -> None:
-        """Fill ``buffers``, in order, with the consecutive bytes of ``path`` from byte ``offset`` on."""
-        if offset < 0:
-            raise CheckpointFormatError(f"{path}: a read at byte {offset}, before the file's start")
-        if isinstance(path, UrlPath):
-            self._read_url(path, offset, buffers)
-            return
-        fd = self._fd(path)
-        total = sum(len(b) for b in buffers)
-        done, calls, k = 0, 0, 0
-        while k < len(buffers):
-            batch = buffers[k:k + _IOV_MAX]
-            want = sum(len(b) for b in batch)
-            try:
-                n = os.preadv(fd, batch, offset + done)
-            except (OSError, OverflowError) as e:  # an offset past what the OS can address
-                raise CheckpointFormatError(f"{path}: cannot read {total - done} bytes at byte {offset + done} "
-                                            f"({getattr(e, 'strerror', None) or e})") from None
-            calls += 1
-            if n == 0 and want:
-                raise CheckpointFormatError(f"{path}: file ends at byte {offset + done}, expected {total - done} more bytes")
-            done += n
-            if n == want:
-                k += len(batch)
-                continue
-            for b in batch:  # a short read: go on from inside the buffer it stopped in
-                if n < len(b):
-                    buffers = [b[n:], *buffers[k + 1:]]
-                    k = 0
-                    break
-                n -= len(b)
-                k += 1
-        with self._lock:
-            self.bytes_read += total
-            self.reads += calls
-
-    def _read_url(self, path: UrlPath, offset: int, buffers: list[memoryview]) -> None:
-        """One range request for the consecutive bytes of ``buffers``, placed in them in order."""
-        total = sum(len(b) for b in buffers)
-        data = memoryview(path.read_range(offset, total))
-        if len(data) != total:
-            raise CheckpointFormatError(f"{path}: file ends at byte {offset + len(data)}, expected "
-                                        f"{total - len(data)} more bytes")
-        at = 0
-        for b in buffers:
-            b.cast("B")[:] = data[at:at + len(b)]
-            at += len(b)
-        with self._lock:
-            self.bytes_read += total
-            self.reads += 1
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-    def __enter__(self) -> ByteReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def destination_dtypes(plan: Plan, where: Mapping[Item, Located]) -> dict[Item, str]:

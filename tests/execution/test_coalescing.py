@@ -9,7 +9,7 @@ import pytest
 from conftest import layouts, logical_values
 
 import reshard.execution.coalescing as coalescing
-import reshard.execution.executor as executor
+import reshard.execution.reader as reader_module
 from reshard.core.planner import plan
 from reshard.execution.arrays import apply, scatter
 from reshard.execution.coalescing import Coalescing, GapBudget
@@ -120,7 +120,7 @@ def test_vectored_reads_go_on_after_short_reads(tmp_path, monkeypatch):
         first = buffers[0]
         return real(fd, [first[:7]], offset) if len(first) else 0
 
-    monkeypatch.setattr(executor.os, "preadv", short)
+    monkeypatch.setattr(reader_module.os, "preadv", short)
     bufs = [memoryview(bytearray(n)) for n in (10, 0, 33, 4000)]
     with ByteReader() as reader:
         reader.read_vectored(path, 100, bufs)
