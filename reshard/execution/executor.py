@@ -2,9 +2,9 @@
 
 Reads go through ``ByteReader`` (``reshard.execution.reader``), the whole read
 surface; ``PlanFill`` answers a writer's ``fill(item, lo, hi)`` (or fills a
-caller's buffer in place, ``fill_into``) by cutting the plan's copies into that
-window of the destination item and reading the source bytes they need in few,
-large reads:
+caller's buffer in place, ``fill_into``, or a run of small items side by side
+in one buffer, ``fill_run``) by cutting the plan's copies into that window of
+the destination item and reading the source bytes they need in few, large reads:
 
 - a run of source bytes at least ``_DIRECT_RUN`` long that is contiguous in
   the destination too is read straight into the destination;
@@ -16,7 +16,10 @@ large reads:
   read: a vectored read that puts each run in its place in the destination
   and the gaps in a small discard buffer, or, where the destination holds the
   runs in another order (a transposed store) or two copies read the same
-  bytes, a read into a reused buffer from which the pieces are copied out.
+  bytes, a read into a reused buffer from which the pieces are copied out;
+- in a ``fill_run``, every contiguous source run contiguous in the destination
+  too is read there, one read call for the runs that touch in their file
+  (adjacent tensors of a safetensors file, the one after the other).
 
 Memory is the destination window plus, per thread, the discard buffer and one
 buffer of the largest span read through it (at most the window without slack,
@@ -32,7 +35,7 @@ import dataclasses
 import math
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -145,14 +148,8 @@ class SourceReader:
         and ``alone`` in its window); None where it is not."""
         parts = outer, inner, run = region.split()
         short = run * size < _DIRECT_RUN and (outer or not alone)  # one run alone in its window: read however short
-        if short or len(outer) > 1:
+        if short or len(outer) > 1 or not _compact(inner, region.lengths, dst_strides):
             return None
-        # Inner axes must keep the same compact layout in the destination.
-        step = 1
-        for k in reversed(inner):
-            if dst_strides[k] != step:
-                return None
-            step *= region.lengths[k]
         loc = self.where.get(region.item)
         return parts if loc is not None and size == itemsize(loc.dtype) else None
 
@@ -268,6 +265,16 @@ class SourceReader:
         return buf
 
 
+def _compact(inner: list[int], lengths: tuple[int, ...], dst_strides: tuple[int, ...]) -> bool:
+    """Whether the inner axes of a source run (``_Region.split``) keep the same compact layout in the destination."""
+    step = 1
+    for k in reversed(inner):
+        if dst_strides[k] != step:
+            return False
+        step *= lengths[k]
+    return True
+
+
 def _assign(first: int, strides: tuple[int, ...], lengths: tuple[int, ...], at: int, dst_strides: tuple[int, ...],
             size: int, starts: list[int], ends: list[int], work: list[list[tuple]]) -> None:
     """Add a region (its first byte in the file, element strides and lengths; its destination offset and
@@ -342,6 +349,61 @@ class PlanFill(SourceReader):
         if self.progress is not None and covered:
             self.progress(covered * dtype.itemsize)
 
+    def fill_run(self, requests: Sequence[tuple[Item, int, int, int]], buf: np.ndarray) -> None:
+        """Fill several items' windows side by side in one buffer: each request ``(item, lo, hi, at)`` puts the
+        item's elements ``[lo, hi)`` (row-major, padding zeroed) at byte ``at`` of ``buf``, a writable uint8 array.
+
+        Source runs contiguous in the destination too are read straight there, the runs that touch in their
+        file with one read call (a vectored read where they lie apart in ``buf``): a run of small tensors
+        stored side by side is one read, not one per tensor. Other pieces are filled as ``fill_into`` fills
+        them. No gap is read through: only the bytes the copies need are read.
+        """
+        runs: dict[Path, list[tuple[int, int, int]]] = defaultdict(list)  # (first byte in the file, bytes, at)
+        moved = 0
+        dtypes: dict[str, np.dtype] = {}
+        for item, lo, hi, at in requests:
+            name = self.dtypes.get(item, "uint8")
+            dtype = dtypes.get(name)
+            if dtype is None:
+                dtype = dtypes[name] = uint_dtype(name)
+            size = dtype.itemsize
+            pieces, covered = self._pieces(item, lo, hi)
+            if covered != hi - lo:
+                buf[at:at + (hi - lo) * size] = 0
+            rest = []
+            for region, first, dst_strides in pieces:
+                run = region.run_to(dst_strides)
+                if run is None:
+                    rest.append((region, first, dst_strides))
+                    continue
+                loc = self._located(region.item, size)
+                runs[loc.path].append((loc.offset + region.base * size, run * size, at + first * size))
+            if rest:
+                self._fill(rest, buf[at:at + (hi - lo) * size].view(dtype))
+            moved += covered * size
+        flat = memoryview(buf)
+        for path, found in runs.items():
+            found.sort()
+            k = 0
+            while k < len(found):  # one read per stretch of runs that touch in the file
+                offset = end = found[k][0]
+                spans: list[list[int]] = []  # where the stretch goes in buf: [first byte, end byte] each
+                while k < len(found) and found[k][0] == end:
+                    _, n, at = found[k]
+                    if spans and spans[-1][1] == at:  # next to the last run in buf too: one buffer
+                        spans[-1][1] = at + n
+                    else:
+                        spans.append([at, at + n])
+                    end += n
+                    k += 1
+                buffers = [flat[a:b] for a, b in spans]
+                if len(buffers) == 1:
+                    self.reader.read_into(path, offset, buffers[0])
+                else:
+                    self.reader.read_vectored(path, offset, buffers)
+        if self.progress is not None and moved:
+            self.progress(moved)
+
     def fit_gaps(self, windows: Iterable[tuple[Item, int, int]]) -> int:
         """Make the fills of ``windows`` (each ``(item, lo, hi)``, elements) read through every gap up to the
         largest size whose gaps in all of them, smallest first, fit the slack; returns that size in bytes.
@@ -377,7 +439,11 @@ class PlanFill(SourceReader):
         if copies:
             if len(copies) == 1:
                 c = copies[0]
-                hits: Iterable[int] = (0,) if c.dst_offset < hi and _end(c) > lo else ()
+                end = _end(c)
+                if lo <= c.dst_offset and end <= hi:  # the whole of one copy (a small tensor, whole or a chunk)
+                    return [(_Region(c.src, c.src_offset, c.src_strides, c.lengths), c.dst_offset - lo,
+                             c.dst_strides)], math.prod(c.lengths)
+                hits: Iterable[int] = (0,) if c.dst_offset < hi and end > lo else ()
             else:
                 extents = self._extents.get(item)
                 if extents is None:  # two threads may both make it: the same arrays
@@ -420,6 +486,20 @@ class _Region:
             run *= self.lengths[k]
             inner.insert(0, k)
         return [k for _, k in axes], inner, run
+
+    def run_to(self, dst_strides: tuple[int, ...]) -> int | None:
+        """The region's length in elements if it is one contiguous run, laid out the same in a destination of
+        ``dst_strides``: the whole of a small tensor, or of its chunk along its first dim; else None."""
+        if self.strides == dst_strides:  # the common case, checked without sorting the axes
+            run = 1
+            for n, s in zip(reversed(self.lengths), reversed(self.strides)):
+                if n > 1 and s != run:
+                    break
+                run *= n
+            else:
+                return run
+        outer, inner, run = self.split()
+        return None if outer or not _compact(inner, self.lengths, dst_strides) else run
 
     def runs(self) -> tuple[np.ndarray, int]:
         """The first element of each contiguous run, and the runs' length, in elements."""

@@ -368,6 +368,26 @@ class SafetensorsWriter:
             self._out.pwrite(memoryview(data).cast("B"), info.data_offset + done)
         self._written[name] = done + n
 
+    def write_run(self, names: Sequence[str], data: bytes | bytearray | memoryview) -> None:
+        """Write tensors that follow one another in the file (``order``), none of them begun, whole: ``data`` is
+        their bytes one after the other, written with one call."""
+        if self._out is None:
+            raise CheckpointFormatError(f"{self.path}: write to tensor '{names[0]}' after the file was closed")
+        view = memoryview(data).cast("B")
+        start = end = self.tensors[names[0]].data_offset if names and names[0] in self.tensors else 0
+        for name in names:
+            info = self.tensors.get(name)
+            if info is None:
+                raise CheckpointFormatError(f"{self.path}: tensor '{name}' is not in this file")
+            if info.data_offset != end or self._written[name]:
+                raise _error(self.path, "not the next tensor of the run in the file, or begun already", name)
+            end += info.nbytes
+        if end - start != len(view):
+            raise _error(self.path, f"{len(view)} bytes for a run of {len(names)} tensors of {end - start}", names[0])
+        self._out.pwrite(view, start)
+        for name in names:
+            self._written[name] = self.tensors[name].nbytes
+
     def close(self) -> None:
         """Finish the file; raises (and removes the file) if a tensor is incomplete."""
         if self._out is None:

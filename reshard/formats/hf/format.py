@@ -16,7 +16,7 @@ from reshard.core.resolve import resolve
 from reshard.core.spec import Spec, parse_spec
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.execution.session import WriteSession
+from reshard.execution.session import Slot, WriteSession
 from reshard.formats.base import Fill, Located, Source, Target, check_sizes, given_sizes
 from reshard.formats.derived import (
     Recorded,
@@ -216,10 +216,14 @@ class HFFormat:
                 continue
             spec = {n: (dtype_of[by_key[n]], target.layout.items[by_key[n]].shape) for n in names}
             with SafetensorsWriter(out / file, spec, metadata={"format": "pt"}, open_file=session.open) as w:
-                for name in w.order:
-                    it = by_key[name]
-                    session.stream_item(fill, it, target.layout.items[it].numel, dtype_of[it],
-                                        lambda data, name=name: w.write(name, data))
+                slots = (Slot(by_key[name], t.numel, dtype_of[by_key[name]], t.data_offset, t.data_offset,
+                              t.data_offset + t.nbytes, key=name) for name, t in w.tensors.items())
+                for run in session.runs(slots):  # small tensors side by side: filled and written together
+                    if len(run) > 1:
+                        session.stream_run(fill, run, lambda run, data: w.write_run([s.key for s in run], data))
+                        continue
+                    s = run[0]
+                    session.stream_item(fill, s.item, s.numel, s.dtype, lambda data, name=s.key: w.write(name, data))
             written.append(Path(file))
         if only:  # a worker's share: index and configs are written by the call with only=()
             return written
