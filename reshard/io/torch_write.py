@@ -175,6 +175,71 @@ def _lay_out_tree(obj: object, prefix: str) -> _Layout:
     return _Layout(tensors, ident, records, offset + len(tail), framing, central)
 
 
+# torch only logs the serialization id; ours is, like torch's, a hash of the record names then of the CRCs:
+# twenty digits of each.
+def _names_id(records: list[_Record]) -> bytes:
+    names = hashlib.blake2b(b"\0".join(r.name for r in records), digest_size=8).digest()
+    return f"{int.from_bytes(names, 'little'):020d}".encode()
+
+
+def _crcs_id(packed: bytes) -> bytes:
+    return f"{int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), 'little'):020d}".encode()
+
+
+class LoneArchive:
+    """The torch.save archive of one ``TensorSpec`` alone (each chunk of a DCP ``.distcp``), made in memory around
+    its tensor's bytes: ``frame`` writes every other byte, the CRC-32s and the serialization id included, so that
+    a run of archives goes out with one write. The bytes are those ``TorchFileWriter(path, spec, ...)`` writes.
+
+    Laid out once per spec (``lone_archive``); the record names' hash, and the CRCs of every record but the
+    tensor's and the id's, are taken once too.
+    """
+
+    def __init__(self, spec: TensorSpec, archive_name: str) -> None:
+        t = _lay_out_alone(spec, archive_name)
+        (tensor,) = t.tensors.values()
+        self.size = t.size
+        """Bytes of the archive."""
+        self.data_offset = tensor.data_offset
+        """Where the tensor's bytes start, from the archive's first byte."""
+        self.nbytes = tensor.size
+        self._framing = t.framing
+        k = t.records.index(tensor)
+        crcs = [struct.pack("<I", r.crc) for r in t.records]
+        # the id's own CRC enters the id as it was before the id was made (that of the placeholder), as in close()
+        self._before, self._after = b"".join(crcs[:k]), b"".join(crcs[k + 1:])
+        self._names = _names_id(t.records)
+        self._tensor_descriptor = tensor.descriptor()  # CRC 0, patched
+        self._id_at, self._id_descriptor = t.ident.data_offset, t.ident.descriptor()
+        self._crc_at = (tensor.central_offset + 16, t.ident.central_offset + 16)  # in their central entries
+
+    def frame(self, buf: memoryview) -> int:
+        """Write the archive's bytes around its tensor's, which are in place in ``buf`` (the archive's ``size``
+        bytes, writable); returns the tensor's CRC-32."""
+        for at, data in self._framing:
+            buf[at:at + len(data)] = data
+        end = self.data_offset + self.nbytes
+        crc = crc32(buf[self.data_offset:end])
+        if self.nbytes:
+            buf[end:end + len(self._tensor_descriptor)] = self._tensor_descriptor
+            struct.pack_into("<I", buf, end + 4, crc)
+        payload = self._names + _crcs_id(self._before + struct.pack("<I", crc) + self._after)
+        id_crc = crc32(payload)
+        buf[self._id_at:self._id_at + len(payload)] = payload
+        at = self._id_at + len(payload)
+        buf[at:at + len(self._id_descriptor)] = self._id_descriptor
+        struct.pack_into("<I", buf, at + 4, id_crc)
+        struct.pack_into("<I", buf, self._crc_at[0], crc)
+        struct.pack_into("<I", buf, self._crc_at[1], id_crc)
+        return crc
+
+
+@functools.lru_cache(maxsize=1024)
+def lone_archive(spec: TensorSpec, archive_name: str) -> LoneArchive:
+    """The ``LoneArchive`` of ``spec`` (made once per spec and name)."""
+    return LoneArchive(spec, archive_name)
+
+
 class TorchFileWriter:
     """Writes a torch.save file whose tensor bytes are streamed in afterwards, tensor by tensor.
 
@@ -232,6 +297,11 @@ class TorchFileWriter:
     @staticmethod
     def measure(obj: object, *, archive_name: str) -> int:
         """Bytes of the archive ``TorchFileWriter(path, obj, archive_name=...)`` would write."""
+        if type(obj) is TensorSpec:  # a lone spec's layout is kept: no fresh records to make
+            try:
+                return _lay_out_alone(obj, archive_name).size
+            except TypeError:  # a key that cannot be hashed
+                pass
         return _lay_out(obj, archive_name).size
 
     def write(self, key: object, data: bytes | memoryview | np.ndarray | Skip | ReadBack) -> None:
@@ -285,10 +355,7 @@ class TorchFileWriter:
             self.abort()
             more = f" and {len(short) - 5} more" if len(short) > 5 else ""
             raise CheckpointFormatError(f"{self.path}: tensors not fully written: {', '.join(short[:5])}{more}")
-        # torch only logs the serialization id; ours is, like torch's, a hash of the record names then of the CRCs.
-        names = hashlib.blake2b(b"\0".join(r.name for r in self._records), digest_size=8).digest()
-        crcs = hashlib.blake2b(b"".join(struct.pack("<I", r.crc) for r in self._records), digest_size=8).digest()
-        self._id.payload = f"{int.from_bytes(names, 'little'):020d}{int.from_bytes(crcs, 'little'):020d}".encode()
+        self._id.payload = _names_id(self._records) + _crcs_id(b"".join(struct.pack("<I", r.crc) for r in self._records))
         self._id.crc = crc32(self._id.payload)
         try:
             self._out.pwrite(self._id.payload + self._id.descriptor(), base + self._id.data_offset)

@@ -253,7 +253,7 @@ def many(tmp_path):
 
 
 @pytest.mark.parametrize("run_bytes", [None, 5000], ids=["runs", "runs-of-5000-bytes"])
-@pytest.mark.parametrize("to", ["hf"])
+@pytest.mark.parametrize("to", ["hf", "dcp"])
 def test_many_small_tensors_convert_bit_exactly_and_as_tensor_by_tensor_streaming_does(tmp_path, monkeypatch, many,
                                                                                         to, run_bytes):
     """Runs cut wherever the run size is reached (``runs-of-5000-bytes``: a few tensors or DCP archives each, a
@@ -283,7 +283,7 @@ def test_many_small_tensors_convert_bit_exactly_and_as_tensor_by_tensor_streamin
     assert read_tree(tmp_path / "runs") == read_tree(tmp_path / "alone")  # files, manifest, checksums
 
 
-@pytest.mark.parametrize("to", ["hf"])
+@pytest.mark.parametrize("to", ["hf", "dcp"])
 def test_many_small_tensors_with_two_workers_match_one(tmp_path, many, to):
     """Workers split the files between them, and a file at its tensors (DCP at dp=1: one ``.distcp``): runs stay
     within each worker's share, and the finishing process gets the CRCs of the archives framed in runs."""

@@ -675,3 +675,28 @@ def test_archives_of_one_tensor_spec_share_a_layout_but_never_their_bytes(tmp_pa
     assert template.ident.payload == b"0" * 40
     ids = {zipfile.ZipFile(tmp_path / f"a{k}.pt").read("archive/.data/serialization_id") for k in range(3)}
     assert len(ids) == 3
+
+
+@pytest.mark.parametrize("dtype,shape", [("float32", (3, 5)), ("bfloat16", (7,)), ("float32", (0, 4)),
+                                         ("int64", ()), ("float16", (64, 64))])
+def test_a_lone_archive_framed_in_memory_is_the_archive_the_writer_streams(tmp_path, dtype, shape):
+    """DCP writes runs of small chunk archives framed in memory, one write a run: the bytes, CRCs and
+    serialization id included, are those TorchFileWriter writes, and torch.load reads the tensor."""
+    from reshard.io.torch_write import lone_archive
+
+    spec = TensorSpec(dtype, shape, key=0)
+    rng = np.random.default_rng(len(shape))
+    for k in range(3):
+        data = rng.integers(0, 256, spec.nbytes, dtype=np.uint8).tobytes()
+        with TorchFileWriter(tmp_path / "streamed.pt", spec, archive_name="archive") as w:
+            w.write(0, data)
+        archive = lone_archive(spec, "archive")
+        buf = bytearray(b"\xcd" * archive.size)  # whatever was in the buffer before
+        buf[archive.data_offset:archive.data_offset + spec.nbytes] = data
+        archive.frame(memoryview(buf))
+        assert bytes(buf) == (tmp_path / "streamed.pt").read_bytes()
+    (tmp_path / "framed.pt").write_bytes(bytes(buf))
+    with zipfile.ZipFile(tmp_path / "framed.pt") as z:
+        assert z.testzip() is None
+    got = torch.load(tmp_path / "framed.pt", weights_only=True)
+    assert got.shape == shape and bytes(got.reshape(-1).view(torch.uint8).numpy()) == data

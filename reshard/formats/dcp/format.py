@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -15,7 +16,7 @@ from reshard.core.layout import MASTER, PARAM, Fragment, Item, ItemInfo, Layout,
 from reshard.core.spec import parse_spec
 from reshard.core.topology import Topology
 from reshard.errors import CheckpointFormatError, TopologyError
-from reshard.execution.session import WriteSession
+from reshard.execution.session import Slot, WriteSession
 from reshard.formats.base import (
     Fill,
     Located,
@@ -28,6 +29,7 @@ from reshard.formats.base import (
 from reshard.formats.dcp.layouts import (
     family_spec,
     _dtype_of,
+    _Entry,
     _file_plan,
     _fsdp_layout,
     _module_facts,
@@ -66,8 +68,9 @@ from reshard.io.dcp_metadata import (
     write_metadata,
 )
 from reshard.io.location import as_path
+from reshard.io.storage import FilePart, OutputFile
 from reshard.io.torch_types import SmallTensor, TensorSpec
-from reshard.io.torch_write import TorchFileWriter
+from reshard.io.torch_write import LoneArchive, TorchFileWriter, lone_archive
 from reshard.models.config import config_sizes
 
 
@@ -232,19 +235,7 @@ class DcpFormat:
                 continue
             f = session.open(out / rel)
             try:
-                for e in entries:
-                    if e.item is None:
-                        f.pwrite(e.data, e.base)
-                        continue
-                    dtype = target.dtypes[e.item]
-                    w = TorchFileWriter(out / rel, TensorSpec(dtype, e.chunk.sizes, key=0), archive_name="archive",
-                                        file=f, base=e.base)
-                    if w.size != e.length:
-                        raise CheckpointFormatError(f"{out / rel}: {e.key}'s archive is {w.size} bytes, planned "
-                                                    f"{e.length} (a bug in reshard's DCP writer)")
-                    session.stream_item(fill, e.item, math.prod(e.chunk.sizes), dtype,
-                                        lambda data, w=w: w.write(0, data))
-                    w.close()
+                _write_entries(session, fill, f, entries, target.dtypes)
                 f.close()
             except BaseException:
                 f.abort()
@@ -277,6 +268,51 @@ class DcpFormat:
         return written
 
 FORMAT = DcpFormat()
+
+
+def _write_entries(session: WriteSession, fill: Fill, f: OutputFile, entries: list[_Entry],
+                   dtypes: Mapping[Item, str]) -> None:
+    """One rank file's entries: verbatim bytes as they are, and each chunk as a torch.save archive of its own.
+    Runs of small chunks (``session.runs``) are framed in memory and go out with one write each; a larger chunk
+    is streamed into its archive."""
+    archives: dict[tuple[str, tuple[int, ...]], tuple[TensorSpec, LoneArchive]] = {}  # one per dtype and shape
+
+    def slots(chunks: Iterable[_Entry]) -> Iterator[Slot]:
+        for e in chunks:
+            dtype = dtypes[e.item]
+            known = archives.get((dtype, e.chunk.sizes))
+            if known is None:
+                spec = TensorSpec(dtype, e.chunk.sizes, key=0)
+                known = archives[(dtype, e.chunk.sizes)] = (spec, lone_archive(spec, "archive"))
+            if known[1].size != e.length:
+                raise CheckpointFormatError(f"{f.path}: {e.key}'s archive is {known[1].size} bytes, planned "
+                                            f"{e.length} (a bug in reshard's DCP writer)")
+            yield Slot(e.item, math.prod(e.chunk.sizes), dtype, e.base, e.base + known[1].data_offset,
+                       e.base + e.length, key=known)
+
+    part = f if isinstance(f, FilePart) else None  # a worker's part of a split file: its finisher needs the CRCs
+
+    def framed(run: Sequence[Slot], buf: memoryview) -> None:
+        start = run[0].start
+        for s in run:
+            crc = s.key[1].frame(buf[s.start - start:s.end - start])
+            if part is not None:
+                part.crcs[s.data] = crc
+        f.pwrite(buf, start)  # in a part, the framing too: the same bytes its finisher writes over them
+
+    for verbatim, group in itertools.groupby(entries, key=lambda e: e.item is None):
+        if verbatim:
+            for e in group:
+                f.pwrite(e.data, e.base)
+            continue
+        for run in session.runs(slots(group)):
+            if len(run) > 1:
+                session.stream_run(fill, run, framed)
+                continue
+            (s,) = run
+            w = TorchFileWriter(f.path, s.key[0], archive_name="archive", file=f, base=s.start)
+            session.stream_item(fill, s.item, s.numel, s.dtype, lambda data, w=w: w.write(0, data))
+            w.close()
 
 
 def optimizer_groups(source: Source) -> tuple[ParamGroup, ...]:
