@@ -449,8 +449,9 @@ def _layout(path: Path, tensors: Mapping[str, tuple[str, Sequence[int]]],
     at = 0
     for _, name, code, shape in entries:
         nbytes = math.prod(shape) * ITEMSIZE[SAFETENSORS_CODES[code]]
-        entry = f'{{"dtype":"{code}","shape":{_dumps(list(shape))},"data_offsets":[{at},{at + nbytes}]}}'
-        parts.append(f"{_dumps(name)}:{entry}")
+        dims = ",".join(map(int.__repr__, shape))  # what json writes for ints, without its encoder per tensor
+        entry = f'{{"dtype":"{code}","shape":[{dims}],"data_offsets":[{at},{at + nbytes}]}}'
+        parts.append(f'"{name}":{entry}' if _plain(name) else f"{_dumps(name)}:{entry}")
         infos.append((name, code, shape, at, nbytes))
         at += nbytes
     try:
@@ -466,6 +467,11 @@ def _layout(path: Path, tensors: Mapping[str, tuple[str, Sequence[int]]],
     out = {name: TensorInfo(dtype=SAFETENSORS_CODES[code], shape=shape, data_offset=start + begin, nbytes=nbytes)
            for name, code, shape, begin, nbytes in infos}
     return header, out
+
+
+def _plain(name: str) -> bool:
+    """Whether JSON writes ``name`` as it is, between quotes: no quote, backslash or control character."""
+    return name.isprintable() and '"' not in name and "\\" not in name
 
 
 def _dumps(value: Any) -> str:

@@ -290,6 +290,17 @@ def test_writer_matches_save_file_for_arbitrary_tensors(tmp_path_factory: pytest
     assert (tmp / "ours.safetensors").read_bytes() == (tmp / "ref.safetensors").read_bytes()
 
 
+def test_names_json_must_escape_are_escaped_as_save_file_escapes_them(tmp_path: Path) -> None:
+    """The header writes a plain name between quotes as it is, and any other through JSON's encoder."""
+    import torch
+    from safetensors.torch import save_file
+    names = ['q"uote', "back\\slash", "tab\t", "new\nline", "del\x7f", "sep\u2028", "é", "😀", "ctl\x01", "a.b-c_9"]
+    tensors = {n: torch.full((2,), float(k)) for k, n in enumerate(names)}
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    _write(tmp_path / "ours.safetensors", tensors, {"format": "pt"}, window=5)
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
 # --- shard planning ----------------------------------------------------------------------
 
 def test_one_shard_is_model_safetensors_without_index() -> None:
