@@ -313,7 +313,8 @@ class PlanFill(SourceReader):
                  progress: Callable[[int], None] | None = None) -> None:
         self.progress = progress
         coalescing = coalescing or Coalescing()
-        needed = sum(c.numel * itemsize(where[c.src].dtype) for c in plan.copies if c.src in where)
+        needed = sum(c.numel * itemsize(where[c.src].dtype) for c in plan.copies if c.src in where) \
+            if coalescing.slack > 0 else 0  # a conversion's fill reads through no gap: no need to weigh every copy
         super().__init__(where, reader, coalescing, GapBudget(int(coalescing.slack * needed)))
         self._copies: dict[Item, list[Copy]] = defaultdict(list)
         for c in plan.copies:

@@ -302,11 +302,15 @@ def _file_plan(target: Target) -> dict[str, list[_Entry]]:
         if c.writer is it:
             per_rank.setdefault(c.rank, []).append(it)
     files: dict[str, list[_Entry]] = {}
+    lengths: dict[tuple[str, tuple[int, ...]], int] = {}  # archive sizes by dtype and shape: many chunks, few shapes
     for rank in range(target.topology.world_size):
         base, entries = 0, []
         for it in per_rank.get(rank, []):
             c = target.extra["dcp"].chunks[it]
-            length = TorchFileWriter.measure(TensorSpec(target.dtypes[it], c.chunk.sizes, key=0), archive_name="archive")
+            length = lengths.get((target.dtypes[it], c.chunk.sizes))
+            if length is None:
+                length = lengths[(target.dtypes[it], c.chunk.sizes)] = TorchFileWriter.measure(
+                    TensorSpec(target.dtypes[it], c.chunk.sizes, key=0), archive_name="archive")
             entries.append(_Entry(c.key, base, length, item=it, chunk=c.chunk, global_size=c.size))
             base += length
         if rank == 0:
