@@ -261,8 +261,8 @@ class WriteSession:
     def runs(self, slots: Iterable[Slot]) -> Iterator[list[Slot]]:
         """``slots`` (in file order) grouped into runs for ``stream_run``: slots that touch in the file (one's
         ``end`` the next one's ``start``), each at most ``_SMALL`` bytes and written whole by this session, at
-        most ``_RUN`` bytes and half the window together. Every other slot, and a run of one, comes alone (a list of one), for
-        ``stream_item``."""
+        most ``_RUN`` bytes and half the window together. Every other slot comes alone (a list of one), for
+        ``stream_item``, and so may a small one that has no neighbour to run with."""
         run: list[Slot] = []
         for s in slots:
             small = s.end - s.start <= min(_SMALL, self._run_bytes) and s.item not in self._skip \

@@ -355,7 +355,8 @@ class TorchFileWriter:
             self.abort()
             more = f" and {len(short) - 5} more" if len(short) > 5 else ""
             raise CheckpointFormatError(f"{self.path}: tensors not fully written: {', '.join(short[:5])}{more}")
-        self._id.payload = _names_id(self._records) + _crcs_id(b"".join(struct.pack("<I", r.crc) for r in self._records))
+        crcs = b"".join(struct.pack("<I", r.crc) for r in self._records)
+        self._id.payload = _names_id(self._records) + _crcs_id(crcs)
         self._id.crc = crc32(self._id.payload)
         try:
             self._out.pwrite(self._id.payload + self._id.descriptor(), base + self._id.data_offset)
