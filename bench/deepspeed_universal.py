@@ -9,10 +9,11 @@ ranks would save it, then measures, each in its own process tree:
 - ``ds_to_universal --inject_missing_state``: the universal folder DeepSpeed
   loads at dp=4 with ``load_universal`` (its own route to a new dp).
 
-For each: wall time, peak RSS summed over the process tree (sampled every
-50 ms: ds_to_universal runs worker processes), and bytes written, counted by
-the kernel for every process of the tree (``/proc/<pid>/io`` ``write_bytes``,
-sampled; temporary files included), next to the final output size.
+and ``cp -r && sync`` of the source, the floor. For each, with the page cache dropped before it where it can be
+(root; ``sync`` first): wall time and its ratio to the floor, peak RSS summed over the process tree (sampled
+every 50 ms: ds_to_universal runs worker processes), and bytes read from and written to storage, counted by
+the kernel for the process and every child it waited for (``wait4``'s rusage; temporary files included), next to
+the source's and the final output's size.
 
     python bench/deepspeed_universal.py [--scale 1.0] [--keep DIR]
 """
@@ -30,7 +31,11 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from rank_load import can_drop_caches, drop_caches  # noqa: E402  (root: the page cache can be dropped)
 
 
 def _tree(pgid: int) -> list[int]:
@@ -60,27 +65,28 @@ def measure(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, floa
     """Run ``cmd`` in its own session: wall seconds, peak summed RSS (bytes), bytes written by the tree."""
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-    peak, written, done = [0], {}, threading.Event()
+    peak, done = [0], threading.Event()
 
     def sample() -> None:
         while not done.is_set():
             rss = 0
             for pid in _tree(proc.pid):
                 rss += _field(pid, "status", "VmRSS:") * 1024
-                written[pid] = max(written.get(pid, 0), _field(pid, "io", "write_bytes:"))
             peak[0] = max(peak[0], rss)
             time.sleep(0.05)
 
     t0 = time.perf_counter()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    output = proc.communicate()[0]
+    output = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # storage bytes of the process and every child it reaped, once each
     seconds = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
     done.set()
     sampler.join()
     if proc.returncode:
         raise RuntimeError(f"{cmd[:4]} failed:\n{output.decode(errors='replace')[-3000:]}")
-    return {"seconds": seconds, "rss": peak[0], "written": sum(written.values())}
+    return {"seconds": seconds, "rss": peak[0], "read": usage.ru_inblock * 512, "written": usage.ru_oublock * 512}
 
 
 def size_of(path: Path) -> int:
@@ -108,8 +114,10 @@ def main() -> None:
                    f"fixtures.make_fixture({str(src)!r}, format='deepspeed', to='dp=2,zero=2', model='bench-llama')\n")
             subprocess.run([sys.executable, "-c", gen], check=True, cwd=ROOT, env=env)
         source = size_of(src)
+        cold = can_drop_caches()
         runs = []
         for name, out, cmd in (
+            ("cp -r && sync", base / "copy", ["bash", "-c", f"cp -r {src} {base / 'copy'} && sync"]),
             ("reshard convert --to dp=4", dst,
              [sys.executable, "-m", "reshard.cli.main", "convert", str(src), str(dst), "--to", "dp=4"]),
             ("reshard convert --format ucp", ours_ucp,
@@ -120,16 +128,25 @@ def main() -> None:
         ):
             shutil.rmtree(out, ignore_errors=True)
             os.sync()
+            if cold:
+                drop_caches()
             figures = measure(cmd, env)
             runs.append((name, figures, size_of(out)))
+            if out == base / "copy":
+                shutil.rmtree(out, ignore_errors=True)
         gib = 2**30
+        floor = runs[0][1]["seconds"]
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
-        print(f"checkpoint: DeepSpeed ZeRO-2 dp=2, {source / gib:.2f} GiB (bf16 weights, fp32 master, Adam)\n")
-        print("| run | wall s | peak RSS GiB | written GiB | output GiB | written / output |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print(f"checkpoint: DeepSpeed ZeRO-2 dp=2, {source / gib:.2f} GiB (bf16 weights, fp32 master, Adam); "
+              f"{'page cache dropped before each run' if cold else 'warm page cache (not root)'}\n")
+        print("| run | wall s | x floor | peak RSS GiB | read GiB | read / needed | written GiB | output GiB "
+              "| written / output |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name, f, out_size in runs:
-            print(f"| {name} | {f['seconds']:.1f} | {f['rss'] / gib:.2f} | {f['written'] / gib:.2f} "
+            print(f"| {name} | {f['seconds']:.1f} | {f['seconds'] / floor:.2f} | {f['rss'] / gib:.2f} "
+                  f"| {f['read'] / gib:.2f} | {f['read'] / source:.2f} | {f['written'] / gib:.2f} "
                   f"| {out_size / gib:.2f} | {f['written'] / max(out_size, 1):.2f} |")
+        runs = runs[1:]
         theirs = runs[-1][1]
         for name, ours, _ in runs[:-1]:
             print(f"\n{name}: {theirs['seconds'] / ours['seconds']:.1f}x faster than ds_to_universal, "
