@@ -11,7 +11,7 @@ buffer "needs to be entirely indexed, and cannot contain holes".
 ``read_header`` enforces every rule above before a single tensor byte is
 read; ``SafetensorsWriter`` writes a file byte-identical to
 ``safetensors.torch.save_file`` for the same tensors, streaming each tensor's
-bytes in; ``plan_shards`` splits a state dict into shard files the way
+bytes in; ``plan_shards`` (from ``reshard.io.hf_shards``) splits a state dict into shard files the way
 ``save_pretrained`` does. No torch at runtime.
 
 Dtypes are torch names without ``torch.`` (``bfloat16``, ``float32``, ...),
@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
 
 from reshard.core.dtypes import DTYPES, ITEMSIZE, SAFETENSORS_CODES
-from reshard.core.units import parse_size
 from reshard.errors import CheckpointFormatError
-from reshard.io import json_text
 from reshard.io.bounds import FieldError, check_count, check_offset, check_shape
+from reshard.io.hf_shards import INDEX_NAME, WEIGHTS_NAME, ShardPlan, plan_shards
 from reshard.io.location import UrlPath, file_size
 from reshard.io.storage import FilePart, OutputFile, ReadBack, Skip
 
@@ -51,10 +50,9 @@ __all__ = [
 
 # safetensors refuses headers above 100 MB; so do we, which also bounds what we read.
 MAX_HEADER_SIZE = 100_000_000
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 _N_LEN = 8
 _FIELDS = ("dtype", "shape", "data_offsets")
+_FIELD_SET = frozenset(_FIELDS)
 
 # Declaration order of safetensors' Rust `Dtype` enum (increasing alignment), the same in
 # every release from 0.6 on. Its serializer sorts tensors by this rank, highest first, then by name.
@@ -151,6 +149,13 @@ def read_header(path: str | Path, *, offset: int = 0) -> SafetensorsHeader:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise _error(path, f"header is not valid UTF-8 ({e.reason} at byte {_N_LEN + e.start})") from None
+    data_len = size - _N_LEN - n
+    data_start = offset + _N_LEN + n
+    fast = _valid_header(path, text, data_start, data_len)
+    if fast is not None:
+        metadata, ordered = fast
+        return SafetensorsHeader(path=path, tensors=MappingProxyType(ordered), metadata=metadata,
+                                 data_start=data_start, file_size=offset + size)
     try:
         obj = json.loads(text, object_pairs_hook=_unique_keys, parse_int=_parse_int)
     except _DuplicateKeyError as e:
@@ -161,8 +166,6 @@ def read_header(path: str | Path, *, offset: int = 0) -> SafetensorsHeader:
         raise _error(path, f"header is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
         raise _error(path, "header is not valid JSON: nested too deeply") from None
-    data_len = size - _N_LEN - n
-    data_start = offset + _N_LEN + n
     metadata = _metadata(path, obj.pop("__metadata__", None)) if "__metadata__" in obj else None
     spans: list[tuple[int, int, str]] = []
     tensors: dict[str, TensorInfo] = {}
@@ -174,6 +177,83 @@ def read_header(path: str | Path, *, offset: int = 0) -> SafetensorsHeader:
     ordered = {name: tensors[name] for _, _, name in sorted(spans)}
     return SafetensorsHeader(path=path, tensors=MappingProxyType(ordered), metadata=metadata,
                              data_start=data_start, file_size=offset + size)
+
+
+def _valid_header(path: Path, text: str, data_start: int,
+                  data_len: int) -> tuple[Mapping[str, str] | None, dict[str, TensorInfo]] | None:
+    """The metadata and the tensors (in file order) of a header that breaks no rule, or None for any other.
+
+    A header of 100,000 tensors takes a second to check through ``json``'s Python hooks (one call per
+    object and per integer). Here the C parser runs alone, and a header whose compact JSON is its own text
+    (as every writer of safetensors writes it) holds no duplicate key: the text is then that of the parsed
+    objects, whose keys are unique. A valid header is checked field by field with no call per value; on
+    anything else ``read_header`` parses again the careful way, which finds the problem and names it (an
+    integer longer than a u64 fails a bound here).
+    """
+    try:
+        entries = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if type(entries) is not dict:
+        return None
+    try:
+        compact = json.dumps(entries, ensure_ascii=False, separators=(",", ":"), check_circular=False)
+    except (ValueError, RecursionError):  # nesting deeper than the encoder recurses
+        return None
+    if compact != text.rstrip(" "):
+        return None
+    metadata = None
+    strings = list(entries)
+    if "__metadata__" in entries:
+        metadata = entries.pop("__metadata__")
+        if type(metadata) is not dict or any(type(v) is not str for v in metadata.values()):
+            return None
+        strings += [*metadata, *metadata.values()]
+    try:
+        "".join(strings).encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    spans: list[tuple[int, int, str]] = []
+    tensors: dict[str, TensorInfo] = {}
+    needs: dict[tuple[str, tuple[int, ...]], int | None] = {}
+    new, put = object.__new__, object.__setattr__
+    for name, entry in entries.items():
+        if type(entry) is not dict or entry.keys() != _FIELD_SET:
+            return None
+        code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if type(code) is not str or code not in SAFETENSORS_CODES or type(shape) is not list:
+            return None
+        if type(offsets) is not list or len(offsets) != 2:
+            return None
+        for d in (*shape, *offsets):
+            if type(d) is not int or d < 0:
+                return None
+        dims = tuple(shape)
+        need = needs.get((code, dims), -1)
+        if need == -1:
+            need = needs[code, dims] = _need(code, dims)
+        begin, end = offsets
+        if need is None or end - begin != need or end > data_len:
+            return None
+        info = new(TensorInfo)
+        put(info, "dtype", SAFETENSORS_CODES[code])
+        put(info, "shape", dims)
+        put(info, "data_offset", data_start + begin)
+        put(info, "nbytes", need)
+        spans.append((begin, end, name))
+        tensors[name] = info
+    spans.sort()
+    _check_cover(path, spans, data_len)
+    return (None if metadata is None else MappingProxyType(metadata)), {name: tensors[name] for _, _, name in spans}
+
+
+def _need(code: str, shape: tuple[int, ...]) -> int | None:
+    """The bytes of a ``code`` tensor of ``shape``, or None when its strides pass int64."""
+    size = ITEMSIZE[SAFETENSORS_CODES[code]]
+    try:
+        return check_shape("shape", shape, size) * size
+    except FieldError:
+        return None
 
 
 class _DuplicateKeyError(Exception):
@@ -477,84 +557,3 @@ def _plain(name: str) -> bool:
 def _dumps(value: Any) -> str:
     # serde_json's compact form: no spaces, non-ASCII kept as UTF-8, the same escapes as Python's.
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-# --- Hugging Face shards ----------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ShardPlan:
-    """Which tensors go to which file of a Hugging Face checkpoint."""
-
-    shards: tuple[tuple[str, tuple[str, ...]], ...]
-    """(file name, tensor names in the given order), in file order."""
-    total_size: int
-    """Bytes of all tensors (the index's ``metadata.total_size``)."""
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the checkpoint needs ``model.safetensors.index.json`` (more than one file)."""
-        return len(self.shards) > 1
-
-    @property
-    def weight_map(self) -> dict[str, str]:
-        return {name: file for file, names in self.shards for name in names}
-
-    def index(self, total_parameters: int | None = None) -> dict[str, Any]:
-        """The index file's content: ``{"metadata": {...}, "weight_map": {name: file}}``.
-
-        ``total_parameters`` (elements) is added to the metadata as transformers 5 does.
-        """
-        meta: dict[str, Any] = {"total_size": self.total_size}
-        if total_parameters is not None:
-            meta["total_parameters"] = total_parameters
-        return {"metadata": meta, "weight_map": self.weight_map}
-
-    def index_json(self, total_parameters: int | None = None) -> str:
-        """The index file's text, formatted as ``save_pretrained`` writes it."""
-        return json_text.dumps(self.index(total_parameters), indent=2, sort_keys=True) + "\n"
-
-
-def plan_shards(tensors: Iterable[tuple[str, int]], max_shard_size: int | str = "5GB", *,
-                weights_name: str = WEIGHTS_NAME) -> ShardPlan:
-    """Split tensors into shard files as ``huggingface_hub.split_torch_state_dict_into_shards`` does.
-
-    Tensors are taken in the given order: a tensor that would tip the current
-    shard over ``max_shard_size`` starts a new shard; a tensor larger than
-    ``max_shard_size`` gets a shard of its own (placed before the shard being
-    filled, as huggingface_hub does). One shard is named ``weights_name``;
-    several are ``model-00001-of-0000N.safetensors``, ...
-
-    Args:
-      tensors: (name, size in bytes) pairs.
-      max_shard_size: bytes, or a string like ``"5GB"`` (decimal units).
-      weights_name: the single-file name; shard names insert ``-0000K-of-0000N`` before its suffix.
-
-    >>> plan_shards([("a", 6), ("b", 6), ("c", 2)], 10).shards
-    (('model-00001-of-00002.safetensors', ('a',)), ('model-00002-of-00002.safetensors', ('b', 'c')))
-    """
-    limit = parse_size(max_shard_size, "max_shard_size")
-    shards: list[list[str]] = []
-    current: list[str] = []
-    current_size = total = 0
-    seen: set[str] = set()
-    for name, nbytes in tensors:
-        if name in seen:
-            raise CheckpointFormatError(f"tensor '{name}' is listed twice")
-        seen.add(name)
-        total += nbytes
-        if nbytes > limit:
-            shards.append([name])
-            continue
-        if current_size + nbytes > limit:
-            shards.append(current)
-            current, current_size = [], 0
-        current.append(name)
-        current_size += nbytes
-    if current or not shards:
-        shards.append(current)
-    stem, dot, suffix = weights_name.rpartition(".")
-    if len(shards) == 1:
-        files = [weights_name]
-    else:
-        files = [f"{stem}-{k + 1:05d}-of-{len(shards):05d}{dot}{suffix}" for k in range(len(shards))]
-    return ShardPlan(shards=tuple((f, tuple(s)) for f, s in zip(files, shards, strict=True)), total_size=total)

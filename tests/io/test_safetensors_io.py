@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from reshard.errors import CheckpointFormatError, ReshardError
 from reshard.core.units import parse_size
+from reshard.io import safetensors_io
 from reshard.io.safetensors_io import SafetensorsWriter, plan_shards, read_header
 
 SUPPORTED = ("BOOL, U8, I8, F8_E5M2, F8_E4M3, F8_E8M0, F8_E4M3FNUZ, F8_E5M2FNUZ, I16, U16, F16, BF16, I32, U32, F32, "
@@ -361,3 +362,77 @@ def test_parse_size_rejects_nonsense(text, message: str) -> None:
     with pytest.raises(ReshardError) as e:
         parse_size(text, "max_shard_size")
     assert str(e.value) == message
+
+
+def _compact(header: bytes) -> bytes:
+    """The header as safetensors writers lay it out (no spaces), where it is JSON at all."""
+    try:
+        return json.dumps(json.loads(header), separators=(",", ":")).encode()
+    except (ValueError, RecursionError):
+        return header
+
+
+COMPACT_MALFORMED = [
+    ("duplicate-tensor", b'{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
+     b'"w":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}', b"ab", "header has key 'w' twice"),
+    ("duplicate-field", b'{"w":{"dtype":"U8","dtype":"F32","shape":[1],"data_offsets":[0,1]}}', b"a",
+     "header has key 'dtype' twice"),
+    ("duplicate-metadata-key", b'{"__metadata__":{"a":"1","a":"2"}}', b"", "header has key 'a' twice"),
+    ("long-integer", b'{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,' + b"1" * 21 + b"]}}", b"a",
+     "header holds an integer of 21 digits, longer than a u64 (20 digits)"),
+    ("lone-surrogate-name", b'{"\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"a",
+     "tensor name '\\ud800' holds a lone surrogate escape, not Unicode text"),
+    ("strides-past-int64", b'{"w":{"dtype":"U8","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}}', b"",
+     None),
+]
+
+
+@pytest.mark.parametrize(("header", "data", "n"), [c[1:4] for c in MALFORMED], ids=[c[0] for c in MALFORMED])
+def test_compact_malformed_header_gets_the_careful_checks_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, header: bytes, data: bytes, n: int | None
+) -> None:
+    # A compact header is first checked by read_header's fast path; what it refuses must read the same.
+    compact = _compact(header)
+    path = _raw(tmp_path / "bad.safetensors", compact, data, None if n is None else n - len(header) + len(compact))
+    with pytest.raises(CheckpointFormatError) as fast:
+        read_header(path)
+    monkeypatch.setattr(safetensors_io, "_valid_header", lambda *args: None)
+    with pytest.raises(CheckpointFormatError) as careful:
+        read_header(path)
+    assert str(fast.value) == str(careful.value)
+
+
+@pytest.mark.parametrize(("header", "data", "message"), [c[1:] for c in COMPACT_MALFORMED],
+                         ids=[c[0] for c in COMPACT_MALFORMED])
+def test_compact_header_breaking_a_rule_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, header: bytes, data: bytes, message: str | None
+) -> None:
+    path = _raw(tmp_path / "bad.safetensors", header, data)
+    with pytest.raises(CheckpointFormatError) as fast:
+        read_header(path)
+    monkeypatch.setattr(safetensors_io, "_valid_header", lambda *args: None)
+    with pytest.raises(CheckpointFormatError) as careful:
+        read_header(path)
+    assert str(fast.value) == str(careful.value)
+    if message is not None:
+        assert str(fast.value) == f"{path}: {message}"
+
+
+def test_fast_and_careful_header_checks_read_the_same_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "m.safetensors"
+    _write(path, _mixed_tensors(), metadata={"format": "pt"})
+    header = (b'{"b":{"dtype":"U8","shape":[2,0],"data_offsets":[3,3]},'
+              b'"a":{"dtype":"I16","shape":[1],"data_offsets":[1,3]},"c":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}  ')
+    padded = _raw(tmp_path / "padded.safetensors", header, b"xyz")
+    checked, real = [], safetensors_io._valid_header
+    monkeypatch.setattr(safetensors_io, "_valid_header", lambda *args: checked.append(real(*args)) or checked[-1])
+    fast = [read_header(path), read_header(padded)]
+    assert len(checked) == 2 and None not in checked  # both took the fast path
+    calls = []
+    monkeypatch.setattr(safetensors_io, "_valid_header", lambda *args: calls.append(args) or None)
+    careful = [read_header(path), read_header(padded)]
+    assert len(calls) == 2
+    assert fast == careful
+    assert [list(h.tensors) for h in fast] == [list(h.tensors) for h in careful]
+    assert list(fast[1].tensors) == ["c", "a", "b"]
+    assert fast[1].tensors["a"].data_offset == 8 + len(header) + 1 and fast[1].metadata is None
