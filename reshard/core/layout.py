@@ -53,6 +53,8 @@ class Item:
     state: str
     key: str
     _hash: int = field(init=False, repr=False, compare=False)
+    _label: str | None = field(default=None, init=False, repr=False, compare=False)
+    """``str(item)``, made when first asked for: manifests and resume journals label every item, some twice."""
 
     def __post_init__(self) -> None:
         # Items key every dict of a plan; hash the five fields once, not at each lookup.
@@ -66,9 +68,13 @@ class Item:
         return Item, (self.section, self.unit, self.chunk, self.state, self.key)
 
     def __str__(self) -> str:
-        where = ",".join(f"{a}={c}" for a, c in self.unit)
-        chunk = f",chunk={self.chunk}" if self.chunk else ""
-        return f"{self.section}[{where}{chunk}] {self.state}:{self.key}"
+        label = self._label
+        if label is None:
+            where = ",".join(f"{a}={c}" for a, c in self.unit)
+            chunk = f",chunk={self.chunk}" if self.chunk else ""
+            label = f"{self.section}[{where}{chunk}] {self.state}:{self.key}"
+            object.__setattr__(self, "_label", label)
+        return label
 
 
 _new = object.__new__
@@ -86,6 +92,7 @@ def new_item(section: str, unit: tuple[tuple[str, int], ...], chunk: int, state:
     _set(item, "state", state)
     _set(item, "key", key)
     _set(item, "_hash", hash((section, unit, chunk, state, key)))
+    _set(item, "_label", None)
     return item
 
 

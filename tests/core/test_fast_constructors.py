@@ -43,3 +43,13 @@ def test_new_copy_equals_the_copy_of_its_fields():
     assert made == Copy(**fields) and made.numel == 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.dst_offset = 0  # type: ignore[misc]
+
+
+def test_an_items_label_is_made_once_and_follows_its_fields():
+    made, want = new_item(*ITEM), Item(*ITEM)
+    assert str(made) == str(want) == "optim[pp=1,dp=3] exp_avg:optimizer.distributed.bucket_0.exp_avg"
+    assert str(made) is str(made)  # cached, not made again
+    assert made == want and repr(made) == repr(want)  # the cached label takes no part in equality or repr
+    other = dataclasses.replace(made, chunk=2, key="w")
+    assert str(other) == "optim[pp=1,dp=3,chunk=2] exp_avg:w"
+    assert str(pickle.loads(pickle.dumps(made))) == str(want)
