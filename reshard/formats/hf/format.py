@@ -239,8 +239,9 @@ class HFFormat:
     def files_of(self, target: Target) -> dict[Item, Path]:
         """The shard, relative to the checkpoint directory, that holds each item of ``target``."""
         items, _, _, shards = _shard_plan(target)
+        paths = {name: Path(name) for name, _ in shards.shards}
         where = shards.weight_map
-        return {it: Path(where[it.key]) for it in items}
+        return {it: paths[where[it.key]] for it in items}
 
 FORMAT = HFFormat()
 
