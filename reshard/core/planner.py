@@ -150,25 +150,42 @@ class Plan:
           PlanError: naming the item, tensor and box at fault.
         """
         problems: list[str] = []
-        # An item of one name may be in both layouts with different sizes: each side has its own table.
-        src_numel = {it: info.numel for it, info in self.src_items.items()}
-        dst_numel = {it: info.numel for it, info in self.dst_items.items()}
+        # An item of one name may be in both layouts with different sizes: each side has its own table. Copies come
+        # in runs of one source or destination item: each item is looked up once per run (hashing one is a Python
+        # call, and a plan may hold 100,000 items).
+        by_dst: dict[Item, list[Copy]] = {}
+        last_src = last_dst = None
+        src_size = dst_size = None
+        group: list[Copy] = []
         for c in self.copies:
-            for side, item, offset, strides, numel in (
-                ("source", c.src, c.src_offset, c.src_strides, src_numel),
-                ("destination", c.dst, c.dst_offset, c.dst_strides, dst_numel),
-            ):
-                size = numel.get(item)
-                if size is None:
-                    problems.append(f"{side} item {item} of {c.tensor} {c.box} is not in the plan")
-                    continue
-                last = offset
-                for n, st in zip(c.lengths, strides):
+            if c.src is not last_src:
+                last_src = c.src
+                info = self.src_items.get(last_src)
+                src_size = None if info is None else info.numel
+            if c.dst is not last_dst:
+                last_dst = c.dst
+                info = self.dst_items.get(last_dst)
+                dst_size = None if info is None else info.numel
+                group = by_dst.setdefault(last_dst, [])
+            group.append(c)
+            if src_size is None:
+                problems.append(f"source item {c.src} of {c.tensor} {c.box} is not in the plan")
+            else:
+                last = c.src_offset
+                for n, st in zip(c.lengths, c.src_strides):
                     last += (n - 1) * st
-                if offset < 0 or last >= size:
-                    problems.append(f"{c.tensor} {c.box}: {side} region [{offset}, {last}] is outside {item} of "
-                                    f"{size} elements")
-        by_dst = self.by_dst()
+                if c.src_offset < 0 or last >= src_size:
+                    problems.append(f"{c.tensor} {c.box}: source region [{c.src_offset}, {last}] is outside {c.src} "
+                                    f"of {src_size} elements")
+            if dst_size is None:
+                problems.append(f"destination item {c.dst} of {c.tensor} {c.box} is not in the plan")
+            else:
+                last = c.dst_offset
+                for n, st in zip(c.lengths, c.dst_strides):
+                    last += (n - 1) * st
+                if c.dst_offset < 0 or last >= dst_size:
+                    problems.append(f"{c.tensor} {c.box}: destination region [{c.dst_offset}, {last}] is outside "
+                                    f"{c.dst} of {dst_size} elements")
         budget = max_runs
         unchecked = 0
         for item, info in self.dst_items.items():

@@ -270,6 +270,28 @@ def test_validate_catches_a_copy_shifted_past_the_end_of_its_item(dp4_to_dp3):
     )
 
 
+def test_validate_checks_copies_in_any_order_alike(dp4_to_dp3):
+    # Copies come grouped by destination item; validate looks each item up once per run, and must not rely on it.
+    want = dp4_to_dp3.validate()
+    assert with_copies(dp4_to_dp3, list(reversed(dp4_to_dp3.copies))).validate() == want
+    assert with_copies(dp4_to_dp3, dp4_to_dp3.copies[1::2] + dp4_to_dp3.copies[::2]).validate() == want
+
+
+def test_validate_names_every_copy_of_an_item_not_in_the_plan(dp4_to_dp3):
+    copies = list(dp4_to_dp3.copies)
+    ghost = dataclasses.replace(copies[0].src, key="ghost")
+    copies[0] = dataclasses.replace(copies[0], src=ghost)
+    copies[1] = dataclasses.replace(copies[1], dst=ghost)
+    copies[2] = dataclasses.replace(copies[2], src=ghost, dst=ghost)
+    with pytest.raises(PlanError) as e:
+        with_copies(dp4_to_dp3, copies).validate()
+    lines = str(e.value).splitlines()
+    assert lines[1:4] == [f"  source item {ghost} of w {copies[0].box} is not in the plan",
+                          f"  destination item {ghost} of w {copies[1].box} is not in the plan",
+                          f"  source item {ghost} of w {copies[2].box} is not in the plan"]
+    assert lines[4] == f"  destination item {ghost} of w {copies[2].box} is not in the plan"
+
+
 def test_validate_catches_a_destination_item_left_partly_unwritten(dp4_to_dp3):
     # Without copy 1 (src rank 1's [30, 40[), dst rank 0 gets 30 of its 40 elements.
     copies = [c for k, c in enumerate(dp4_to_dp3.copies) if k != 1]
