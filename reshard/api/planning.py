@@ -103,18 +103,35 @@ class PlanReport:
     def needed_bytes(self, files: Collection[str] | None = None) -> int:
         """Bytes the copies move (what a conversion reads at least), into just ``files`` if given."""
         keep = None if files is None else set(files)
-        return sum(c.numel * itemsize(self.source.where[c.src].dtype) for c in self.plan.copies
-                   if keep is None or self.dst_file(c.dst) in keep)
+        total = 0
+        last_src = last_dst = None
+        size, wanted = 0, True
+        for c in self.plan.copies:  # copies come in runs of one item: each looked up once per run
+            if c.src is not last_src:
+                last_src = c.src
+                size = itemsize(self.source.where[last_src].dtype)
+            if keep is not None and c.dst is not last_dst:
+                last_dst = c.dst
+                wanted = self.dst_file(last_dst) in keep
+            if wanted:
+                total += c.numel * size
+        return total
 
     def files(self) -> list[dict[str, Any]]:
         """Per destination file: the bytes the copies move into it, their count, and the source files they read."""
         if "files" not in self._made:
             per: dict[str, dict[str, Any]] = defaultdict(lambda: {"bytes": 0, "copies": 0, "sources": set()})
-            for c in self.plan.copies:
-                row = per[self.dst_file(c.dst)]
-                row["bytes"] += c.numel * itemsize(self.source.where[c.src].dtype)
+            last_src = last_dst = None
+            for c in self.plan.copies:  # copies come in runs of one item: each looked up once per run
+                if c.dst is not last_dst:
+                    last_dst = c.dst
+                    row = per[self.dst_file(last_dst)]
+                if c.src is not last_src:
+                    last_src = c.src
+                    size, name = itemsize(self.source.where[last_src].dtype), self.src_file(last_src)
+                row["bytes"] += c.numel * size
                 row["copies"] += 1
-                row["sources"].add(self.src_file(c.src))
+                row["sources"].add(name)
             self._made["files"] = [{"destination": k, "bytes": v["bytes"], "copies": v["copies"],
                                     "sources": sorted(v["sources"])} for k, v in sorted(per.items())]
         return copy.deepcopy(self._made["files"])

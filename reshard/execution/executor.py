@@ -81,8 +81,14 @@ def destination_dtypes(plan: Plan, where: Mapping[Item, Located]) -> dict[Item, 
     else of its state, else float32.
     """
     dtypes: dict[Item, str] = {}
-    for c in plan.copies:
-        dt = where[c.src].dtype
+    last_src = last_dst = last_dt = None
+    for c in plan.copies:  # copies come in runs of one item: each looked up once per run
+        if c.src is not last_src:
+            last_src = c.src
+            dt = where[last_src].dtype
+        if c.dst is last_dst and dt == last_dt:
+            continue
+        last_dst, last_dt = c.dst, dt
         if dtypes.setdefault(c.dst, dt) != dt:
             raise CheckpointFormatError(f"{c.dst} would mix source dtypes {sorted({dtypes[c.dst], dt})}")
     by_key: dict[tuple[str, str], str] = {}
