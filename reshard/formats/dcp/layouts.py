@@ -21,6 +21,8 @@ from reshard.core.layout import (
     box_fragments,
     dims_of,
     held_tensors,
+    new_fragment,
+    new_item,
 )
 from reshard.core.resolve import resolve
 from reshard.core.spec import parse_spec
@@ -167,6 +169,7 @@ def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: t
     # Tensors of one shape are chunked alike: each shape's chunks are worked out once (a model has few shapes
     # and may have 100,000 tensors).
     pieces: dict[tuple[tuple[int, ...], bool], list[tuple[int, ItemInfo, DcpChunk, Box | None, tuple[int, ...]]]] = {}
+    units = [(("dp", rank),) for rank in range(topology.dp)]
     for name in names:
         t = source.layout.tensors[name]
         plain = tensors[name] = _plain(name, t.shape)
@@ -186,12 +189,11 @@ def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: t
                 keys += [naming.key(k, PARAM) for k in tied.get(name, ())]
             for key in keys:
                 for rank, info, dcp_chunk, box, strides in shaped:
-                    item = Item(SECTION, (("dp", rank),), 0, stored, key)
+                    item = new_item(SECTION, units[rank], 0, stored, key)
                     items[item] = info if box is not None else replace(info, tensor=name)
                     chunks[item] = _Chunk(key, dcp_chunk, t.shape, rank, item, name)
                     if box is not None:
-                        fragments.append(Fragment(tensor=name, state=stored, box=box, item=item, offset=0,
-                                                  strides=strides))
+                        fragments.append(new_fragment(name, stored, box, item, 0, strides))
     layout = Layout(topology=topology, tensors=MappingProxyType(tensors), items=MappingProxyType(items),
                     fragments=tuple(fragments))
     return layout, chunks
