@@ -216,7 +216,6 @@ def _valid_header(path: Path, text: str, data_start: int,
     spans: list[tuple[int, int, str]] = []
     tensors: dict[str, TensorInfo] = {}
     needs: dict[tuple[str, tuple[int, ...]], int | None] = {}
-    new, put = object.__new__, object.__setattr__
     for name, entry in entries.items():
         if type(entry) is not dict or entry.keys() != _FIELD_SET:
             return None
@@ -235,16 +234,26 @@ def _valid_header(path: Path, text: str, data_start: int,
         begin, end = offsets
         if need is None or end - begin != need or end > data_len:
             return None
-        info = new(TensorInfo)
-        put(info, "dtype", SAFETENSORS_CODES[code])
-        put(info, "shape", dims)
-        put(info, "data_offset", data_start + begin)
-        put(info, "nbytes", need)
         spans.append((begin, end, name))
-        tensors[name] = info
+        tensors[name] = _info(SAFETENSORS_CODES[code], dims, data_start + begin, need)
     spans.sort()
     _check_cover(path, spans, data_len)
     return (None if metadata is None else MappingProxyType(metadata)), {name: tensors[name] for _, _, name in spans}
+
+
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _info(dtype: str, shape: tuple[int, ...], data_offset: int, nbytes: int) -> TensorInfo:
+    """``TensorInfo(dtype=..., shape=..., data_offset=..., nbytes=...)``, made field by field: a header may hold
+    100,000 tensors, and the frozen dataclass's keyword ``__init__`` costs more than the object."""
+    info = _new(TensorInfo)
+    _set(info, "dtype", dtype)
+    _set(info, "shape", shape)
+    _set(info, "data_offset", data_offset)
+    _set(info, "nbytes", nbytes)
+    return info
 
 
 def _need(code: str, shape: tuple[int, ...]) -> int | None:
@@ -509,14 +518,24 @@ def _layout(path: Path, tensors: Mapping[str, tuple[str, Sequence[int]]],
             metadata: Mapping[str, str] | None) -> tuple[bytes, dict[str, TensorInfo]]:
     """The padded header bytes and each tensor's place, in safetensors' serializer order."""
     entries = []
+    codes: dict[str, str | None] = {}
+    # A model has few shapes and dtypes; each is checked once. A shape is keyed with its dims' types, as True and
+    # 2.0 are equal to 1 and 2.
+    counts: dict[tuple[tuple[int, ...], tuple[type, ...]], bool] = {}
     for name, (dtype, shape) in tensors.items():
         if not isinstance(name, str) or name == "__metadata__":
             raise CheckpointFormatError(f"{path}: invalid tensor name {name!r}")
-        code = DTYPES[dtype].safetensors if dtype in DTYPES else None
+        code = codes.get(dtype, "") if isinstance(dtype, str) else None
+        if code == "":
+            code = codes[dtype] = DTYPES[dtype].safetensors if dtype in DTYPES else None
         if code is None:
             raise _error(path, f"unsupported dtype '{dtype}' (supported: {', '.join(SAFETENSORS_CODES[c] for c in _KNOWN)})", name)
         shape = tuple(shape)
-        if not all(_is_count(d) for d in shape):
+        typed = (shape, tuple(map(type, shape)))
+        ok = counts.get(typed)
+        if ok is None:
+            ok = counts[typed] = all(_is_count(d) for d in shape)
+        if not ok:
             raise _error(path, f"shape must be non-negative integers, got {shape}", name)
         entries.append((-_RANK[code], name, code, shape))
     entries.sort()
@@ -527,10 +546,15 @@ def _layout(path: Path, tensors: Mapping[str, tuple[str, Sequence[int]]],
         parts.append('"__metadata__":' + _dumps(dict(metadata)))
     infos: list[tuple[str, str, tuple[int, ...], int, int]] = []
     at = 0
+    shaped: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}
     for _, name, code, shape in entries:
-        nbytes = math.prod(shape) * ITEMSIZE[SAFETENSORS_CODES[code]]
-        dims = ",".join(map(int.__repr__, shape))  # what json writes for ints, without its encoder per tensor
-        entry = f'{{"dtype":"{code}","shape":[{dims}],"data_offsets":[{at},{at + nbytes}]}}'
+        known = shaped.get((code, shape))
+        if known is None:
+            # ``dims`` is what json writes for ints, without its encoder per tensor.
+            known = shaped[code, shape] = (math.prod(shape) * ITEMSIZE[SAFETENSORS_CODES[code]],
+                                           f'{{"dtype":"{code}","shape":[{",".join(map(int.__repr__, shape))}],')
+        nbytes, head = known
+        entry = f'{head}"data_offsets":[{at},{at + nbytes}]}}'
         parts.append(f'"{name}":{entry}' if _plain(name) else f"{_dumps(name)}:{entry}")
         infos.append((name, code, shape, at, nbytes))
         at += nbytes
@@ -544,8 +568,7 @@ def _layout(path: Path, tensors: Mapping[str, tuple[str, Sequence[int]]],
         raise CheckpointFormatError(
             f"{path}: header of {len(header)} bytes exceeds the limit of {MAX_HEADER_SIZE} bytes")
     start = _N_LEN + len(header)
-    out = {name: TensorInfo(dtype=SAFETENSORS_CODES[code], shape=shape, data_offset=start + begin, nbytes=nbytes)
-           for name, code, shape, begin, nbytes in infos}
+    out = {name: _info(SAFETENSORS_CODES[code], shape, start + begin, nbytes) for name, code, shape, begin, nbytes in infos}
     return header, out
 
 

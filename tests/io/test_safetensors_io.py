@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -266,6 +267,26 @@ def test_writer_rejects_unknown_dtype_before_creating_the_file(tmp_path: Path) -
     with pytest.raises(CheckpointFormatError, match=r"tensor 'a': unsupported dtype 'float4' \(supported: bool, "):
         SafetensorsWriter(path, {"a": ("float4", (4,))})
     assert not path.exists()
+
+
+@pytest.mark.parametrize(("shape", "shown"), [((True, 2), "(True, 2)"), ((2.0, 2), "(2.0, 2)"), ((-1, 2), "(-1, 2)")])
+def test_writer_rejects_a_shape_equal_to_a_valid_one_seen_before(tmp_path: Path, shape: tuple, shown: str) -> None:
+    # Shapes are checked once per shape; (True, 2) and (2.0, 2) equal (1, 2) and (2, 2) but are no shapes.
+    tensors = {"a": ("float32", (1, 2)), "b": ("float32", (2, 2)), "c": ("float32", shape)}
+    with pytest.raises(CheckpointFormatError, match=rf"tensor 'c': shape must be non-negative integers, got "
+                                                    rf"{re.escape(shown)}"):
+        SafetensorsWriter(tmp_path / "w.safetensors", tensors)
+
+
+def test_writer_places_tensors_of_shared_shapes_as_read_header_reads_them(tmp_path: Path) -> None:
+    tensors = {f"t{k}": (["float32", "bfloat16", "int8"][k % 3], [(2, 3), (3,), (), (0, 4)][k % 4]) for k in range(24)}
+    path = tmp_path / "w.safetensors"
+    with SafetensorsWriter(path, tensors, metadata={"format": "pt"}) as w:
+        placed = dict(w.tensors)
+        for name, info in placed.items():
+            w.write(name, bytes(info.nbytes))
+    assert dict(read_header(path).tensors) == placed
+    assert {n: (i.dtype, i.shape) for n, i in placed.items()} == {n: (d, tuple(sh)) for n, (d, sh) in tensors.items()}
 
 
 _DTYPE_NAMES = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"]
