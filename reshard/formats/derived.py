@@ -184,15 +184,21 @@ _set = object.__setattr__
 def _logical(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> LogicalTensor:
     """``LogicalTensor(name=name, shape=shape, axes=axes, view=shape, dim_axes=(1,) * len(axes))``, made faster."""
     t = _new(LogicalTensor)
-    for field, value in (("name", name), ("shape", shape), ("axes", axes), ("view", shape), ("blob", False),
-                         ("dim_axes", (1,) * len(axes))):
-        _set(t, field, value)
+    _set(t, "name", name)
+    _set(t, "shape", shape)
+    _set(t, "axes", axes)
+    _set(t, "view", shape)
+    _set(t, "blob", False)
+    _set(t, "dim_axes", (1,) * len(axes))
     return t
 
 
 def _whole_info(shape: tuple[int, ...], numel: int, rule: str) -> ItemInfo:
     """``ItemInfo(shape=shape, mapped=numel, rule=rule)``, made faster."""
     info = _new(ItemInfo)
-    for field, value in (("shape", shape), ("mapped", numel), ("fill", "zero"), ("rule", rule), ("tensor", None)):
-        _set(info, field, value)
+    _set(info, "shape", shape)
+    _set(info, "mapped", numel)
+    _set(info, "fill", "zero")
+    _set(info, "rule", rule)
+    _set(info, "tensor", None)
     return info
