@@ -60,7 +60,7 @@ def main() -> None:
     cold = can_drop_caches()
     curve = ["--workers", "1,2"] if args.tiny else []  # the whole curve (1, 2, 4, 8) on real sizes
     steps: list[tuple[str, list[str]]] = [
-        ("Megatron conversion", ["convert_memory.py", *small, *curve, *([] if args.tiny else ["--rss-scale", "2"])]),
+        ("Megatron conversion", ["convert_memory.py", *small, *curve, *([] if args.tiny else ["--rss-scale", "4"])]),
         ("DeepSpeed conversion", ["convert_memory.py", "--source", "deepspeed", *small, *curve]),
         ("Where a conversion's time goes", ["breakdown.py", *(["--tiny"] if args.tiny else [])]),
         ("Many small tensors against a few large ones", ["small_tensors.py", *(["--tiny"] if args.tiny else [])]),
