@@ -29,7 +29,7 @@
 - ``in_job_load.py``: ``load_into`` on each of 4 FSDP2 ranks of a transformers Llama from a Megatron tp2pp2
   checkpoint with Adam state: per rank, the bytes read over its share.
 
-    python bench/run.py            # the README's tables (about 25 minutes, about 20 GB of disk)
+    python bench/run.py            # the README's tables (about 20 minutes, about 30 GB of disk)
     python bench/run.py --tiny     # a smoke test of the same scripts on checkpoints of a few MiB
 """
 
