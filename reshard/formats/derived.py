@@ -32,6 +32,8 @@ from reshard.core.layout import (
     held_tensors,
     new_fragment,
     new_item,
+    new_item_info,
+    new_logical,
 )
 from reshard.core.resolve import resolve
 from reshard.core.topology import Topology
@@ -169,36 +171,9 @@ def whole_derived(tensors: Sequence[Recorded], format_name: str, where: Path | s
             known = shaped[t.shape] = (t.axes, Box((0,) * len(t.shape), t.shape), row_major_strides(t.shape),
                                        math.prod(t.shape))
         axes, box, strides, numel = known
-        names[t.name] = _logical(t.name, t.shape, axes)
+        names[t.name] = new_logical(t.name, t.shape, axes)
         item = new_item(section, (), 0, PARAM, t.name)
-        items[item] = _whole_info(t.shape, numel, t.name)
+        items[item] = new_item_info(t.shape, numel, t.name)
         fragments.append(new_fragment(t.name, PARAM, box, item, 0, strides))
     return spec, Layout(topology=Topology(), tensors=MappingProxyType(names), items=MappingProxyType(items),
                         fragments=tuple(fragments), order=MappingProxyType({f"{section}//0": tuple(items)}))
-
-
-_new = object.__new__
-_set = object.__setattr__
-
-
-def _logical(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> LogicalTensor:
-    """``LogicalTensor(name=name, shape=shape, axes=axes, view=shape, dim_axes=(1,) * len(axes))``, made faster."""
-    t = _new(LogicalTensor)
-    _set(t, "name", name)
-    _set(t, "shape", shape)
-    _set(t, "axes", axes)
-    _set(t, "view", shape)
-    _set(t, "blob", False)
-    _set(t, "dim_axes", (1,) * len(axes))
-    return t
-
-
-def _whole_info(shape: tuple[int, ...], numel: int, rule: str) -> ItemInfo:
-    """``ItemInfo(shape=shape, mapped=numel, rule=rule)``, made faster."""
-    info = _new(ItemInfo)
-    _set(info, "shape", shape)
-    _set(info, "mapped", numel)
-    _set(info, "fill", "zero")
-    _set(info, "rule", rule)
-    _set(info, "tensor", None)
-    return info

@@ -9,7 +9,7 @@ import pickle
 import pytest
 
 from reshard.core.geometry import Box
-from reshard.core.layout import Fragment, Item, new_fragment, new_item
+from reshard.core.layout import Fragment, Item, ItemInfo, LogicalTensor, new_fragment, new_item, new_item_info, new_logical
 from reshard.core.planner import Copy, _new_copy
 
 ITEM = ("optim", (("pp", 1), ("dp", 3)), 0, "exp_avg", "optimizer.distributed.bucket_0.exp_avg")
@@ -53,3 +53,14 @@ def test_an_items_label_is_made_once_and_follows_its_fields():
     other = dataclasses.replace(made, chunk=2, key="w")
     assert str(other) == "optim[pp=1,dp=3,chunk=2] exp_avg:w"
     assert str(pickle.loads(pickle.dumps(made))) == str(want)
+
+
+def test_new_item_info_and_new_logical_equal_the_dataclasses_of_their_fields():
+    made = new_item_info((3, 4), 12, "w")
+    assert made == ItemInfo(shape=(3, 4), mapped=12, rule="w") and made.numel == 12
+    assert pickle.loads(pickle.dumps(made)) == made
+    t = new_logical("w", (3, 4), ("d0", "d1"))
+    assert t == LogicalTensor(name="w", shape=(3, 4), axes=("d0", "d1"), view=(3, 4), dim_axes=(1, 1))
+    assert new_logical("s", (), ()) == LogicalTensor(name="s", shape=(), axes=(), view=())  # a scalar
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.shape = (12,)  # type: ignore[misc]
