@@ -60,6 +60,20 @@ _new = object.__new__
 _set = object.__setattr__
 
 
+
+def _check_region(c: Copy, side: str, item: Item, offset: int, strides: tuple[int, ...], size: int | None,
+                  problems: list[str]) -> None:
+    """Add to ``problems`` where one side of a copy is outside its item (``size``: its elements; None: the item is
+    not in the plan)."""
+    if size is None:
+        problems.append(f"{side} item {item} of {c.tensor} {c.box} is not in the plan")
+        return
+    last = offset
+    for n, st in zip(c.lengths, strides):
+        last += (n - 1) * st
+    if offset < 0 or last >= size:
+        problems.append(f"{c.tensor} {c.box}: {side} region [{offset}, {last}] is outside {item} of {size} elements")
+
 def _new_copy(src: Item, src_offset: int, src_strides: tuple[int, ...], dst: Item, dst_offset: int,
               dst_strides: tuple[int, ...], lengths: tuple[int, ...], tensor: str, state: str, box: Box) -> Copy:
     """``Copy(src=..., ...)`` with its fields in order, made at nearly twice the speed: a plan makes them by the
@@ -168,24 +182,8 @@ class Plan:
                 dst_size = None if info is None else info.numel
                 group = by_dst.setdefault(last_dst, [])
             group.append(c)
-            if src_size is None:
-                problems.append(f"source item {c.src} of {c.tensor} {c.box} is not in the plan")
-            else:
-                last = c.src_offset
-                for n, st in zip(c.lengths, c.src_strides):
-                    last += (n - 1) * st
-                if c.src_offset < 0 or last >= src_size:
-                    problems.append(f"{c.tensor} {c.box}: source region [{c.src_offset}, {last}] is outside {c.src} "
-                                    f"of {src_size} elements")
-            if dst_size is None:
-                problems.append(f"destination item {c.dst} of {c.tensor} {c.box} is not in the plan")
-            else:
-                last = c.dst_offset
-                for n, st in zip(c.lengths, c.dst_strides):
-                    last += (n - 1) * st
-                if c.dst_offset < 0 or last >= dst_size:
-                    problems.append(f"{c.tensor} {c.box}: destination region [{c.dst_offset}, {last}] is outside "
-                                    f"{c.dst} of {dst_size} elements")
+            _check_region(c, "source", c.src, c.src_offset, c.src_strides, src_size, problems)
+            _check_region(c, "destination", c.dst, c.dst_offset, c.dst_strides, dst_size, problems)
         budget = max_runs
         unchecked = 0
         for item, info in self.dst_items.items():
