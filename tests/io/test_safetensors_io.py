@@ -415,12 +415,8 @@ def test_compact_malformed_header_gets_the_careful_checks_message(
     # A compact header is first checked by read_header's fast path; what it refuses must read the same.
     compact = _compact(header)
     path = _raw(tmp_path / "bad.safetensors", compact, data, None if n is None else n - len(header) + len(compact))
-    with pytest.raises(CheckpointFormatError) as fast:
-        read_header(path)
-    monkeypatch.setattr(safetensors_io, "_valid_header", lambda *args: None)
-    with pytest.raises(CheckpointFormatError) as careful:
-        read_header(path)
-    assert str(fast.value) == str(careful.value)
+    fast, careful = _both_refusals(path, monkeypatch)
+    assert fast == careful
 
 
 @pytest.mark.parametrize(("header", "data", "message"), [c[1:] for c in COMPACT_MALFORMED],
@@ -429,14 +425,20 @@ def test_compact_header_breaking_a_rule_is_refused_by_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, header: bytes, data: bytes, message: str | None
 ) -> None:
     path = _raw(tmp_path / "bad.safetensors", header, data)
+    fast, careful = _both_refusals(path, monkeypatch)
+    assert fast == careful
+    if message is not None:
+        assert fast == f"{path}: {message}"
+
+
+def _both_refusals(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """``read_header``'s message for ``path``, through the fast path, then with the careful checks alone."""
     with pytest.raises(CheckpointFormatError) as fast:
         read_header(path)
     monkeypatch.setattr(safetensors_io, "_valid_header", lambda *args: None)
     with pytest.raises(CheckpointFormatError) as careful:
         read_header(path)
-    assert str(fast.value) == str(careful.value)
-    if message is not None:
-        assert str(fast.value) == f"{path}: {message}"
+    return str(fast.value), str(careful.value)
 
 
 def test_fast_and_careful_header_checks_read_the_same_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
