@@ -27,10 +27,23 @@ def test_a_flat_map_of_strings_is_json_dumps_own(value, sort_keys):
     assert dumps(wrapped, indent=1, sort_keys=sort_keys) == json.dumps(wrapped, indent=1, sort_keys=sort_keys)
 
 
+# Text that looks like the separators and brackets the fast paths write and cut at.
+_tricky = st.text(alphabet='{}[],: "\n\\aé', max_size=8)
+
+
+@given(st.dictionaries(_tricky, st.dictionaries(_tricky, _leaves | _tricky, min_size=1, max_size=4), max_size=20),
+       st.sampled_from([1, 2]), st.booleans())
+def test_a_map_of_maps_of_plain_values_is_json_dumps_own(value, indent, sort_keys):
+    wrapped = {"logical": {"param": value, "exp_avg": {"t": {}}}, "list": [value, [1, "a", None]]}
+    assert dumps(wrapped, indent=indent, sort_keys=sort_keys) == json.dumps(wrapped, indent=indent, sort_keys=sort_keys)
+
+
 def test_keys_that_are_not_strings_are_written_and_sorted_as_json_does():
     value = {10: "a", 2: "b", 1.5: ["c", ("d", None)], True: {"é": "\u2603"}}
     assert dumps({"m": {2: 1, 10: 2}}, indent=2, sort_keys=True) == json.dumps({"m": {2: 1, 10: 2}}, indent=2,
                                                                                 sort_keys=True)
     assert dumps(value, indent=2) == json.dumps(value, indent=2)
+    nested = {"m": {"b": {2: "x"}, "a": {None: 1.5}}, "n": {3: {"a": 1}}}
+    assert dumps(nested, indent=1, sort_keys=True) == json.dumps(nested, indent=1, sort_keys=True)
     with pytest.raises(TypeError, match="keys must be str, int, float, bool or None, not tuple"):
         dumps({(1, 2): 3}, indent=1)
