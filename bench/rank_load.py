@@ -1,9 +1,10 @@
 """One rank's load against reading the whole checkpoint, in one process, warm cache or (``--cold``) caches dropped.
 
 Generates a Hugging Face Llama-shaped checkpoint (bf16, hidden 2048, ffn 5632,
-GQA 16/4 heads, vocab 32000; about 595 MiB at 4 layers, four safetensors
-shards), reads it once to warm the page cache, then measures in this one
-process, interleaved, ``--repeat`` rounds each:
+GQA 16/4 heads, vocab 32000; about 1.92 GiB at 20 layers, in five safetensors
+shards: the 2 GiB checkpoint a rank's load is judged on), reads it once to warm
+the page cache, then measures in this one process, interleaved, ``--repeat``
+rounds each:
 
 - every shard read whole (``readinto`` one reused buffer);
 - ``safetensors.torch.load_file`` of every shard plus a ``clone()`` of every tensor;
@@ -14,7 +15,7 @@ reading everything, bytes read over the rank's share, read calls. With ``--cold`
 the page cache is dropped before every measurement (``sync`` and
 ``/proc/sys/vm/drop_caches``, which needs root; the bench fails without it).
 
-    python bench/rank_load.py [--layers 4] [--repeat 5] [--keep DIR] [--tiny] [--cold]
+    python bench/rank_load.py [--layers 20] [--repeat 5] [--keep DIR] [--tiny] [--cold]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def generate(src: Path, layers: int, tiny: bool, shard: str = "160MiB") -> None:
+def generate(src: Path, layers: int, tiny: bool, shard: str = "400MiB") -> None:
     """A Hugging Face Llama-shaped checkpoint at ``src`` in safetensors shards of ``shard`` (kept if there)."""
     import fixtures
     import reshard
@@ -63,7 +64,7 @@ def drop_caches() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4, help="decoder layers (4: about 595 MiB)")
+    ap.add_argument("--layers", type=int, default=20, help="decoder layers (20: about 1.92 GiB)")
     ap.add_argument("--repeat", type=int, default=5, help="rounds; the table shows medians")
     ap.add_argument("--keep", type=Path, help="write the checkpoint under this directory and keep it")
     ap.add_argument("--tiny", action="store_true", help="a checkpoint of a few MiB (a smoke test)")

@@ -21,7 +21,7 @@
 - ``moe_memory.py``: 256 experts per layer, Hugging Face -> Megatron ep=8,pp=4 -> back under a memory
   budget: peak RSS against the budget, byte-identical round trip; and (not with ``--tiny``) DeepSeek-V3's full
   tensor count and layout (61 layers, MTP) at its training layout pp=16, ep=64 under 1 GiB.
-- ``rank_load.py``: ``reshard.load`` of rank 3 of tp=2,pp=2 from a 595 MiB Hugging Face checkpoint, against
+- ``rank_load.py``: ``reshard.load`` of rank 3 of tp=2,pp=2 from a 1.92 GiB Hugging Face checkpoint, against
   reading every file whole and ``safetensors`` ``load_file`` + ``clone``, in one process, warm cache; and
   with ``--cold`` (the page cache dropped before each run) where the page cache can be dropped (root);
 - ``torchrun.py``: ``torchrun -m reshard convert`` at 1, 2 and 4 ranks on this host: wall time and the

@@ -4,7 +4,9 @@ A load costs that rank's bytes: it plans only the rank's items (the plan proven
 as a whole conversion's is), allocates each tensor once, and fills it in place
 window by window on a few threads (reads and copies release the GIL), with
 coalesced reads (``RANK_LOAD``): nearby runs of one source file are read as
-one span, at most 1.25 times the rank's bytes in all.
+one span, through every gap of up to 16 KiB (the other ranks' parts of a
+row-split weight's rows) and through larger ones while they add at most a
+quarter to the rank's bytes.
 
 On a device other than the CPU, each window is filled into a host staging
 buffer (pinned, where the device is CUDA) and copied to the tensor on the

@@ -41,18 +41,24 @@ class Coalescing:
     read is needed, and only runs that touch merge."""
     max_gap: int = 1 << 20
     """The largest gap, in bytes, read through."""
+    free_gap: int = 0
+    """Gaps of at most this many bytes are read through whatever the slack, without counting against it: one
+    more read call costs more than copying that many bytes from the page cache, and a disk reads them ahead
+    anyway. 0 (a conversion's): none."""
     max_span: int = 64 << 20
     """The largest merged read, in bytes (a single needed run longer than that is read alone, whole). With
     no slack, a span holds only needed bytes, so the span buffer is at most the window filled."""
 
     def __post_init__(self) -> None:
-        if not self.slack >= 0 or self.max_gap < 0 or self.max_span < 1:
-            raise ReshardError(f"coalescing needs slack >= 0, max_gap >= 0 and max_span >= 1, got slack={self.slack}, "
-                               f"max_gap={self.max_gap}, max_span={self.max_span}")
+        if not self.slack >= 0 or self.max_gap < 0 or self.max_span < 1 or not 0 <= self.free_gap <= self.max_gap:
+            raise ReshardError(f"coalescing needs slack >= 0, max_gap >= 0, 0 <= free_gap <= max_gap and max_span >= 1, "
+                               f"got slack={self.slack}, max_gap={self.max_gap}, free_gap={self.free_gap}, "
+                               f"max_span={self.max_span}")
 
 
-RANK_LOAD = Coalescing(slack=0.25)
-"""How a rank's load reads: at most 1.25 times its bytes, gaps of up to 1 MiB read through, smallest first."""
+RANK_LOAD = Coalescing(slack=0.25, free_gap=16 << 10)
+"""How a rank's load reads: gaps of up to 16 KiB read through (the other ranks' parts of the rows of a row-split
+weight), and larger ones of up to 1 MiB, smallest first, while they add at most a quarter to its bytes."""
 
 
 class GapBudget:
@@ -97,15 +103,15 @@ def runs_in_place(first: int, strides: tuple[int, ...], lengths: tuple[int, ...]
 def coalesce(runs: Mapping[Path, list[tuple[np.ndarray, int]]], needed: int, how: Coalescing,
               budget: GapBudget | None) -> dict[Path, tuple[list[int], list[int]]]:
     """The spans to read per file, ``(starts, ends)`` in bytes, sorted: the runs (each ``(first bytes, length)``)
-    merged where they overlap or touch, and across gaps of at most ``how.max_gap``, smallest gap first, while the
-    gap bytes stay within ``how.slack * needed`` (or, given a shared ``budget``, within what is left of it), into
-    spans of at most ``how.max_span`` bytes."""
+    merged where they overlap or touch, across every gap of at most ``how.free_gap``, and across gaps of at most
+    ``how.max_gap``, smallest gap first, while their bytes stay within ``how.slack * needed`` (or, given a shared
+    ``budget``, within what is left of it), into spans of at most ``how.max_span`` bytes."""
     merged = {path: segments(runs[path]) for path in sorted(runs)}
     sizes = gap_sizes(merged)
-    taken = np.zeros(len(sizes), dtype=bool)
+    taken = sizes <= how.free_gap
     if len(sizes) and (how.slack > 0 if budget is None else budget.left > 0):
         order = np.argsort(sizes, kind="stable")
-        order = order[sizes[order] <= how.max_gap]
+        order = order[(sizes[order] <= how.max_gap) & ~taken[order]]
         # Smallest first: the gaps that fit the allowance are a prefix of the sorted ones.
         n = budget.take(sizes[order]) if budget is not None else \
             int(np.searchsorted(np.cumsum(sizes[order]), how.slack * needed, side="right"))

@@ -413,7 +413,8 @@ class PlanFill(SourceReader):
 
     def fit_gaps(self, windows: Iterable[tuple[Item, int, int]]) -> int:
         """Make the fills of ``windows`` (each ``(item, lo, hi)``, elements) read through every gap up to the
-        largest size whose gaps in all of them, smallest first, fit the slack; returns that size in bytes.
+        largest size whose gaps in all of them, smallest first, fit the slack (those up to ``free_gap`` aside,
+        read through whatever the slack); returns that size in bytes.
 
         Each gap read through saves one read call, so the slack goes to the smallest gaps of all the
         windows (the other ranks' halves of row-split weights), not to whichever window is filled first;
@@ -428,13 +429,14 @@ class PlanFill(SourceReader):
                 runs = self._runs(pieces, size)[1]
                 gaps.append(gap_sizes({path: segments(r) for path, r in runs.items()}))
         sizes = np.sort(np.concatenate(gaps)) if gaps else np.empty(0, dtype=np.int64)
-        sizes = sizes[sizes <= self.coalescing.max_gap]
+        free = self.coalescing.free_gap  # read through whatever the slack
+        sizes = sizes[(sizes > free) & (sizes <= self.coalescing.max_gap)]
         allowance = self.budget.left if self.budget is not None else 0
         n = int(np.searchsorted(np.cumsum(sizes), allowance, side="right"))
         # Gaps equal to the n-th are all read through, or none: the last size that fits whole.
         while n and n < len(sizes) and sizes[n] == sizes[n - 1]:
             n -= 1
-        largest = int(sizes[n - 1]) if n else 0
+        largest = int(sizes[n - 1]) if n else free
         self.coalescing = dataclasses.replace(self.coalescing, max_gap=largest)
         return largest
 

@@ -53,7 +53,8 @@ def test_a_ranks_load_is_that_rank_of_a_full_conversion_bit_for_bit(checkpoints,
     theirs = {k for k in written if all(coords.get(a) == c for a, c in k[1])}
     assert {key(it) for it in mine.tensors} == theirs
     needed = _plan(src, dst_topo, dst_fmt, None, None, None, None, rank=rank).needed_bytes()
-    assert needed <= mine.bytes_read <= 1.25 * needed
+    # the tiny model's rows are far below RANK_LOAD.free_gap: the other rank's halves are read through
+    assert needed <= mine.bytes_read <= 2 * needed
 
 
 def test_a_ranks_plan_holds_only_its_items_and_is_proven(checkpoints):
@@ -69,18 +70,23 @@ def test_a_ranks_plan_holds_only_its_items_and_is_proven(checkpoints):
         reshard.load(src, to="tp=2,pp=2", rank=4, format="megatron")
 
 
-def test_coalescing_reads_row_split_weights_in_a_few_reads_within_a_quarter_more_bytes(checkpoints, monkeypatch):
+def test_coalescing_reads_row_split_weights_in_a_few_reads(checkpoints, monkeypatch):
     # Rank 3 needs the second half of each row of the row-parallel weights (o_proj, down_proj): one run per row.
     src, _ = checkpoints[CASES[0][0]]
-    coalesced = reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron", threads=1)
-    monkeypatch.setattr(loading, "RANK_LOAD", Coalescing(slack=0))
-    exact = reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron", threads=1)
+    loads = {}
+    for name, how in [("default", loading.RANK_LOAD), ("slack", Coalescing(slack=0.25)), ("exact", Coalescing())]:
+        monkeypatch.setattr(loading, "RANK_LOAD", how)
+        loads[name] = reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron", threads=1)
     needed = _plan(src, "tp=2,pp=2", "megatron", None, None, None, None, rank=3).needed_bytes()
+    default, slack, exact = loads["default"], loads["slack"], loads["exact"]
     assert exact.bytes_read == needed
-    assert needed < coalesced.bytes_read <= 1.25 * needed
-    assert coalesced.reads * 10 < exact.reads, (coalesced.reads, exact.reads)
+    assert needed < slack.bytes_read <= 1.25 * needed  # no free gaps: the slack bounds what is read through
+    assert slack.reads * 10 < exact.reads, (slack.reads, exact.reads)
+    # the default reads through every gap of a tiny model's rows: fewer reads still, within twice the bytes
+    assert default.reads < slack.reads and slack.bytes_read < default.bytes_read <= 2 * needed
     for item, tensor in exact.tensors.items():
-        assert torch.equal(tensor, coalesced.tensors[item]), item
+        assert torch.equal(tensor, slack.tensors[item]), item
+        assert torch.equal(tensor, default.tensors[item]), item
 
 
 @pytest.mark.parametrize("threads", [1, 3])

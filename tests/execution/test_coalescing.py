@@ -91,6 +91,31 @@ def test_fit_gaps_spends_the_slack_on_the_smallest_gaps_of_all_windows(tmp_path)
             assert out.tobytes() == want[item].tobytes()
 
 
+@pytest.mark.parametrize("free_gap", [0, 3 * 64 * 4 - 1, 3 * 64 * 4])
+def test_gaps_up_to_free_gap_are_read_through_without_spending_the_slack(tmp_path, free_gap):
+    # tp=4 of 64 rows of 256 floats: each rank reads a quarter row, then skips the others' 768 bytes.
+    p, where, want, dst = case(tmp_path, ROW_SPLIT, {"r": 64, "c": 256}, "tp=1", "tp=4")
+    windows = [(item, 0, info.numel) for item, info in dst.items.items()]
+    needed = sum(c.numel * 4 for c in p.copies)
+    with ByteReader() as reader:
+        fill = PlanFill(p, where, reader, coalescing=Coalescing(slack=0.5, free_gap=free_gap))
+        assert fill.fit_gaps(windows) == free_gap  # no larger gap fits the slack
+        out = np.empty(64 * 64, dtype=np.uint32)
+        for item, lo, hi in windows:
+            fill.fill_into(item, lo, hi, out)
+            assert out.tobytes() == want[item].tobytes()
+    if free_gap >= 3 * 64 * 4:  # every gap read through: one read per item, at most 4 times the bytes
+        assert reader.reads == 4 and needed < reader.bytes_read < 4 * needed
+    else:  # no gap fits: one read per quarter row, every byte needed
+        assert reader.reads == 4 * 64 and reader.bytes_read == needed
+
+
+def test_coalescing_refuses_a_free_gap_outside_zero_to_max_gap():
+    for bad in (-1, (1 << 20) + 1):
+        with pytest.raises(ReshardError, match="free_gap"):
+            Coalescing(free_gap=bad)
+
+
 def test_fill_into_zeroes_padding_and_refuses_a_wrong_buffer(tmp_path):
     text = "logical w = n\nsection model per tp\nw = n~(8*tp)/tp\n"
     p, where, want, dst = case(tmp_path, text, {"n": 30}, "tp=1", "tp=4")
