@@ -66,6 +66,9 @@ def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: 
     optimizer's groups (hyperparameters, params, step) when it tells them (``_carried_groups``), else one group
     of torch's Adam defaults, ``lr`` from the source when known, and the source's step count. ``optimized``: which
     of ``names`` have optimizer state (by default, those the source holds it of)."""
+    out: list[_Verbatim] = []
+    if not opt_states:  # weights only: no torch to import (a second or more of a small conversion)
+        return out
     import torch
 
     def saved(obj: object) -> bytes:
@@ -73,9 +76,6 @@ def _synthesized(source: Source, names: list[str], naming: _Naming, opt_states: 
         torch.save(obj, buf)
         return buf.getvalue()
 
-    out: list[_Verbatim] = []
-    if not opt_states:
-        return out
     if optimized is None:
         optimized = {f.tensor for f in source.layout.fragments if f.state in opt_states}
     names = [n for n in names if n in optimized]  # the optimizer's parameters: never a buffer
