@@ -39,35 +39,57 @@ class VerifyResult:
 
 def tensor_digests(digests: Mapping[Item, str], dst_files: Mapping[Item, Path]) -> dict[str, dict[str, str]]:
     """The per-tensor checksums the writers took, by destination file."""
-    out: dict[str, dict[str, str]] = defaultdict(dict)
+    out: dict[str, dict[str, str]] = {}
+    by_path: dict[int, dict[str, str]] = {}  # by the Path object's id: a file's items share one, mostly
     for item, digest in digests.items():
-        if item in dst_files:
-            out[str(dst_files[item])][str(item)] = digest
-    return dict(out)
+        path = dst_files.get(item)
+        if path is not None:
+            per = by_path.get(id(path))
+            if per is None:
+                per = by_path[id(path)] = out.setdefault(str(path), {})
+            per[str(item)] = digest
+    return out
 
 def logical_sources(layout: Layout, dtypes: Mapping[Item, str]) -> dict[tuple[str, str], list[tuple[Item, int, int | None]]]:
     """Where the destination holds each logical tensor row-major in one piece, by (tensor, state): per
     copy, the item and the byte range of it (``None`` for the end: the whole item is the tensor). Tensors
     stored in pieces (split over ranks, or interleaved like a fused qkv) are left out."""
-    frags: dict[tuple[str, str], list] = defaultdict(list)
+    tensors, infos = layout.tensors, layout.items
+    views: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}  # view -> its row-major strides, numel
+    out: dict[tuple[str, str], list[tuple[Item, int, int | None]]] = {}
+    pieced: set[tuple[str, str]] = set()
     for f in layout.fragments:
-        frags[(f.tensor, f.state)].append(f)
-    out = {}
-    for key, fs in frags.items():
-        t = layout.tensors[key[0]]
-        if t.blob or any(f.fill or not _row_major_whole(f, t.view) for f in fs):
+        key = (f.tensor, f.state)
+        if pieced and key in pieced:
             continue
-        numel = math.prod(t.view)
-        places = []
-        for f in fs:
-            size = itemsize(dtypes[f.item])
-            whole = f.offset == 0 and layout.items[f.item].numel == numel
-            places.append((f.item, f.offset * size, None if whole else (f.offset + numel) * size))
-        out[key] = places
+        t = tensors[f.tensor]
+        view = t.view
+        known = views.get(view)
+        if known is None:
+            known = views[view] = (_row_major(view), math.prod(view))
+        strides, numel = known
+        box = f.box
+        if t.blob or f.fill or any(box.offsets) or box.lengths != view or (f.strides != strides
+                                                                           and not _row_major_whole(f, view)):
+            pieced.add(key)
+            out.pop(key, None)
+            continue
+        size = itemsize(dtypes[f.item])
+        whole = f.offset == 0 and infos[f.item].numel == numel
+        out.setdefault(key, []).append((f.item, f.offset * size, None if whole else (f.offset + numel) * size))
     return out
 
+def _row_major(view: tuple[int, ...]) -> tuple[int, ...]:
+    """The element strides of ``view`` laid out row-major in one piece."""
+    strides, step = [], 1
+    for n in reversed(view):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
 def _row_major_whole(f, view: tuple[int, ...]) -> bool:
-    """The fragment is the whole tensor, laid out row-major from ``f.offset`` on."""
+    """The fragment is the whole tensor, laid out row-major from ``f.offset`` on (strides of axes of one element
+    aside)."""
     if any(f.box.offsets) or f.box.lengths != view:
         return False
     step = 1
@@ -95,9 +117,17 @@ def logical_digests(dtypes: Mapping[Item, str], sources, tensors: Mapping[str, M
     checksum of its item, or of its byte range inside the item, both taken while writing. Tensors stored
     in pieces are left out; ``verify`` compares those by value.
     """
-    digests = {label: d for per_file in tensors.values() for label, d in per_file.items()}
+    digests: dict[str, str] = {}
+    for per_file in tensors.values():
+        digests.update(per_file)
     out: dict[str, dict[str, Any]] = defaultdict(dict)
     for (name, state), places in sorted(sources.items()):
+        if len(places) == 1:  # most tensors: no replica to agree with
+            item, lo, hi = places[0]
+            dtype, digest = dtypes[item], digests.get(str(item)) if hi is None else segments.get((str(item), lo, hi))
+            if digest is not None and dtype is not None:
+                out[state][name] = {"dtype": dtype, HASH: digest}
+            continue
         found = {(dtypes[item],
                   digests.get(str(item)) if hi is None else segments.get((str(item), lo, hi)))
                  for item, lo, hi in places}
