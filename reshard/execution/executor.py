@@ -326,6 +326,9 @@ class PlanFill(SourceReader):
         for c in plan.copies:
             self._copies[c.dst].append(c)
         self._extents: dict[Item, tuple[np.ndarray, np.ndarray]] = {}  # of the items with several copies, made on use
+        # (source strides, destination strides, lengths) -> the copy's length if it is one run alike on both sides,
+        # else -1: a model has few shapes, and a plan of 100,000 small tensors one copy each
+        self._whole_runs: dict[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], int] = {}
         self.dtypes = destination_dtypes(plan, where) if dtypes is None else dtypes
 
     def __call__(self, item: Item, lo: int, hi: int) -> memoryview:
@@ -368,12 +371,25 @@ class PlanFill(SourceReader):
         runs: dict[Path, list[tuple[int, int, int]]] = defaultdict(list)  # (first byte in the file, bytes, at)
         moved = 0
         dtypes: dict[str, np.dtype] = {}
+        whole = self._whole_runs
         for item, lo, hi, at in requests:
             name = self.dtypes.get(item, "uint8")
             dtype = dtypes.get(name)
             if dtype is None:
                 dtype = dtypes[name] = uint_dtype(name)
             size = dtype.itemsize
+            copies = self._copies.get(item)
+            if copies is not None and len(copies) == 1:  # most small tensors: one copy, one run, all of the window
+                c = copies[0]
+                run = whole.get((c.src_strides, c.dst_strides, c.lengths), 0)
+                if run == 0:
+                    run = whole[c.src_strides, c.dst_strides, c.lengths] = _Region(
+                        c.src, 0, c.src_strides, c.lengths).run_to(c.dst_strides) or -1
+                if run == hi - lo and c.dst_offset == lo:
+                    loc = self._located(c.src, size)
+                    runs[loc.path].append((loc.offset + c.src_offset * size, run * size, at))
+                    moved += run * size
+                    continue
             pieces, covered = self._pieces(item, lo, hi)
             if covered != hi - lo:
                 buf[at:at + (hi - lo) * size] = 0
