@@ -13,7 +13,8 @@ from reshard.core.chunks import through
 from reshard.core.layout import MASTER, PARAM, Layout, common_views
 from reshard.core.planner import plan as make_plan
 from reshard.errors import PlanError, ReshardError
-from reshard.execution.executor import ByteReader, PlanFill
+from reshard.execution.coalescing import RANK_LOAD
+from reshard.execution.executor import ByteReader, PlanFill, uint_dtype
 from reshard.formats.base import Source
 from reshard.formats.module_view import module_layout
 from reshard.formats.specs import source_family
@@ -280,25 +281,36 @@ def _fill(source: Source, shards: list[Shard], locals_: Mapping, module: _Module
         raise PlanError(f"{source.path}: {e}") from None
     share = 0
     with ByteReader() as reader, torch.no_grad():
-        fill = PlanFill(p, source.where, reader)
+        fill = PlanFill(p, source.where, reader, coalescing=RANK_LOAD)
+        windows = {s.item: _windows(s, locals_[s.item], itemsize(fill.dtypes[s.item])) for s in shards if s.numel}
+        fill.fit_gaps([w for ws in windows.values() for w in ws])
         for s in shards:
             if s.numel == 0:
                 continue
             local = locals_[s.item]
             dtype = fill.dtypes[s.item]
-            size = itemsize(dtype)
-            share += s.numel * size
+            share += s.numel * itemsize(dtype)
             as_torch = getattr(torch, dtype)
             if not local.is_contiguous():
                 data = bytearray(fill(s.item, 0, s.numel))
                 local.copy_(torch.frombuffer(data, dtype=as_torch).reshape(s.lengths))
                 continue
             flat = local.view(-1)
-            step = max(1, _WINDOW // size)
-            for lo in range(0, s.numel, step):
-                hi = min(s.numel, lo + step)
-                flat[lo:hi].copy_(torch.frombuffer(fill(s.item, lo, hi), dtype=as_torch))
+            for _, lo, hi in windows[s.item]:
+                if flat.device.type == "cpu" and flat.dtype == as_torch:  # in place: the stored bits, as they are
+                    fill.fill_into(s.item, lo, hi, flat[lo:hi].view(torch.uint8).numpy().view(uint_dtype(dtype)))
+                else:
+                    flat[lo:hi].copy_(torch.frombuffer(fill(s.item, lo, hi), dtype=as_torch))
         return reader.bytes_read, share, reader.reads
+
+
+def _windows(s: Shard, local: Any, size: int) -> list[tuple[Any, int, int]]:
+    """The windows ``(item, lo, hi)`` a local tensor is filled in: ``_WINDOW`` bytes each where it is contiguous,
+    else one for the whole."""
+    if not local.is_contiguous():
+        return [(s.item, 0, s.numel)]
+    step = max(1, _WINDOW // size)
+    return [(s.item, lo, min(s.numel, lo + step)) for lo in range(0, s.numel, step)]
 
 
 def _set_steps(osd: Mapping[str, Any], source: Source, rename: Callable[[str], str],
