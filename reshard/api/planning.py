@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from collections import defaultdict
-from collections.abc import Collection, Mapping
+import math
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter, mul
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+import numpy as np
 
 from reshard.core.collector import collector_paused as _collector_paused
 from reshard.core.dtypes import itemsize
@@ -25,6 +27,7 @@ from reshard.formats.base import Source, Target
 from reshard.formats.module_view import module_tied, view_layout, view_source
 from reshard.formats.specs import source_family
 from reshard.io.location import UrlPath, as_path
+from reshard.io.smallfiles import Located
 
 __all__ = ["PlanReport", "open_checkpoint", "plan"]
 
@@ -86,11 +89,13 @@ class PlanReport:
     _names: dict[Path, str] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Each source file's name as ``src_file`` gives it, worked out once per file."""
     _made: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
-    """``files()`` and ``summary()``, each worked out once (a conversion's resume header and manifest both
-    need them)."""
+    """``files()`` (and the sums per file it is made from) and ``summary()``, each worked out once (a conversion's
+    resume header and manifest both need them)."""
 
     def src_file(self, item: Item) -> str:
-        path = self.source.where[item].path
+        return self._src_name(self.source.where[item].path)
+
+    def _src_name(self, path: Path) -> str:
         name = self._names.get(path)
         if name is None:
             name = str(path.relative_to(self.source.path)) if path.is_relative_to(self.source.path) else str(path)
@@ -102,39 +107,60 @@ class PlanReport:
 
     def needed_bytes(self, files: Collection[str] | None = None) -> int:
         """Bytes the copies move (what a conversion reads at least), into just ``files`` if given."""
+        if not self.dst_files and files is None:  # a plan of one rank's items (``load``) names no files
+            return sum(self._copy_bytes(self._located()))
         keep = None if files is None else set(files)
-        total = 0
-        last_src = last_dst = None
-        size, wanted = 0, True
-        for c in self.plan.copies:  # copies come in runs of one item: each looked up once per run
-            if c.src is not last_src:
-                last_src = c.src
-                size = itemsize(self.source.where[last_src].dtype)
-            if keep is not None and c.dst is not last_dst:
-                last_dst = c.dst
-                wanted = self.dst_file(last_dst) in keep
-            if wanted:
-                total += c.numel * size
-        return total
+        return sum(row[0] for name, row in self._per_file().items() if keep is None or name in keep)
 
     def files(self) -> list[dict[str, Any]]:
         """Per destination file: the bytes the copies move into it, their count, and the source files they read."""
         if "files" not in self._made:
-            per: dict[str, dict[str, Any]] = defaultdict(lambda: {"bytes": 0, "copies": 0, "sources": set()})
-            last_src = last_dst = None
-            for c in self.plan.copies:  # copies come in runs of one item: each looked up once per run
-                if c.dst is not last_dst:
-                    last_dst = c.dst
-                    row = per[self.dst_file(last_dst)]
-                if c.src is not last_src:
-                    last_src = c.src
-                    size, name = itemsize(self.source.where[last_src].dtype), self.src_file(last_src)
-                row["bytes"] += c.numel * size
-                row["copies"] += 1
-                row["sources"].add(name)
-            self._made["files"] = [{"destination": k, "bytes": v["bytes"], "copies": v["copies"],
-                                    "sources": sorted(v["sources"])} for k, v in sorted(per.items())]
-        return copy.deepcopy(self._made["files"])
+            self._made["files"] = [{"destination": k, "bytes": b, "copies": n, "sources": sorted(srcs)}
+                                   for k, (b, n, srcs) in sorted(self._per_file().items())]
+        return [dict(row, sources=list(row["sources"])) for row in self._made["files"]]
+
+    def _per_file(self) -> dict[str, tuple[int, int, set[str]]]:
+        """Per destination file: the bytes the copies move into it, their count, and the source files they read.
+
+        A plan of 100,000 small tensors has as many copies: their bytes are summed per file by numpy, and files
+        are told apart by their ``Path`` object's ``id`` (``Path`` hashes in Python code; a file's items share one,
+        mostly), then merged by name."""
+        if "per_file" not in self._made:
+            located = self._located()
+            dst_paths = list(map(self.dst_files.__getitem__, map(attrgetter("dst"), self.plan.copies)))
+            src_paths = list(map(attrgetter("path"), located))
+            dst_first, dst_of = self._distinct(dst_paths)
+            src_first, src_of = self._distinct(src_paths)
+            sizes = np.zeros(len(dst_first), np.int64)
+            np.add.at(sizes, dst_of, np.fromiter(self._copy_bytes(located), np.int64, len(located)))
+            counts = np.bincount(dst_of, minlength=len(dst_first))
+            per: dict[str, tuple[int, int, set[str]]] = {}
+            for first, size, count in zip(dst_first.tolist(), sizes.tolist(), counts.tolist()):
+                name = str(dst_paths[first])
+                old_size, old_count, sources = per.get(name) or (0, 0, set())
+                per[name] = (old_size + size, old_count + count, sources)
+            for pair in np.unique(dst_of * len(src_first) + src_of).tolist():
+                dst, src = divmod(pair, len(src_first))
+                per[str(dst_paths[dst_first[dst]])][2].add(self._src_name(src_paths[src_first[src]]))
+            self._made["per_file"] = per
+        return self._made["per_file"]
+
+    @staticmethod
+    def _distinct(objects: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+        """Where each distinct object (by ``id``) first appears in ``objects``, and which one each element is."""
+        ids = np.fromiter(map(id, objects), np.uint64, len(objects))
+        _, first, which = np.unique(ids, return_index=True, return_inverse=True)
+        return first, which.astype(np.int64)
+
+    def _located(self) -> list[Located]:
+        """Where each copy's source item is, in plan order."""
+        return list(map(self.source.where.__getitem__, map(attrgetter("src"), self.plan.copies)))
+
+    def _copy_bytes(self, located: list[Located]) -> Iterator[int]:
+        """Per copy, in plan order, the bytes it moves; ``located``: where each copy's source item is."""
+        dtypes = list(map(attrgetter("dtype"), located))
+        itemsizes = {dtype: itemsize(dtype) for dtype in set(dtypes)}
+        return map(mul, map(math.prod, map(attrgetter("lengths"), self.plan.copies)), map(itemsizes.__getitem__, dtypes))
 
     def summary(self) -> dict[str, int]:
         """The plan's ``summary()``, worked out once."""
