@@ -215,7 +215,7 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
                              seconds=time.perf_counter() - started)
     if not is_url(src):
         _check_destination(Path(src), dst)
-    every = sorted({str(f) for f in report.dst_files.values()})
+    every = _dst_names(report)
     # across ranks, this host's ranks share its memory budget as workers would
     count, window, planned = _workers_and_window(report, workers if ranks is None else ranks.local_size, every,
                                                  memory_budget)
@@ -233,7 +233,7 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
             return ConvertResult(path=dst, report=report, files=files, bytes_read=0, bytes_written=0,
                                  reused=len(files), seconds=time.perf_counter() - started)
         kept = partial.kept
-        todo = sorted({str(f) for f in report.dst_files.values()} - kept.keys())
+        todo = sorted(set(every) - kept.keys())
         total = report.needed_bytes(todo) if kept else report.needed_bytes()
         done = [0]
 
@@ -285,13 +285,14 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
                 paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), session, only=())
                 written.update({p: session.digest(tmp / p) for p in paths})
             session.flush()
-        labels = {str(item): report.dst_file(item) for item in report.dst_files}
-        for label, digest in partial.tensors.items():
-            if labels.get(label) in kept:
-                tensors.setdefault(labels[label], {})[label] = digest
-        for (label, lo, hi), digest in partial.segments.items():
-            if labels.get(label) in kept:
-                segments[(label, lo, hi)] = digest
+        if partial.tensors or partial.segments:  # resumed: the kept files' checksums, from the journal
+            labels = {str(item): report.dst_file(item) for item in report.dst_files}
+            for label, digest in partial.tensors.items():
+                if labels.get(label) in kept:
+                    tensors.setdefault(labels[label], {})[label] = digest
+            for (label, lo, hi), digest in partial.segments.items():
+                if labels.get(label) in kept:
+                    segments[(label, lo, hi)] = digest
         files = {}
         for rel in sorted(written, key=str):
             files[str(rel)] = file_record(tmp / rel, written[rel])
@@ -319,6 +320,11 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
     size = sum(f["bytes"] for rel, f in files.items() if rel not in kept)
     return ConvertResult(path=dst, report=report, files=files, bytes_read=bytes_read, bytes_written=size,
                          reused=len(kept), seconds=time.perf_counter() - started, ranks=ranks.size if ranks else 1)
+
+def _dst_names(report: PlanReport) -> list[str]:
+    """The destination files, sorted: each ``Path`` object named once (a file's items share one, mostly)."""
+    paths = list(report.dst_files.values())
+    return sorted({str(path) for path in dict(zip(map(id, paths), paths)).values()})
 
 # Resident memory of a process with numpy, networkx, reshard and torch (some formats regenerate
 # RNG state with it) loaded, and per planned copy and fragment (dataclasses, boxes, tuples,
