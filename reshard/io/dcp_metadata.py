@@ -35,6 +35,7 @@ from typing import Any
 
 from reshard.errors import CheckpointFormatError
 from reshard.io.bounds import FieldError, brief, check_count, check_range, check_shape
+from reshard.io.dcp_pickle import encode_metadata
 from reshard.io.location import UrlPath, as_path
 from reshard.io.pickle_scan import check_pickle
 from reshard.io.torch_types import _DTYPE_ALIASES, _DTYPE_NAMES, _ITEMSIZE
@@ -337,32 +338,13 @@ def read_metadata(directory: Path | UrlPath) -> DcpMetadata:
 
 
 def write_metadata(directory: Path, md: DcpMetadata) -> Path:
-    """Write ``.metadata`` as DCP's ``FileSystemWriter`` does: a pickle of torch's own classes."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    """Write ``.metadata`` as DCP's ``FileSystemWriter`` does: the pickle of torch's own classes.
 
-    sdm: dict[str, Any] = {}
-    for key, t in md.tensors.items():
-        sdm[key] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=getattr(torch, t.dtype)), size=torch.Size(t.size),
-            chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in t.chunks])
-    for key in md.byte_entries:
-        sdm[key] = BytesStorageMetadata()
-    storage = {}
-    for (fqn, offset), s in md.storage.items():
-        index = MetadataIndex(fqn) if offset is None else MetadataIndex(fqn, torch.Size(offset), 0)
-        storage[index] = _StorageInfo(s.relative_path, s.offset, s.length,
-                                      list(s.transforms) if s.transforms else None)
-    meta = Metadata(state_dict_metadata=sdm, planner_data=dict(md.planner_data), storage_data=storage)
+    The bytes are emitted by ``dcp_pickle.encode_metadata`` (the same bytes ``pickle.dump`` writes for
+    those objects, without building them).
+    """
     path = Path(directory) / METADATA_NAME
+    pieces = encode_metadata(md)
     with open(path, "wb") as f:
-        pickle.dump(meta, f)
+        f.writelines(pieces)
     return path
