@@ -74,9 +74,17 @@ def logical_sources(layout: Layout, dtypes: Mapping[Item, str]) -> dict[tuple[st
             pieced.add(key)
             out.pop(key, None)
             continue
-        size = itemsize(dtypes[f.item])
-        whole = f.offset == 0 and infos[f.item].numel == numel
-        out.setdefault(key, []).append((f.item, f.offset * size, None if whole else (f.offset + numel) * size))
+        item, offset = f.item, f.offset
+        if offset == 0 and (infos[item].shape == view or infos[item].numel == numel):
+            place = (item, 0, None)
+        else:
+            size = itemsize(dtypes[item])
+            place = (item, offset * size, (offset + numel) * size)
+        places = out.get(key)
+        if places is None:
+            out[key] = [place]
+        else:
+            places.append(place)
     return out
 
 def _row_major(view: tuple[int, ...]) -> tuple[int, ...]:
