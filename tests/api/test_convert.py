@@ -116,7 +116,9 @@ def test_load_reads_about_one_ranks_share(tmp_path):
     assert {it.unit for it in mine.tensors} == {(("tp", 1), ("pp", 1))}
     share = sum(t.numel() * t.element_size() for t in mine.tensors.values())
     assert share < total / 6
-    assert share <= mine.bytes_read <= 1.25 * share  # gaps between the runs it needs are read through (RANK_LOAD)
+    # the tiny model's gaps between the runs it needs (the other half of each row of a row-split weight) are
+    # under RANK_LOAD.free_gap: read through, at most once more the share
+    assert share < mine.bytes_read <= 2 * share
     # The returned tensors are what a full conversion writes for that rank.
     reshard.convert(src, tmp_path / "all", to="tp=4,pp=2")
     written = stored_bytes(tmp_path / "all")
