@@ -254,7 +254,8 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
             parts = planned if todo == every else shares(report, count, todo)
         if len(parts) <= 1 and ranks is None:
             with ByteReader() as reader:
-                fill = PlanFill(report.plan, report.source.where, reader, progress=tick)
+                # the destination dtypes planning worked out (destination_dtypes), not worked out again
+                fill = PlanFill(report.plan, report.source.where, reader, dtypes=target.dtypes, progress=tick)
                 if not kept:
                     paths = fmt.write(target, tmp, fill, session)
                 else:
@@ -282,7 +283,8 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
                 segments.update(done.segments)
             tensors = tensor_digests(items, report.dst_files)
             with ByteReader() as reader:  # the files that hold no items: trackers, configs, indexes
-                paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader), session, only=())
+                paths = fmt.write(target, tmp, PlanFill(report.plan, report.source.where, reader, dtypes=target.dtypes),
+                                  session, only=())
                 written.update({p: session.digest(tmp / p) for p in paths})
             session.flush()
         if partial.tensors or partial.segments:  # resumed: the kept files' checksums, from the journal
