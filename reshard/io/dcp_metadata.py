@@ -217,15 +217,16 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _expect(obj: Any, name: str, what: str) -> dict[str, Any]:
-    if not isinstance(obj, _Obj) or obj.name != name:
-        got = obj.name if isinstance(obj, _Obj) else type(obj).__name__
-        raise _Bad(f"{what} is a {got}, expected {name}")
-    return obj.fields()
+def _expect(obj: Any, name: str, what: str, *what_args: Any) -> dict[str, Any]:
+    """The fields of ``obj``, a ``name``; else an error calling it ``what.format(*what_args)``."""
+    if isinstance(obj, _Obj) and obj.name == name:
+        return obj.state if type(obj.state) is dict else obj.fields()
+    got = obj.name if isinstance(obj, _Obj) else type(obj).__name__
+    raise _Bad(f"{what.format(*what_args)} is a {got}, expected {name}")
 
 
 def _tensor(key: str, f: dict[str, Any], seen: dict[tuple, DcpChunk]) -> DcpTensor:
-    props = _expect(f.get("properties"), "TensorProperties", f"'{key}' properties")
+    props = _expect(f.get("properties"), "TensorProperties", "'{}' properties", key)
     dtype = props.get("dtype")
     if not isinstance(dtype, _Dtype):
         raise _Bad(f"'{key}' has dtype {brief(dtype, 40)}, expected a torch dtype")
@@ -238,7 +239,7 @@ def _tensor(key: str, f: dict[str, Any], seen: dict[tuple, DcpChunk]) -> DcpTens
         raise _Bad(f"'{key}' has chunks {brief(chunks, 40)}, expected a list")
     out = []
     for c in chunks or ():
-        cf = _expect(c, "ChunkStorageMetadata", f"a chunk of '{key}'")
+        cf = _expect(c, "ChunkStorageMetadata", "a chunk of '{}'", key)
         offs, sizes = cf.get("offsets"), cf.get("sizes")
         if not (_plain_ints(offs) and _plain_ints(sizes)):
             offs, sizes = _ints(offs, f"'{key}' chunk offsets"), _ints(sizes, f"'{key}' chunk sizes")
@@ -309,7 +310,7 @@ def _parse(data: bytes) -> DcpMetadata:
         if isinstance(md, _Obj) and md.name == "BytesStorageMetadata":
             out.byte_entries.append(key)
             continue
-        fields = _expect(md, "TensorStorageMetadata", f"the metadata of '{key}'")
+        fields = _expect(md, "TensorStorageMetadata", "the metadata of '{}'", key)
         _properties_state(fields.get("properties"))
         out.tensors[key] = _tensor(key, fields, chunks)
     storage = top.get("storage_data")
@@ -322,7 +323,7 @@ def _parse(data: bytes) -> DcpMetadata:
         if not isinstance(fqn, str):
             raise _Bad(f"a storage_data key has fqn {brief(fqn, 60)}")
         offset = None if offset is None else _ints(offset, f"'{fqn}' storage offset")
-        si = _expect(info, "_StorageInfo", f"the storage of '{fqn}'")
+        si = _expect(info, "_StorageInfo", "the storage of '{}'", fqn)
         path, off, length = si.get("relative_path"), si.get("offset"), si.get("length")
         if type(path) is not str or path not in named:  # each distinct name checked once
             _check_file_name(fqn, path)

@@ -39,9 +39,9 @@ _BATCH = 1000
 _MEMOIZE = b"\x94"
 _NEWOBJ_STATE = b")\x81\x94}\x94("  # EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK: an object and its state dict
 _pack_i, _pack_h, _pack_ui, _pack_q, _pack_d = (struct.Struct(f).pack for f in ("<i", "<H", "<I", "<Q", ">d"))
-_SMALL = [b"K" + bytes((v,)) for v in range(256)]
+_SMALL = tuple(b"K" + bytes((v,)) for v in range(256))
 _TUPLE_OPS = {1: b"\x85", 2: b"\x86", 3: b"\x87"}
-_BINGET = [b"h" + bytes((i,)) for i in range(256)]
+_BINGET = tuple(b"h" + bytes((i,)) for i in range(256))
 
 
 def _int(v: int) -> bytes:
@@ -95,12 +95,12 @@ class _Pickler:
             self.save_str(obj)
         elif t is tuple:
             self.save_tuple(obj)
+        elif (got := self.get(obj)) is not None:  # a list, dict or torch object saved before
+            buf += got
         elif t is list:
             self.save_list(obj)
         elif t is dict:
             self.save_dict(obj)
-        elif (got := self.get(obj)) is not None:
-            buf += got
         elif isinstance(obj, type) or (callable(obj) and hasattr(obj, "__qualname__")):
             self.save_global(obj, obj.__qualname__)
         elif t.__module__.split(".")[0] == "torch":
@@ -188,6 +188,8 @@ class _Pickler:
             self.save_global(obj, rv)
             return
         func, args, state = (*rv, None)[:3]
+        if len(rv) > 3 and any(x is not None for x in rv[3:]):
+            raise TypeError(f"{type(obj).__name__} reduces with list or dict items, which reshard does not write")
         if func is copyreg.__newobj__:
             self.save(args[0])
             self.save_tuple(args[1:])
@@ -357,7 +359,8 @@ class _MetadataPickler(_Pickler):
         c = self.cls = _Classes()
         size = c.Size(())
         # Field names as torch's instances hold them: the pickler memoizes these very str objects.
-        self.f_meta = list(vars(c.Metadata(state_dict_metadata={})))
+        meta = vars(c.Metadata(state_dict_metadata={}))
+        self.f_meta = list(meta)
         self.f_tensor = list(vars(c.Tensor(c.Properties(), size, [])))
         self.f_chunk = list(vars(c.Chunk(size, size)))
         self.f_index = list(vars(c.Index("", (), 0)))
@@ -365,7 +368,8 @@ class _MetadataPickler(_Pickler):
         fields = (self.f_meta[:3], self.f_tensor, self.f_chunk, self.f_index, self.f_info)
         if fields != (["state_dict_metadata", "planner_data", "storage_data"], ["properties", "size", "chunks"],
                       ["offsets", "sizes"], ["fqn", "index", "offset"],
-                      ["relative_path", "offset", "length", "transform_descriptors"]):
+                      ["relative_path", "offset", "length", "transform_descriptors"]) or any(
+                          meta[k] is not None for k in self.f_meta[3:]):
             raise RuntimeError(f"torch's DCP metadata classes have fields {fields}, not those reshard writes")
         _, self.layout, _, self.mem_format, _ = c.Properties(dtype=c.torch.float32).__getstate__()
         self.sizes: dict[tuple[int, ...], tuple[bytes, int]] = {}

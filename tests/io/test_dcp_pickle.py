@@ -146,11 +146,12 @@ def test_storage_offsets_and_lengths_of_every_width_pickle_as_torch_does(value):
 
 def test_planner_data_of_nested_tuples_ints_strings_and_atoms_pickles_as_torch_does():
     md = tensor_md(2)
-    shared = ("optim", "state")
+    shared, shared_list = ("optim", "state"), ["optim", ("lr", 1)]
     md.planner_data.update({
         "a": ("optim", "param_groups", 0, "lr"), "b": (("x", 1), ("y", (2, 3, (4,)))), "c": (),
         "d": (-1, -(2**31), -(2**31) - 1, 2**70, -(2**70), -(2**2100), 2**2100, True, False, None, 1.5, -0.0),
         "e": shared, "f": shared, "g": ["list", ("in", "it")], "h": ("0", "0", "", ""),
+        "i": shared_list, "j": (shared_list, shared_list), "k": [], "l": [7], "m": list(range(2500)),
     })
     check(md)
 
