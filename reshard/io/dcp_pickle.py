@@ -302,7 +302,8 @@ def encode_metadata(md: Any) -> list[bytes]:
     its dtype, its size and chunks as ``torch.Size``; each bytes entry a ``BytesStorageMetadata``;
     ``storage_data`` keyed by ``MetadataIndex(fqn, offsets, 0)`` (``MetadataIndex(fqn)`` for bytes)
     with ``_StorageInfo`` values (transforms a list, or absent when there are none); ``planner_data``
-    as given; ``storage_meta`` and ``version`` None. Returns the pieces to write in order.
+    as given; ``version`` as given; ``storage_meta`` None (``dcp.load`` makes one when there is none).
+    Returns the pieces to write in order.
     """
     p = _MetadataPickler()
     sdm: dict[str, Any] = dict(md.tensors)
@@ -319,6 +320,8 @@ def encode_metadata(md: Any) -> list[bytes]:
             p.dict_items(md.planner_data, p.planner_entries)
         elif name == "storage_data":
             p.dict_items(md.storage, p.storage_entries)
+        elif name == "version" and md.version is not None:  # FileSystemWriter.finish sets CURRENT_DCP_VERSION
+            p.save_str(md.version)
         else:
             p.buf += b"N"
         p.end_unit()

@@ -49,7 +49,8 @@ def oracle(md: DcpMetadata) -> bytes:
     for (fqn, offset), s in md.storage.items():
         index = MetadataIndex(fqn) if offset is None else MetadataIndex(fqn, torch.Size(offset), 0)
         storage[index] = _StorageInfo(s.relative_path, s.offset, s.length, list(s.transforms) if s.transforms else None)
-    return pickle.dumps(Metadata(state_dict_metadata=sdm, planner_data=dict(md.planner_data), storage_data=storage))
+    return pickle.dumps(Metadata(state_dict_metadata=sdm, planner_data=dict(md.planner_data), storage_data=storage,
+                                 version=md.version))
 
 
 def fresh(text: str) -> str:
@@ -184,7 +185,7 @@ def test_memo_references_past_256_and_frames_past_64_kib_pickle_as_torch_does(sh
 def test_random_checkpoints_pickle_as_torch_does():
     rng = random.Random(7)
     for _ in range(20):
-        md = DcpMetadata()
+        md = DcpMetadata(version=rng.choice([None, "1.0.0"]))  # dcp.save records "1.0.0", as reshard does
         names = [f"p{i}.{rng.choice(['w', 'b', 'exp_avg'])}" for i in range(rng.randrange(0, 400))]
         for key in names:
             rank = rng.randrange(0, 4)
@@ -212,3 +213,17 @@ def test_what_write_metadata_writes_reads_back_unchanged(tmp_path):
     back = read_metadata(tmp_path)
     assert (back.tensors, back.byte_entries, back.storage, back.planner_data) == (
         md.tensors, md.byte_entries, md.storage, md.planner_data)
+
+
+def test_a_dcp_target_records_the_version_dcp_save_writes(tmp_path):
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+    from fixtures import make_fixture
+
+    make_fixture(tmp_path / "src", format="hf", to="tp=1", model="tiny-llama")
+    import reshard
+
+    reshard.convert(tmp_path / "src", tmp_path / "dcp", format="dcp", to="dp=2")
+    assert read_metadata(tmp_path / "dcp").version == CURRENT_DCP_VERSION
+    with (tmp_path / "dcp" / ".metadata").open("rb") as f:
+        assert pickle.load(f).version == CURRENT_DCP_VERSION  # torch's own reading of it (a file reshard wrote)
