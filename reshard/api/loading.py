@@ -1,8 +1,8 @@
 """``load``: what one rank of a new topology holds, read straight from the old checkpoint.
 
 A load costs that rank's bytes: it plans only the rank's items (the plan proven
-as a whole conversion's is), allocates each tensor once, and fills it in place
-window by window on a few threads (reads and copies release the GIL), with
+as a whole conversion's is), allocates its tensors once (on the CPU, views of
+one block of memory), and fills them in place window by window on a few threads (reads and copies release the GIL), with
 coalesced reads (``RANK_LOAD``): nearby runs of one source file are read as
 one span, through every gap of up to 16 KiB (the other ranks' parts of a
 row-split weight's rows) and through larger ones while they add at most a
@@ -97,7 +97,7 @@ def load(src: str | Path, *, to: str | Topology, rank: int, format: str | None =
     with ByteReader() as reader:
         fill = PlanFill(report.plan, report.source.where, reader, dtypes=dtypes, coalescing=RANK_LOAD)
         sink = _sink(torch, dev, threads)
-        flat = {it: sink.allocate(info.numel * itemsize(dtypes[it])) for it, info in items.items()}
+        flat = dict(zip(items, sink.allocate([info.numel * itemsize(dtypes[it]) for it, info in items.items()])))
         step = {it: max(1, _WINDOW // itemsize(dtypes[it])) for it in items}
         tasks = [(it, lo, min(info.numel, lo + step[it])) for it, info in items.items()
                  for lo in range(0, info.numel, step[it])]
@@ -161,10 +161,16 @@ class _Host:
     def __init__(self, torch: Any) -> None:
         self.torch = torch
 
-    def allocate(self, nbytes: int) -> Any:
+    def allocate(self, sizes: list[int]) -> list[Any]:
+        """Flat byte tensors of ``sizes``: views of one block of memory, each at a multiple of 64 bytes."""
         # numpy asks the kernel for huge pages for large arrays, and torch does not: reading into fresh
-        # 4 KiB pages faults on each one, which made reading into a torch.empty tensor 3.5 times slower.
-        return self.torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+        # 4 KiB pages faults on each one, which made reading into a torch.empty tensor 3.5 times slower. One
+        # block for all (not one array per tensor) is huge pages throughout: a 0.5 GiB load 0.15 s, not 0.18.
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + -(-n // 64) * 64)
+        block = np.empty(starts[-1], dtype=np.uint8)
+        return [self.torch.from_numpy(block[a:a + n]) for a, n in zip(starts, sizes)]
 
     @contextmanager
     def window(self, flat: Any, lo: int, hi: int) -> Iterator[np.ndarray]:
@@ -191,8 +197,8 @@ class _Staged:
         for _ in range(threads + 2):  # one per filling thread, and two whose copies are in flight
             self.free.put((torch.empty(_WINDOW, dtype=torch.uint8, pin_memory=self.cuda), None))
 
-    def allocate(self, nbytes: int) -> Any:
-        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+    def allocate(self, sizes: list[int]) -> list[Any]:
+        return [self.torch.empty(n, dtype=self.torch.uint8, device=self.device) for n in sizes]
 
     @contextmanager
     def window(self, flat: Any, lo: int, hi: int) -> Iterator[np.ndarray]:

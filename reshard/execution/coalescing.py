@@ -41,6 +41,10 @@ class Coalescing:
     read is needed, and only runs that touch merge."""
     max_gap: int = 1 << 20
     """The largest gap, in bytes, read through."""
+    in_place_run: int = IN_PLACE_RUN
+    """Runs at least this many bytes long, contiguous in the destination, are read in place by one vectored read
+    (a buffer per run, and per gap read through); shorter ones are read into the span buffer and copied out of it
+    by one vectorized copy per piece."""
     free_gap: int = 0
     """Gaps of at most this many bytes are read through whatever the slack, without counting against it: one
     more read call costs more than copying that many bytes from the page cache, and a disk reads them ahead
@@ -50,15 +54,18 @@ class Coalescing:
     no slack, a span holds only needed bytes, so the span buffer is at most the window filled."""
 
     def __post_init__(self) -> None:
-        if not self.slack >= 0 or self.max_gap < 0 or self.max_span < 1 or not 0 <= self.free_gap <= self.max_gap:
-            raise ReshardError(f"coalescing needs slack >= 0, max_gap >= 0, 0 <= free_gap <= max_gap and max_span >= 1, "
-                               f"got slack={self.slack}, max_gap={self.max_gap}, free_gap={self.free_gap}, "
-                               f"max_span={self.max_span}")
+        if not self.slack >= 0 or self.max_gap < 0 or self.max_span < 1 or not 0 <= self.free_gap <= self.max_gap \
+                or self.in_place_run < 1:
+            raise ReshardError(f"coalescing needs slack >= 0, max_gap >= 0, 0 <= free_gap <= max_gap, max_span >= 1 and "
+                               f"in_place_run >= 1, got slack={self.slack}, max_gap={self.max_gap}, "
+                               f"free_gap={self.free_gap}, max_span={self.max_span}, in_place_run={self.in_place_run}")
 
 
-RANK_LOAD = Coalescing(slack=0.25, free_gap=16 << 10)
+RANK_LOAD = Coalescing(slack=0.25, free_gap=16 << 10, in_place_run=16 << 10)
 """How a rank's load reads: gaps of up to 16 KiB read through (the other ranks' parts of the rows of a row-split
-weight), and larger ones of up to 1 MiB, smallest first, while they add at most a quarter to its bytes."""
+weight), and larger ones of up to 1 MiB, smallest first, while they add at most a quarter to its bytes; runs
+shorter than 16 KiB (the row pieces between such gaps) copied from the span buffer, not given a buffer each in a
+vectored read: a 0.5 GiB rank load on 2 threads went from 0.101 s to 0.086 s."""
 
 
 class GapBudget:
@@ -81,15 +88,16 @@ class GapBudget:
 
 
 def runs_in_place(first: int, strides: tuple[int, ...], lengths: tuple[int, ...], dst_first: int,
-                   dst_strides: tuple[int, ...], size: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+                   dst_strides: tuple[int, ...], size: int,
+                   min_run: int = IN_PLACE_RUN) -> tuple[np.ndarray, np.ndarray, int] | None:
     """A region's runs that are contiguous in the source and the destination alike: their first bytes in
-    the file and in the destination, and their length in bytes; None if shorter than ``IN_PLACE_RUN``."""
+    the file and in the destination, and their length in bytes; None if shorter than ``min_run`` bytes."""
     axes = sorted((s, k) for k, (s, n) in enumerate(zip(strides, lengths)) if n > 1)
     run, inner = 1, 0
     while inner < len(axes) and axes[inner][0] == run and dst_strides[axes[inner][1]] == run:
         run *= lengths[axes[inner][1]]
         inner += 1
-    if run * size < IN_PLACE_RUN:
+    if run * size < min_run:
         return None
     src = np.array([first], dtype=np.int64)
     dst = np.array([dst_first], dtype=np.int64)

@@ -216,7 +216,7 @@ class SourceReader:
         src_parts, dst_parts = [], []
         run = None
         for first, strides, lengths, at, dst_strides in subs:
-            got = runs_in_place(first, strides, lengths, at * size, dst_strides, size)
+            got = runs_in_place(first, strides, lengths, at * size, dst_strides, size, self.coalescing.in_place_run)
             if got is None:
                 return False
             s, d, n = got

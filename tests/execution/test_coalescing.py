@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from conftest import layouts, logical_values
 
-import reshard.execution.coalescing as coalescing
 import reshard.execution.reader as reader_module
 from reshard.core.planner import plan
 from reshard.execution.arrays import apply, scatter
@@ -51,12 +50,11 @@ def case(tmp_path, text: str, sizes: dict, src: str, dst: str):
 @pytest.mark.parametrize("in_place", [512, 1 << 40], ids=["vectored", "span buffer"])
 @pytest.mark.parametrize("slack", [0.0, 0.25, 1.0])
 @pytest.mark.parametrize("window", [37, 1 << 20])
-def test_coalesced_fills_are_bit_exact_and_read_within_the_slack(tmp_path, monkeypatch, in_place, slack, window):
-    monkeypatch.setattr(coalescing, "IN_PLACE_RUN", in_place)
+def test_coalesced_fills_are_bit_exact_and_read_within_the_slack(tmp_path, in_place, slack, window):
     p, where, want, dst = case(tmp_path, ROW_SPLIT, {"r": 64, "c": 256}, "tp=1", "tp=2")
     needed = sum(c.numel * 4 for c in p.copies)
     with ByteReader() as reader:
-        fill = PlanFill(p, where, reader, coalescing=Coalescing(slack=slack))
+        fill = PlanFill(p, where, reader, coalescing=Coalescing(slack=slack, in_place_run=in_place))
         for item, info in dst.items.items():
             got = b"".join(bytes(fill(item, lo, min(lo + window, info.numel))) for lo in range(0, info.numel, window))
             assert got == want[item].tobytes(), item
