@@ -30,6 +30,7 @@ import pickle
 import struct
 from collections.abc import Callable, Collection, Iterable
 from itertools import islice
+from types import MappingProxyType
 from typing import Any
 
 __all__ = ["encode_metadata"]
@@ -40,7 +41,7 @@ _MEMOIZE = b"\x94"
 _NEWOBJ_STATE = b")\x81\x94}\x94("  # EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK: an object and its state dict
 _pack_i, _pack_h, _pack_ui, _pack_q, _pack_d = (struct.Struct(f).pack for f in ("<i", "<H", "<I", "<Q", ">d"))
 _SMALL = tuple(b"K" + bytes((v,)) for v in range(256))
-_TUPLE_OPS = {1: b"\x85", 2: b"\x86", 3: b"\x87"}
+_TUPLE_OPS = MappingProxyType({1: b"\x85", 2: b"\x86", 3: b"\x87"})
 _BINGET = tuple(b"h" + bytes((i,)) for i in range(256))
 
 
@@ -243,11 +244,11 @@ class _Pickler:
 
 
 # Opcodes that begin an object's save (argument widths; -1, -4, -8: a counted run follows, its count that wide).
-_PUSH = {ord(k): w for k, w in {"h": 1, "j": 4, "N": 0, "\x88": 0, "\x89": 0, "K": 1, "M": 2, "J": 4, "G": 8,
-                                 ")": 0, "}": 0, "]": 0, "\x8a": -1, "\x8b": -4, "\x8c": -1, "X": -4,
-                                 "\x8d": -8}.items()}
-_OTHER = set(b"\x94\x93\x81Rb\x85\x86\x87use" + b"as")
-_MARK, _TUPLE, _POP_MARK = ord("("), ord("t"), set(b"ue")
+_PUSH = MappingProxyType({ord(k): w for k, w in {
+    "h": 1, "j": 4, "N": 0, "\x88": 0, "\x89": 0, "K": 1, "M": 2, "J": 4, "G": 8, ")": 0, "}": 0, "]": 0, "\x8a": -1,
+    "\x8b": -4, "\x8c": -1, "X": -4, "\x8d": -8}.items()})
+_OTHER = frozenset(b"\x94\x93\x81Rb\x85\x86\x87use" + b"as")
+_MARK, _TUPLE, _POP_MARK = ord("("), ord("t"), frozenset(b"ue")
 
 
 def _save_starts(buf: bytearray, start: int, end: int) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from types import MappingProxyType
 
 from reshard.io.pickle_scan import check_pickle
 
@@ -23,7 +24,7 @@ __all__ = ["check_memoize_pickle"]
 # Opcodes without an argument (STOP aside), and opcodes with a fixed-width argument that nothing
 # needs to check (memo reads, ints, floats, extension codes).
 _NO_ARG = b"()}]0N2Rabdelostu\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94\x97\x98"
-_WIDTHS = {1: b"hK\x82", 2: b"M\x83", 4: b"Jj\x84", 8: b"G"}
+_WIDTHS = MappingProxyType({1: b"hK\x82", 2: b"M\x83", 4: b"Jj\x84", 8: b"G"})
 
 
 def _run_pattern() -> re.Pattern[bytes]:
@@ -36,9 +37,10 @@ def _run_pattern() -> re.Pattern[bytes]:
 
 _RUN = _run_pattern()
 # Opcodes this loop checks itself: a counted run of bytes (the count's width in bytes, signed?).
-_COUNTED = {0x8C: (1, False), 0x43: (1, False), 0x55: (1, False), 0x8A: (1, False),  # SHORT_BIN*, LONG1
-            0x58: (4, False), 0x42: (4, False), 0x54: (4, True), 0x8B: (4, True),  # BIN{UNICODE,BYTES,STRING}, LONG4
-            0x8D: (8, False), 0x8E: (8, False), 0x96: (8, False)}  # BINUNICODE8, BINBYTES8, BYTEARRAY8
+_COUNTED = MappingProxyType({
+    0x8C: (1, False), 0x43: (1, False), 0x55: (1, False), 0x8A: (1, False),  # SHORT_BIN*, LONG1
+    0x58: (4, False), 0x42: (4, False), 0x54: (4, True), 0x8B: (4, True),  # BIN{UNICODE,BYTES,STRING}, LONG4
+    0x8D: (8, False), 0x8E: (8, False), 0x96: (8, False)})  # BINUNICODE8, BINBYTES8, BYTEARRAY8
 _PROTO, _FRAME, _STOP = 0x80, 0x95, 0x2E
 
 
