@@ -92,7 +92,8 @@ def load_into(model: Any, optimizer: Any, src: str | Path, *,
 
     Called on every rank of a job, after the model is parallelized (FSDP2 ``fully_shard``,
     ``parallelize_module``, a 2-D mesh) and the optimizer built, at any world size: each rank plans
-    the boxes its DTensors hold against the checkpoint's layout and reads just those bytes. The
+    the boxes its DTensors hold against the checkpoint's layout and reads just those bytes (and the
+    gaps of up to 16 KiB between them, read through as ``reshard.load`` reads: ``RANK_LOAD``). The
     state dicts are ``torch.distributed.checkpoint.state_dict``'s (``get_state_dict``, keyed by
     fully-qualified names, then ``set_state_dict``), so the result is what ``dcp.load`` gives from
     the same checkpoint converted to DCP: the model takes the checkpoint's fp32 master copy where it
@@ -122,7 +123,7 @@ def load_into(model: Any, optimizer: Any, src: str | Path, *,
 
     >>> from reshard.torch import load_into                              # doctest: +SKIP
     >>> report = load_into(model, optimizer, "ckpt/iter_0000100")       # doctest: +SKIP
-    >>> report.bytes_read <= 1.25 * report.share                        # doctest: +SKIP
+    >>> report.bytes_read, report.share                                 # doctest: +SKIP
     """
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
