@@ -184,61 +184,80 @@ def _valid_header(path: Path, text: str, data_start: int,
     """The metadata and the tensors (in file order) of a header that breaks no rule, or None for any other.
 
     A header of 100,000 tensors takes a second to check through ``json``'s Python hooks (one call per
-    object and per integer). Here the C parser runs alone, and a header whose compact JSON is its own text
-    (as every writer of safetensors writes it) holds no duplicate key: the text is then that of the parsed
-    objects, whose keys are unique. A valid header is checked field by field with no call per value; on
+    object and per integer). Here the C parser runs alone, its only hook ``tuple``, called from C: each JSON
+    object comes back as its (key, value) pairs, as written, so a duplicate key shows as a pair too many and an
+    object is told from an array (a list). A valid header is checked field by field with no call per value; on
     anything else ``read_header`` parses again the careful way, which finds the problem and names it (an
     integer longer than a u64 fails a bound here).
     """
     try:
-        entries = json.loads(text)
+        pairs = json.loads(text, object_pairs_hook=tuple)
     except (ValueError, RecursionError):
         return None
-    if type(entries) is not dict:
+    if type(pairs) is not tuple:
         return None
-    try:
-        compact = json.dumps(entries, ensure_ascii=False, separators=(",", ":"), check_circular=False)
-    except (ValueError, RecursionError):  # nesting deeper than the encoder recurses
-        return None
-    if compact != text.rstrip(" "):
+    entries = dict(pairs)
+    if len(entries) != len(pairs):  # a name twice
         return None
     metadata = None
     strings = list(entries)
     if "__metadata__" in entries:
-        metadata = entries.pop("__metadata__")
-        if type(metadata) is not dict or any(type(v) is not str for v in metadata.values()):
+        found = entries.pop("__metadata__")
+        if type(found) is not tuple:
+            return None
+        metadata = dict(found)
+        if len(metadata) != len(found) or any(type(v) is not str for v in metadata.values()):
             return None
         strings += [*metadata, *metadata.values()]
     try:
         "".join(strings).encode("utf-8")
     except UnicodeEncodeError:
         return None
-    spans: list[tuple[int, int, str]] = []
     tensors: dict[str, TensorInfo] = {}
     needs: dict[tuple[str, tuple[int, ...]], int | None] = {}
+    at = 0  # where the next tensor starts while each begins where the one before it ends
     for name, entry in entries.items():
-        if type(entry) is not dict or entry.keys() != _FIELD_SET:
+        if type(entry) is not tuple or len(entry) != 3:
             return None
-        code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        (k0, code), (k1, shape), (k2, offsets) = entry
+        if k0 != "dtype" or k1 != "shape" or k2 != "data_offsets":  # the fields in another order, or others
+            fields = dict(entry)
+            if fields.keys() != _FIELD_SET:
+                return None
+            code, shape, offsets = fields["dtype"], fields["shape"], fields["data_offsets"]
         if type(code) is not str or code not in SAFETENSORS_CODES or type(shape) is not list:
             return None
         if type(offsets) is not list or len(offsets) != 2:
             return None
-        for d in (*shape, *offsets):
+        for d in shape:
             if type(d) is not int or d < 0:
                 return None
+        begin, end = offsets
+        if type(begin) is not int or type(end) is not int or begin < 0:
+            return None
         dims = tuple(shape)
         need = needs.get((code, dims), -1)
         if need == -1:
             need = needs[code, dims] = _need(code, dims)
-        begin, end = offsets
         if need is None or end - begin != need or end > data_len:
             return None
-        spans.append((begin, end, name))
-        tensors[name] = _info(SAFETENSORS_CODES[code], dims, data_start + begin, need)
-    spans.sort()
+        if begin == at and need:
+            at = end
+        else:  # out of file order, a gap or an overlap, or a tensor without bytes: sorted and checked below
+            at = -1
+        info = _new(TensorInfo)  # as _info makes it, without a call per tensor
+        _set(info, "dtype", SAFETENSORS_CODES[code])
+        _set(info, "shape", dims)
+        _set(info, "data_offset", data_start + begin)
+        _set(info, "nbytes", need)
+        tensors[name] = info
+    meta = None if metadata is None else MappingProxyType(metadata)
+    if at == data_len:  # the tensors, as listed, tile the byte buffer
+        return meta, tensors
+    spans = sorted((t.data_offset - data_start, t.data_offset - data_start + t.nbytes, name)
+                   for name, t in tensors.items())
     _check_cover(path, spans, data_len)
-    return (None if metadata is None else MappingProxyType(metadata)), {name: tensors[name] for _, _, name in spans}
+    return meta, {name: tensors[name] for _, _, name in spans}
 
 
 _new = object.__new__

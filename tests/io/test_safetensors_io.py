@@ -405,6 +405,17 @@ COMPACT_MALFORMED = [
      "tensor name '\\ud800' holds a lone surrogate escape, not Unicode text"),
     ("strides-past-int64", b'{"w":{"dtype":"U8","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}}', b"",
      None),
+    # the fast path reads each object as its (key, value) pairs: an array of pairs is still no object
+    ("entry-array-of-pairs", b'{"w":[["dtype","U8"],["shape",[1]],["data_offsets",[0,1]]]}', b"a",
+     "tensor 'w': entry must be an object with dtype, shape and data_offsets, got an array"),
+    ("metadata-array-of-pairs", b'{"__metadata__":[["format","pt"]]}', b"",
+     "__metadata__ must be an object of strings, got an array"),
+    ("shape-object", b'{"w":{"dtype":"U8","shape":{"0":1},"data_offsets":[0,1]}}', b"a",
+     f'{NOT_COUNTS} {{"0": 1}}'),
+    ("offsets-object", b'{"w":{"dtype":"U8","shape":[1],"data_offsets":{"0":0,"1":1}}}', b"a",
+     'tensor \'w\': data_offsets must be two non-negative integers, got {"0": 0, "1": 1}'),
+    ("empty-between-out-of-order", b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},'
+     b'"e":{"dtype":"U8","shape":[0],"data_offsets":[1,1]}}', b"ab", "tensors 'a' [0, 2] and 'e' [1, 1] overlap"),
 ]
 
 
@@ -459,3 +470,25 @@ def test_fast_and_careful_header_checks_read_the_same_header(tmp_path: Path, mon
     assert [list(h.tensors) for h in fast] == [list(h.tensors) for h in careful]
     assert list(fast[1].tensors) == ["c", "a", "b"]
     assert fast[1].tensors["a"].data_offset == 8 + len(header) + 1 and fast[1].metadata is None
+
+
+@pytest.mark.parametrize("header", [
+    # fields in another order, spaces and newlines between tokens: still one reading, the fast one
+    b'{"b": {"shape": [2, 0], "data_offsets": [3, 3], "dtype": "U8"},\n "a": {"dtype": "I16", "data_offsets": [1, 3], '
+    b'"shape": [1]}, "__metadata__": {"format": "pt"}, "c": {"data_offsets": [0, 1], "dtype": "U8", "shape": [1]}}',
+    # tensors without bytes at one offset, listed against name order, after the tensor that starts there
+    b'{"c":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"z":{"dtype":"U8","shape":[0],"data_offsets":[1,1]},'
+    b'"y":{"dtype":"U8","shape":[0],"data_offsets":[1,1]},"a":{"dtype":"I16","shape":[1],"data_offsets":[1,3]},'
+    b'"b":{"dtype":"U8","shape":[2,0],"data_offsets":[3,3]}}',
+])
+def test_fast_path_reads_any_layout_of_a_valid_header_as_the_careful_path_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, header: bytes) -> None:
+    path = _raw(tmp_path / "h.safetensors", header, b"xyz")
+    checked, real = [], safetensors_io._valid_header
+    monkeypatch.setattr(safetensors_io, "_valid_header", lambda *args: checked.append(real(*args)) or checked[-1])
+    fast = read_header(path)
+    assert len(checked) == 1 and checked[0] is not None
+    monkeypatch.setattr(safetensors_io, "_valid_header", lambda *args: None)
+    careful = read_header(path)
+    assert fast == careful and list(fast.tensors) == list(careful.tensors)
+    assert list(fast.tensors)[0] == "c" and list(fast.tensors)[-1] == "b"
