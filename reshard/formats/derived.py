@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from itertools import repeat
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -24,11 +25,7 @@ from types import MappingProxyType
 from reshard.core.geometry import Box, row_major_strides
 from reshard.core.layout import (
     PARAM,
-    Fragment,
-    Item,
-    ItemInfo,
     Layout,
-    LogicalTensor,
     held_tensors,
     new_fragment,
     new_item,
@@ -42,7 +39,7 @@ from reshard.core.spec_ast import LazySpec
 from reshard.errors import CheckpointFormatError
 
 __all__ = ["DERIVED", "Recorded", "derived_spec", "derived_spec_name", "is_derived", "logical_lines",
-           "recorded_of", "stored_line", "whole_derived", "whole_text"]
+           "recorded_of", "stored_line", "whole_derived", "whole_derived_of", "whole_text"]
 
 DERIVED = "derived"
 """The family part of a derived layout's name (``hf-derived``): no model family, the checkpoint's own tensors."""
@@ -83,39 +80,46 @@ def is_derived(spec_name: str) -> bool:
 def check_names(tensors: Iterable[Recorded], where: Path | str) -> None:
     """Fail closed on a tensor name the spec language cannot spell (whitespace, braces, ``#``)."""
     tensors = list(tensors)
-    # One match over all names (a newline is whitespace, so no valid name holds one); tensor by tensor after.
-    if _SAFE_LINES.fullmatch("\n".join(t.name for t in tensors)) and not any(
-            n < 0 for t in tensors for n in t.shape):
+    _check_names([t.name for t in tensors], [t.shape for t in tensors], where)
+
+
+def _check_names(names: Sequence[str], shapes: Sequence[tuple[int, ...]], where: Path | str) -> None:
+    """``check_names`` of the tensors ``names[k]`` of shape ``shapes[k]``."""
+    # One match over all names (a newline is whitespace, so no valid name holds one), each shape's extents once;
+    # tensor by tensor after.
+    if _SAFE_LINES.fullmatch("\n".join(names)) and not any(n < 0 for shape in set(shapes) for n in shape):
         return
-    for t in tensors:
-        if not _SAFE.fullmatch(t.name):
-            raise CheckpointFormatError(f"{where}: tensor name {t.name!r} has whitespace, a brace or '#', which a "
+    for name, shape in zip(names, shapes, strict=True):
+        if not _SAFE.fullmatch(name):
+            raise CheckpointFormatError(f"{where}: tensor name {name!r} has whitespace, a brace or '#', which a "
                                         "layout cannot name; reshard cannot convert this checkpoint")
-        if any(n < 0 for n in t.shape):
-            raise CheckpointFormatError(f"{where}: tensor '{t.name}' has a negative extent in shape {list(t.shape)}")
+        if any(n < 0 for n in shape):
+            raise CheckpointFormatError(f"{where}: tensor '{name}' has a negative extent in shape {list(shape)}")
 
 
 def logical_lines(tensors: Sequence[Recorded], where: Path | str) -> list[str]:
     """``let`` lines for every axis the tensors use, then one ``logical`` line per tensor."""
-    check_names(tensors, where)
+    names, shapes = [t.name for t in tensors], [t.shape for t in tensors]
+    _check_names(names, shapes, where)
+    return _logical_lines(names, shapes, _dims_by_shape(shapes))
+
+
+def _logical_lines(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                   dims: dict[tuple[int, ...], str]) -> list[str]:
+    """``logical_lines`` of checked names, with each shape's ``Recorded.dims``."""
     sizes: dict[str, int] = {}
-    dims = _dims_by_shape(tensors)
     for shape in dims:
         for axis, n in zip(Recorded("", shape).axes, shape, strict=True):
             sizes.setdefault(axis, n)
     lines = [f"let {axis} = {n}" for axis, n in sorted(sizes.items(), key=lambda kv: (kv[1], kv[0]))]
     lines.append("")
-    lines += [f"logical {t.name} = {dims[t.shape]}" for t in tensors]
+    lines += [f"logical {name} = {dims[shape]}" for name, shape in zip(names, shapes)]
     return lines
 
 
-def _dims_by_shape(tensors: Iterable[Recorded]) -> dict[tuple[int, ...], str]:
+def _dims_by_shape(shapes: Iterable[tuple[int, ...]]) -> dict[tuple[int, ...], str]:
     """Each shape's ``Recorded.dims``, once per shape: a checkpoint of 100,000 tensors has a few dozen shapes."""
-    out: dict[tuple[int, ...], str] = {}
-    for t in tensors:
-        if t.shape not in out:
-            out[t.shape] = t.dims
-    return out
+    return {shape: Recorded("", shape).dims for shape in dict.fromkeys(shapes)}
 
 
 def stored_line(t: Recorded, key: str | None = None) -> str:
@@ -125,9 +129,18 @@ def stored_line(t: Recorded, key: str | None = None) -> str:
 
 def whole_text(tensors: Sequence[Recorded], where: Path | str, section: str = "model") -> str:
     """A derived layout of ``tensors``, each stored whole under its own name in one ``section``."""
-    dims = _dims_by_shape(tensors)
-    stored = [f"{t.name} = {dims[t.shape]}" for t in tensors]  # stored_line(t), its dims made once per shape
-    return "\n".join([*logical_lines(tensors, where), f"section {section}", *stored]) + "\n"
+    return "\n".join(_whole_lines([t.name for t in tensors], [t.shape for t in tensors], where, section)) + "\n"
+
+
+def _whole_lines(names: Sequence[str], shapes: Sequence[tuple[int, ...]], where: Path | str,
+                 section: str) -> list[str]:
+    """The lines of ``whole_text`` of the tensors ``names[k]`` of shape ``shapes[k]``."""
+    _check_names(names, shapes, where)
+    dims = _dims_by_shape(shapes)
+    lines = _logical_lines(names, shapes, dims)
+    lines.append(f"section {section}")
+    lines += [f"{name} = {dims[shape]}" for name, shape in zip(names, shapes)]  # stored_line, dims made per shape
+    return lines
 
 
 def derived_spec(text: str, format_name: str, where: Path | str) -> Spec:
@@ -154,26 +167,41 @@ def whole_derived(tensors: Sequence[Recorded], format_name: str, where: Path | s
     (``whole_text``, parsed) and that spec's layout at the trivial topology. The layout is built directly,
     exactly as ``resolve`` builds it, because a checkpoint may record 100,000 tensors; ``resolve`` itself
     lays out a tensor without elements."""
-    spec = derived_spec(whole_text(tensors, where, section), format_name, where)
-    if any(0 in t.shape for t in tensors):
+    return _whole([t.name for t in tensors], [t.shape for t in tensors], format_name, where, section)
+
+
+def whole_derived_of(shapes: Mapping[str, tuple[int, ...]], format_name: str, where: Path | str,
+                     section: str = "model") -> tuple[Spec, Layout]:
+    """``whole_derived`` of the tensors of ``shapes`` (name -> shape, in order), as a header lists them: no
+    ``Recorded`` made per tensor."""
+    return _whole(list(shapes), list(shapes.values()), format_name, where, section)
+
+
+def _whole(names: list[str], shapes: list[tuple[int, ...]], format_name: str, where: Path | str,
+           section: str) -> tuple[Spec, Layout]:
+    """``whole_derived`` of the tensors ``names[k]`` of shape ``shapes[k]``."""
+    lines = _whole_lines(names, shapes, where, section)
+    spec = _lazy(f"<{derived_spec_name(format_name)}: {where}>", tuple(lines))  # derived_spec of the lines' text
+    shaped = {shape: (Recorded("", shape).axes, Box((0,) * len(shape), shape), row_major_strides(shape),
+                      math.prod(shape)) for shape in dict.fromkeys(shapes)}
+    if any(0 in shape for shape in shaped):
         return spec, resolve(spec, Topology(), {})
-    names: dict[str, LogicalTensor] = {}
-    items: dict[Item, ItemInfo] = {}
-    fragments: list[Fragment] = []
-    # Objects made field by field, not through the frozen dataclasses' keyword __init__: 400,000 of them for
-    # 100,000 tensors, where the generated __init__ costs more than the object.
-    shaped: dict[tuple[int, ...], tuple[tuple[str, ...], Box, tuple[int, ...], int]] = {}
-    for t in tensors:
-        if t.name in names:
-            raise CheckpointFormatError(f"{where}: tensor '{t.name}' is recorded twice")
-        known = shaped.get(t.shape)
-        if known is None:
-            known = shaped[t.shape] = (t.axes, Box((0,) * len(t.shape), t.shape), row_major_strides(t.shape),
-                                       math.prod(t.shape))
-        axes, box, strides, numel = known
-        names[t.name] = new_logical(t.name, t.shape, axes)
-        item = new_item(section, (), 0, PARAM, t.name)
-        items[item] = new_item_info(t.shape, numel, t.name)
-        fragments.append(new_fragment(t.name, PARAM, box, item, 0, strides))
-    return spec, Layout(topology=Topology(), tensors=MappingProxyType(names), items=MappingProxyType(items),
-                        fragments=tuple(fragments), order=MappingProxyType({f"{section}//0": tuple(items)}))
+    # Objects made by the field-by-field constructors, called from C (``map``), not through the frozen
+    # dataclasses' keyword __init__: 400,000 of them for 100,000 tensors, where the generated __init__ costs
+    # more than the object and a Python loop's own steps as much again.
+    known = [shaped[shape] for shape in shapes]
+    logical = dict(zip(names, map(new_logical, names, shapes, [k[0] for k in known]), strict=True))
+    if len(logical) != len(names):
+        seen: set[str] = set()
+        for twice in names:
+            if twice in seen:
+                break
+            seen.add(twice)
+        raise CheckpointFormatError(f"{where}: tensor '{twice}' is recorded twice")
+    items = list(map(new_item, repeat(section), repeat(()), repeat(0), repeat(PARAM), names))
+    infos = map(new_item_info, shapes, [k[3] for k in known], names)
+    fragments = tuple(map(new_fragment, names, repeat(PARAM), [k[1] for k in known], items, repeat(0),
+                          [k[2] for k in known]))
+    return spec, Layout(topology=Topology(), tensors=MappingProxyType(logical),
+                        items=MappingProxyType(dict(zip(items, infos))), fragments=fragments,
+                        order=MappingProxyType({f"{section}//0": tuple(items)}))

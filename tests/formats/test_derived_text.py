@@ -42,3 +42,20 @@ def test_a_name_or_shape_a_layout_cannot_spell_is_named_among_many(name, shape, 
     with pytest.raises(CheckpointFormatError, match=message.replace("{", r"\{").replace("}", r"\}").replace("[", r"\[")
                        .replace("]", r"\]")):
         whole_text(tensors, "ckpt")
+
+
+def test_whole_derived_of_names_and_shapes_is_whole_derived_and_resolve_alike():
+    from reshard.core.resolve import resolve
+    from reshard.core.topology import Topology
+    from reshard.formats.derived import derived_spec, whole_derived_of
+    spec, layout = whole_derived_of({t.name: t.shape for t in TENSORS}, "hf", "ckpt")
+    spec2, layout2 = whole_derived(TENSORS, "hf", "ckpt")
+    resolved = resolve(derived_spec(whole_text(TENSORS, "ckpt"), "hf", "ckpt"), Topology(), {})
+    assert spec.lines == spec2.lines == derived_spec(whole_text(TENSORS, "ckpt"), "hf", "ckpt").lines
+    assert layout == layout2 == resolved
+    assert list(layout.items) == list(resolved.items) and dict(layout.order) == dict(resolved.order)
+
+
+def test_a_tensor_recorded_twice_is_named():
+    with pytest.raises(CheckpointFormatError, match="ckpt: tensor 'norm.weight' is recorded twice"):
+        whole_derived([*TENSORS, Recorded("norm.weight", (8,)), Recorded("scale", ())], "hf", "ckpt")

@@ -128,6 +128,18 @@ def test_open_locates_every_tensor_at_its_bytes(tmp_path: Path, tiny, sharded: b
     assert all(loc.dtype == "float32" for loc in source.where.values())
 
 
+@pytest.mark.parametrize("model_type", ["llama", "custom"], ids=["family", "derived"])
+def test_open_locates_items_at_once_as_item_by_item(tmp_path: Path, tiny, monkeypatch, model_type: str) -> None:
+    from reshard.formats.hf import format as hf_format
+    root = _make_hf(tmp_path / "ckpt", tiny, shards=[sorted(tiny)[:5], sorted(tiny)[5:]])
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    fast = FORMAT.open(root)
+    monkeypatch.setattr(hf_format, "_located", lambda *args: None)  # HFFormat.open's loop, item by item
+    careful = FORMAT.open(root)
+    assert list(fast.where.items()) == list(careful.where.items()) and len(fast.where) == len(tiny)
+
+
 def test_a_tensor_the_family_does_not_name_is_carried_or_refused_by_name(tmp_path: Path, tiny) -> None:
     import reshard
     from reshard.errors import PlanError

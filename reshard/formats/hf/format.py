@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.core.dtypes import SUPPORTED
-from reshard.core.layout import Item
+from reshard.core.layout import Item, Layout
 from reshard.core.resolve import resolve
 from reshard.core.spec import Spec, parse_spec
 from reshard.core.topology import Topology
@@ -24,13 +24,14 @@ from reshard.formats.derived import (
     is_derived,
     recorded_of,
     whole_derived,
+    whole_derived_of,
     whole_text,
 )
 from reshard.formats.hf.files import _check_param_only, _listing, _shard_plan, _stored_tensors, _target_dtypes
 from reshard.formats.identity import CONFIG_NAME, read_identity, write_identity
 from reshard.formats.specs import layout_spec, require_family, source_family, spec_text
 from reshard.io.location import as_path
-from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter
+from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsWriter, TensorInfo
 from reshard.models import Family, known_family
 from reshard.models.config import hf_config
 
@@ -76,7 +77,7 @@ class HFFormat:
             spec_name, spec_obj = spec, layout_spec(spec)
         elif family is None:  # a model no family describes: every tensor under its own name, as stored
             spec_name = derived_spec_name(self.name)
-            spec_obj, layout = whole_derived([Recorded(n, t.shape) for n, (_, t) in stored.items()], self.name, path)
+            spec_obj, layout = whole_derived_of({n: t.shape for n, (_, t) in stored.items()}, self.name, path)
         else:
             spec_name = hf_spec_name(family, config, config_path)
             spec_obj = layout_spec(spec_name)
@@ -94,7 +95,11 @@ class HFFormat:
                 spec_obj = with_extras(spec_name, extras, path)
                 layout = resolve(spec_obj, Topology(), model_sizes)
         _check_param_only(layout, spec_name)
-        where: dict[Item, Located] = {}
+        where = _located(layout, stored)
+        if where is not None:
+            return Source(format=self.name, path=path, spec_name=spec_name, spec=spec_obj, topology=Topology(),
+                          sizes=model_sizes, layout=layout, where=where, model=model)
+        where = {}
         problems: list[str] = []
         matched: set[str] = set()
         for item, info in layout.items.items():
@@ -244,6 +249,29 @@ class HFFormat:
         return {it: paths[where[it.key]] for it in items}
 
 FORMAT = HFFormat()
+
+
+def _located(layout: Layout, stored: Mapping[str, tuple[Path, TensorInfo]]) -> dict[Item, Located] | None:
+    """Where each item's bytes are when every item finds its stored tensor, of its shape and of a dtype reshard
+    copies, and every stored tensor is some item's; else None, and ``HFFormat.open`` goes item by item to list
+    what does not match.
+
+    A checkpoint may hold 100,000 tensors: each check here runs over all of them at once, in C (comparing lists
+    of shapes, most of them the very tuples the layout was derived from), with no Python step per item.
+    """
+    items = layout.items
+    hits = list(map(stored.get, [it.key for it in items]))
+    if None in hits:
+        return None
+    tensors = [t for _, t in hits]
+    keys = {it.key for it in items}
+    if len(keys) != len(stored) or [t.shape for t in tensors] != [info.shape for info in items.values()]:
+        return None
+    dtypes = [t.dtype for t in tensors]
+    if not set(dtypes) <= SUPPORTED.keys():
+        return None
+    located = map(Located, [file for file, _ in hits], [t.data_offset for t in tensors], dtypes)
+    return dict(zip(items, located, strict=True))
 
 
 def _hf_layers(stored: Mapping[str, Any], layers: int, where: Path) -> int:
