@@ -501,3 +501,25 @@ def test_a_whole_tensor_layout_built_directly_equals_its_spec_resolved() -> None
     assert dict(layout.order) == dict(resolved.order)
     with pytest.raises(CheckpointFormatError, match="'c' is recorded twice"):
         whole_derived([*tensors, Recorded("c", (5,))], "hf", "ckpt")
+
+
+def test_shard_plan_is_made_once_per_target_and_again_when_the_target_changes(tmp_path: Path, tiny,
+                                                                            monkeypatch) -> None:
+    from reshard.formats.hf import files as hf_files
+    source = FORMAT.open(_make_hf(tmp_path / "ckpt", tiny))
+    target = FORMAT.target(source, Topology())
+    made = []
+    real = hf_files._make_plan
+    monkeypatch.setattr(hf_files, "_make_plan", lambda t: made.append(t) or real(t))
+    files = FORMAT.files_of(target)
+    assert FORMAT.files_of(target) == files and len(made) == 1
+    assert set(files.values()) == {Path(WEIGHTS_NAME)}
+    target.max_shard_size = 200
+    assert len(set(FORMAT.files_of(target).values())) > 1 and len(made) == 2
+    item = next(iter(target.dtypes))
+    target.dtypes[item] = "bfloat16"  # changed in place: the plan is made again
+    FORMAT.files_of(target)
+    assert len(made) == 3 and hf_files._shard_plan(target).tensors[item.key][0] == "bfloat16"
+    target.dtypes = dict(target.dtypes)
+    FORMAT.files_of(target)
+    assert len(made) == 4

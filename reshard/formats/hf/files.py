@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
 
 from reshard.core.layout import PARAM, Item, Layout
 from reshard.errors import CheckpointFormatError
@@ -17,7 +17,7 @@ from reshard.formats.base import (
     itemsize,
     read_json,
 )
-from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, TensorInfo, plan_shards, read_header
+from reshard.io.safetensors_io import INDEX_NAME, WEIGHTS_NAME, ShardPlan, TensorInfo, plan_shards, read_header
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 """huggingface_hub's default; transformers 5's ``save_pretrained`` defaults to 50GB."""
@@ -105,10 +105,17 @@ def _ordered_items(layout: Layout) -> list[Item]:
     The spec registers items rule by rule (all input norms, then all q_proj, ...);
     regrouping by layer keeps each layer's tensors together in one shard.
     """
-    registered = list(dict.fromkeys(it for items in layout.order.values() for it in items if it in layout.items))
-    registered += sorted(set(layout.items) - set(registered))
-    layers = [_LAYER.search(it.key) for it in registered]  # once per item: 100,000 of them in some checkpoints
+    listed = [it for items in layout.order.values() for it in items]
+    if listed == list(layout.items):  # each item registered once, in the layout's own order (compared by identity)
+        registered = listed
+    else:
+        registered = list(dict.fromkeys(it for it in listed if it in layout.items))
+        registered += sorted(set(layout.items) - set(registered))
+    # once per item, from C: 100,000 of them in some checkpoints
+    layers = list(map(_LAYER.search, [it.key for it in registered]))
     first = next((k for k, m in enumerate(layers) if m), len(registered))
+    if first == len(registered):  # no layers: the registered order
+        return registered
 
     def rank(k: int) -> tuple[int, int, int]:
         m = layers[k]
@@ -118,27 +125,71 @@ def _ordered_items(layout: Layout) -> list[Item]:
 
     return [registered[k] for k in sorted(range(len(registered)), key=rank)]
 
-def _shard_plan(target: Target) -> tuple[list[Item], dict[str, Item], dict[Item, str], Any]:
-    """The target's items in state-dict order, by key, their dtypes, and how they split into shards."""
-    others = sorted({it.state for it in target.layout.items} - {PARAM})
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What ``HFFormat.files_of`` and ``HFFormat.write`` both need of a target: worked out once per target."""
+
+    items: list[Item]
+    """In state-dict order."""
+    by_key: dict[str, Item]
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    """Each item's (dtype, shape), by key, in state-dict order: what ``SafetensorsWriter`` takes."""
+    shards: ShardPlan
+
+
+_PLAN = "hf.plan"
+"""``Target.extra`` key of the target's ``_Plan``, with what it was made from (a conversion plans the files, then
+writes them, and a worker writing its share gets the target with it)."""
+
+
+def _shard_plan(target: Target) -> _Plan:
+    """The target's items in state-dict order, by key, their dtypes and shapes, and how they split into shards.
+
+    Kept in ``target.extra`` and made again when the target's layout, dtypes or ``max_shard_size`` changed
+    (a layout is immutable: compared by identity; dtypes by their items, which compare by identity first).
+    """
+    dtypes = target.dtypes
+    made = target.extra.get(_PLAN)
+    if made is not None:
+        layout, of, keys, values, max_shard_size, plan = made
+        if layout is target.layout and of is dtypes and max_shard_size == target.max_shard_size and \
+                keys == list(dtypes) and values == list(dtypes.values()):
+            return plan
+    plan = _make_plan(target)
+    target.extra[_PLAN] = (target.layout, dtypes, list(dtypes), list(dtypes.values()), target.max_shard_size, plan)
+    return plan
+
+
+def _make_plan(target: Target) -> _Plan:
+    layout = target.layout
+    others = sorted({it.state for it in layout.items} - {PARAM})
     if others:
         raise CheckpointFormatError(
             f"hf checkpoints hold model weights only; the target layout also has states {', '.join(others)}")
-    items = _ordered_items(target.layout)
-    by_key: dict[str, Item] = {}
-    for it in items:
-        if it.key in by_key:
-            raise CheckpointFormatError(f"two target items are both named '{it.key}': {by_key[it.key]} and {it}")
-        by_key[it.key] = it
+    items = _ordered_items(layout)
+    keys = [it.key for it in items]
+    by_key = dict(zip(keys, items))
+    if len(by_key) != len(items):
+        by_key = {}
+        for it in items:
+            if it.key in by_key:
+                raise CheckpointFormatError(f"two target items are both named '{it.key}': {by_key[it.key]} and {it}")
+            by_key[it.key] = it
     dtypes = target.dtypes
     try:
-        dtype_of = {it: dtypes[it] for it in items}
+        # in the layout's order, as the items often are, without hashing each item again
+        same = type(dtypes) is dict and list(dtypes) == items
+        dtype_list = list(dtypes.values()) if same else [dtypes[it] for it in items]
     except KeyError:
         raise CheckpointFormatError(f"target item {next(it for it in items if it not in dtypes)} has no dtype") from None
-    widths = {dtype: itemsize(dtype) for dtype in set(dtype_of.values())}
-    infos = target.layout.items
-    sizes = [(it.key, math.prod(infos[it].shape) * widths[dtype]) for it, dtype in dtype_of.items()]
-    return items, by_key, dtype_of, plan_shards(sizes, target.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+    infos = layout.items
+    shapes = [info.shape for info in infos.values()] if list(infos) == items else [infos[it].shape for it in items]
+    widths = {dtype: itemsize(dtype) for dtype in set(dtype_list)}
+    nbytes = {(shape, dtype): math.prod(shape) * widths[dtype] for shape, dtype in set(zip(shapes, dtype_list))}
+    sizes = list(zip(keys, map(nbytes.__getitem__, zip(shapes, dtype_list))))
+    shards = plan_shards(sizes, target.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+    return _Plan(items, by_key, dict(zip(keys, zip(dtype_list, shapes))), shards)
 
 def _check_param_only(layout: Layout, spec_name: str) -> None:
     if layout.states not in ((), (PARAM,)):

@@ -4,7 +4,9 @@ family's layout, and write shards, index and configs."""
 from __future__ import annotations
 
 import copy
+import math
 import re
+from itertools import repeat
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -214,15 +216,21 @@ class HFFormat:
         """
         out = Path(out)
         session = session or WriteSession()
-        items, by_key, dtype_of, shards = _shard_plan(target)
+        plan = _shard_plan(target)
+        shards, by_key, tensors = plan.shards, plan.by_key, plan.tensors
+        wanted = None if only is None else set(only)
         written: list[Path] = []
         for file, names in shards.shards:
-            if only is not None and Path(file) not in set(only):
+            if wanted is not None and Path(file) not in wanted:
                 continue
-            spec = {n: (dtype_of[by_key[n]], target.layout.items[by_key[n]].shape) for n in names}
+            spec = {n: tensors[n] for n in names}
             with SafetensorsWriter(out / file, spec, metadata={"format": "pt"}, open_file=session.open) as w:
-                slots = (Slot(by_key[name], t.numel, dtype_of[by_key[name]], t.data_offset, t.data_offset,
-                              t.data_offset + t.nbytes, key=name) for name, t in w.tensors.items())
+                # one Slot per tensor, its fields from C (``map``): a shard may hold 100,000 small tensors
+                infos = list(w.tensors.values())
+                starts = [t.data_offset for t in infos]
+                slots = map(Slot, map(by_key.__getitem__, w.tensors), [t.numel for t in infos],
+                            [spec[n][0] for n in w.tensors], starts, starts,
+                            [t.data_offset + t.nbytes for t in infos], w.tensors)
                 for run in session.runs(slots):  # small tensors side by side: filled and written together
                     if len(run) > 1:
                         session.stream_run(fill, run, lambda run, data: w.write_run([s.key for s in run], data))
@@ -233,7 +241,7 @@ class HFFormat:
         if only:  # a worker's share: index and configs are written by the call with only=()
             return written
         if shards.sharded:
-            total_parameters = sum(target.layout.items[it].numel for it in items)
+            total_parameters = sum(map(math.prod, [shape for _, shape in tensors.values()]))
             (out / INDEX_NAME).write_text(shards.index_json(total_parameters), encoding="utf-8")
             written.append(Path(INDEX_NAME))
         if target.model.config is None:
@@ -243,10 +251,12 @@ class HFFormat:
 
     def files_of(self, target: Target) -> dict[Item, Path]:
         """The shard, relative to the checkpoint directory, that holds each item of ``target``."""
-        items, _, _, shards = _shard_plan(target)
-        paths = {name: Path(name) for name, _ in shards.shards}
-        where = shards.weight_map
-        return {it: paths[where[it.key]] for it in items}
+        plan = _shard_plan(target)
+        by_key = plan.by_key
+        files: dict[Item, Path] = {}
+        for name, names in plan.shards.shards:
+            files.update(zip(map(by_key.__getitem__, names), repeat(Path(name))))
+        return {it: files[it] for it in plan.items}
 
 FORMAT = HFFormat()
 
