@@ -241,10 +241,8 @@ def _valid_header(path: Path, text: str, data_start: int,
             need = needs[code, dims] = _need(code, dims)
         if need is None or end - begin != need or end > data_len:
             return None
-        if begin == at and need:
-            at = end
-        else:  # out of file order, a gap or an overlap, or a tensor without bytes: sorted and checked below
-            at = -1
+        # out of file order, a gap or an overlap, or a tensor without bytes: sorted and checked below
+        at = end if begin == at and need else -1
         info = _new(TensorInfo)  # as _info makes it, without a call per tensor
         _set(info, "dtype", SAFETENSORS_CODES[code])
         _set(info, "shape", dims)
