@@ -68,11 +68,33 @@ def _check_region(c: Copy, side: str, item: Item, offset: int, strides: tuple[in
     if size is None:
         problems.append(f"{side} item {item} of {c.tensor} {c.box} is not in the plan")
         return
-    last = offset
+    first = last = offset  # its lowest and highest element: a negative stride reaches below its first
     for n, st in zip(c.lengths, strides):
-        last += (n - 1) * st
-    if offset < 0 or last >= size:
-        problems.append(f"{c.tensor} {c.box}: {side} region [{offset}, {last}] is outside {item} of {size} elements")
+        if st < 0:
+            first += (n - 1) * st
+        else:
+            last += (n - 1) * st
+    if first < 0 or last >= size:
+        problems.append(f"{c.tensor} {c.box}: {side} region [{first}, {last}] is outside {item} of {size} elements")
+
+def _reach(lengths: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    """How far past its first element a region of ``lengths`` and ``strides`` reaches (its last element's offset
+    from its first), or -1 where a stride is negative (``_check_region`` then checks it the long way)."""
+    if any(st < 0 for st in strides):
+        return -1
+    return sum((n - 1) * st for n, st in zip(lengths, strides))
+
+
+def _dense(lengths: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    """The elements of a region of ``lengths`` and ``strides`` when they are one row-major run (what ``_runs`` finds
+    as one run), else 0."""
+    expected = 1
+    for n, s in zip(reversed(lengths), reversed(strides)):
+        if n > 1 and s != expected:
+            return 0
+        expected *= n
+    return expected
+
 
 def _new_copy(src: Item, src_offset: int, src_strides: tuple[int, ...], dst: Item, dst_offset: int,
               dst_strides: tuple[int, ...], lengths: tuple[int, ...], tensor: str, state: str, box: Box) -> Copy:
@@ -171,6 +193,9 @@ class Plan:
         last_src = last_dst = None
         src_size = dst_size = None
         group: list[Copy] = []
+        # The last element a region reaches past its first, per (lengths, strides): a model has few shapes, and a
+        # plan may hold 100,000 copies; -1 for a region with a negative reach, checked the long way.
+        reach: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
         for c in self.copies:
             if c.src is not last_src:
                 last_src = c.src
@@ -182,12 +207,33 @@ class Plan:
                 dst_size = None if info is None else info.numel
                 group = by_dst.setdefault(last_dst, [])
             group.append(c)
-            _check_region(c, "source", c.src, c.src_offset, c.src_strides, src_size, problems)
-            _check_region(c, "destination", c.dst, c.dst_offset, c.dst_strides, dst_size, problems)
+            lengths = c.lengths
+            src_reach = reach.get((lengths, c.src_strides))
+            if src_reach is None:
+                src_reach = reach[lengths, c.src_strides] = _reach(lengths, c.src_strides)
+            dst_reach = reach.get((lengths, c.dst_strides))
+            if dst_reach is None:
+                dst_reach = reach[lengths, c.dst_strides] = _reach(lengths, c.dst_strides)
+            if src_size is None or not 0 <= c.src_offset <= c.src_offset + src_reach < src_size:
+                _check_region(c, "source", c.src, c.src_offset, c.src_strides, src_size, problems)
+            if dst_size is None or not 0 <= c.dst_offset <= c.dst_offset + dst_reach < dst_size:
+                _check_region(c, "destination", c.dst, c.dst_offset, c.dst_strides, dst_size, problems)
         budget = max_runs
         unchecked = 0
+        dense: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}  # (lengths, strides) -> elements, if one run
         for item, info in self.dst_items.items():
             copies = by_dst.get(item, [])
+            if len(copies) == 1:  # most items: one copy, and a dense one is one run, which nothing overlaps
+                c = copies[0]
+                n = dense.get((c.lengths, c.dst_strides))
+                if n is None:
+                    n = dense[c.lengths, c.dst_strides] = _dense(c.lengths, c.dst_strides)
+                if n and budget >= 1:
+                    if n != info.mapped:
+                        problems.append(f"{item}: copies write {n} elements, the item maps {info.mapped} (of "
+                                        f"{info.numel}); {_missing_hint(copies, self.tensors)}")
+                    budget -= 1
+                    continue
             total = sum(c.numel for c in copies)
             if total != info.mapped:
                 problems.append(f"{item}: copies write {total} elements, the item maps {info.mapped} (of {info.numel}); "
@@ -329,7 +375,12 @@ def _plan(src: Layout, dst: Layout) -> Plan:
             mine = own.get(last)
         # The same item in the source holds the whole box: copy in place (plan(A, A) is item -> itself).
         owned = mine.get((f.tensor, f.state)) if mine else None
-        same = next((s for s in owned if contains(s.box, f.box)), None) if owned else None
+        if not owned:
+            same = None
+        elif len(owned) == 1:  # most often: the item holds one fragment of the tensor
+            same = owned[0] if contains(owned[0].box, f.box) else None
+        else:
+            same = next((s for s in owned if contains(s.box, f.box)), None)
         if same is not None:
             copies.append(_new_copy(same.item, offset_of(same, f.box), same.strides, last, f.offset, f.strides,
                                     f.box.lengths, f.tensor, f.state, f.box))

@@ -300,3 +300,46 @@ def test_validate_catches_a_destination_item_left_partly_unwritten(dp4_to_dp3):
     assert str(e.value) == (
         "invalid plan:\n  model[dp=0] param:w: copies write 30 elements, the item maps 40 (of 40); tensors written: w"
     )
+
+
+@pytest.fixture
+def dp2_to_dp2() -> Plan:
+    """One whole copy per destination item: what ``validate`` checks through its per-shape shortcuts."""
+    p = plan(*layouts(CHUNKED, {"n": 120}, "dp=2", "dp=2"))
+    assert p.validate() == {"copies": 2, "runs": 2, "unchecked_items": 0}
+    return p
+
+
+def test_validate_catches_a_lone_copy_too_short_for_its_item(dp2_to_dp2):
+    copies = list(dp2_to_dp2.copies)
+    c = copies[1]
+    copies[1] = dataclasses.replace(c, lengths=(59,), box=dataclasses.replace(c.box, lengths=(59,)))
+    with pytest.raises(PlanError) as e:
+        with_copies(dp2_to_dp2, copies).validate()
+    assert str(e.value) == (
+        "invalid plan:\n  model[dp=1] param:w: copies write 59 elements, the item maps 60 (of 60); tensors written: w"
+    )
+
+
+@pytest.mark.parametrize("side, field, value, region", [
+    ("source", "src_offset", 1, "[1, 60]"),
+    ("destination", "dst_offset", 1, "[1, 60]"),
+    ("source", "src_offset", -1, "[-1, 58]"),
+    ("destination", "dst_strides", (2,), "[0, 118]"),
+])
+def test_validate_catches_a_lone_copy_outside_its_item(dp2_to_dp2, side, field, value, region):
+    copies = list(dp2_to_dp2.copies)
+    copies[0] = dataclasses.replace(copies[0], **{field: value})
+    with pytest.raises(PlanError) as e:
+        with_copies(dp2_to_dp2, copies).validate()
+    item = copies[0].src if side == "source" else copies[0].dst
+    assert str(e.value).splitlines()[1] == f"  w [0:60]: {side} region {region} is outside {item} of 60 elements"
+
+
+def test_validate_checks_a_lone_copy_with_a_negative_stride_the_long_way(dp2_to_dp2):
+    copies = list(dp2_to_dp2.copies)
+    copies[0] = dataclasses.replace(copies[0], src_offset=59, src_strides=(-1,))
+    assert with_copies(dp2_to_dp2, copies).validate() == {"copies": 2, "runs": 2, "unchecked_items": 0}
+    copies[0] = dataclasses.replace(copies[0], src_offset=58, src_strides=(-1,))
+    with pytest.raises(PlanError, match=r"source region \[-1, 58\] is outside"):
+        with_copies(dp2_to_dp2, copies).validate()
