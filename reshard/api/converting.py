@@ -24,6 +24,7 @@ from reshard.core.collector import collector_paused
 from reshard.core.topology import Topology
 from reshard.core.units import parse_size
 from reshard.errors import CheckpointFormatError, ReshardError
+from reshard.execution.coalescing import conversion
 from reshard.execution.executor import ByteReader, PlanFill
 from reshard.execution.manifest import (
     MANIFEST,
@@ -63,6 +64,10 @@ class ConvertResult:
     """Files an interrupted conversion had written that ``resume`` kept (verified by checksum)."""
     ranks: int = 1
     """The torchrun ranks the conversion was split over (1: this process alone, with its workers)."""
+    gap_bytes: int = 0
+    """Of ``bytes_read``, those read only to skip a gap of at most 16 KiB between needed ones (``conversion`` in
+    ``reshard.execution.coalescing``: one read call costs more than copying them): every other byte read is one
+    the destination needs, read once."""
 
 def convert(
     src: str | Path,
@@ -153,6 +158,7 @@ def convert(
         if ranks.rank != 0:
             mine, files = ranks.follow()
             return ConvertResult(path=dst, report=None, files=files, bytes_read=mine.bytes_read if mine else 0,
+                                 gap_bytes=mine.gap_bytes if mine else 0,
                                  bytes_written=sum(f["bytes"] for f in files.values()),
                                  seconds=time.perf_counter() - started, ranks=ranks.size)
         with ranks.leading():
@@ -255,14 +261,15 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
         if len(parts) <= 1 and ranks is None:
             with ByteReader() as reader:
                 # the destination dtypes planning worked out (destination_dtypes), not worked out again
-                fill = PlanFill(report.plan, report.source.where, reader, dtypes=target.dtypes, progress=tick)
+                fill = PlanFill(report.plan, report.source.where, reader, dtypes=target.dtypes,
+                                coalescing=conversion(window), progress=tick)
                 if not kept:
                     paths = fmt.write(target, tmp, fill, session)
                 else:
                     paths = fmt.write(target, tmp, fill, session, only=[Path(f) for f in todo]) if todo else []
                     paths += fmt.write(target, tmp, fill, session, only=())
                 written.update({p: session.digest(tmp / p) for p in paths})
-                bytes_read = reader.bytes_read
+                bytes_read, gap_bytes = reader.bytes_read, reader.gap_bytes
             session.flush()
             tensors, segments = tensor_digests(session.item_digests(), report.dst_files), session.segment_digests()
         else:
@@ -275,6 +282,7 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
                 items.update(r.items)
                 segments.update(r.segments)
             bytes_read = sum(r.bytes_read for r in results)
+            gap_bytes = sum(r.gap_bytes for r in results)
             if any(p.split for p in parts):  # the files the workers wrote in parts: framing, checksum, journal
                 done = finish_split(fmt.write, target, tmp, results, split_items(report, parts), window_bytes=window,
                                     segments=ranges, pieced={it for p in parts for _, it, _, _ in p.pieces})
@@ -320,7 +328,8 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
             session.close()
         partial.release()
     size = sum(f["bytes"] for rel, f in files.items() if rel not in kept)
-    return ConvertResult(path=dst, report=report, files=files, bytes_read=bytes_read, bytes_written=size,
+    return ConvertResult(path=dst, report=report, files=files, bytes_read=bytes_read, gap_bytes=gap_bytes,
+                         bytes_written=size,
                          reused=len(kept), seconds=time.perf_counter() - started, ranks=ranks.size if ranks else 1)
 
 def _dst_names(report: PlanReport) -> list[str]:

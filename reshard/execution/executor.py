@@ -199,19 +199,19 @@ class SourceReader:
         size = out.itemsize
         pieces_of, runs, firsts, needed = self._runs(pieces, size)
         spans = coalesce(runs, needed, self.coalescing, self.budget)
-        for path, (starts, ends) in spans.items():
+        for path, (starts, ends, gaps) in spans.items():
             work: list[list[tuple]] = [[] for _ in starts]
             for k in pieces_of[path]:
                 region, at, dst_strides = pieces[k]
                 _assign(firsts[k], region.strides, region.lengths, at, dst_strides, size, starts, ends, work)
-            for start, end, subs in zip(starts, ends, work):
-                if not self._read_in_place(path, start, end, subs, out):
-                    self._read_span(path, start, end, subs, out)
+            for start, end, gap, subs in zip(starts, ends, gaps, work):
+                if not self._read_in_place(path, start, end, gap, subs, out):
+                    self._read_span(path, start, end, gap, subs, out)
 
-    def _read_in_place(self, path: Path, start: int, end: int, subs: list[tuple], out: np.ndarray) -> bool:
-        """Read bytes ``[start, end)`` of ``path`` with one vectored read that puts each run of ``subs`` in its
-        place in ``out`` and the gaps in the discard buffer; False (nothing read) where the runs are short,
-        not laid out the same in the destination, or read twice."""
+    def _read_in_place(self, path: Path, start: int, end: int, gap: int, subs: list[tuple], out: np.ndarray) -> bool:
+        """Read bytes ``[start, end)`` of ``path`` (``gap`` of them between the runs) with one vectored read that
+        puts each run of ``subs`` in its place in ``out`` and the gaps in the discard buffer; False (nothing read)
+        where the runs are short, not laid out the same in the destination, or read twice."""
         size = out.itemsize
         src_parts, dst_parts = [], []
         run = None
@@ -246,11 +246,12 @@ class SourceReader:
             pos = s + run
         if pos != end:
             raise RuntimeError(f"span [{start}, {end}) of {path} ends at byte {pos}")  # a bug, not the data
-        self.reader.read_vectored(path, start, buffers)
+        self.reader.read_vectored(path, start, buffers, gap)
         return True
 
-    def _read_span(self, path: Path, start: int, end: int, subs: list[tuple], out: np.ndarray) -> None:
-        """Read bytes ``[start, end)`` of ``path`` once into the span buffer and copy the pieces ``subs`` (each
+    def _read_span(self, path: Path, start: int, end: int, gap: int, subs: list[tuple], out: np.ndarray) -> None:
+        """Read bytes ``[start, end)`` of ``path`` (``gap`` of them between the runs) once into the span buffer and
+        copy the pieces ``subs`` (each
         ``(first byte, source strides, lengths, destination offset, destination strides)``, strides in
         elements) out of it."""
         size = out.itemsize
@@ -258,7 +259,7 @@ class SourceReader:
         buf = getattr(self._local, "span", None)
         if buf is None or len(buf) < n:  # grown to the largest span read, never shrunk
             buf = self._local.span = np.empty(-(-n // _BUFFER_STEP) * _BUFFER_STEP, dtype=np.uint8)
-        self.reader.read_into(path, start, memoryview(buf)[:n])
+        self.reader.read_into(path, start, memoryview(buf)[:n], gap)
         for first, strides, lengths, at, dst_strides in subs:
             src = np.ndarray(lengths, dtype=out.dtype, buffer=buf, offset=first - start,
                              strides=tuple(s * size for s in strides))
@@ -405,25 +406,32 @@ class PlanFill(SourceReader):
                 self._fill(rest, buf[at:at + (hi - lo) * size].view(dtype))
             moved += covered * size
         flat = memoryview(buf)
+        free = min(self.coalescing.free_gap, _DISCARD)  # a gap is one discard buffer
+        discard = self._discard() if free else None
         for path, found in runs.items():
             found.sort()
             k = 0
-            while k < len(found):  # one read per stretch of runs that touch in the file
+            while k < len(found):  # one read per stretch of runs that touch in the file, or lie free_gap apart
                 offset = end = found[k][0]
-                spans: list[list[int]] = []  # where the stretch goes in buf: [first byte, end byte] each
-                while k < len(found) and found[k][0] == end:
-                    _, n, at = found[k]
-                    if spans and spans[-1][1] == at:  # next to the last run in buf too: one buffer
+                spans: list[list[int]] = []  # where the stretch goes in buf: [first byte, end byte] each, or
+                # [-1, gap bytes] for a gap read into the discard buffer
+                while k < len(found) and end <= found[k][0] <= end + free:
+                    first, n, at = found[k]
+                    if first > end:
+                        spans.append([-1, first - end])
+                    elif spans and spans[-1][1] == at and spans[-1][0] >= 0:  # next to the last run in buf too
                         spans[-1][1] = at + n
-                    else:
-                        spans.append([at, at + n])
-                    end += n
+                        end += n
+                        k += 1
+                        continue
+                    spans.append([at, at + n])
+                    end = first + n
                     k += 1
-                buffers = [flat[a:b] for a, b in spans]
+                buffers = [flat[a:b] if a >= 0 else discard[:b] for a, b in spans]
                 if len(buffers) == 1:
                     self.reader.read_into(path, offset, buffers[0])
                 else:
-                    self.reader.read_vectored(path, offset, buffers)
+                    self.reader.read_vectored(path, offset, buffers, sum(b for a, b in spans if a < 0))
         if self.progress is not None and moved:
             self.progress(moved)
 

@@ -27,14 +27,16 @@ class ByteReader:
     with ``os.preadv`` so concurrent windows never share a file position. A
     file in object storage (``reshard.io.location.UrlPath``) is read with one
     range request per read.
-    ``bytes_read`` (every byte read, gaps read through included) and ``reads``
-    (read calls) add up across threads.
+    ``bytes_read`` (every byte read, gaps read through included), ``gap_bytes``
+    (those of them read only to skip a gap between needed ones, as the caller
+    says) and ``reads`` (read calls) add up across threads.
     """
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
+        self.gap_bytes = 0
         self.reads = 0
 
     def _fd(self, path: Path) -> int:
@@ -51,10 +53,11 @@ class ByteReader:
                 self._fds[path] = fd
             return fd
 
-    def read_into(self, path: Path, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the bytes of ``path`` from byte ``offset`` on."""
+    def read_into(self, path: Path, offset: int, out: memoryview, gaps: int = 0) -> None:
+        """Fill ``out`` with the bytes of ``path`` from byte ``offset`` on; ``gaps`` of them are read only to skip
+        gaps between the bytes needed."""
         if isinstance(path, UrlPath) or offset < 0:
-            self.read_vectored(path, offset, [out])
+            self.read_vectored(path, offset, [out], gaps)
             return
         try:  # one call, most often: a small tensor read whole
             n = os.preadv(self._fd(path), [out], offset)
@@ -64,14 +67,16 @@ class ByteReader:
             self.read_vectored(path, offset + n, [out[n:]])  # the rest, or the error
         with self._lock:
             self.bytes_read += n
+            self.gap_bytes += gaps
             self.reads += 1
 
-    def read_vectored(self, path: Path, offset: int, buffers: list[memoryview]) -> None:
-        """Fill ``buffers``, in order, with the consecutive bytes of ``path`` from byte ``offset`` on."""
+    def read_vectored(self, path: Path, offset: int, buffers: list[memoryview], gaps: int = 0) -> None:
+        """Fill ``buffers``, in order, with the consecutive bytes of ``path`` from byte ``offset`` on; ``gaps`` of
+        them are read only to skip gaps between the bytes needed (the discard buffer's)."""
         if offset < 0:
             raise CheckpointFormatError(f"{path}: a read at byte {offset}, before the file's start")
         if isinstance(path, UrlPath):
-            self._read_url(path, offset, buffers)
+            self._read_url(path, offset, buffers, gaps)
             return
         fd = self._fd(path)
         total = sum(len(b) for b in buffers)
@@ -100,9 +105,10 @@ class ByteReader:
                 k += 1
         with self._lock:
             self.bytes_read += total
+            self.gap_bytes += gaps
             self.reads += calls
 
-    def _read_url(self, path: UrlPath, offset: int, buffers: list[memoryview]) -> None:
+    def _read_url(self, path: UrlPath, offset: int, buffers: list[memoryview], gaps: int) -> None:
         """One range request for the consecutive bytes of ``buffers``, placed in them in order."""
         total = sum(len(b) for b in buffers)
         data = memoryview(path.read_range(offset, total))
@@ -115,6 +121,7 @@ class ByteReader:
             at += len(b)
         with self._lock:
             self.bytes_read += total
+            self.gap_bytes += gaps
             self.reads += 1
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ from reshard.core.collector import collector_paused
 from reshard.core.layout import Item
 from reshard.core.planner import Copy, Plan
 from reshard.errors import ReshardError
+from reshard.execution.coalescing import conversion
 from reshard.execution.executor import ByteReader, PlanFill
 from reshard.execution.session import Fill, SplitFile, WriteSession
 from reshard.io.smallfiles import Located
@@ -96,6 +97,8 @@ class ShareResult:
     files: dict[str, str | None]
     """The whole files written (relative to ``out``) and the checksum taken of each while writing."""
     bytes_read: int
+    gap_bytes: int = 0
+    """Of ``bytes_read``, those read only to skip a gap between needed ones."""
     items: dict[Item, str]
     """The checksum of each stored tensor written."""
     segments: dict[tuple[str, int, int], str]
@@ -113,12 +116,13 @@ def write_share(share: Share, progress: Callable[[int], None] | None = None) -> 
                                           sync_behind=True, split=split, skip=share.skip,
                                           pieces=share.pieces) as session, \
             ByteReader() as reader:
-        fill: Fill = PlanFill(plan, share.where, reader, dtypes=share.target.dtypes, progress=progress)
+        fill: Fill = PlanFill(plan, share.where, reader, dtypes=share.target.dtypes,
+                              coalescing=conversion(share.window_bytes), progress=progress)
         written = share.write(share.target, share.out, fill, session, only=[Path(f) for f in share.files])
         session.flush()
         root = share.out.absolute()
         return ShareResult(files={str(w): session.digest(share.out / w) for w in written if str(w) not in share.split},
-                           bytes_read=reader.bytes_read, items=session.item_digests(),
+                           bytes_read=reader.bytes_read, gap_bytes=reader.gap_bytes, items=session.item_digests(),
                            segments=session.segment_digests(),
                            crcs={str(Path(p).relative_to(root)): c for p, c in session.part_crcs().items()})
 

@@ -44,10 +44,11 @@ def test_megatron_conversion_matches_a_checkpoint_written_at_the_destination(tmp
     assert check.compared > 0
     make_fixture(direct, format="megatron", to=dst_topo, model=model)
     assert stored_bytes(dst) == stored_bytes(direct)
-    # Only bytes the destination needs are read (a source byte two destination files need is read for each).
+    # Only bytes the destination needs are read (a source byte two destination files need is read for each), and gaps
+    # of at most 16 KiB between them (the other tp ranks' parts of the rows of a row-split weight).
     needed = sum(c.numel * reshard.formats.base.itemsize(result.report.source.where[c.src].dtype)
                  for c in result.report.plan.copies)
-    assert result.bytes_read <= needed
+    assert result.bytes_read - result.gap_bytes <= needed
 
 
 DEEPSPEED = [

@@ -11,7 +11,7 @@ from conftest import layouts, logical_values
 import reshard.execution.reader as reader_module
 from reshard.core.planner import plan
 from reshard.execution.arrays import apply, scatter
-from reshard.execution.coalescing import Coalescing, GapBudget
+from reshard.execution.coalescing import Coalescing, GapBudget, conversion
 from reshard.execution.executor import ByteReader, PlanFill
 from reshard.errors import ReshardError
 from reshard.formats.base import Located
@@ -106,6 +106,22 @@ def test_gaps_up_to_free_gap_are_read_through_without_spending_the_slack(tmp_pat
         assert reader.reads == 4 and needed < reader.bytes_read < 4 * needed
     else:  # no gap fits: one read per quarter row, every byte needed
         assert reader.reads == 4 * 64 and reader.bytes_read == needed
+
+
+@pytest.mark.parametrize("window", [256, 64 * 256 * 4])
+def test_a_conversion_reads_through_small_gaps_in_spans_within_its_window(tmp_path, window):
+    # tp=4 of 64 rows of 256 floats: each rank needs a quarter row of 256 bytes, then 768 bytes of the others'.
+    p, where, want, dst = case(tmp_path, ROW_SPLIT, {"r": 64, "c": 256}, "tp=1", "tp=4")
+    needed = sum(c.numel * 4 for c in p.copies)
+    with ByteReader() as reader:
+        fill = PlanFill(p, where, reader, coalescing=conversion(window))
+        for item, info in dst.items.items():
+            assert bytes(fill(item, 0, info.numel)) == want[item].tobytes()
+    assert reader.bytes_read - reader.gap_bytes == needed  # every needed byte once, besides the gaps
+    if window == 256:  # no span longer than the window: each quarter row alone
+        assert reader.reads == 4 * 64 and reader.gap_bytes == 0
+    else:  # one span per rank, through the 63 gaps between its quarter rows
+        assert reader.reads == 4 and reader.gap_bytes == 4 * 63 * 768
 
 
 def test_coalescing_refuses_a_free_gap_outside_zero_to_max_gap():

@@ -14,6 +14,7 @@ from reshard.core.dtypes import itemsize
 from reshard.core.layout import Item
 from reshard.core.planner import plan
 from reshard.execution.arrays import apply, scatter
+from reshard.execution.coalescing import Coalescing
 from reshard.execution.executor import ByteReader, PlanFill
 from reshard.execution.session import Slot, WriteSession
 from reshard.formats.base import Located
@@ -104,6 +105,21 @@ def test_a_gap_in_the_source_breaks_the_read_in_two(tmp_path):
     with ByteReader() as reader:
         buf, at = fill_packed(PlanFill(p, where, reader), dst, sorted(dst.items))
         assert reader.reads == 2 and reader.bytes_read == sum(a.nbytes for a in items.values())
+    check_packed(buf, at, apply(p, items))
+
+
+@pytest.mark.parametrize("free_gap, reads", [(12, 2), (13, 1), (1 << 20, 1)])
+def test_a_gap_up_to_free_gap_is_read_through_into_the_discard_buffer(tmp_path, free_gap, reads):
+    src, dst, items = small_case(tmp_path)
+    order = sorted(items)
+    p = plan(src, dst)
+    where = stored(tmp_path, items, order, gaps={order[3]: 13})  # garbage read through, never into the output
+    with ByteReader() as reader:
+        fill = PlanFill(p, where, reader, coalescing=Coalescing(free_gap=free_gap))
+        buf, at = fill_packed(fill, dst, sorted(dst.items))
+        assert reader.reads == reads
+        assert reader.gap_bytes == (13 if reads == 1 else 0)
+        assert reader.bytes_read - reader.gap_bytes == sum(a.nbytes for a in items.values())
     check_packed(buf, at, apply(p, items))
 
 
@@ -272,7 +288,9 @@ def test_many_small_tensors_convert_bit_exactly_and_as_tensor_by_tensor_streamin
         monkeypatch.setattr(session_module, "_RUN", run_bytes)
     batched = reshard.convert(src, tmp_path / "runs", workers=1, **kw)
     assert len(sizes) >= (20 if run_bytes else 2) and max(sizes) <= (run_bytes or session_module._RUN)
-    assert batched.bytes_read == sum(a.nbytes for a in tensors.values())  # every byte read once, no gap read
+    # every byte read once; for dcp, each rank's half of each tensor, and the other half between them read through
+    assert batched.bytes_read - batched.gap_bytes == sum(a.nbytes for a in tensors.values())
+    assert (batched.gap_bytes > 0) == (to == "dcp")
     if to == "hf":
         got = read_tensors(tmp_path / "runs")
         assert got == {n: a.tobytes() for n, a in tensors.items()}  # every tensor, element for element
