@@ -71,7 +71,11 @@ class Item:
     def __str__(self) -> str:
         label = self._label
         if label is None:
-            where = ",".join(f"{a}={c}" for a, c in self.unit)
+            unit = self.unit
+            if len(unit) == 1:  # most items: one axis (a dp rank of DCP's chunks), or none
+                where = f"{unit[0][0]}={unit[0][1]}"
+            else:
+                where = ",".join(f"{a}={c}" for a, c in unit)
             chunk = f",chunk={self.chunk}" if self.chunk else ""
             label = f"{self.section}[{where}{chunk}] {self.state}:{self.key}"
             object.__setattr__(self, "_label", label)
