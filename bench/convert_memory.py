@@ -3,14 +3,17 @@
 Generates a Llama-shaped checkpoint (bf16 weights, fp32 master copy and Adam
 exp_avg / exp_avg_sq; about 2.6 GiB at the default scale), ``--source megatron``:
 Megatron at tp=2,pp=2 with the distributed optimizer (``distrib_optim.pt``), or
-``--source deepspeed``: DeepSpeed ZeRO-2 at dp=2, as its ranks would save it. Then
-measures, each in a fresh interpreter:
+``--source deepspeed``: DeepSpeed ZeRO-2 at dp=2, as its ranks would save it; or
+``--source hf``: a Hugging Face Llama's bf16 weights in safetensors shards of 400 MiB
+(1.92 GiB at the default scale, ``rank_load.py``'s checkpoint). Then measures, each in
+a fresh interpreter:
 
 - ``cp -r`` of the source on the same disk (the same bytes read and written);
-- ``reshard convert`` to tp=1,pp=4 (DeepSpeed: dp=4) with each of ``--workers`` (default 1, 2, 4 and 8: the
-  curve, each point against ``cp -r``);
-- ``reshard.load`` of rank 3 of 8 at tp=2,pp=2,dp=2 (DeepSpeed: dp=8), what a rank of a
-  resized job reads;
+- ``reshard convert`` to tp=1,pp=4 (DeepSpeed: dp=4; Hugging Face: Megatron tp=2,pp=2, whose row-split
+  weights take half of each row) with each of ``--workers`` (default 1, 2, 4 and 8: the curve, each point
+  against ``cp -r``);
+- ``reshard.load`` of rank 3 of 8 at tp=2,pp=2,dp=2 (DeepSpeed: dp=8; Hugging Face: of 4 at
+  tp=2,pp=2), what a rank of a resized job reads;
 - with ``--rss-scale S``, one more conversion of a checkpoint S times as large, for peak
   memory at a second size.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -43,8 +47,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CASES = {
     "megatron": ("tp=2,pp=2,dp=1,zero=1", "tp=1,pp=4", ("tp=2,pp=2,dp=2", 3)),
     "deepspeed": ("dp=2,zero=2", "dp=4", ("dp=8", 3)),
+    "hf": ("(unsharded)", "tp=2,pp=2", ("tp=2,pp=2", 3)),
 }
-NAMES = {"megatron": "Megatron (distributed optimizer)", "deepspeed": "DeepSpeed ZeRO-2"}
+NAMES = {"megatron": "Megatron (distributed optimizer)", "deepspeed": "DeepSpeed ZeRO-2",
+         "hf": "Hugging Face safetensors"}
+TARGET_FORMAT = {"hf": "megatron"}
+"""The format a source is converted to, where not its own."""
+STATES = {"hf": "bf16 weights"}
+"""What a source holds, where not the weights, master copy and Adam state."""
 
 
 def child(code: str) -> tuple[float, float, dict]:
@@ -64,6 +74,11 @@ def child(code: str) -> tuple[float, float, dict]:
 def generate(src: Path, sizes: dict, fmt: str) -> None:
     if src.exists():
         return
+    if fmt == "hf":  # rank_load.py's checkpoint: the same layer count per scale as its 20 layers at 1.0
+        child(f"import sys, json; sys.path.insert(0, {str(ROOT / 'bench')!r}); from rank_load import generate\n"
+              f"generate(__import__('pathlib').Path({str(src)!r}), {max(1, round(20 * sizes['layers'] / 12))}, "
+              f"{sizes['h'] < 1024})\n_out = {{}}")
+        return
     # In a child: a process forked from a large parent reports the parent's peak RSS as its own.
     t0 = time.perf_counter()
     child(f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); import fixtures\n"
@@ -73,12 +88,12 @@ def generate(src: Path, sizes: dict, fmt: str) -> None:
     print(f"generated {src} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
-def convert(src: Path, dst: Path, workers: int, target: str) -> tuple[float, float, dict]:
+def convert(src: Path, dst: Path, workers: int, target: str, fmt: str | None = None) -> tuple[float, float, dict]:
     shutil.rmtree(dst, ignore_errors=True)
     os.sync()
     seconds, rss, figures = child(
         "import json, reshard\n"
-        f"r = reshard.convert({str(src)!r}, {str(dst)!r}, to={target!r}, workers={workers})\n"
+        f"r = reshard.convert({str(src)!r}, {str(dst)!r}, to={target!r}, format={fmt!r}, workers={workers})\n"
         "_out = {'read': r.bytes_read, 'output': r.bytes_written}")
     if workers > 1:  # the main process plus each worker at the largest worker's peak: an upper bound
         rss += workers * figures["rss_children"] / 2**20
@@ -127,16 +142,18 @@ def main() -> None:
             os.sync()
             cp_runs.append((time.perf_counter() - t0, dir_size(copy)))
             for workers in counts:
-                conv[workers].append(convert(src, dst, workers, target))
+                conv[workers].append(convert(src, dst, workers, target, TARGET_FORMAT.get(args.source)))
             loads.append(child(
                 "import json, reshard\n"
-                f"m = reshard.load({str(src)!r}, to={load_topo!r}, rank={load_rank})\n"
+                f"m = reshard.load({str(src)!r}, to={load_topo!r}, rank={load_rank}, "
+                f"format={TARGET_FORMAT.get(args.source)!r})\n"
                 "_out = {'read': m.bytes_read, 'share': sum(t.numel() * t.element_size() for t in m.tensors.values())}"))
         cp_seconds = statistics.median(t for t, _ in cp_runs)
         out_size = dir_size(dst)
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
-        print(f"checkpoint: {NAMES[args.source]} {source_topo} -> {target}, {size / 2**30:.2f} GiB "
-              "(bf16 weights, fp32 master copy, Adam)\n")
+        into = f"Megatron {target}" if args.source in TARGET_FORMAT else target
+        print(f"checkpoint: {NAMES[args.source]} {source_topo} -> {into}, {size / 2**30:.2f} GiB "
+              f"({STATES.get(args.source, 'bf16 weights, fp32 master copy, Adam')})\n")
         print("| run | wall s | vs cp -r | peak RSS GiB | read GiB | read / needed | written / output |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         print(f"| cp -r | {cp_seconds:.1f} | 1.00 | | {size / 2**30:.2f} | 1.00 | 1.00 |")
@@ -149,7 +166,8 @@ def main() -> None:
                   f"| {f['read'] / 2**30:.2f} | {f['read'] / size:.2f} | {written} |")
         seconds = statistics.median(r[0] for r in loads)
         f = loads[-1][2]
-        print(f"| reshard.load rank {load_rank} of 8 ({load_topo}) | {seconds:.1f} | {seconds / cp_seconds:.2f} | "
+        ranks = math.prod(int(d.split("=")[1]) for d in load_topo.split(","))
+        print(f"| reshard.load rank {load_rank} of {ranks} ({load_topo}) | {seconds:.1f} | {seconds / cp_seconds:.2f} | "
               f"{max(r[1] for r in loads):.2f} | {f['read'] / 2**30:.2f} | {f['read'] / f['share']:.2f} | |")
         print(f"\nmedians of {args.repeat} rounds (cp -r: {', '.join(f'{t:.1f}' for t, _ in cp_runs)} s; "
               f"--workers {counts[0]}: {', '.join(f'{r[0]:.1f}' for r in conv[counts[0]])} s); peak RSS is the largest "
@@ -158,7 +176,7 @@ def main() -> None:
         if args.rss_scale:
             big = base / f"src-x{args.rss_scale:g}"
             generate(big, sizes_for(args.scale * args.rss_scale, args.tiny), args.source)
-            seconds, rss, _ = convert(big, dst, counts[0], target)
+            seconds, rss, _ = convert(big, dst, counts[0], target, TARGET_FORMAT.get(args.source))
             print(f"\npeak RSS at a second size: {dir_size(big) / 2**30:.2f} GiB converted in {seconds:.1f} s at "
                   f"{rss:.2f} GiB peak (--workers {counts[0]}), against {max(r[1] for r in conv[counts[0]]):.2f} GiB at "
                   f"{size / 2**30:.2f} GiB")

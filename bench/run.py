@@ -5,10 +5,10 @@
 - ``baselines.py``: reshard against ``cp -r && sync``, ``safetensors`` load + save, DCP's ``dcp_to_torch_save``
   and ``dcp.load``, page cache dropped before each run where it can be (not with ``--tiny``);
 - ``small_tensors.py``: 100,000 small tensors against 64 large ones of the same bytes, in bytes per second;
-- ``convert_memory.py``, twice: a Megatron checkpoint with the distributed optimizer, tp=2,pp=2 ->
-  tp=1,pp=4, and a DeepSpeed ZeRO-2 one, dp=2 -> dp=4, against ``cp -r``, with ``--workers`` 1, 2, 4
-  and 8 (the curve; 1 and 2 with ``--tiny``), and ``reshard.load`` of one rank of eight; peak RSS at two
-  sizes (Megatron);
+- ``convert_memory.py``, three times: a Megatron checkpoint with the distributed optimizer, tp=2,pp=2 ->
+  tp=1,pp=4, a DeepSpeed ZeRO-2 one, dp=2 -> dp=4, and a Hugging Face one to Megatron tp=2,pp=2, against
+  ``cp -r``, with ``--workers`` 1, 2, 4 and 8 (the curve; 1 and 2 with ``--tiny``), and ``reshard.load`` of
+  one rank; peak RSS at two sizes (Megatron);
 - ``deepspeed_universal.py``: DeepSpeed ZeRO-2 dp=2 -> dp=4 against ``ds_to_universal``
   (where deepspeed is installed);
 - ``dcp_load.py``: one rank's share of a PyTorch DCP checkpoint, ``reshard.load`` against
@@ -62,6 +62,7 @@ def main() -> None:
     steps: list[tuple[str, list[str]]] = [
         ("Megatron conversion", ["convert_memory.py", *small, *curve, *([] if args.tiny else ["--rss-scale", "4"])]),
         ("DeepSpeed conversion", ["convert_memory.py", "--source", "deepspeed", *small, *curve]),
+        ("Hugging Face to Megatron conversion", ["convert_memory.py", "--source", "hf", *small, *curve]),
         ("Where a conversion's time goes", ["breakdown.py", *(["--tiny"] if args.tiny else [])]),
         ("Many small tensors against a few large ones", ["small_tensors.py", *(["--tiny"] if args.tiny else [])]),
         ("Planning a 405B-shaped checkpoint", ["plan_405b.py", "--validate"]),
