@@ -182,10 +182,11 @@ def _whole(names: list[str], shapes: list[tuple[int, ...]], format_name: str, wh
     """``whole_derived`` of the tensors ``names[k]`` of shape ``shapes[k]``."""
     lines = _whole_lines(names, shapes, where, section)
     spec = _lazy(f"<{derived_spec_name(format_name)}: {where}>", tuple(lines))  # derived_spec of the lines' text
-    shaped = {shape: (Recorded("", shape).axes, Box((0,) * len(shape), shape), row_major_strides(shape),
-                      math.prod(shape)) for shape in dict.fromkeys(shapes)}
-    if any(0 in shape for shape in shaped):
+    distinct = dict.fromkeys(shapes)
+    if any(0 in shape for shape in distinct):
         return spec, resolve(spec, Topology(), {})
+    shaped = {shape: (Recorded("", shape).axes, Box((0,) * len(shape), shape), row_major_strides(shape),
+                      math.prod(shape)) for shape in distinct}
     # Objects made by the field-by-field constructors, called from C (``map``), not through the frozen
     # dataclasses' keyword __init__: 400,000 of them for 100,000 tensors, where the generated __init__ costs
     # more than the object and a Python loop's own steps as much again.

@@ -59,3 +59,8 @@ def test_whole_derived_of_names_and_shapes_is_whole_derived_and_resolve_alike():
 def test_a_tensor_recorded_twice_is_named():
     with pytest.raises(CheckpointFormatError, match="ckpt: tensor 'norm.weight' is recorded twice"):
         whole_derived([*TENSORS, Recorded("norm.weight", (8,)), Recorded("scale", ())], "hf", "ckpt")
+
+
+def test_a_tensor_without_elements_is_laid_out_by_resolve():
+    _, layout = whole_derived([*TENSORS, Recorded("empty", (0, 4))], "hf", "ckpt")
+    assert "empty" in layout.tensors and len(layout.items) == len(TENSORS) + 1
