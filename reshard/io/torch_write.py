@@ -183,7 +183,10 @@ def _names_id(records: list[_Record]) -> bytes:
 
 
 def _crcs_id(packed: bytes) -> bytes:
-    return f"{int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), 'little'):020d}".encode()
+    return b"%020d" % int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
+
+
+_U32_PACK = struct.Struct("<I").pack
 
 
 class LoneArchive:
@@ -212,10 +215,41 @@ class LoneArchive:
         self._tensor_descriptor = tensor.descriptor()  # CRC 0, patched
         self._id_at, self._id_descriptor = t.ident.data_offset, t.ident.descriptor()
         self._crc_at = (tensor.central_offset + 16, t.ident.central_offset + 16)  # in their central entries
+        self._whole = self._templates()
+
+    def _templates(self) -> tuple[bytes, tuple[bytes, ...]] | None:
+        """The archive's bytes before its tensor's, and those after cut where the CRCs and the id go, when the
+        framing is every other byte and they come in the usual order (the tensor's descriptor, the id record,
+        the central directory); else None, and ``frame`` patches the bytes one by one."""
+        end = self.data_offset + self.nbytes
+        cuts = (end + 4, self._id_at, self._id_at + len(self._names) + 20 + 4, *self._crc_at)
+        covered = sum(len(data) for _, data in self._framing) + self.nbytes + len(self._tensor_descriptor)
+        if not self.nbytes or covered != self.size or list(cuts) != sorted(cuts) or any(
+                at < self.data_offset < at + len(data) or at < end < at + len(data) for at, data in self._framing):
+            return None
+        image = bytearray(self.size)
+        for at, data in self._framing:
+            image[at:at + len(data)] = data
+        image[end:end + len(self._tensor_descriptor)] = self._tensor_descriptor
+        image[cuts[1] + len(self._names) + 20:cuts[1] + len(self._names) + 20 + len(self._id_descriptor)] = \
+            self._id_descriptor
+        widths = (4, len(self._names) + 20, 4, 4, 4)
+        starts = (end, *(at + w for at, w in zip(cuts, widths)))
+        return bytes(image[:self.data_offset]), tuple(bytes(image[a:b]) for a, b in zip(starts, (*cuts, self.size)))
 
     def frame(self, buf: memoryview) -> int:
         """Write the archive's bytes around its tensor's, which are in place in ``buf`` (the archive's ``size``
         bytes, writable); returns the tensor's CRC-32."""
+        if self._whole is not None:  # two writes: the bytes before the tensor's, and those after with their CRCs
+            head, (t0, t1, t2, t3, t4, t5) = self._whole
+            end = len(head) + self.nbytes
+            buf[:len(head)] = head
+            crc = crc32(buf[len(head):end])
+            c = _U32_PACK(crc)
+            payload = self._names + _crcs_id(self._before + c + self._after)
+            i = _U32_PACK(crc32(payload))
+            buf[end:] = b"".join((t0, c, t1, payload, t2, i, t3, c, t4, i, t5))
+            return crc
         for at, data in self._framing:
             buf[at:at + len(data)] = data
         end = self.data_offset + self.nbytes
