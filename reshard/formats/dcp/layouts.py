@@ -8,6 +8,7 @@ import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import NamedTuple
 
 from reshard.core.chunks import place_items
 from reshard.core.geometry import Box, row_major_strides
@@ -150,6 +151,23 @@ class _Chunk:
     fqn: str = ""
     """The module's name of the tensor (the key without its state dict's prefixes)."""
 
+def _new_chunk(key: str, chunk: DcpChunk, size: tuple[int, ...], rank: int, writer: Item, fqn: str) -> _Chunk:
+    """``_Chunk(key, chunk, size, rank, writer, fqn)`` at twice the speed, for FSDP2's one per chunk (200,000 for
+    100,000 small tensors at dp 2): a frozen dataclass's ``__init__`` looks ``object.__setattr__`` up per field."""
+    c = _new(_Chunk)
+    _set(c, "key", key)
+    _set(c, "chunk", chunk)
+    _set(c, "size", size)
+    _set(c, "rank", rank)
+    _set(c, "writer", writer)
+    _set(c, "fqn", fqn)
+    return c
+
+
+_new = object.__new__
+_set = object.__setattr__
+
+
 def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: tuple[str, ...], model_state: str,
                  naming: _Naming, copies: Mapping[str, str] | None = None,
                  buffers: Collection[str] = ()) -> tuple[Layout, dict[Item, _Chunk]]:
@@ -191,7 +209,7 @@ def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: t
                 for rank, info, dcp_chunk, box, strides in shaped:
                     item = new_item(SECTION, units[rank], 0, stored, key)
                     items[item] = info if box is not None else replace(info, tensor=name)
-                    chunks[item] = _Chunk(key, dcp_chunk, t.shape, rank, item, name)
+                    chunks[item] = _new_chunk(key, dcp_chunk, t.shape, rank, item, name)
                     if box is not None:
                         fragments.append(new_fragment(name, stored, box, item, 0, strides))
     layout = Layout(topology=topology, tensors=MappingProxyType(tensors), items=MappingProxyType(items),
@@ -286,8 +304,11 @@ def _plain_box(t: LogicalTensor, frags: list[Fragment]) -> tuple[tuple[int, ...]
         hi.append(max(ends))
     return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
+class _Entry(NamedTuple):
+    """One entry of a rank file: a chunk (``item``), a verbatim tensor (``tensor``) or bytes, at ``base``.
+    (A named tuple: a writer makes one per chunk, 200,000 for 100,000 small tensors, at a third of a frozen
+    dataclass's cost.)"""
+
     key: str
     base: int
     length: int
@@ -299,8 +320,9 @@ class _Entry:
 
 def _file_plan(target: Target) -> dict[str, list[_Entry]]:
     """Every entry of every rank file with its byte offset, computed without writing."""
+    chunks, dtypes = target.extra["dcp"].chunks, target.dtypes
     per_rank: dict[int, list[Item]] = {}
-    for it, c in target.extra["dcp"].chunks.items():
+    for it, c in chunks.items():
         if c.writer is it:
             per_rank.setdefault(c.rank, []).append(it)
     files: dict[str, list[_Entry]] = {}
@@ -308,12 +330,13 @@ def _file_plan(target: Target) -> dict[str, list[_Entry]]:
     for rank in range(target.topology.world_size):
         base, entries = 0, []
         for it in per_rank.get(rank, []):
-            c = target.extra["dcp"].chunks[it]
-            length = lengths.get((target.dtypes[it], c.chunk.sizes))
+            c = chunks[it]
+            dtype = dtypes[it]
+            length = lengths.get((dtype, c.chunk.sizes))
             if length is None:
-                length = lengths[(target.dtypes[it], c.chunk.sizes)] = TorchFileWriter.measure(
-                    TensorSpec(target.dtypes[it], c.chunk.sizes, key=0), archive_name="archive")
-            entries.append(_Entry(c.key, base, length, item=it, chunk=c.chunk, global_size=c.size))
+                length = lengths[(dtype, c.chunk.sizes)] = TorchFileWriter.measure(
+                    TensorSpec(dtype, c.chunk.sizes, key=0), archive_name="archive")
+            entries.append(_Entry(c.key, base, length, it, c.chunk, c.size))
             base += length
         if rank == 0:
             for v in target.extra["dcp"].verbatim:

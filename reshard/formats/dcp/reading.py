@@ -91,8 +91,13 @@ def _rank_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 def _plain(name: str, shape: tuple[int, ...]) -> LogicalTensor:
-    return LogicalTensor(name=name, shape=shape, axes=tuple(f"d{k}" for k in range(len(shape))), view=shape,
-                         dim_axes=(1,) * len(shape))
+    n = len(shape)
+    axes, dim_axes = _PLAIN_AXES[n] if n < len(_PLAIN_AXES) else (tuple(f"d{k}" for k in range(n)), (1,) * n)
+    return LogicalTensor(name=name, shape=shape, axes=axes, view=shape, dim_axes=dim_axes)
+
+
+_PLAIN_AXES = tuple((tuple(f"d{k}" for k in range(n)), (1,) * n) for n in range(9))
+"""A plain tensor's axes and dim_axes by rank, made once: a target may have 100,000 tensors of few ranks."""
 
 @dataclass(frozen=True, slots=True)
 class _Naming:
@@ -117,7 +122,7 @@ class _Naming:
 
     def path(self, key: str) -> tuple:
         """``planner_data``: where ``key`` sits in the nested state dict ``dcp.save`` was given."""
-        for p in (f"{self.optim}state.", f"{self.optim}param_groups."):
+        for p in (f"{self.optim}state.", f"{self.optim}param_groups.") if key.startswith(self.optim) else ():
             if self.optim and key.startswith(p):
                 rest = key[len(p):]
                 if p.endswith("state."):
