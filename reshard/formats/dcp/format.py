@@ -61,10 +61,11 @@ from reshard.formats.module_view import module_family
 from reshard.formats.specs import layout_spec, require_family, source_config
 from reshard.io.dcp_metadata import (
     METADATA_NAME,
+    DcpChunk,
     DcpMetadata,
-    DcpStorage,
     DcpTensor,
     read_metadata,
+    storage_at,
     write_metadata,
 )
 from reshard.io.location import as_path
@@ -245,22 +246,36 @@ class DcpFormat:
             return written
         md = DcpMetadata(version="1.0.0")
         naming: _Naming = target.extra["dcp"].naming
+        tensors, storage, dtypes = md.tensors, md.storage, target.dtypes
+        # A key's chunks are gathered first and its DcpTensor made once (the dtype and size its last chunk says)
+        pending: dict[str, tuple[str, tuple[int, ...], list[DcpChunk]]] = {}
         for rel, entries in files.items():
             for e in entries:
                 if e.item is not None:
-                    t = md.tensors.get(e.key)
-                    chunk_list = (t.chunks if t else ()) + (e.chunk,)
-                    md.tensors[e.key] = DcpTensor(target.dtypes[e.item], e.global_size, chunk_list)
-                    md.storage[(e.key, e.chunk.offsets)] = DcpStorage(rel, e.base, e.length)
+                    key = e.key
+                    got = pending.get(key)
+                    if got is None:
+                        t = tensors.get(key)
+                        got = (dtypes[e.item], e.global_size, list(t.chunks) if t else [])
+                        tensors[key] = t  # its place in the order; made below
+                    elif got[0] is not dtypes[e.item] or got[1] is not e.global_size:
+                        got = (dtypes[e.item], e.global_size, got[2])
+                    pending[key] = got
+                    got[2].append(e.chunk)
+                    storage[(key, e.chunk.offsets)] = storage_at(rel, e.base, e.length)
                 elif e.tensor is not None:
-                    md.tensors[e.key] = e.tensor
-                    md.storage[(e.key, (0,) * len(e.tensor.size))] = DcpStorage(rel, e.base, e.length)
+                    pending.pop(e.key, None)
+                    tensors[e.key] = e.tensor
+                    storage[(e.key, (0,) * len(e.tensor.size))] = storage_at(rel, e.base, e.length)
                 else:
                     md.byte_entries.append(e.key)
-                    md.storage[(e.key, None)] = DcpStorage(rel, e.base, e.length)
+                    storage[(e.key, None)] = storage_at(rel, e.base, e.length)
+        for key, (dtype, size, chunk_list) in pending.items():
+            tensors[key] = DcpTensor(dtype, size, tuple(chunk_list))
         planner = dict(target.extra["dcp"].planner_data)
         for key in [*md.tensors, *md.byte_entries]:
-            planner.setdefault(key, naming.path(key))
+            if key not in planner:
+                planner[key] = naming.path(key)
         md.planner_data = {k: planner[k] for k in [*md.tensors, *md.byte_entries]}
         written += write_identity(out, target.model)  # not DCP's: the model's identity, for later conversions
         write_metadata(out, md)  # last: DCP's own commit marker
@@ -275,7 +290,8 @@ def _write_entries(session: WriteSession, fill: Fill, f: OutputFile, entries: li
     """One rank file's entries: verbatim bytes as they are, and each chunk as a torch.save archive of its own.
     Runs of small chunks (``session.runs``) are framed in memory and go out with one write each; a larger chunk
     is streamed into its archive."""
-    archives: dict[tuple[str, tuple[int, ...]], tuple[TensorSpec, LoneArchive]] = {}  # one per dtype and shape
+    # one per dtype and shape: its spec, archive, elements, and the archive's tensor offset and size
+    archives: dict[tuple[str, tuple[int, ...]], tuple[TensorSpec, LoneArchive, int, int, int]] = {}
 
     def slots(chunks: Iterable[_Entry]) -> Iterator[Slot]:
         for e in chunks:
@@ -283,12 +299,14 @@ def _write_entries(session: WriteSession, fill: Fill, f: OutputFile, entries: li
             known = archives.get((dtype, e.chunk.sizes))
             if known is None:
                 spec = TensorSpec(dtype, e.chunk.sizes, key=0)
-                known = archives[(dtype, e.chunk.sizes)] = (spec, lone_archive(spec, "archive"))
-            if known[1].size != e.length:
-                raise CheckpointFormatError(f"{f.path}: {e.key}'s archive is {known[1].size} bytes, planned "
+                archive = lone_archive(spec, "archive")
+                known = archives[(dtype, e.chunk.sizes)] = (spec, archive, math.prod(e.chunk.sizes),
+                                                            archive.data_offset, archive.size)
+            if known[4] != e.length:
+                raise CheckpointFormatError(f"{f.path}: {e.key}'s archive is {known[4]} bytes, planned "
                                             f"{e.length} (a bug in reshard's DCP writer)")
-            yield Slot(e.item, math.prod(e.chunk.sizes), dtype, e.base, e.base + known[1].data_offset,
-                       e.base + e.length, key=known)
+            base = e.base
+            yield Slot(e.item, known[2], dtype, base, base + known[3], base + e.length, known)
 
     part = f if isinstance(f, FilePart) else None  # a worker's part of a split file: its finisher needs the CRCs
 
