@@ -261,32 +261,35 @@ class _MetadataPickler(Pickler):
 
     # -- planner_data ---------------------------------------------------------------------------
     def planner_entries(self, items: Iterable) -> None:
-        buf, memo, alive, short = self.buf, self.memo, self.alive, {}
+        buf, memo, alive, heads = self.buf, self.memo, self.alive, {}
         for key, value in items:
             i = memo.get(id(key))
             if i is None:
                 self.save(key)
             else:
                 buf += _BINGET[i] if i < 256 else b"j" + _pack_ui(i)
+            if (type(value) is tuple and len(value) == 2 and type(value[0]) is str and type(value[1]) is str and
+                    id(value) not in memo and id(value[0]) not in memo and id(value[1]) not in memo and
+                    value[0] is not value[1]):
+                # the common case, ``(state dict, fqn)`` of strs new to the pickle: the state dict's name is one
+                # of a few (its opcode made once), each fqn encoded as it comes
+                head, fqn = value
+                op = heads.get(head)
+                if op is None:
+                    data = head.encode("utf-8", "surrogatepass")
+                    op = heads[head] = b"\x8c" + bytes((len(data),)) + data + _MEMOIZE if len(data) < 256 else b""
+                data = fqn.encode("utf-8", "surrogatepass")
+                if op and len(data) < 256:
+                    buf += b"".join((op, b"\x8c", bytes((len(data),)), data, b"\x94\x86\x94"))
+                    count = self.count
+                    memo[id(head)], memo[id(fqn)], memo[id(value)] = count, count + 1, count + 2
+                    alive.append(value)  # and so its strs
+                    self.count = count + 3
+                    self.end_unit()
+                    continue
             if type(value) is tuple and 0 < len(value) <= 3 and id(value) not in memo and all(
-                    type(v) is str for v in value):  # the common case, a path of keys: its strs joined at once
-                for v in value:
-                    i = memo.get(id(v))
-                    if i is not None:
-                        buf += _BINGET[i] if i < 256 else b"j" + _pack_ui(i)
-                        continue
-                    op = short.get(v)  # each distinct str encoded once (its every object memoized anew)
-                    if op is None:
-                        data = v.encode("utf-8", "surrogatepass")
-                        op = short[v] = b"\x8c" + bytes((len(data),)) + data + _MEMOIZE if len(data) < 256 else b""
-                    if not op:
-                        buf += self.text(v)
-                        continue
-                    buf += op
-                    memo[id(v)] = self.count
-                    alive.append(v)
-                    self.count += 1
-                buf += _TUPLE_OPS[len(value)] + _MEMOIZE
+                    type(v) is str for v in value):  # a path of keys: its strs joined at once
+                buf += b"".join([self.text(v) for v in value]) + _TUPLE_OPS[len(value)] + _MEMOIZE
                 memo[id(value)] = self.count
                 alive.append(value)
                 self.count += 1
@@ -316,8 +319,8 @@ class _MetadataPickler(Pickler):
             i = memo.get(id(s.relative_path))
             path = self.text(s.relative_path) if i is None else _BINGET[i] if i < 256 else b"j" + _pack_ui(i)
             off, length = s.offset, s.length
-            buf += (index[0] + name + mid[0] + path + info[1] + (_SMALL[off] if 0 <= off < 256 else _int(off)) +
-                    info[2] + (_SMALL[length] if 0 <= length < 256 else _int(length)) + b"ub")
+            buf += b"".join((index[0], name, mid[0], path, info[1], _SMALL[off] if 0 <= off < 256 else _int(off),
+                             info[2], _SMALL[length] if 0 <= length < 256 else _int(length), b"ub"))
             self.end_unit()
 
     def storage(self, fqn: str, offset: tuple[int, ...] | None, s: Any) -> None:

@@ -252,15 +252,14 @@ class DcpFormat:
         for rel, entries in files.items():
             for e in entries:
                 if e.item is not None:
-                    key = e.key
+                    key, dtype = e.key, dtypes[e.item]
                     got = pending.get(key)
                     if got is None:
                         t = tensors.get(key)
-                        got = (dtypes[e.item], e.global_size, list(t.chunks) if t else [])
+                        got = pending[key] = (dtype, e.global_size, list(t.chunks) if t else [])
                         tensors[key] = t  # its place in the order; made below
-                    elif got[0] is not dtypes[e.item] or got[1] is not e.global_size:
-                        got = (dtypes[e.item], e.global_size, got[2])
-                    pending[key] = got
+                    elif got[0] is not dtype or got[1] is not e.global_size:
+                        got = pending[key] = (dtype, e.global_size, got[2])
                     got[2].append(e.chunk)
                     storage[(key, e.chunk.offsets)] = storage_at(rel, e.base, e.length)
                 elif e.tensor is not None:
