@@ -20,10 +20,11 @@ from reshard.io.pickle_emit import (
     _BINGET,
     _MEMOIZE,
     _NEWOBJ_STATE,
-    _SMALL,
     _TUPLE_OPS,
     Pickler,
     _int,
+    _pack_h,
+    _pack_i,
     _pack_ui,
 )
 
@@ -319,8 +320,10 @@ class _MetadataPickler(Pickler):
             i = memo.get(id(s.relative_path))
             path = self.text(s.relative_path) if i is None else _BINGET[i] if i < 256 else b"j" + _pack_ui(i)
             off, length = s.offset, s.length
-            buf += b"".join((index[0], name, mid[0], path, info[1], _SMALL[off] if 0 <= off < 256 else _int(off),
-                             info[2], _SMALL[length] if 0 <= length < 256 else _int(length), b"ub"))
+            # an offset within 2 GiB (most of them) as BININT, inline; the rest as _int writes them
+            buf += b"".join((index[0], name, mid[0], path, info[1],
+                             b"J" + _pack_i(off) if 65536 <= off <= 0x7FFFFFFF else _int(off), info[2],
+                             b"M" + _pack_h(length) if 256 <= length < 65536 else _int(length), b"ub"))
             self.end_unit()
 
     def storage(self, fqn: str, offset: tuple[int, ...] | None, s: Any) -> None:
