@@ -244,44 +244,51 @@ class DcpFormat:
             written.append(Path(rel))
         if only:
             return written
-        md = DcpMetadata(version="1.0.0")
-        naming: _Naming = target.extra["dcp"].naming
-        tensors, storage, dtypes = md.tensors, md.storage, target.dtypes
-        # A key's chunks are gathered first and its DcpTensor made once (the dtype and size its last chunk says)
-        pending: dict[str, tuple[str, tuple[int, ...], list[DcpChunk]]] = {}
-        for rel, entries in files.items():
-            for e in entries:
-                if e.item is not None:
-                    key, dtype = e.key, dtypes[e.item]
-                    got = pending.get(key)
-                    if got is None:
-                        t = tensors.get(key)
-                        got = pending[key] = (dtype, e.global_size, list(t.chunks) if t else [])
-                        tensors[key] = t  # its place in the order; made below
-                    elif got[0] is not dtype or got[1] is not e.global_size:
-                        got = pending[key] = (dtype, e.global_size, got[2])
-                    got[2].append(e.chunk)
-                    storage[(key, e.chunk.offsets)] = storage_at(rel, e.base, e.length)
-                elif e.tensor is not None:
-                    pending.pop(e.key, None)
-                    tensors[e.key] = e.tensor
-                    storage[(e.key, (0,) * len(e.tensor.size))] = storage_at(rel, e.base, e.length)
-                else:
-                    md.byte_entries.append(e.key)
-                    storage[(e.key, None)] = storage_at(rel, e.base, e.length)
-        for key, (dtype, size, chunk_list) in pending.items():
-            tensors[key] = DcpTensor(dtype, size, tuple(chunk_list))
-        planner = dict(target.extra["dcp"].planner_data)
-        for key in [*md.tensors, *md.byte_entries]:
-            if key not in planner:
-                planner[key] = naming.path(key)
-        md.planner_data = {k: planner[k] for k in [*md.tensors, *md.byte_entries]}
+        md = _metadata(target, files)
         written += write_identity(out, target.model)  # not DCP's: the model's identity, for later conversions
         write_metadata(out, md)  # last: DCP's own commit marker
         written.append(Path(METADATA_NAME))
         return written
 
 FORMAT = DcpFormat()
+
+
+def _metadata(target: Target, files: Mapping[str, list[_Entry]]) -> DcpMetadata:
+    """``.metadata`` of the planned ``files``: each key's tensor with its chunks in file order, where each entry's
+    bytes are, and ``planner_data`` (the target's, else each key's path in the state dict)."""
+    md = DcpMetadata(version="1.0.0")
+    naming: _Naming = target.extra["dcp"].naming
+    tensors, storage, dtypes = md.tensors, md.storage, target.dtypes
+    # A key's chunks are gathered first and its DcpTensor made once (the dtype and size its last chunk says)
+    pending: dict[str, tuple[str, tuple[int, ...], list[DcpChunk]]] = {}
+    for rel, entries in files.items():
+        for e in entries:
+            if e.item is not None:
+                key, dtype = e.key, dtypes[e.item]
+                got = pending.get(key)
+                if got is None:
+                    t = tensors.get(key)
+                    got = pending[key] = (dtype, e.global_size, list(t.chunks) if t else [])
+                    tensors[key] = t  # its place in the order; made below
+                elif got[0] is not dtype or got[1] is not e.global_size:
+                    got = pending[key] = (dtype, e.global_size, got[2])
+                got[2].append(e.chunk)
+                storage[(key, e.chunk.offsets)] = storage_at(rel, e.base, e.length)
+            elif e.tensor is not None:
+                pending.pop(e.key, None)
+                tensors[e.key] = e.tensor
+                storage[(e.key, (0,) * len(e.tensor.size))] = storage_at(rel, e.base, e.length)
+            else:
+                md.byte_entries.append(e.key)
+                storage[(e.key, None)] = storage_at(rel, e.base, e.length)
+    for key, (dtype, size, chunk_list) in pending.items():
+        tensors[key] = DcpTensor(dtype, size, tuple(chunk_list))
+    planner = dict(target.extra["dcp"].planner_data)
+    for key in [*md.tensors, *md.byte_entries]:
+        if key not in planner:
+            planner[key] = naming.path(key)
+    md.planner_data = {k: planner[k] for k in [*md.tensors, *md.byte_entries]}
+    return md
 
 
 def _write_entries(session: WriteSession, fill: Fill, f: OutputFile, entries: list[_Entry],
