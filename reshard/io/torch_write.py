@@ -250,6 +250,31 @@ class LoneArchive:
             i = _U32_PACK(crc32(payload))
             buf[end:] = b"".join((t0, c, t1, payload, t2, i, t3, c, t4, i, t5))
             return crc
+        return self._frame_alone(buf)
+
+    def frame_many(self, buf: memoryview, count: int) -> list[int]:
+        """``frame`` of ``count`` archives back to back in ``buf`` (a run of a file's small chunks of one dtype and
+        shape): the bytes around their tensors go in with two array writes for them all; returns each tensor's
+        CRC-32, in order."""
+        if self._whole is None or count < 2:
+            return [self.frame(buf[k * self.size:(k + 1) * self.size]) for k in range(count)]
+        head, (t0, t1, t2, t3, t4, t5) = self._whole
+        size, start, nbytes = self.size, len(head), self.nbytes
+        end = start + nbytes
+        rows = np.frombuffer(buf, dtype=np.uint8, count=count * size).reshape(count, size)
+        rows[:, :start] = np.frombuffer(head, dtype=np.uint8)
+        crcs = [crc32(buf[at:at + nbytes]) for at in range(start, count * size, size)]
+        names, before, after = self._names, self._before, self._after
+        tails: list[bytes] = []
+        for crc in crcs:
+            c = _U32_PACK(crc)
+            payload = names + _crcs_id(before + c + after)
+            i = _U32_PACK(crc32(payload))
+            tails += (t0, c, t1, payload, t2, i, t3, c, t4, i, t5)
+        rows[:, end:] = np.frombuffer(b"".join(tails), dtype=np.uint8).reshape(count, size - end)
+        return crcs
+
+    def _frame_alone(self, buf: memoryview) -> int:
         for at, data in self._framing:
             buf[at:at + len(data)] = data
         end = self.data_offset + self.nbytes

@@ -14,6 +14,7 @@ import re
 import sys
 import types
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -700,3 +701,25 @@ def test_a_lone_archive_framed_in_memory_is_the_archive_the_writer_streams(tmp_p
         assert z.testzip() is None
     got = torch.load(tmp_path / "framed.pt", weights_only=True)
     assert got.shape == shape and bytes(got.reshape(-1).view(torch.uint8).numpy()) == data
+
+
+@pytest.mark.parametrize("dtype,shape", [("float32", (3, 5)), ("bfloat16", (7,)), ("float32", (0, 4)), ("int64", ())])
+def test_a_run_of_lone_archives_framed_at_once_is_each_archive_the_writer_streams(tmp_path, dtype, shape):
+    """``frame_many`` frames a run of archives of one spec with array writes for them all: each archive, its
+    CRCs and serialization id included, is the one TorchFileWriter writes for its tensor."""
+    from reshard.io.torch_write import lone_archive
+
+    spec = TensorSpec(dtype, shape, key=0)
+    archive = lone_archive(spec, "archive")
+    rng = np.random.default_rng(7)
+    datas = [rng.integers(0, 256, spec.nbytes, dtype=np.uint8).tobytes() for _ in range(4)]
+    buf = np.full(archive.size * len(datas), 0xCD, dtype=np.uint8)  # whatever was in the buffer before
+    for k, data in enumerate(datas):
+        at = k * archive.size + archive.data_offset
+        buf[at:at + spec.nbytes] = np.frombuffer(data, dtype=np.uint8)
+    crcs = archive.frame_many(memoryview(buf), len(datas))
+    for k, data in enumerate(datas):
+        with TorchFileWriter(tmp_path / "streamed.pt", spec, archive_name="archive") as w:
+            w.write(0, data)
+        assert bytes(buf[k * archive.size:(k + 1) * archive.size]) == (tmp_path / "streamed.pt").read_bytes()
+        assert crcs[k] == zlib.crc32(data)

@@ -317,11 +317,16 @@ def _write_entries(session: WriteSession, fill: Fill, f: OutputFile, entries: li
     part = f if isinstance(f, FilePart) else None  # a worker's part of a split file: its finisher needs the CRCs
 
     def framed(run: Sequence[Slot], buf: memoryview) -> None:
-        start = run[0].start
-        for s in run:
-            crc = s.key[1].frame(buf[s.start - start:s.end - start])
+        start, k = run[0].start, 0
+        while k < len(run):  # each stretch of archives of one dtype and shape framed at once
+            archive, j = run[k].key[1], k + 1
+            while j < len(run) and run[j].key[1] is archive:
+                j += 1
+            crcs = archive.frame_many(buf[run[k].start - start:run[j - 1].end - start], j - k)
             if part is not None:
-                part.crcs[s.data] = crc
+                for s, crc in zip(run[k:j], crcs):
+                    part.crcs[s.data] = crc
+            k = j
         f.pwrite(buf, start)  # in a part, the framing too: the same bytes its finisher writes over them
 
     for verbatim, group in itertools.groupby(entries, key=lambda e: e.item is None):
