@@ -14,7 +14,8 @@ Then converts each, in a fresh interpreter, ``--repeat`` rounds interleaved:
 - Hugging Face -> PyTorch DCP at dp=2 (FSDP2's ``Shard(0)``: every tensor split in two).
 
 Prints wall time (the whole process, imports and planning included), MiB/s, and each "many" run's time per
-byte over its "few" twin's (the target: at most 1.5).
+byte over its "few" twin's (the target: at most 1.5); and, for reference, the same figures for the plain
+``safetensors`` library: ``load_file`` of the one file and ``save_file`` of its tensors, fsynced.
 
     python bench/small_tensors.py [--tensors 100000] [--mib 1000] [--repeat 3] [--tiny]
 """
@@ -37,6 +38,7 @@ from any_model import write_hf  # noqa: E402
 from convert_memory import child, dir_size  # noqa: E402
 
 CUSTOM = {"model_type": "custom", "architectures": ["CustomModel"]}
+PLAIN = "safetensors load_file + save_file"
 
 
 def shapes(count: int, total: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -51,6 +53,19 @@ def convert(src: Path, dst: Path, fmt: str, to: str | None, shard: str | None) -
     seconds, _, _ = child("import json, reshard\n"
                           f"reshard.convert({str(src)!r}, {str(dst)!r}, format={fmt!r}, to={to!r}, "
                           f"max_shard_size={shard!r}, workers=1)\n_out = {{}}")
+    return seconds
+
+
+def plain(src: Path, dst: Path) -> float:
+    """``safetensors.torch``'s ``load_file`` of the checkpoint's one file, then ``save_file`` of it into ``dst``,
+    fsynced: the per-tensor cost of the plain library (its reading and writing in Rust, a torch tensor each)."""
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir()
+    os.sync()
+    seconds, _, _ = child("import json, os\nfrom safetensors.torch import load_file, save_file\n"
+                          f"save_file(load_file({str(src / 'model.safetensors')!r}), {str(dst / 'model.safetensors')!r})\n"
+                          f"fd = os.open({str(dst / 'model.safetensors')!r}, os.O_RDONLY)\nos.fsync(fd)\nos.close(fd)\n"
+                          "_out = {}")
     return seconds
 
 
@@ -71,12 +86,13 @@ def main() -> None:
         write_hf(sources["few"], CUSTOM, shapes(64, total), "float32")
         sizes = {k: dir_size(v) for k, v in sources.items()}
         quarter = f"{max(1, total // 4 >> 20)}MiB"
-        runs = {"hf -> hf (4 shards)": ("hf", None, quarter), "hf -> dcp dp=2": ("dcp", "dp=2", None)}
+        runs = {"hf -> hf (4 shards)": ("hf", None, quarter), "hf -> dcp dp=2": ("dcp", "dp=2", None),
+                PLAIN: None}
         times: dict[tuple[str, str], list[float]] = {(r, k): [] for r in runs for k in sources}
         for _ in range(args.repeat):
-            for run, (fmt, to, shard) in runs.items():
+            for run, how in runs.items():
                 for kind, src in sources.items():
-                    times[run, kind].append(convert(src, tmp / "out", fmt, to, shard))
+                    times[run, kind].append(plain(src, tmp / "out") if how is None else convert(src, tmp / "out", *how))
         shutil.rmtree(tmp / "out", ignore_errors=True)
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
@@ -90,7 +106,8 @@ def main() -> None:
                 print(f"| {run} | {kind} | {count:,} | {med[run, kind]:.2f} | "
                       f"{sizes[kind] / 2**20 / med[run, kind]:.0f} | {per_byte:.2f} |")
         print(f"\nmedians of {args.repeat} rounds, interleaved; wall time is the whole process (imports, opening, "
-              "planning, writing, the manifest); target: time per byte of 'many' at most 1.5 x 'few'")
+              "planning, writing, the manifest); target: time per byte of 'many' at most 1.5 x 'few'; the last rows "
+              "are the plain safetensors library's load_file + save_file (one file, fsynced), for reference")
 
 
 if __name__ == "__main__":
