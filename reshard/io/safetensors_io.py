@@ -243,12 +243,7 @@ def _valid_header(path: Path, text: str, data_start: int,
             return None
         # out of file order, a gap or an overlap, or a tensor without bytes: sorted and checked below
         at = end if begin == at and need else -1
-        info = _new(TensorInfo)  # as _info makes it, without a call per tensor
-        _set(info, "dtype", SAFETENSORS_CODES[code])
-        _set(info, "shape", dims)
-        _set(info, "data_offset", data_start + begin)
-        _set(info, "nbytes", need)
-        tensors[name] = info
+        tensors[name] = _info(SAFETENSORS_CODES[code], dims, data_start + begin, need)
     meta = None if metadata is None else MappingProxyType(metadata)
     if at == data_len:  # the tensors, as listed, tile the byte buffer
         return meta, tensors
