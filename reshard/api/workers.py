@@ -275,7 +275,11 @@ def worker_shares(report: PlanReport, parts: list[Portion], out: Path, window: i
     result = []
     for k, p in enumerate(parts):
         split = dict(p.split)
-        skip = frozenset(it for f, its in p.split for mine in [set(its)] for it, _ in items[f] if it not in mine)
+        skipped: list[Item] = []  # the split files' tensors the other workers write
+        for f, its in p.split:
+            mine = set(its)
+            skipped += [it for it, _ in items[f] if it not in mine]
+        skip = frozenset(skipped)
         where: dict[Item, object] = {c.src: report.source.where[c.src] for c in copies[k]}
         result.append(Share(write=write, target=report.target, out=out, files=p.files, copies=tuple(copies[k]),
                             where=where, window_bytes=window, split=tuple(split), skip=skip,
