@@ -188,28 +188,29 @@ def _fsdp_layout(source: Source, topology: Topology, names: list[str], states: t
     # and may have 100,000 tensors).
     pieces: dict[tuple[tuple[int, ...], bool], list[tuple[int, ItemInfo, DcpChunk, Box | None, tuple[int, ...]]]] = {}
     units = [(("dp", rank),) for rank in range(topology.dp)]
+    of_source = source.layout.tensors
     for name in names:
-        t = source.layout.tensors[name]
-        plain = tensors[name] = _plain(name, t.shape)
+        shape = of_source[name].shape
+        plain = tensors[name] = _plain(name, shape)
         # A 0-d tensor or a buffer (FSDP2 leaves them unsharded) is one chunk, rank 0's, as DCP deduplicates it.
-        whole = not t.shape or name in buffers
-        shaped = pieces.get((t.shape, whole))
+        whole = not shape or name in buffers
+        shaped = pieces.get((shape, whole))
         if shaped is None:
-            shaped = pieces[(t.shape, whole)] = _shape_chunks(plain, topology.dp, whole)
+            shaped = pieces[(shape, whole)] = _shape_chunks(plain, topology.dp, whole)
         for state in states:
             stored = state
             if (name, state) not in held:
                 if state != model_state or (name, PARAM) not in held:
                     continue
                 stored = PARAM  # no master (a frozen param, a buffer): its weights are what FSDP2 holds
-            keys = [naming.key(name, PARAM if state == model_state else state)]
-            if state == model_state:
-                keys += [naming.key(k, PARAM) for k in tied.get(name, ())]
+            keys = (naming.key(name, PARAM if state == model_state else state),)
+            if state == model_state and name in tied:
+                keys += tuple(naming.key(k, PARAM) for k in tied[name])
             for key in keys:
                 for rank, info, dcp_chunk, box, strides in shaped:
                     item = new_item(SECTION, units[rank], 0, stored, key)
                     items[item] = info if box is not None else replace(info, tensor=name)
-                    chunks[item] = _new_chunk(key, dcp_chunk, t.shape, rank, item, name)
+                    chunks[item] = _new_chunk(key, dcp_chunk, shape, rank, item, name)
                     if box is not None:
                         fragments.append(new_fragment(name, stored, box, item, 0, strides))
     layout = Layout(topology=topology, tensors=MappingProxyType(tensors), items=MappingProxyType(items),

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from reshard.core.geometry import row_major_strides
-from reshard.core.layout import PARAM, LogicalTensor
+from reshard.core.layout import PARAM, LogicalTensor, new_logical
 from reshard.errors import CheckpointFormatError
 from reshard.io.dcp_metadata import (
     METADATA_NAME,
@@ -92,12 +92,11 @@ def _rank_file(rank: int) -> str:
 
 def _plain(name: str, shape: tuple[int, ...]) -> LogicalTensor:
     n = len(shape)
-    axes, dim_axes = _PLAIN_AXES[n] if n < len(_PLAIN_AXES) else (tuple(f"d{k}" for k in range(n)), (1,) * n)
-    return LogicalTensor(name=name, shape=shape, axes=axes, view=shape, dim_axes=dim_axes)
+    return new_logical(name, shape, _PLAIN_AXES[n] if n < len(_PLAIN_AXES) else tuple(f"d{k}" for k in range(n)))
 
 
-_PLAIN_AXES = tuple((tuple(f"d{k}" for k in range(n)), (1,) * n) for n in range(9))
-"""A plain tensor's axes and dim_axes by rank, made once: a target may have 100,000 tensors of few ranks."""
+_PLAIN_AXES = tuple(tuple(f"d{k}" for k in range(n)) for n in range(9))
+"""A plain tensor's axes by rank, made once: a target may have 100,000 tensors of few ranks."""
 
 @dataclass(frozen=True, slots=True)
 class _Naming:
