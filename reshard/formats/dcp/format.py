@@ -236,7 +236,7 @@ class DcpFormat:
                 continue
             f = session.open(out / rel)
             try:
-                _write_entries(session, fill, f, entries, target.dtypes)
+                _write_entries(session, fill, f, entries)
                 f.close()
             except BaseException:
                 f.abort()
@@ -258,13 +258,13 @@ def _metadata(target: Target, files: Mapping[str, list[_Entry]]) -> DcpMetadata:
     bytes are, and ``planner_data`` (the target's, else each key's path in the state dict)."""
     md = DcpMetadata(version="1.0.0")
     naming: _Naming = target.extra["dcp"].naming
-    tensors, storage, dtypes = md.tensors, md.storage, target.dtypes
+    tensors, storage = md.tensors, md.storage
     # A key's chunks are gathered first and its DcpTensor made once (the dtype and size its last chunk says)
     pending: dict[str, tuple[str, tuple[int, ...], list[DcpChunk]]] = {}
     for rel, entries in files.items():
         for e in entries:
             if e.item is not None:
-                key, dtype = e.key, dtypes[e.item]
+                key, dtype = e.key, e.dtype
                 got = pending.get(key)
                 if got is None:
                     t = tensors.get(key)
@@ -283,16 +283,12 @@ def _metadata(target: Target, files: Mapping[str, list[_Entry]]) -> DcpMetadata:
                 storage[(e.key, None)] = storage_at(rel, e.base, e.length)
     for key, (dtype, size, chunk_list) in pending.items():
         tensors[key] = DcpTensor(dtype, size, tuple(chunk_list))
-    planner = dict(target.extra["dcp"].planner_data)
-    for key in [*md.tensors, *md.byte_entries]:
-        if key not in planner:
-            planner[key] = naming.path(key)
-    md.planner_data = {k: planner[k] for k in [*md.tensors, *md.byte_entries]}
+    given = target.extra["dcp"].planner_data
+    md.planner_data = {k: given[k] if k in given else naming.path(k) for k in [*md.tensors, *md.byte_entries]}
     return md
 
 
-def _write_entries(session: WriteSession, fill: Fill, f: OutputFile, entries: list[_Entry],
-                   dtypes: Mapping[Item, str]) -> None:
+def _write_entries(session: WriteSession, fill: Fill, f: OutputFile, entries: list[_Entry]) -> None:
     """One rank file's entries: verbatim bytes as they are, and each chunk as a torch.save archive of its own.
     Runs of small chunks (``session.runs``) are framed in memory and go out with one write each; a larger chunk
     is streamed into its archive."""
@@ -301,7 +297,7 @@ def _write_entries(session: WriteSession, fill: Fill, f: OutputFile, entries: li
 
     def slots(chunks: Iterable[_Entry]) -> Iterator[Slot]:
         for e in chunks:
-            dtype = dtypes[e.item]
+            dtype = e.dtype
             known = archives.get((dtype, e.chunk.sizes))
             if known is None:
                 spec = TensorSpec(dtype, e.chunk.sizes, key=0)

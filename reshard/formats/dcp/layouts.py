@@ -316,28 +316,30 @@ class _Entry(NamedTuple):
     item: Item | None = None
     chunk: DcpChunk | None = None
     global_size: tuple[int, ...] = ()
+    dtype: str = ""
+    """The chunk's dtype (the target's), looked up once here rather than by each reader of the entry."""
     tensor: DcpTensor | None = None
     data: bytes = b""
 
 def _file_plan(target: Target) -> dict[str, list[_Entry]]:
     """Every entry of every rank file with its byte offset, computed without writing."""
     chunks, dtypes = target.extra["dcp"].chunks, target.dtypes
-    per_rank: dict[int, list[Item]] = {}
+    per_rank: dict[int, list[_Chunk]] = {}
     for it, c in chunks.items():
         if c.writer is it:
-            per_rank.setdefault(c.rank, []).append(it)
+            per_rank.setdefault(c.rank, []).append(c)
     files: dict[str, list[_Entry]] = {}
     lengths: dict[tuple[str, tuple[int, ...]], int] = {}  # archive sizes by dtype and shape: many chunks, few shapes
     for rank in range(target.topology.world_size):
         base, entries = 0, []
-        for it in per_rank.get(rank, []):
-            c = chunks[it]
+        for c in per_rank.get(rank, []):
+            it = c.writer
             dtype = dtypes[it]
             length = lengths.get((dtype, c.chunk.sizes))
             if length is None:
                 length = lengths[(dtype, c.chunk.sizes)] = TorchFileWriter.measure(
                     TensorSpec(dtype, c.chunk.sizes, key=0), archive_name="archive")
-            entries.append(_Entry(c.key, base, length, it, c.chunk, c.size))
+            entries.append(_Entry(c.key, base, length, it, c.chunk, c.size, dtype))
             base += length
         if rank == 0:
             for v in target.extra["dcp"].verbatim:
