@@ -355,7 +355,7 @@ def with_state_alias(layout: Layout, state: str, alias: str, only: Collection[st
 
 
 def _is_plain(t: LogicalTensor) -> bool:
-    return t.view == t.shape and (not t.dim_axes or all(n == 1 for n in t.dim_axes))
+    return t.view == t.shape and t.dim_axes.count(1) == len(t.dim_axes)
 
 
 def _reviewed(layout: Layout, tensors: Mapping[str, LogicalTensor]) -> Layout:
@@ -364,7 +364,7 @@ def _reviewed(layout: Layout, tensors: Mapping[str, LogicalTensor]) -> Layout:
     frags: list[Fragment] = []
     for f in layout.fragments:
         t = tensors.get(f.tensor)
-        if t is None:
+        if t is None or len(t.axes) == len(t.shape):  # one axis per dim: the view box is the fragment's own box
             frags.append(f)
             continue
         for box, off, st in box_fragments(t, f.box.offsets, f.box.lengths, f.strides, f.offset):
@@ -389,7 +389,7 @@ def common_views(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
     to_dst: dict[str, LogicalTensor] = {}
     for name, d in dst.tensors.items():
         s = src.tensors.get(name)
-        if s is None or s.shape != d.shape or (s.axes, s.view) == (d.axes, d.view):
+        if s is None or s.shape != d.shape or (s.axes == d.axes and s.view == d.view):
             continue
         if _is_plain(s):
             to_src[name] = d
