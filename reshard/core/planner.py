@@ -374,19 +374,22 @@ def _plan(src: Layout, dst: Layout) -> Plan:
             last = f.item
             mine = own.get(last)
         # The same item in the source holds the whole box: copy in place (plan(A, A) is item -> itself).
-        owned = mine.get((f.tensor, f.state)) if mine else None
+        key = (f.tensor, f.state)
+        owned = mine.get(key) if mine else None
         if not owned:
             same = None
         elif len(owned) == 1:  # most often: the item holds one fragment of the tensor
             same = owned[0] if contains(owned[0].box, f.box) else None
         else:
             same = next((s for s in owned if contains(s.box, f.box)), None)
+        if same is None:
+            same = _sole_holder(sources.get(key), f.box)
         if same is not None:
             copies.append(_new_copy(same.item, offset_of(same, f.box), same.strides, last, f.offset, f.strides,
                                     f.box.lengths, f.tensor, f.state, f.box))
             filled.append(k)
         else:
-            wanted[(f.tensor, f.state)].append(k)
+            wanted[key].append(k)
             if owned:
                 owned_at[k] = owned
     missing: list[tuple[int, str]] = []
@@ -422,6 +425,14 @@ def _plan(src: Layout, dst: Layout) -> Plan:
         copies=_in_destination_order(copies, filled, dst),
         tensors=MappingProxyType({n: t for n, t in dst.tensors.items()}),
     )
+
+
+def _sole_holder(held: list[Fragment] | None, box: Box) -> Fragment | None:
+    """The one fragment the source has of a (tensor, state), ``held``, if it holds all of ``box`` (a whole tensor,
+    chunked): what meeting them would give, found without gathering the tensor's destination fragments first."""
+    if held is not None and len(held) == 1 and contains(held[0].box, box):
+        return held[0]
+    return None
 
 
 def _in_destination_order(copies: list[Copy], filled: list[int], dst: Layout) -> tuple[Copy, ...]:

@@ -14,6 +14,7 @@ import pytest
 from spec_gen import random_case
 
 from reshard.core import cover as cover_module
+from reshard.core import planner as planner_module
 from reshard.core.cover import Cover
 from reshard.core.geometry import Box, restrict
 from reshard.core.layout import Fragment, Item
@@ -56,6 +57,24 @@ def test_vectorized_meeting_plans_what_the_loop_plans(seeds, monkeypatch):
         want = [_plan_or_error(src, dst), _plan_or_error(dst, src)]
         monkeypatch.setattr(cover_module, "_VECTOR_MIN", 0)
         assert [_plan_or_error(src, dst), _plan_or_error(dst, src)] == want, seed
+        planned += not isinstance(want[0], str)
+    assert planned >= len(seeds) // 3
+
+
+@pytest.mark.parametrize("seeds", [range(0, 40), range(40, 80)])
+def test_a_box_inside_the_only_source_fragment_is_copied_as_meeting_them_copies_it(seeds, monkeypatch):
+    """The planner takes a destination box that the one source fragment of its (tensor, state) holds whole without
+    meeting them: the same copies in the same order, or the same error, as meeting every such box."""
+    planned = 0
+    for seed in seeds:
+        layouts = _layouts(seed)
+        if layouts is None:  # the case is refused before planning
+            continue
+        src, dst = layouts
+        want = [_plan_or_error(src, dst), _plan_or_error(dst, src)]
+        with monkeypatch.context() as m:
+            m.setattr(planner_module, "_sole_holder", lambda held, box: None)
+            assert [_plan_or_error(src, dst), _plan_or_error(dst, src)] == want, seed
         planned += not isinstance(want[0], str)
     assert planned >= len(seeds) // 3
 
