@@ -4,6 +4,8 @@
   the rest), per thread;
 - ``baselines.py``: reshard against ``cp -r && sync``, ``safetensors`` load + save, DCP's ``dcp_to_torch_save``
   and ``dcp.load``, page cache dropped before each run where it can be (not with ``--tiny``);
+- ``copy_paths.py``: moving a file's bytes unchanged, through the process (read, checksum, write) against the
+  kernel's ``copy_file_range``, with and without a checksum through ``mmap``;
 - ``small_tensors.py``: 100,000 small tensors against 64 large ones of the same bytes, in bytes per second;
 - ``convert_memory.py``, three times: a Megatron checkpoint with the distributed optimizer, tp=2,pp=2 ->
   tp=1,pp=4, a DeepSpeed ZeRO-2 one, dp=2 -> dp=4, and a Hugging Face one to Megatron tp=2,pp=2, against
@@ -65,6 +67,8 @@ def main() -> None:
         ("DeepSpeed conversion", ["convert_memory.py", "--source", "deepspeed", *small, *curve]),
         ("Hugging Face to Megatron conversion", ["convert_memory.py", "--source", "hf", *small, *curve]),
         ("Where a conversion's time goes", ["breakdown.py", *(["--tiny"] if args.tiny else [])]),
+        ("Moving bytes unchanged: read and write, or copy_file_range",
+         ["copy_paths.py", *(["--tiny"] if args.tiny else [])]),
         ("Many small tensors against a few large ones", ["small_tensors.py", *(["--tiny"] if args.tiny else [])]),
         ("Planning a 405B-shaped checkpoint", ["plan_405b.py", "--validate"]),
         ("Models no family describes", ["any_model.py", *(["--tiny"] if args.tiny else [])]),

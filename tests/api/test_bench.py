@@ -30,6 +30,8 @@ def test_the_benchmark_runs_and_reads_each_needed_byte_once():
     assert "**total (resolve + plan)**" in sections["Planning a 405B-shaped checkpoint"]
     breakdown = sections["Where a conversion's time goes"]
     assert all(f"| {thread} | rest: " in breakdown for thread in ("main", "writer", "sync")) and "**wall**" in breakdown
+    copies = sections["Moving bytes unchanged: read and write, or copy_file_range"]
+    assert all(f"| {way} |" in copies for way in ("read + write, xxh3 of the buffer", "copy_file_range, no checksum"))
     small = sections["Many small tensors against a few large ones"]
     assert "| hf -> hf (4 shards) | many | 1,000 |" in small and "| hf -> dcp dp=2 | few | 64 |" in small
     assert "round trip byte-identical: True" in sections["Models no family describes"]
