@@ -342,13 +342,9 @@ def _plan(src: Layout, dst: Layout) -> Plan:
     sources: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
     own: dict[Item, dict[tuple[str, str], list[Fragment]]] = {}
     # A layout lists an item's fragments together: each item is looked up once per run of them, not once per
-    # fragment (hashing an item is a Python call, and a large layout has millions of fragments).
-    wanted_items = set()
-    last = None
-    for f in dst.fragments:
-        if f.item is not last:
-            last = f.item
-            wanted_items.add(last)
+    # fragment (hashing an item is a Python call, and a large layout has millions of fragments). Only the items of
+    # the destination are asked for (its fragments' items are among them: they are ranked by its items below).
+    wanted_items = dst.items
     last = None
     mine: dict[tuple[str, str], list[Fragment]] | None = None
     for f in src.fragments:
@@ -372,7 +368,7 @@ def _plan(src: Layout, dst: Layout) -> Plan:
     for k, f in enumerate(dst.fragments):
         if f.item is not last:
             last = f.item
-            mine = own.get(last)
+            mine = own.get(last) if own else None
         # The same item in the source holds the whole box: copy in place (plan(A, A) is item -> itself).
         key = (f.tensor, f.state)
         owned = mine.get(key) if mine else None
@@ -438,14 +434,23 @@ def _sole_holder(held: list[Fragment] | None, box: Box) -> Fragment | None:
 def _in_destination_order(copies: list[Copy], filled: list[int], dst: Layout) -> tuple[Copy, ...]:
     """The copies by destination item (in the layout's order) and offset; copies of the same item and offset by
     the destination fragment they fill (``filled``, its index in the layout), then in the order they were made."""
-    rank_of = {item: k for k, item in enumerate(dst.items)}
-    ranks = []
-    last, rank = None, 0
+    # Each fragment's run (of fragments in one item), then each run's item's place in the layout: a layout most
+    # often lists its items in the order its fragments come in, and then the runs are its items and none is hashed.
+    runs: list[Item] = []
+    run_of: list[int] = []
+    last = None
     for f in dst.fragments:
         if f.item is not last:
             last = f.item
-            rank = rank_of[last]
-        ranks.append(rank)
+            runs.append(last)
+        run_of.append(len(runs) - 1)
+    items = list(dst.items)
+    if runs == items:
+        ranks = run_of
+    else:
+        rank_of = {item: k for k, item in enumerate(items)}
+        rank_of_run = [rank_of[item] for item in runs]
+        ranks = [rank_of_run[r] for r in run_of]
     try:  # one stable numpy sort (numbers past int64 take the list's sort)
         at = np.array(filled, dtype=np.int64)
         keys = (at, np.fromiter((c.dst_offset for c in copies), dtype=np.int64, count=len(copies)),
