@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from math import prod
 from operator import add, gt
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from reshard.core.collector import collector_paused
 from reshard.errors import CheckpointFormatError
@@ -43,8 +43,7 @@ from reshard.io.dcp_scan import check_memoize_pickle
 from reshard.io.location import UrlPath, as_path
 from reshard.io.torch_types import _DTYPE_ALIASES, _DTYPE_NAMES, _ITEMSIZE
 
-__all__ = ["METADATA_NAME", "DcpChunk", "DcpMetadata", "DcpStorage", "DcpTensor", "read_metadata", "storage_at",
-           "write_metadata"]
+__all__ = ["METADATA_NAME", "DcpChunk", "DcpMetadata", "DcpStorage", "DcpTensor", "read_metadata", "write_metadata"]
 
 METADATA_NAME = ".metadata"
 _MD = "torch.distributed.checkpoint.metadata"
@@ -63,35 +62,24 @@ class DcpChunk:
     sizes: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class DcpTensor:
+class DcpTensor(NamedTuple):
+    """A tensor entry: its dtype, global size and chunks. (A named tuple, as ``DcpStorage``: one per key.)"""
+
     dtype: str
     """torch dtype name without ``torch.``."""
     size: tuple[int, ...]
     chunks: tuple[DcpChunk, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class DcpStorage:
+class DcpStorage(NamedTuple):
+    """Where one entry's bytes are: ``length`` bytes from byte ``offset`` of the checkpoint's file
+    ``relative_path``. (A named tuple: a checkpoint has one per chunk, 200,000 for 100,000 small tensors at dp 2,
+    and reading or writing makes each at half a frozen dataclass's cost.)"""
+
     relative_path: str
     offset: int
     length: int
     transforms: tuple[str, ...] = ()
-
-
-def storage_at(relative_path: str, offset: int, length: int) -> DcpStorage:
-    """``DcpStorage(relative_path, offset, length)``, made at twice the speed for a writer's one per chunk (200,000
-    for 100,000 small tensors): a frozen dataclass's ``__init__`` looks ``object.__setattr__`` up once per field."""
-    s = _new(DcpStorage)
-    _set(s, "relative_path", relative_path)
-    _set(s, "offset", offset)
-    _set(s, "length", length)
-    _set(s, "transforms", ())
-    return s
-
-
-_new = object.__new__
-_set = object.__setattr__
 
 
 @dataclass(slots=True)

@@ -63,9 +63,9 @@ from reshard.io.dcp_metadata import (
     METADATA_NAME,
     DcpChunk,
     DcpMetadata,
+    DcpStorage,
     DcpTensor,
     read_metadata,
-    storage_at,
     write_metadata,
 )
 from reshard.io.location import as_path
@@ -273,14 +273,14 @@ def _metadata(target: Target, files: Mapping[str, list[_Entry]]) -> DcpMetadata:
                 elif got[0] is not dtype or got[1] is not e.global_size:
                     got = pending[key] = (dtype, e.global_size, got[2])
                 got[2].append(e.chunk)
-                storage[(key, e.chunk.offsets)] = storage_at(rel, e.base, e.length)
+                storage[(key, e.chunk.offsets)] = DcpStorage(rel, e.base, e.length)
             elif e.tensor is not None:
                 pending.pop(e.key, None)
                 tensors[e.key] = e.tensor
-                storage[(e.key, (0,) * len(e.tensor.size))] = storage_at(rel, e.base, e.length)
+                storage[(e.key, (0,) * len(e.tensor.size))] = DcpStorage(rel, e.base, e.length)
             else:
                 md.byte_entries.append(e.key)
-                storage[(e.key, None)] = storage_at(rel, e.base, e.length)
+                storage[(e.key, None)] = DcpStorage(rel, e.base, e.length)
     for key, (dtype, size, chunk_list) in pending.items():
         tensors[key] = DcpTensor(dtype, size, tuple(chunk_list))
     given = target.extra["dcp"].planner_data
