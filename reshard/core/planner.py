@@ -189,7 +189,7 @@ class Plan:
         # An item of one name may be in both layouts with different sizes: each side has its own table. Copies come
         # in runs of one source or destination item: each item is looked up once per run (hashing one is a Python
         # call, and a plan may hold 100,000 items).
-        by_dst: dict[Item, list[Copy]] = {}
+        groups: list[tuple[Item, list[Copy]]] = []  # per run of copies into one destination item
         last_src = last_dst = None
         src_size = dst_size = None
         group: list[Copy] = []
@@ -205,7 +205,8 @@ class Plan:
                 last_dst = c.dst
                 info = self.dst_items.get(last_dst)
                 dst_size = None if info is None else info.numel
-                group = by_dst.setdefault(last_dst, [])
+                group = []
+                groups.append((last_dst, group))
             group.append(c)
             lengths = c.lengths
             src_reach = reach.get((lengths, c.src_strides))
@@ -221,8 +222,7 @@ class Plan:
         budget = max_runs
         unchecked = 0
         dense: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}  # (lengths, strides) -> elements, if one run
-        for item, info in self.dst_items.items():
-            copies = by_dst.get(item, [])
+        for (item, info), copies in zip(self.dst_items.items(), _per_item(groups, self.dst_items)):
             if len(copies) == 1:  # most items: one copy, and a dense one is one run, which nothing overlaps
                 c = copies[0]
                 n = dense.get((c.lengths, c.dst_strides))
@@ -468,6 +468,18 @@ def _dict_of(items: Mapping[Item, ItemInfo]) -> dict[Item, ItemInfo]:
         if type(out) is dict:
             return out
     return dict(items)
+
+
+def _per_item(groups: list[tuple[Item, list[Copy]]], items: Mapping[Item, ItemInfo]) -> list[list[Copy]]:
+    """For each of ``items``, in order, the copies into it, from the groups of consecutive copies into one item:
+    most often each group is the next item (a plan lists its copies by destination item), and then no item is
+    hashed."""
+    if [item for item, _ in groups] == list(items):
+        return [copies for _, copies in groups]
+    by_item: dict[Item, list[Copy]] = {}
+    for item, copies in groups:
+        by_item.setdefault(item, []).extend(copies)
+    return [by_item.get(item, []) for item in items]
 
 
 def _runs(offset: int, strides: tuple[int, ...], lengths: tuple[int, ...], budget: int) -> list[tuple[int, int]] | None:
