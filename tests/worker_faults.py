@@ -20,8 +20,9 @@ class FaultyWrite:
 
     - ``kill``: SIGKILL the worker itself (as the OOM killer would);
     - ``exit``: ``os._exit(1)``, without a result;
-    - ``kill-parent``: SIGKILL the conversion's main process, then wait to be killed with it (writes its
-      pid to ``marker + '.worker-pid'``; if it outlives the parent by 5 s, ``marker + '.worker-survived'``).
+    - ``kill-parent``: the first worker to get here writes its pid to ``marker + '.worker-pid'`` and SIGKILLs
+      the conversion's main process; every worker then waits to be killed with it (one that outlives the
+      parent by 5 s writes ``marker + '.worker-survived'``).
     """
 
     def __init__(self, write, action: str, n: int = 1, marker: str = "") -> None:
@@ -46,8 +47,16 @@ class FaultyWrite:
         elif self.action == "exit":
             os._exit(1)
         elif self.action == "kill-parent":
-            Path(self.marker + ".worker-pid").write_text(str(os.getpid()))
-            os.kill(os.getppid(), signal.SIGKILL)
+            # Only the first worker to get here kills the parent, and only once its pid is written whole:
+            # a second worker could otherwise be killed with the parent halfway through rewriting the file.
+            try:
+                fd = os.open(self.marker + ".worker-pid", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                fd = None
+            if fd is not None:
+                os.write(fd, str(os.getpid()).encode())
+                os.close(fd)
+                os.kill(os.getppid(), signal.SIGKILL)
             time.sleep(5)
             Path(self.marker + ".worker-survived").write_text(str(os.getpid()))
         else:
