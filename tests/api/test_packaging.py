@@ -8,6 +8,7 @@ user's site-packages would collide with their own packages.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -21,9 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", str(ROOT), "--no-deps", "--no-build-isolation",
-                    "-w", str(out)], check=True, cwd=out, capture_output=True)
+    """The wheel, built from a copy of the sources: an in-tree build writes ``build/`` and ``*.egg-info`` into the
+    repository and ships whatever stale modules an earlier build left in ``build/``, and it can trip over the
+    bytecode that other test processes write into the tree meanwhile."""
+    tree, out = tmp_path_factory.mktemp("tree"), tmp_path_factory.mktemp("wheel")
+    shutil.copy2(ROOT / "pyproject.toml", tree)
+    for folder in ("reshard", "cli", "specs", "fixtures"):
+        shutil.copytree(ROOT / folder, tree / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", str(tree), "--no-deps", "--no-build-isolation",
+                            "-w", str(out)], cwd=out, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
     (found,) = out.glob("reshard-*.whl")
     return found
 
