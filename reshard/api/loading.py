@@ -17,17 +17,14 @@ the same code on every device; only the last copy differs.
 from __future__ import annotations
 
 import os
-import queue
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from reshard.api.planning import _collector_paused, _plan
+from reshard.api.sinks import HostSink, StagedSink, sink_for
 from reshard.core.dtypes import itemsize
 from reshard.core.layout import PARAM, Item
 from reshard.core.topology import Topology
@@ -109,16 +106,20 @@ def load(src: str | Path, *, to: str | Topology, rank: int, format: str | None =
                 fill.fill_into(it, lo, hi, out.view(uint_dtype(dtypes[it])))
 
         fill.fit_gaps(tasks)
-        _run(task, tasks, threads)
+        try:
+            _run(task, tasks, threads)
+        except BaseException:
+            sink.finish(quiet=True)  # no copy left writing into tensors nobody will get
+            raise
         sink.finish()
         bytes_read, reads = reader.bytes_read, reader.reads
     tensors = {it: flat[it].view(getattr(torch, dtypes[it])).reshape(info.shape) for it, info in items.items()}
     return RankState(topology=report.target.topology, rank=rank, tensors=tensors, bytes_read=bytes_read, reads=reads)
 
 
-def _sink(torch: Any, dev: Any, threads: int) -> _Host | _Staged:
-    """Where windows are filled: the tensors themselves on the CPU, staging buffers for another device."""
-    return _Host(torch) if dev.type == "cpu" else _Staged(torch, dev, threads)
+def _sink(torch: Any, dev: Any, threads: int) -> HostSink | StagedSink:
+    """Where windows are filled (``reshard.api.sinks``)."""
+    return sink_for(torch, dev, threads, _WINDOW)
 
 
 def _device(torch: Any, device: Any) -> Any:
@@ -153,73 +154,3 @@ def _run(task: Any, tasks: list, threads: int) -> None:
             for f in futures:
                 f.cancel()
             raise
-
-
-class _Host:
-    """Tensors filled where they live, in host memory: a window is the tensor's own bytes."""
-
-    def __init__(self, torch: Any) -> None:
-        self.torch = torch
-
-    def allocate(self, sizes: list[int]) -> list[Any]:
-        """Flat byte tensors of ``sizes``: views of one block of memory, each at a multiple of 64 bytes."""
-        # numpy asks the kernel for huge pages for large arrays, and torch does not: reading into fresh
-        # 4 KiB pages faults on each one, which made reading into a torch.empty tensor 3.5 times slower. One
-        # block for all (not one array per tensor) is huge pages throughout: a 0.5 GiB load 0.15 s, not 0.18.
-        starts = [0]
-        for n in sizes:
-            starts.append(starts[-1] + -(-n // 64) * 64)
-        block = np.empty(starts[-1], dtype=np.uint8)
-        return [self.torch.from_numpy(block[a:a + n]) for a, n in zip(starts, sizes)]
-
-    @contextmanager
-    def window(self, flat: Any, lo: int, hi: int) -> Iterator[np.ndarray]:
-        yield flat[lo:hi].numpy()
-
-    def finish(self) -> None:
-        pass
-
-
-class _Staged:
-    """Tensors on a device, filled through host staging buffers of one window each (pinned for CUDA).
-
-    A window is filled into a free staging buffer, then copied to the device on the copy stream
-    without waiting; the buffer is free again once its copy is done (an event marks it), so the
-    filling of the next windows overlaps the copies. Without CUDA (a CPU device in tests) the
-    copy is synchronous and the rest the same.
-    """
-
-    def __init__(self, torch: Any, device: Any, threads: int) -> None:
-        self.torch, self.device = torch, device
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.free: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(threads + 2):  # one per filling thread, and two whose copies are in flight
-            self.free.put((torch.empty(_WINDOW, dtype=torch.uint8, pin_memory=self.cuda), None))
-
-    def allocate(self, sizes: list[int]) -> list[Any]:
-        return [self.torch.empty(n, dtype=self.torch.uint8, device=self.device) for n in sizes]
-
-    @contextmanager
-    def window(self, flat: Any, lo: int, hi: int) -> Iterator[np.ndarray]:
-        buf, copied = self.free.get()
-        event = copied
-        try:
-            if copied is not None:
-                copied.synchronize()  # the buffer's previous copy to the device is done
-            staging = buf[:hi - lo]
-            yield staging.numpy()
-            if self.cuda:
-                with self.torch.cuda.stream(self.stream):
-                    flat[lo:hi].copy_(staging, non_blocking=True)
-                    event = self.torch.cuda.Event()
-                    event.record(self.stream)
-            else:
-                flat[lo:hi].copy_(staging)
-                event = None
-        finally:
-            self.free.put((buf, event))
-
-    def finish(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()

@@ -3,6 +3,9 @@ filled in place on any number of threads, on the device asked for."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from conftest import stored_bytes
@@ -11,6 +14,7 @@ import reshard
 import reshard.api.loading as loading
 from fixtures import make_fixture
 from reshard.api.planning import _plan
+from reshard.api.sinks import StagedSink, ThreadCopies
 from reshard.errors import ReshardError
 from reshard.execution.coalescing import Coalescing
 
@@ -97,11 +101,64 @@ def test_threads_and_staging_fill_the_same_tensors(checkpoints, monkeypatch, thr
     src, written = checkpoints[CASES[0][0]]
     monkeypatch.setattr(loading, "_WINDOW", 4096)
     if staged:
-        monkeypatch.setattr(loading, "_sink", lambda torch, dev, threads: loading._Staged(torch, dev, threads))
+        monkeypatch.setattr(loading, "_sink", lambda torch, dev, threads: StagedSink(torch, dev, threads, 4096,
+                                                                                     ThreadCopies()))
     mine = reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron", threads=threads)
     assert any(t.numel() * t.element_size() > 4 * 4096 for t in mine.tensors.values())
     for item, tensor in mine.tensors.items():
         assert raw(tensor) == written[key(item)], item
+
+
+class _SlowCopies(ThreadCopies):
+    """Each copy starts 2 ms late: a staging buffer filled again before its copy is done would show in the data."""
+
+    def copy(self, dst, src):
+        def late():
+            time.sleep(0.002)
+            dst.copy_(src)
+
+        done = self.pool.submit(late)
+        self.pending.append(done)
+        return done
+
+
+class _FailingCopies(ThreadCopies):
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at, self.copies = fail_at, 0
+
+    def copy(self, dst, src):
+        self.copies += 1
+        if self.copies == self.fail_at:
+            def fail():
+                raise RuntimeError("the copy to the device failed")
+
+            done = self.pool.submit(fail)
+            self.pending.append(done)
+            return done
+        return super().copy(dst, src)
+
+
+def test_a_staging_buffer_is_filled_again_only_once_its_copy_is_done(checkpoints, monkeypatch):
+    src, written = checkpoints[CASES[0][0]]
+    monkeypatch.setattr(loading, "_WINDOW", 4096)
+    copies = _SlowCopies()
+    monkeypatch.setattr(loading, "_sink", lambda torch, dev, threads: StagedSink(torch, dev, threads, 4096, copies))
+    mine = reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron", threads=3)
+    assert len(copies.pending) == 0 and copies.pool._shutdown
+    for item, tensor in mine.tensors.items():
+        assert raw(tensor) == written[key(item)], item
+
+
+def test_a_failed_copy_fails_the_load_and_leaves_no_copy_running(checkpoints, monkeypatch):
+    src, _ = checkpoints[CASES[0][0]]
+    monkeypatch.setattr(loading, "_WINDOW", 4096)
+    copies = _FailingCopies(fail_at=3)
+    monkeypatch.setattr(loading, "_sink", lambda torch, dev, threads: StagedSink(torch, dev, threads, 4096, copies))
+    with pytest.raises(RuntimeError, match="the copy to the device failed"):
+        reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron", threads=2)
+    assert copies.copies > 3 and copies.pool._shutdown  # the failure surfaced where its buffer came back
+    assert not [t for t in threading.enumerate() if t.name.startswith("reshard-copy")]
 
 
 def test_tensors_are_made_on_the_device_asked_for(checkpoints):
