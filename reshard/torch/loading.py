@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.api.planning import open_checkpoint
+from reshard.api.sinks import StagedSink, copies_for
 from reshard.core.dtypes import itemsize
 from reshard.core.chunks import through
 from reshard.core.layout import MASTER, PARAM, Layout, common_views
@@ -281,28 +282,60 @@ def _fill(source: Source, shards: list[Shard], locals_: Mapping, module: _Module
     except PlanError as e:
         raise PlanError(f"{source.path}: {e}") from None
     share = 0
+    staged: dict[Any, StagedSink] = {}  # a device's tensors are filled through its staging buffers
     with ByteReader() as reader, torch.no_grad():
         fill = PlanFill(p, source.where, reader, coalescing=RANK_LOAD)
         windows = {s.item: _windows(s, locals_[s.item], itemsize(fill.dtypes[s.item])) for s in shards if s.numel}
         fill.fit_gaps([w for ws in windows.values() for w in ws])
-        for s in shards:
-            if s.numel == 0:
-                continue
-            local = locals_[s.item]
-            dtype = fill.dtypes[s.item]
-            share += s.numel * itemsize(dtype)
-            as_torch = getattr(torch, dtype)
-            if not local.is_contiguous():
-                data = bytearray(fill(s.item, 0, s.numel))
-                local.copy_(torch.frombuffer(data, dtype=as_torch).reshape(s.lengths))
-                continue
-            flat = local.view(-1)
-            for _, lo, hi in windows[s.item]:
-                if flat.device.type == "cpu" and flat.dtype == as_torch:  # in place: the stored bits, as they are
-                    fill.fill_into(s.item, lo, hi, flat[lo:hi].view(torch.uint8).numpy().view(uint_dtype(dtype)))
-                else:
-                    flat[lo:hi].copy_(torch.frombuffer(fill(s.item, lo, hi), dtype=as_torch))
+        try:
+            for s in shards:
+                if s.numel:
+                    share += _fill_one(torch, fill, s, locals_[s.item], windows[s.item], staged)
+        except BaseException:
+            for sink in staged.values():  # no copy left writing into the module's tensors
+                sink.finish(quiet=True)
+            raise
+        for sink in staged.values():
+            sink.finish()
         return reader.bytes_read, share, reader.reads
+
+
+def _fill_one(torch: Any, fill: PlanFill, s: Shard, local: Any, windows: list[tuple[Any, int, int]],
+              staged: dict[Any, StagedSink]) -> int:
+    """Read shard ``s`` into its local tensor; returns its bytes as stored."""
+    dtype = fill.dtypes[s.item]
+    as_torch = getattr(torch, dtype)
+    if not local.is_contiguous():
+        data = bytearray(fill(s.item, 0, s.numel))
+        local.copy_(torch.frombuffer(data, dtype=as_torch).reshape(s.lengths))
+    elif not _on_host(local):  # through staging buffers, read as stored, cast to the module's dtype by the copy
+        flat = local.view(-1)
+        sink = staged.get(flat.device)
+        if sink is None:
+            sink = staged[flat.device] = _staged(torch, flat.device)
+        for _, lo, hi in windows:
+            with sink.window(flat, lo, hi, as_torch) as out:
+                fill.fill_into(s.item, lo, hi, out.view(uint_dtype(dtype)))
+    else:
+        flat = local.view(-1)
+        for _, lo, hi in windows:
+            if flat.dtype == as_torch:  # in place: the stored bits, as they are
+                fill.fill_into(s.item, lo, hi, flat[lo:hi].view(torch.uint8).numpy().view(uint_dtype(dtype)))
+            else:
+                flat[lo:hi].copy_(torch.frombuffer(fill(s.item, lo, hi), dtype=as_torch))
+    return s.numel * itemsize(dtype)
+
+
+def _on_host(local: Any) -> bool:
+    """Whether a module's tensor is filled in host memory, else through staging buffers."""
+    return local.device.type == "cpu"
+
+
+def _staged(torch: Any, device: Any) -> StagedSink:
+    """The staging buffers of one device's tensors: one window fills while the last one is copied."""
+    sink = StagedSink(torch, device, 1, _WINDOW, copies_for(torch, device))
+    sink.ready()
+    return sink
 
 
 def _windows(s: Shard, local: Any, size: int) -> list[tuple[Any, int, int]]:

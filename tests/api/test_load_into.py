@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import reshard.torch.loading
 from reshard.errors import ReshardError
 from reshard.torch import load_into
 
@@ -37,7 +38,13 @@ def _step(net, opt) -> None:
     opt.zero_grad()
 
 
-def test_a_plain_module_loads_from_safetensors_reading_only_its_bytes(tmp_path):
+@pytest.mark.parametrize("staged", [False, True], ids=["in place", "staged"])
+def test_a_plain_module_loads_from_safetensors_reading_only_its_bytes(tmp_path, monkeypatch, staged):
+    """Also (``staged``) through the path of a module on a device: staging buffers of 8 bytes, copied (and cast
+    to float32) on a thread of their own, as CUDA's stream copies them."""
+    if staged:
+        monkeypatch.setattr(reshard.torch.loading, "_on_host", lambda local: False)
+        monkeypatch.setattr(reshard.torch.loading, "_WINDOW", 8)
     saved = {k: v.to(torch.bfloat16) for k, v in _net(0).state_dict().items()}
     _hf(tmp_path / "hf", saved)
     net = _net(1)
