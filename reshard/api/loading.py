@@ -16,15 +16,13 @@ the same code on every device; only the last copy differs.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from reshard.api.planning import _collector_paused, _plan
-from reshard.api.sinks import HostSink, StagedSink, sink_for
+from reshard.api.sinks import HostSink, StagedSink, fill_threads, run_windows, sink_for
 from reshard.core.dtypes import itemsize
 from reshard.core.layout import PARAM, Item
 from reshard.core.topology import Topology
@@ -36,12 +34,6 @@ __all__ = ["RankState", "load"]
 
 _WINDOW = 16 << 20
 """Bytes of one tensor filled as one task (larger tensors are cut into windows of this size)."""
-
-_THREADS = 2
-"""Threads filling windows at once, by default (at most the cores this process may use). Measured on a
-2-core machine, rank 3 of tp=2,pp=2 from a 595 MiB Hugging Face checkpoint (148 MiB, warm cache):
-see bench/rank_load.py."""
-
 
 @dataclass(slots=True)
 class RankState:
@@ -83,10 +75,7 @@ def load(src: str | Path, *, to: str | Topology, rank: int, format: str | None =
     import torch
 
     dev = _device(torch, device)
-    if threads is None:
-        threads = max(1, min(_THREADS, _cores()))
-    elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ReshardError(f"threads must be an integer of at least 1, got {threads!r}")
+    threads = fill_threads(threads)
     with _collector_paused():
         report = _plan(src, to, format, spec, sizes, None, None, rank=rank)
     items = report.target.layout.items
@@ -107,7 +96,7 @@ def load(src: str | Path, *, to: str | Topology, rank: int, format: str | None =
 
         fill.fit_gaps(tasks)
         try:
-            _run(task, tasks, threads)
+            run_windows(task, tasks, threads)
         except BaseException:
             sink.finish(quiet=True)  # no copy left writing into tensors nobody will get
             raise
@@ -130,27 +119,3 @@ def _device(torch: Any, device: Any) -> Any:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ReshardError(f"device {device!r}: CUDA is not available here")
     return dev
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _run(task: Any, tasks: list, threads: int) -> None:
-    """``task`` over ``tasks``, on ``threads`` threads; the first error stops what has not started."""
-    if threads == 1 or len(tasks) <= 1:
-        for t in tasks:
-            task(t)
-        return
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reshard-load") as pool:
-        futures = [pool.submit(task, t) for t in tasks]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise

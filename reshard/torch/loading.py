@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.api.planning import open_checkpoint
-from reshard.api.sinks import StagedSink, copies_for
+from reshard.api.sinks import StagedSink, copies_for, fill_threads, run_windows
 from reshard.core.dtypes import itemsize
 from reshard.core.chunks import through
 from reshard.core.layout import MASTER, PARAM, Layout, common_views
@@ -88,7 +88,7 @@ class _Module:
 
 def load_into(model: Any, optimizer: Any, src: str | Path, *,
               names: Mapping[str, str] | Callable[[str], str] | None = None,
-              strict: bool = True) -> LoadReport:
+              strict: bool = True, threads: int | None = None) -> LoadReport:
     """Fill ``model``'s (and ``optimizer``'s) tensors on this rank from checkpoint ``src``, reading only its bytes.
 
     Called on every rank of a job, after the model is parallelized (FSDP2 ``fully_shard``,
@@ -114,6 +114,9 @@ def load_into(model: Any, optimizer: Any, src: str | Path, *,
         loads into ``LlamaForCausalLM`` as it is.
       strict: refuse a model key the checkpoint lacks and a checkpoint tensor the model lacks (False:
         leave the first as it is, ignore the second).
+      threads: how many threads fill the tensors (default: 2, at most the usable cores). On a device other
+        than the CPU, windows are filled into host staging buffers (pinned for CUDA) and copied to the
+        tensors while the next ones fill.
 
     Returns:
       A ``LoadReport``: the bytes this rank read and its share.
@@ -133,6 +136,7 @@ def load_into(model: Any, optimizer: Any, src: str | Path, *,
         set_state_dict,
     )
 
+    threads = fill_threads(threads)
     source = open_checkpoint(src)
     held = {(f.tensor, f.state) for f in source.layout.fragments if f.item in source.where}
     opt_states = {s for _, s in held} - {PARAM, MASTER}
@@ -156,7 +160,7 @@ def load_into(model: Any, optimizer: Any, src: str | Path, *,
         osd = get_optimizer_state_dict(model, optimizer)
         _optimizer_shards(osd, source, held, rename, chosen, shards, locals_, problems, module)  # shapes: its params'
         _refuse(problems, source)
-    bytes_read, share, reads = _fill(source, shards, locals_, module)
+    bytes_read, share, reads = _fill(source, shards, locals_, module, threads)
     if osd is not None:
         _set_steps(osd, source, rename, chosen)
         set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
@@ -266,9 +270,10 @@ def _shape_problems(shards: list[Shard], source: Source, module: _Module) -> lis
     return out
 
 
-def _fill(source: Source, shards: list[Shard], locals_: Mapping, module: _Module) -> tuple[int, int, int]:
+def _fill(source: Source, shards: list[Shard], locals_: Mapping, module: _Module,
+          threads: int) -> tuple[int, int, int]:
     """Plan this rank's boxes against the checkpoint, prove the plan, and read each box into its local tensor
-    window by window. Returns (bytes read, share in bytes, reads)."""
+    window by window, on ``threads`` threads. Returns (bytes read, share in bytes, reads)."""
     import torch
 
     mine = rank_layout(shards)
@@ -282,15 +287,40 @@ def _fill(source: Source, shards: list[Shard], locals_: Mapping, module: _Module
     except PlanError as e:
         raise PlanError(f"{source.path}: {e}") from None
     share = 0
-    staged: dict[Any, StagedSink] = {}  # a device's tensors are filled through its staging buffers
     with ByteReader() as reader, torch.no_grad():
         fill = PlanFill(p, source.where, reader, coalescing=RANK_LOAD)
         windows = {s.item: _windows(s, locals_[s.item], itemsize(fill.dtypes[s.item])) for s in shards if s.numel}
         fill.fit_gaps([w for ws in windows.values() for w in ws])
+        tasks = []
+        for s in shards:
+            if not s.numel:
+                continue
+            local = locals_[s.item]
+            share += s.numel * itemsize(fill.dtypes[s.item])
+            if local.is_contiguous():
+                flat = local.view(-1)
+                tasks += [(s.item, flat, lo, hi) for _, lo, hi in windows[s.item]]
+            else:  # a strided view (a transposed module tensor): read whole, then copied into it
+                as_torch = getattr(torch, fill.dtypes[s.item])
+                local.copy_(torch.frombuffer(bytearray(fill(s.item, 0, s.numel)), dtype=as_torch).reshape(s.lengths))
+        # a device's tensors are filled through its staging buffers
+        staged = {d: _staged(torch, d, threads) for d in dict.fromkeys(t[1].device for t in tasks if not _on_host(t[1]))}
+
+        def task(job: tuple[Any, Any, int, int]) -> None:
+            item, flat, lo, hi = job
+            dtype = fill.dtypes[item]
+            as_torch = getattr(torch, dtype)
+            sink = staged.get(flat.device) if staged else None
+            if sink is not None:  # read as stored, cast to the module's dtype by the copy
+                with sink.window(flat, lo, hi, as_torch) as out:
+                    fill.fill_into(item, lo, hi, out.view(uint_dtype(dtype)))
+            elif flat.dtype == as_torch:  # in place: the stored bits, as they are
+                fill.fill_into(item, lo, hi, flat[lo:hi].view(torch.uint8).numpy().view(uint_dtype(dtype)))
+            else:
+                flat[lo:hi].copy_(torch.frombuffer(fill(item, lo, hi), dtype=as_torch))
+
         try:
-            for s in shards:
-                if s.numel:
-                    share += _fill_one(torch, fill, s, locals_[s.item], windows[s.item], staged)
+            run_windows(task, tasks, threads)
         except BaseException:
             for sink in staged.values():  # no copy left writing into the module's tensors
                 sink.finish(quiet=True)
@@ -300,40 +330,14 @@ def _fill(source: Source, shards: list[Shard], locals_: Mapping, module: _Module
         return reader.bytes_read, share, reader.reads
 
 
-def _fill_one(torch: Any, fill: PlanFill, s: Shard, local: Any, windows: list[tuple[Any, int, int]],
-              staged: dict[Any, StagedSink]) -> int:
-    """Read shard ``s`` into its local tensor; returns its bytes as stored."""
-    dtype = fill.dtypes[s.item]
-    as_torch = getattr(torch, dtype)
-    if not local.is_contiguous():
-        data = bytearray(fill(s.item, 0, s.numel))
-        local.copy_(torch.frombuffer(data, dtype=as_torch).reshape(s.lengths))
-    elif not _on_host(local):  # through staging buffers, read as stored, cast to the module's dtype by the copy
-        flat = local.view(-1)
-        sink = staged.get(flat.device)
-        if sink is None:
-            sink = staged[flat.device] = _staged(torch, flat.device)
-        for _, lo, hi in windows:
-            with sink.window(flat, lo, hi, as_torch) as out:
-                fill.fill_into(s.item, lo, hi, out.view(uint_dtype(dtype)))
-    else:
-        flat = local.view(-1)
-        for _, lo, hi in windows:
-            if flat.dtype == as_torch:  # in place: the stored bits, as they are
-                fill.fill_into(s.item, lo, hi, flat[lo:hi].view(torch.uint8).numpy().view(uint_dtype(dtype)))
-            else:
-                flat[lo:hi].copy_(torch.frombuffer(fill(s.item, lo, hi), dtype=as_torch))
-    return s.numel * itemsize(dtype)
-
-
 def _on_host(local: Any) -> bool:
     """Whether a module's tensor is filled in host memory, else through staging buffers."""
     return local.device.type == "cpu"
 
 
-def _staged(torch: Any, device: Any) -> StagedSink:
-    """The staging buffers of one device's tensors: one window fills while the last one is copied."""
-    sink = StagedSink(torch, device, 1, _WINDOW, copies_for(torch, device))
+def _staged(torch: Any, device: Any, threads: int) -> StagedSink:
+    """The staging buffers of one device's tensors: windows fill while the last ones are copied."""
+    sink = StagedSink(torch, device, threads, _WINDOW, copies_for(torch, device))
     sink.ready()
     return sink
 

@@ -38,17 +38,18 @@ def _step(net, opt) -> None:
     opt.zero_grad()
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("staged", [False, True], ids=["in place", "staged"])
-def test_a_plain_module_loads_from_safetensors_reading_only_its_bytes(tmp_path, monkeypatch, staged):
-    """Also (``staged``) through the path of a module on a device: staging buffers of 8 bytes, copied (and cast
-    to float32) on a thread of their own, as CUDA's stream copies them."""
+def test_a_plain_module_loads_from_safetensors_reading_only_its_bytes(tmp_path, monkeypatch, staged, threads):
+    """Windows of 8 bytes filled on 1 or 3 threads; also (``staged``) through the path of a module on a device:
+    staging buffers copied (and cast to float32) on a thread of their own, as CUDA's stream copies them."""
+    monkeypatch.setattr(reshard.torch.loading, "_WINDOW", 8)
     if staged:
         monkeypatch.setattr(reshard.torch.loading, "_on_host", lambda local: False)
-        monkeypatch.setattr(reshard.torch.loading, "_WINDOW", 8)
     saved = {k: v.to(torch.bfloat16) for k, v in _net(0).state_dict().items()}
     _hf(tmp_path / "hf", saved)
     net = _net(1)
-    report = load_into(net, None, tmp_path / "hf")
+    report = load_into(net, None, tmp_path / "hf", threads=threads)
     for k, v in net.state_dict().items():
         assert v.dtype == torch.float32 and torch.equal(v, saved[k].float()), k
     assert report.bytes_read == report.share == sum(v.numel() * 2 for v in saved.values())
@@ -132,6 +133,13 @@ def test_not_strict_leaves_what_the_checkpoint_lacks_and_says_so(tmp_path):
     report = load_into(net, None, tmp_path / "hf", strict=False)
     assert report.missing == ("2.bias",) and torch.equal(net[2].bias, before)
     assert torch.equal(net[2].weight, saved["2.weight"])
+
+
+def test_threads_must_be_a_count(tmp_path):
+    _hf(tmp_path / "hf", _net(0).state_dict())
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ReshardError, match=rf"threads must be an integer of at least 1, got {bad!r}"):
+            load_into(_net(1), None, tmp_path / "hf", threads=bad)
 
 
 def test_an_optimizer_is_refused_when_the_checkpoint_has_only_weights(tmp_path):
