@@ -10,7 +10,9 @@ rounds each:
 - ``safetensors.torch.load_file`` of every shard plus a ``clone()`` of every tensor;
 - ``reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron")`` on 1 and 2 threads;
 - new memory of the rank's share alone (``numpy.empty``, as the load allocates, and a write per page): what the
-  load's returned tensors cost before a byte is read, and the whole-file reads into one reused buffer do not.
+  load's returned tensors cost before a byte is read, and the whole-file reads into one reused buffer do not;
+- where CUDA is present, also onto the GPU: ``load_file(device="cuda")`` of every shard, and the rank's share by
+  ``reshard.load(..., device="cuda")`` and by a host load followed by ``.to("cuda")``.
 
 Prints a markdown table: median wall time, its ratio to the faster way of
 reading everything, bytes read over the rank's share, read calls. With ``--cold``
@@ -66,6 +68,30 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
+def cuda_runs(torch, load_file, src: Path, files: list[Path]) -> dict:
+    """Where CUDA is present: everything read onto the GPU by safetensors, and rank 3's share onto the GPU by
+    ``reshard.load(device="cuda")`` (staging buffers, copies overlapped) and by a host load then ``.to("cuda")``."""
+    import reshard
+
+    def safetensors_gpu() -> dict:
+        for f in files:
+            _ = load_file(f, device="cuda")
+        torch.cuda.synchronize()
+        return {}
+
+    def to_gpu(staged: bool):
+        def run() -> dict:
+            m = reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron", device="cuda" if staged else None)
+            tensors = m.tensors.values() if staged else [t.to("cuda") for t in m.tensors.values()]
+            torch.cuda.synchronize()
+            return {"read": m.bytes_read, "reads": m.reads, "share": sum(t.numel() * t.element_size() for t in tensors)}
+        return run
+
+    return {"safetensors load_file(device='cuda'), every file": safetensors_gpu,
+            "reshard.load rank 3 onto the GPU (device='cuda'), 2 threads": to_gpu(True),
+            "reshard.load rank 3 on the host, then .to('cuda')": to_gpu(False)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=20, help="decoder layers (20: about 1.92 GiB)")
@@ -118,6 +144,8 @@ def main() -> None:
                 "reshard.load rank 3 of tp=2,pp=2, 1 thread": load(1),
                 "reshard.load rank 3 of tp=2,pp=2, 2 threads": load(2),
                 "new memory for the share alone (no read: numpy empty, a write per page)": fresh}
+        if torch.cuda.is_available():
+            runs.update(cuda_runs(torch, load_file, src, files))
         for run in runs.values():  # warm the page cache and the imports
             run()
         times: dict[str, list[float]] = {name: [] for name in runs}
