@@ -138,7 +138,7 @@ class ThreadCopies:
         pass
 
     def copy(self, dst: Any, src: Any) -> Future:
-        done = self.pool.submit(dst.copy_, src)
+        done = self.pool.submit(_copy, dst, src)
         self.pending.append(done)
         return done
 
@@ -156,6 +156,13 @@ class ThreadCopies:
         finally:
             self.pending.clear()
             self.pool.shutdown(wait=True)
+
+
+def _copy(dst: Any, src: Any) -> None:
+    import torch  # imported already: the tensors are torch's
+
+    with torch.no_grad():  # grad mode is per thread: a module's tensors are copied into as the caller would
+        dst.copy_(src)
 
 
 class StagedSink:

@@ -311,13 +311,14 @@ def _fill(source: Source, shards: list[Shard], locals_: Mapping, module: _Module
             dtype = fill.dtypes[item]
             as_torch = getattr(torch, dtype)
             sink = staged.get(flat.device) if staged else None
-            if sink is not None:  # read as stored, cast to the module's dtype by the copy
-                with sink.window(flat, lo, hi, as_torch) as out:
-                    fill.fill_into(item, lo, hi, out.view(uint_dtype(dtype)))
-            elif flat.dtype == as_torch:  # in place: the stored bits, as they are
-                fill.fill_into(item, lo, hi, flat[lo:hi].view(torch.uint8).numpy().view(uint_dtype(dtype)))
-            else:
-                flat[lo:hi].copy_(torch.frombuffer(fill(item, lo, hi), dtype=as_torch))
+            with torch.no_grad():  # grad mode is per thread
+                if sink is not None:  # read as stored, cast to the module's dtype by the copy
+                    with sink.window(flat, lo, hi, as_torch) as out:
+                        fill.fill_into(item, lo, hi, out.view(uint_dtype(dtype)))
+                elif flat.dtype == as_torch:  # in place: the stored bits, as they are
+                    fill.fill_into(item, lo, hi, flat[lo:hi].view(torch.uint8).numpy().view(uint_dtype(dtype)))
+                else:
+                    flat[lo:hi].copy_(torch.frombuffer(fill(item, lo, hi), dtype=as_torch))
 
         try:
             run_windows(task, tasks, threads)
