@@ -15,7 +15,9 @@ Then converts each, in a fresh interpreter, ``--repeat`` rounds interleaved:
 
 Prints wall time (the whole process, imports and planning included), MiB/s, and each "many" run's time per
 byte over its "few" twin's (the target: at most 1.5); and, for reference, the same figures for the plain
-``safetensors`` library: ``load_file`` of the one file and ``save_file`` of its tensors, fsynced.
+``safetensors`` library (``load_file`` of the one file and ``save_file`` of its tensors, fsynced), and for a bare
+Python loop that does only what any converter in Python must per tensor (``bare_copy``: the header, the
+offsets' check, the shards, an xxh3-128 of each tensor, the index; its output checked against the source).
 
     python bench/small_tensors.py [--tensors 100000] [--mib 1000] [--repeat 3] [--tiny]
 """
@@ -23,6 +25,7 @@ byte over its "few" twin's (the target: at most 1.5); and, for reference, the sa
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import shutil
@@ -39,6 +42,7 @@ from convert_memory import child, dir_size  # noqa: E402
 
 CUSTOM = {"model_type": "custom", "architectures": ["CustomModel"]}
 PLAIN = "safetensors load_file + save_file"
+BARE = "bare Python loop, hf -> hf (4 shards)"
 
 
 def shapes(count: int, total: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -69,6 +73,114 @@ def plain(src: Path, dst: Path) -> float:
     return seconds
 
 
+def bare(src: Path, dst: Path, shard: int) -> float:
+    """``bare_copy`` of ``src`` into ``dst`` in a fresh interpreter: its wall seconds."""
+    shutil.rmtree(dst, ignore_errors=True)
+    os.sync()
+    seconds, _, _ = child(f"import json, sys; sys.path.insert(0, {str(HERE)!r})\nfrom small_tensors import bare_copy\n"
+                          f"bare_copy({str(src)!r}, {str(dst)!r}, {shard})\n_out = {{}}")
+    return seconds
+
+
+_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def bare_copy(src: str, dst: str, shard: int) -> None:
+    """The least a converter in Python does per tensor, for Hugging Face -> Hugging Face: parse the one file's
+    header, check each tensor's offsets against its shape and dtype, lay the tensors out in shards of at most
+    ``shard`` bytes in file order, copy them in buffers of whole tensors (at most 4 MiB, a larger tensor alone)
+    with an xxh3-128 of each, and write each shard's header, the index and the digests (compact JSON), each file
+    fsynced. No plan, no resume journal, no logical checksums, no other format: the floor of Python per tensor
+    on this machine, against which reshard's own per-tensor cost shows."""
+    import json
+    import struct
+
+    import xxhash
+
+    out = Path(dst)
+    out.mkdir(parents=True, exist_ok=True)
+    fi = os.open(Path(src) / "model.safetensors", os.O_RDONLY)
+    n = struct.unpack("<Q", os.pread(fi, 8, 0))[0]
+    header = json.loads(os.pread(fi, n, 8))
+    header.pop("__metadata__", None)
+    tensors = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    end = 0
+    for name, t in tensors:
+        lo, hi = t["data_offsets"]
+        if lo != end or hi - lo != math.prod(t["shape"]) * _SIZES[t["dtype"]]:
+            raise ValueError(f"{src}: tensor {name} has offsets {lo}, {hi}")
+        end = hi
+    shards: list[list[tuple[str, dict]]] = [[]]
+    held = 0
+    for name, t in tensors:
+        size = t["data_offsets"][1] - t["data_offsets"][0]
+        if shards[-1] and held + size > shard:
+            shards.append([])
+            held = 0
+        shards[-1].append((name, t))
+        held += size
+    digests: dict[str, str] = {}
+    weight_map: dict[str, str] = {}
+    buffer = memoryview(bytearray(4 << 20))
+    for k, part in enumerate(shards):
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        first = part[0][1]["data_offsets"][0]
+        entries = {name: {"dtype": t["dtype"], "shape": t["shape"],
+                          "data_offsets": [t["data_offsets"][0] - first, t["data_offsets"][1] - first]}
+                   for name, t in part}
+        weight_map.update(dict.fromkeys(entries, file))
+        text = json.dumps(entries, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        fo = os.open(out / file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(fo, struct.pack("<Q", len(text)) + text, 0)
+        at, j = 8 + len(text), 0
+        while j < len(part):  # a run of whole tensors that fits the buffer, or one larger tensor alone
+            lo, e = part[j][1]["data_offsets"][0], j + 1
+            while e < len(part) and part[e][1]["data_offsets"][1] - lo <= len(buffer):
+                e += 1
+            hi = part[e - 1][1]["data_offsets"][1]
+            digest = xxhash.xxh3_128() if hi - lo > len(buffer) else None
+            for start in range(lo, hi, len(buffer)):
+                view = buffer[:min(len(buffer), hi - start)]
+                if os.preadv(fi, [view], 8 + n + start) != len(view):
+                    raise ValueError(f"{src}: short read")
+                if digest is not None:
+                    digest.update(view)
+                else:
+                    for name, t in part[j:e]:
+                        a, b = t["data_offsets"]
+                        digests[name] = xxhash.xxh3_128_hexdigest(view[a - lo:b - lo])
+                os.pwrite(fo, view, at)
+                at += len(view)
+            if digest is not None:
+                digests[part[j][0]] = digest.hexdigest()
+            j = e
+        os.fsync(fo)
+        os.close(fo)
+    os.close(fi)
+    for file, obj in (("model.safetensors.index.json", {"metadata": {"total_size": end}, "weight_map": weight_map}),
+                      ("digests.json", digests)):
+        fd = os.open(out / file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, json.dumps(obj, separators=(",", ":")).encode())
+        os.fsync(fd)
+        os.close(fd)
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    """Whether the Hugging Face checkpoints ``a`` and ``b`` hold the same tensors, byte for byte."""
+    from safetensors import safe_open
+
+    def load(path: Path) -> dict:
+        out = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(file, "numpy") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open is not a dict)
+        return out
+
+    x, y = load(a), load(b)
+    return x.keys() == y.keys() and all(x[k].dtype == y[k].dtype and x[k].tobytes() == y[k].tobytes() for k in x)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tensors", type=int, default=100_000, help="the small tensors of the 'many' checkpoint")
@@ -87,12 +199,20 @@ def main() -> None:
         sizes = {k: dir_size(v) for k, v in sources.items()}
         quarter = f"{max(1, total // 4 >> 20)}MiB"
         runs = {"hf -> hf (4 shards)": ("hf", None, quarter), "hf -> dcp dp=2": ("dcp", "dp=2", None),
-                PLAIN: None}
+                PLAIN: None, BARE: "bare"}
         times: dict[tuple[str, str], list[float]] = {(r, k): [] for r in runs for k in sources}
-        for _ in range(args.repeat):
+        for round_ in range(args.repeat):
             for run, how in runs.items():
                 for kind, src in sources.items():
-                    times[run, kind].append(plain(src, tmp / "out") if how is None else convert(src, tmp / "out", *how))
+                    if how is None:
+                        seconds = plain(src, tmp / "out")
+                    elif how == "bare":
+                        seconds = bare(src, tmp / "out", total // 4)
+                        if round_ == 0 and not same_tensors(src, tmp / "out"):
+                            raise SystemExit(f"{BARE}: the {kind} copy differs from its source")
+                    else:
+                        seconds = convert(src, tmp / "out", *how)
+                    times[run, kind].append(seconds)
         shutil.rmtree(tmp / "out", ignore_errors=True)
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
@@ -107,7 +227,8 @@ def main() -> None:
                       f"{sizes[kind] / 2**20 / med[run, kind]:.0f} | {per_byte:.2f} |")
         print(f"\nmedians of {args.repeat} rounds, interleaved; wall time is the whole process (imports, opening, "
               "planning, writing, the manifest); target: time per byte of 'many' at most 1.5 x 'few'; the last rows "
-              "are the plain safetensors library's load_file + save_file (one file, fsynced), for reference")
+              "are the plain safetensors library's load_file + save_file (one file, fsynced), and a bare Python loop "
+              "doing only what any converter in Python must per tensor (bare_copy), for reference")
 
 
 if __name__ == "__main__":
