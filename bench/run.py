@@ -6,7 +6,8 @@
   and ``dcp.load``, page cache dropped before each run where it can be (not with ``--tiny``);
 - ``copy_paths.py``: moving a file's bytes unchanged, through the process (read, checksum, write) against the
   kernel's ``copy_file_range``, with and without a checksum through ``mmap``;
-- ``small_tensors.py``: 100,000 small tensors against 64 large ones of the same bytes, in bytes per second;
+- ``small_tensors.py``: 100,000 small tensors against 64 large ones of the same bytes, in bytes per second,
+  with the plain ``safetensors`` library and a bare Python loop (the floor of Python per tensor) beside;
 - ``convert_memory.py``, three times: a Megatron checkpoint with the distributed optimizer, tp=2,pp=2 ->
   tp=1,pp=4, a DeepSpeed ZeRO-2 one, dp=2 -> dp=4, and a Hugging Face one to Megatron tp=2,pp=2, against
   ``cp -r``, with ``--workers`` 1, 2, 4 and 8 (the curve; 1 and 2 with ``--tiny``), and ``reshard.load`` of
