@@ -353,6 +353,11 @@ _WORKER_BYTES = 64 << 20
 
 _MIB = 1 << 20
 
+_WINDOWS = 5
+"""The windows a writing process holds at once: the one being filled, the one in flight on its writer thread, the
+source spans feeding a window (at most the window again), the writer's own buffer, and the page-aligned buffer
+its direct writes copy through (``reshard.io.storage``: no larger than a window)."""
+
 
 def _workers_and_window(report: PlanReport, workers: int | str, files: list[str],
                         memory_budget: int | str | None) -> tuple[int, int, list[Portion]]:
@@ -365,15 +370,15 @@ def _workers_and_window(report: PlanReport, workers: int | str, files: list[str]
         parts = shares(report, count, files)
         fixed, what = _fixed_bytes(report, parts)
         writers = max(1, len(parts))
-        if fixed + 4 * writers * _MIB <= budget or workers != "auto" or count == 1:
+        if fixed + _WINDOWS * writers * _MIB <= budget or workers != "auto" or count == 1:
             break
         count -= 1
-    window = min(64 << 20, max(_MIB, (budget - fixed) // (4 * writers)))
-    if fixed + 4 * writers * window > budget:
-        need = math.ceil((fixed + 4 * writers * _MIB) / _MIB)
+    window = min(64 << 20, max(_MIB, (budget - fixed) // (_WINDOWS * writers)))
+    if fixed + _WINDOWS * writers * window > budget:
+        need = math.ceil((fixed + _WINDOWS * writers * _MIB) / _MIB)
         over = f" over {len(parts)} workers" if len(parts) > 1 else ""
         raise ReshardError(f"memory budget {budget / _MIB:.0f} MiB{over} is below the {need} MiB this conversion needs: "
-                           f"{what} + 4 windows of 1 MiB" + (" each" if len(parts) > 1 else "")
+                           f"{what} + {_WINDOWS} windows of 1 MiB" + (" each" if len(parts) > 1 else "")
                            + (f"; give --memory-budget {need}MiB or more, or fewer workers" if len(parts) > 1 else ""))
     return max(1, len(parts)), window, parts
 
@@ -382,8 +387,7 @@ def _fixed_bytes(report: PlanReport, parts: list[list[str]]) -> tuple[int, str]:
     """What the processes hold besides windows, and how that adds up (for the error naming it).
 
     The main process holds the runtime and the plan (estimated from its counts). Each writing
-    process also holds a destination window, the source spans feeding it (at most the window
-    again) and the writer's own buffer: four windows in all. Workers hold their own runtime, the
+    process also holds windows (``_WINDOWS``). Workers hold their own runtime, the
     target and their slice of the plan; the main process waits holding the whole plan.
     """
     fragments = len(report.source.layout.fragments) + len(report.target.layout.fragments)
