@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import reshard  # noqa: E402
 from reshard.io.safetensors_io import SafetensorsWriter  # noqa: E402
+from rank_load import warm  # noqa: E402
 
 
 def write_hf(root: Path, config: dict, tensors: list[tuple[str, tuple[int, ...]]], dtype: str, seed: int = 0) -> int:
@@ -110,6 +111,7 @@ def main() -> None:
                         "bfloat16")
         t_cp = cp_r(src, tmp / "copy")
         t_to, _ = timed(lambda: reshard.convert(src, tmp / "dcp", format="dcp", to="dp=4"))
+        warm(tmp / "dcp")  # as cp -r reads: from the page cache
         t_back, _ = timed(lambda: reshard.convert(tmp / "dcp", tmp / "back", format="hf"))
         same = (tmp / "back" / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
         print(f"**A Qwen2-shaped model, {size / 2**30:.2f} GiB bf16 (no family: every tensor by its own name)**\n")

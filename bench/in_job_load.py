@@ -36,11 +36,13 @@ TINY = {"h": 64, "heads": 4, "g": 2, "hd": 16, "f": 160, "vocab": 1000, "layers"
 
 def generate(src: Path, sizes: dict[str, int]) -> None:
     import fixtures
+    from rank_load import warm
 
     if src.exists():
         return
     fixtures.MODELS["bench-llama"] = fixtures.Model("hf-llama", sizes)
     fixtures.make_fixture(src, format="megatron", to="tp=2,pp=2", model="bench-llama")
+    warm(src)
 
 
 def _rank(rank: int, port: int, src: str, sizes: dict[str, int], out: str) -> None:

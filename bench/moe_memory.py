@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_memory import child, dir_size  # noqa: E402  (the same fresh-interpreter measurement)
+from rank_load import warm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = "tp=1,pp=4,dp=8,ep=8"
@@ -68,6 +69,7 @@ def generate(src: Path, sizes: dict) -> float:
           f"fixtures.MODELS['bench-moe'] = fixtures.Model('hf-deepseek_v3', {sizes!r}, {hints!r})\n"
           f"fixtures.make_fixture({str(src)!r}, format='hf', model='bench-moe', states=('param',))\n"
           "_out = {}")
+    warm(src)
     return time.perf_counter() - t0
 
 

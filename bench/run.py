@@ -4,6 +4,8 @@
   the rest), per thread;
 - ``baselines.py``: reshard against ``cp -r && sync``, ``safetensors`` load + save, DCP's ``dcp_to_torch_save``
   and ``dcp.load``, page cache dropped before each run where it can be (not with ``--tiny``);
+- ``direct_writes.py``: a conversion's output written directly to the disk (``O_DIRECT``, reshard's way) against
+  through the page cache, with the page cache just freed and as found;
 - ``copy_paths.py``: moving a file's bytes unchanged, through the process (read, checksum, write) against the
   kernel's ``copy_file_range``, with and without a checksum through ``mmap``;
 - ``small_tensors.py``: 100,000 small tensors against 64 large ones of the same bytes, in bytes per second,
@@ -68,6 +70,7 @@ def main() -> None:
         ("DeepSpeed conversion", ["convert_memory.py", "--source", "deepspeed", *small, *curve]),
         ("Hugging Face to Megatron conversion", ["convert_memory.py", "--source", "hf", *small, *curve]),
         ("Where a conversion's time goes", ["breakdown.py", *(["--tiny"] if args.tiny else [])]),
+        ("Writing directly or through the page cache", ["direct_writes.py", *(["--tiny"] if args.tiny else [])]),
         ("Moving bytes unchanged: read and write, or copy_file_range",
          ["copy_paths.py", *(["--tiny"] if args.tiny else [])]),
         ("Many small tensors against a few large ones", ["small_tensors.py", *(["--tiny"] if args.tiny else [])]),

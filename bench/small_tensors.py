@@ -39,6 +39,7 @@ sys.path.insert(0, str(HERE))
 
 from any_model import write_hf  # noqa: E402
 from convert_memory import child, dir_size  # noqa: E402
+from rank_load import warm  # noqa: E402
 
 CUSTOM = {"model_type": "custom", "architectures": ["CustomModel"]}
 PLAIN = "safetensors load_file + save_file"
@@ -196,6 +197,8 @@ def main() -> None:
         sources = {"many": tmp / "many", "few": tmp / "few"}
         write_hf(sources["many"], CUSTOM, shapes(args.tensors, total), "float32")
         write_hf(sources["few"], CUSTOM, shapes(64, total), "float32")
+        for src in sources.values():
+            warm(src)
         sizes = {k: dir_size(v) for k, v in sources.items()}
         quarter = f"{max(1, total // 4 >> 20)}MiB"
         runs = {"hf -> hf (4 shards)": ("hf", None, quarter), "hf -> dcp dp=2": ("dcp", "dp=2", None),
