@@ -62,9 +62,9 @@ def run(cmd: list[str]) -> tuple[float, float, float]:
 def convert(src: Path, dst: Path, target: str, fmt: str | None, direct: bool) -> tuple[float, float, float]:
     shutil.rmtree(dst, ignore_errors=True)
     os.sync()
-    code = ("import reshard\nfrom reshard.io.storage import OutputFile\n"
-            f"OutputFile.DIRECT = {direct}\n"
-            f"reshard.convert({str(src)!r}, {str(dst)!r}, to={target!r}, format={fmt!r}, workers=1)")
+    code = ("import reshard\n"
+            f"reshard.convert({str(src)!r}, {str(dst)!r}, to={target!r}, format={fmt!r}, workers=1, "
+            f"direct_io={direct})")
     return run([sys.executable, "-c", code])
 
 

@@ -105,6 +105,9 @@ def convert(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; read and write nothing")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="continue an interrupted conversion to DST, keeping the files it "
                                          "finished whose checksums verify")] = False,
+    direct_io: Annotated[bool, typer.Option("--direct-io/--no-direct-io",
+                                            help="write windows of 1 MiB or more directly to the disk (O_DIRECT, where "
+                                                 "the file system allows it); --no-direct-io: through the page cache")] = True,
 ) -> None:
     """Rewrite SRC for another topology (and format) at DST, streaming.
 
@@ -135,7 +138,7 @@ def convert(
         try:
             result = reshard.convert(src, dst, to=to, format=format, spec=spec, sizes=_sizes(sizes), workers=_workers(workers),
                                      memory_budget=memory_budget, max_shard_size=max_shard_size, vocab_pad=vocab_pad,
-                                     dist_optim=dist_optim, progress=show, resume=resume)
+                                     dist_optim=dist_optim, progress=show, resume=resume, direct_io=direct_io)
         except KeyboardInterrupt:
             if not follower:
                 err.print(f"interrupted: {dst} was not written; the same command with --resume continues where this "

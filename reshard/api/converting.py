@@ -85,6 +85,7 @@ def convert(
     progress: Callable[[int, int], None] | None = None,
     resume: bool = False,
     distributed: bool | None = None,
+    direct_io: bool = True,
 ) -> ConvertResult:
     """Rewrite the checkpoint ``src`` for topology ``to`` (and ``format``) at ``dst``.
 
@@ -137,6 +138,10 @@ def convert(
         and reports ``progress`` for all. Default (None): when torchrun started more than
         one rank (``WORLD_SIZE``), or a process group of more than one rank is initialized;
         ``False``: this process alone.
+      direct_io: write the output's windows of 1 MiB or more directly to the disk (``O_DIRECT``, where the file
+        system allows it), not through the page cache: steady at the disk's speed, and the page cache is left to
+        other work; the converted checkpoint is then not in the page cache. False: every write through the page
+        cache, which is faster where memory was just freed for a checkpoint smaller than it.
 
     Raises:
       ReshardError: anything about the inputs, named with file, tensor and reason.
@@ -144,7 +149,8 @@ def convert(
     """
     started = time.perf_counter()
     options = dict(to=to, format=format, spec=spec, sizes=sizes, workers=workers, memory_budget=memory_budget,
-                   max_shard_size=max_shard_size, vocab_pad=vocab_pad, dist_optim=dist_optim, progress=progress)
+                   max_shard_size=max_shard_size, vocab_pad=vocab_pad, dist_optim=dist_optim, progress=progress,
+                   direct_io=direct_io)
     if is_url(dst):
         return _to_url(src, as_path(dst), options, resume=resume, distributed=distributed, started=started)
     dst = as_path(dst)
@@ -152,7 +158,7 @@ def convert(
     if ranks is None:
         return _convert(src, dst, to=to, format=format, spec=spec, sizes=sizes, workers=workers,
                         memory_budget=memory_budget, max_shard_size=max_shard_size, vocab_pad=vocab_pad,
-                        dist_optim=dist_optim,
+                        dist_optim=dist_optim, direct_io=direct_io,
                         progress=progress, resume=resume, started=started, ranks=None)
     with ranks:
         if ranks.rank != 0:
@@ -164,7 +170,7 @@ def convert(
         with ranks.leading():
             return _convert(src, dst, to=to, format=format, spec=spec, sizes=sizes, workers=workers,
                             memory_budget=memory_budget, max_shard_size=max_shard_size, vocab_pad=vocab_pad,
-                            dist_optim=dist_optim,
+                            dist_optim=dist_optim, direct_io=direct_io,
                             progress=progress, resume=resume, started=started, ranks=ranks)
 
 
@@ -197,7 +203,8 @@ def _to_url(src: str | Path, dst: UrlPath, options: dict[str, Any], *, resume: b
 
 
 def _convert(src: str | Path, dst: Path, *, to, format, spec, sizes, workers, memory_budget, max_shard_size,
-             vocab_pad, dist_optim, progress, resume: bool, started: float, ranks: Ranks | None) -> ConvertResult:
+             vocab_pad, dist_optim, progress, resume: bool, started: float, ranks: Ranks | None,
+             direct_io: bool = True) -> ConvertResult:
     """``convert`` in this process (with its workers), or as rank 0 of ``ranks``."""
     if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ReshardError(f"workers must be 'auto' or an integer of at least 1, got {workers!r}")
@@ -209,11 +216,11 @@ def _convert(src: str | Path, dst: Path, *, to, format, spec, sizes, workers, me
     with collector_paused():  # the collector would walk the plan's objects again and again while bytes move
         return _run(report, src, dst, workers=workers, memory_budget=memory_budget, max_shard_size=max_shard_size,
                     vocab_pad=vocab_pad, dist_optim=dist_optim, progress=progress, resume=resume, started=started,
-                    ranks=ranks)
+                    ranks=ranks, direct_io=direct_io)
 
 
 def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budget, max_shard_size, vocab_pad,
-         dist_optim, progress, resume: bool, started: float, ranks: Ranks | None) -> ConvertResult:
+         dist_optim, progress, resume: bool, started: float, ranks: Ranks | None, direct_io: bool) -> ConvertResult:
     """``_convert`` once its plan is made: write the destination (or find it written), then its manifest."""
     if resume and dst.exists() and not partial_path(dst).exists() and (dst / MANIFEST).exists():
         files = _finished(dst, report)  # done before: killed after its rename, or run twice
@@ -250,7 +257,7 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
 
         sources = logical_sources(target.layout, target.dtypes)
         ranges = segments_of(sources)
-        session = WriteSession(journal=tmp, segments=ranges, window_bytes=window, sync_behind=True)
+        session = WriteSession(journal=tmp, segments=ranges, window_bytes=window, sync_behind=True, direct_io=direct_io)
         written: dict[Path, str | None] = {Path(rel): e[HASH] for rel, e in kept.items()}
         # across ranks, files are split as between workers: the ranks write into one partial directory on a shared
         # file system, each rank's part of a split file fsynced before rank 0 finishes it
@@ -274,7 +281,7 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
             tensors, segments = tensor_digests(session.item_digests(), report.dst_files), session.segment_digests()
         else:
             results = (run_shares if ranks is None else ranks.run_shares)(
-                worker_shares(report, parts, tmp, window, ranges), progress=tick)
+                worker_shares(report, parts, tmp, window, ranges, direct_io=direct_io), progress=tick)
             items: dict = {}
             segments = {}
             for r in results:

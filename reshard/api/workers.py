@@ -259,10 +259,10 @@ def worker_count(report: PlanReport, workers: int | str, files: Collection[str])
 
 
 def worker_shares(report: PlanReport, parts: list[Portion], out: Path, window: int,
-                  segments: Mapping[Item, object] | None = None) -> list[Share]:
+                  segments: Mapping[Item, object] | None = None, *, direct_io: bool = True) -> list[Share]:
     """What each worker is sent: its files, the plan's copies into the tensors it writes and where those read,
     the target, and for the files it writes in part, the tensors the other workers write. ``segments``: the
-    conversion's (``segments_of``), when the caller has them."""
+    conversion's (``segments_of``), when the caller has them; ``direct_io``: as ``convert``'s."""
     owners = _owners(parts)
     copies: list[list] = [[] for _ in parts]
     for c in report.plan.copies:
@@ -282,7 +282,7 @@ def worker_shares(report: PlanReport, parts: list[Portion], out: Path, window: i
         skip = frozenset(skipped)
         where: dict[Item, object] = {c.src: report.source.where[c.src] for c in copies[k]}
         result.append(Share(write=write, target=report.target, out=out, files=p.files, copies=tuple(copies[k]),
-                            where=where, window_bytes=window, split=tuple(split), skip=skip,
+                            where=where, window_bytes=window, split=tuple(split), skip=skip, direct_io=direct_io,
                             pieces={it: (lo, hi) for _, it, lo, hi in p.pieces},
                             segments={it: v for it, v in segments.items() if k in owners(_file_of(report, it), it)}))
     return result

@@ -119,14 +119,18 @@ class WriteSession:
         this session writes of each (no checksum of the tensor here).
       read_back: tensors written in pieces by other processes that this session, finishing their file, reads
         back for their checksums and CRC-32s.
+      direct_io: whether the files' writes of 1 MiB or more go to the disk directly (``OutputFile``); False:
+        through the page cache.
     """
 
     def __init__(self, *, journal: str | Path | None = None,
                  segments: Mapping[Item, Sequence[tuple[int, int]]] | None = None,
                  window_bytes: int = DEFAULT_WINDOW, sync_behind: bool = False,
                  split: Mapping[str | Path, SplitFile] | None = None, skip: Collection[Item] = (),
-                 pieces: Mapping[Item, tuple[int, int]] | None = None, read_back: Collection[Item] = ()) -> None:
+                 pieces: Mapping[Item, tuple[int, int]] | None = None, read_back: Collection[Item] = (),
+                 direct_io: bool = True) -> None:
         self.journal = Path(journal).absolute() if journal is not None else None
+        self.direct_io = direct_io
         self.sync_behind = sync_behind
         self.window_bytes = window_bytes
         self._split = {str(Path(p).absolute()): v for p, v in (split or {}).items()}
@@ -157,7 +161,8 @@ class WriteSession:
         key = str(Path(path).absolute())
         split = self._split.get(key)
         if split is None:
-            return OutputFile(path, size, on_close=self._closed, fsync=not self.sync_behind, settle=self.settle)
+            return OutputFile(path, size, on_close=self._closed, fsync=not self.sync_behind, settle=self.settle,
+                              direct=self.direct_io)
         if split.frames:  # the file's journal entry carries the tensors the others wrote
             with self._lock:
                 self._item_digests.update(split.tensors)

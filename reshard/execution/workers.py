@@ -90,6 +90,8 @@ class Share:
     pieces: Mapping[Item, tuple[int, int]] = field(default_factory=dict)
     """Stored tensors of the ``split`` files written in pieces by several workers: the elements ``[first, end)``
     of each that this one writes."""
+    direct_io: bool = True
+    """Whether its files' large writes go to the disk directly (``WriteSession``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,7 +116,7 @@ def write_share(share: Share, progress: Callable[[int], None] | None = None) -> 
     split = {share.out / f: SplitFile() for f in share.split}
     with collector_paused(), WriteSession(journal=share.out, segments=share.segments, window_bytes=share.window_bytes,
                                           sync_behind=True, split=split, skip=share.skip,
-                                          pieces=share.pieces) as session, \
+                                          pieces=share.pieces, direct_io=share.direct_io) as session, \
             ByteReader() as reader:
         fill: Fill = PlanFill(plan, share.where, reader, dtypes=share.target.dtypes,
                               coalescing=conversion(share.window_bytes), progress=progress)

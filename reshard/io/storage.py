@@ -196,14 +196,13 @@ class OutputFile:
       fsync: whether ``close`` fsyncs the file.
       settle: called first in ``close`` and ``abort``: the write session's wait for a write still in flight on
         its writer thread (``pwrite`` may be called from two threads, for different byte ranges).
+      direct: whether writes of 1 MiB or more go to the disk directly (``_write_direct``); False: every write
+        through the page cache.
     """
-
-    DIRECT = True
-    """Whether large writes go to the disk directly (``_write_direct``)."""
 
     def __init__(self, path: str | Path, size: int | None = None, *,
                  on_close: Callable[[Path, int, str], None] | None = None, fsync: bool = True,
-                 settle: Callable[[], None] | None = None, truncate: bool = True) -> None:
+                 settle: Callable[[], None] | None = None, truncate: bool = True, direct: bool = True) -> None:
         self.path = Path(path)
         self._on_close = on_close
         self._fsync = fsync
@@ -221,7 +220,7 @@ class OutputFile:
         self._done = 0  # bytes [0, _done) are in the hash
         self._ahead: list[tuple[int, int]] = []  # written ranges past _done, not yet hashed
         self._rehash = False  # a write landed in the hashed prefix: hash the whole file at close
-        self._direct: int | bool | None = None if self.DIRECT else False  # None: not opened yet; False: none
+        self._direct: int | bool | None = None if direct else False  # None: not opened yet; False: none
         self._direct_lock = threading.Lock()
         self._bounce: mmap.mmap | None = None
         self.read_back = 0
@@ -452,16 +451,14 @@ class FilePart(OutputFile):
         those the others wrote; the others add the records they complete (``TorchFileWriter``).
     """
 
-    DIRECT = False
-    """A part's writes go through the page cache: the finishing part reads the whole file back for its checksum,
-    from memory where the parts' bytes are still cached."""
-
     def __init__(self, path: str | Path, size: int | None = None, *, frames: bool, crcs: dict[int, int] | None = None,
                  on_close: Callable[[Path, int, str | None], None] | None = None, fsync: bool = True,
                  settle: Callable[[], None] | None = None) -> None:
         self.frames = frames
         self.crcs: dict[int, int] = {} if crcs is None else crcs
-        super().__init__(path, None, on_close=on_close, fsync=fsync, settle=settle, truncate=False)
+        # through the page cache: the finishing part reads the whole file back for its checksum, from memory where
+        # the parts' bytes are still cached
+        super().__init__(path, None, on_close=on_close, fsync=fsync, settle=settle, truncate=False, direct=False)
         self._rehash = True  # no checksum while writing: read back whole at close (frames), or none at all
         if size:
             try:

@@ -211,15 +211,12 @@ def test_a_part_of_a_shared_file_writes_through_the_page_cache(tmp_path, writes)
     assert writes and not any(d for d, _, _ in writes)
 
 
-def test_a_conversion_written_directly_equals_one_through_the_page_cache(tmp_path, monkeypatch):
+def test_a_conversion_written_directly_equals_one_through_the_page_cache(tmp_path, monkeypatch, wide):
     """Tensors of several MiB, so that windows go directly: the same bytes, manifest aside, as with every write
     through the page cache."""
     if not _direct_supported(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
-    src = tmp_path / "src"
-    sizes = {"h": 256, "heads": 4, "g": 2, "hd": 64, "f": 512, "vocab": 4096, "layers": 4, "vocab_div": 128}
-    monkeypatch.setitem(fixtures.MODELS, "wide-llama", fixtures.Model("hf-llama", sizes))
-    make_fixture(src, format="megatron", to="tp=2,pp=2,dp=1,zero=1", model="wide-llama")
+    src = wide
     used = []
     real = OutputFile._pages
 
@@ -230,12 +227,62 @@ def test_a_conversion_written_directly_equals_one_through_the_page_cache(tmp_pat
     monkeypatch.setattr(OutputFile, "_pages", pages)
     reshard.convert(src, tmp_path / "direct", to="tp=1,pp=4", workers=1)
     assert used
-    monkeypatch.setattr(OutputFile, "DIRECT", False)
     used.clear()
-    reshard.convert(src, tmp_path / "cached", to="tp=1,pp=4", workers=1)
+    reshard.convert(src, tmp_path / "cached", to="tp=1,pp=4", workers=1, direct_io=False)
     assert not used
     files = sorted(p.relative_to(tmp_path / "direct") for p in (tmp_path / "direct").rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(tmp_path / "cached") for p in (tmp_path / "cached").rglob("*") if p.is_file())
     for rel in files:
         if rel.name != "reshard.json":
             assert (tmp_path / "direct" / rel).read_bytes() == (tmp_path / "cached" / rel).read_bytes(), rel
+
+
+@pytest.fixture
+def wide(tmp_path, monkeypatch):
+    """A Megatron checkpoint with tensors of several MiB, so that windows go directly."""
+    src = tmp_path / "wide"
+    sizes = {"h": 256, "heads": 4, "g": 2, "hd": 64, "f": 512, "vocab": 4096, "layers": 4, "vocab_div": 128}
+    monkeypatch.setitem(fixtures.MODELS, "wide-llama", fixtures.Model("hf-llama", sizes))
+    make_fixture(src, format="megatron", to="tp=2,pp=2,dp=1,zero=1", model="wide-llama")
+    return src
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_workers_share_writes_as_the_conversion_asks(tmp_path, monkeypatch, wide, direct_io):
+    """``direct_io`` travels with each worker's share to the session that writes it."""
+    if direct_io and not _direct_supported(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    from reshard.api.workers import shares, worker_shares
+    from reshard.execution.workers import write_share
+
+    report = reshard.plan(wide, to="tp=1,pp=4")
+    parts = shares(report, 2)
+    out = tmp_path / "out"
+    out.mkdir()
+    sent = worker_shares(report, parts, out, 4 * MIB, direct_io=direct_io)
+    assert [s.direct_io for s in sent] == [direct_io] * len(parts)
+    used = []
+    real = OutputFile._pages
+    monkeypatch.setattr(OutputFile, "_pages", lambda self, *a: used.append(self.path) or real(self, *a))
+    for share in sent:
+        write_share(share)
+    assert bool(used) is direct_io
+
+
+def test_the_command_writes_through_the_page_cache_when_told(tmp_path, monkeypatch, wide):
+    from typer.testing import CliRunner
+
+    from reshard.cli.main import app
+
+    used = []
+    real = OutputFile._pages
+    monkeypatch.setattr(OutputFile, "_pages", lambda self, *a: used.append(self.path) or real(self, *a))
+    result = CliRunner().invoke(app, ["convert", str(wide), str(tmp_path / "a"), "--to", "tp=1,pp=4", "--workers", "1",
+                                      "--no-direct-io"])
+    assert result.exit_code == 0, result.output
+    assert not used
+    if _direct_supported(tmp_path):
+        result = CliRunner().invoke(app, ["convert", str(wide), str(tmp_path / "b"), "--to", "tp=1,pp=4",
+                                          "--workers", "1"])
+        assert result.exit_code == 0, result.output
+        assert used

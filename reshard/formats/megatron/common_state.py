@@ -91,7 +91,8 @@ def common_bytes(state: TorchDistState) -> _Verbatim:
     tree, tensors = _tree(state)
     with tempfile.TemporaryDirectory(prefix="reshard-common-") as tmp:
         file = Path(tmp) / "archive"
-        write_torch_file(file, [tree], tensors, open_file=lambda p, n: OutputFile(p, n, fsync=False))
+        # read back at once: through the page cache
+        write_torch_file(file, [tree], tensors, open_file=lambda p, n: OutputFile(p, n, fsync=False, direct=False))
         return _Verbatim(COMMON_ENTRY, None, file.read_bytes())
 
 
