@@ -266,9 +266,9 @@ class OutputFile:
         """Write ``view`` at ``offset``: its whole pages straight to the disk (``O_DIRECT``), bypassing the page
         cache, and the partial pages at either end through it.
 
-        A page-cache write costs the kernel a page of memory per 4 KiB, written back later: on a virtual machine
-        whose free memory the host had taken back, writing 2.6 GiB that way took 2 to 7 s of system time, and
-        directly 0.2 to 0.6 s (``bench/direct_writes.py``). A page is written one way only, whole by one write, so
+        A page-cache write costs the kernel a page of memory per 4 KiB, written back later: on a virtual machine,
+        a 2.6 GiB conversion written that way took 1.0 to 4.1 s of system time, with what the memory had held
+        before, and written directly 0.6 to 0.7 s (``bench/direct_writes.py``). A page is written one way only, whole by one write, so
         the two ways never overlap. Where the file system refuses direct writes (``EINVAL``), the file goes on
         through the page cache."""
         end = offset + len(view)
