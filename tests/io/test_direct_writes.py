@@ -205,10 +205,12 @@ def test_a_full_disk_under_a_direct_write_is_named(tmp_path, writes, monkeypatch
 def test_a_part_of_a_shared_file_writes_through_the_page_cache(tmp_path, writes):
     """The finishing part reads the whole file back for its checksum: from memory, where the parts' writes are
     still cached."""
+    data = os.urandom(3 * MIB)
     part = FilePart(tmp_path / "a", 4 * MIB, frames=False)
-    part.pwrite(os.urandom(3 * MIB), PAGE)
+    part.pwrite(data, PAGE)
     part.close()
     assert writes and not any(d for d, _, _ in writes)
+    assert (tmp_path / "a").read_bytes()[PAGE:PAGE + len(data)] == data
 
 
 def test_a_conversion_written_directly_equals_one_through_the_page_cache(tmp_path, monkeypatch, wide):
