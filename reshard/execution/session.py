@@ -30,8 +30,10 @@ threads, the load API inside a training job) never see each other's checksums or
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,13 +56,21 @@ DEFAULT_WINDOW = 8 << 20
 _HANDOFF = 1 << 20
 """The smallest window handed to the writer thread: a smaller one costs less to write than to hand over."""
 
+_IN_FLIGHT = 2
+"""The most windows handed to the writer thread and not yet written. With one, the reads and the writes wait on
+each other whenever a window is slower on one side than the last was on the other; a second one took the writer's
+idle time out of a 2.6 GiB conversion (``bench/breakdown.py``), and more gained nothing."""
+
+_PAGE = 4096
+"""Windows lie in memory at the same offset within a page as in their file, so that direct writes take them as
+they are (``reshard.io.storage``: a page, a multiple of every block size)."""
+
 _SMALL = 256 << 10
 """The largest stored tensor (with its framing) ``runs`` puts in a run with others: a larger one costs little more
 per byte streamed alone."""
 
 _RUN = 4 << 20
-"""The most bytes of a run (and half the window at most): past a few MiB a run saves no more calls, and its two
-buffers, reused, stay within a window's memory."""
+"""The most bytes of a run (and half the window at most): past a few MiB a run saves no more calls."""
 
 Fill = Callable[[Item, int, int], "bytes | memoryview"]
 """``fill(item, lo, hi)``: the bytes of the item's elements ``[lo, hi)`` (row-major), padding included. A fill
@@ -146,12 +156,12 @@ class WriteSession:
         self._pending_items: dict[str, str] = {}
         self._pending_segments: list[list[Any]] = []
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None  # the window being written on the writer thread
+        self._pending: deque[Future] = deque()  # the windows being written on the writer thread, oldest first
         self._syncer: ThreadPoolExecutor | None = None
         self._syncs: list[Future] = []
-        self._run_bytes = min(_RUN, window_bytes // 2)  # its two buffers: at most one window
-        self._buffers: list[np.ndarray | None] = [None, None]  # stream_run's, filled in turn
-        self._flip = 0
+        self._run_bytes = min(_RUN, window_bytes // 2)
+        self._buffers: list[np.ndarray | None] = [None] * (_IN_FLIGHT + 1)  # windows are filled in them in turn
+        self._turn = 0
 
     # --- files -----------------------------------------------------------------------------------
 
@@ -210,15 +220,19 @@ class WriteSession:
     # --- tensors ---------------------------------------------------------------------------------
 
     def stream_item(self, fill: Fill, item: Item, numel: int, dtype: str,
-                    write: Callable[["bytes | memoryview"], None]) -> None:
+                    write: Callable[["bytes | memoryview"], None], at: int | None = None) -> None:
         """Copy an item's ``numel`` elements from ``fill`` to ``write``, at most ``window_bytes`` at a time.
 
         A window is written (checksummed, CRC'd, handed to the kernel) on the session's writer
-        thread while the next one is filled, of this item or of the next one streamed: both sides
+        thread while the next ones are filled, of this item or of the next one streamed: both sides
         spend their time in code that releases the GIL, so reading and writing overlap. At most
-        two windows are in flight; a window under ``_HANDOFF`` bytes is written here, once the one
-        in flight is done. A file's writer must let the write in flight end before it closes the
-        file (the files ``open`` makes do, in ``close`` and ``abort``).
+        ``_IN_FLIGHT`` windows are in flight; a window under ``_HANDOFF`` bytes is written here, once
+        those in flight are done. A file's writer must let the writes in flight end before it closes
+        the file (the files ``open`` makes do, in ``close`` and ``abort``).
+
+        A fill with ``fill_into`` (``PlanFill``) fills the session's own window buffers, reused; ``at``, the
+        file offset of the item's first byte, puts each window at its file offset's place within a page, so
+        that its direct write (``OutputFile``) copies nothing.
 
         Raises CheckpointFormatError when ``fill`` returns the wrong number of bytes.
         """
@@ -235,17 +249,20 @@ class WriteSession:
             if digest is None:
                 self.settle()
                 write(Skip(first * size))
+            fill_into = getattr(fill, "fill_into", None)
+            elements = np.dtype((np.void, size))  # fill_into copies bits: any dtype of the element size
             for lo in range(first, max(end, first + 1), step):  # a tensor without elements: one empty window
                 hi = min(end, lo + step)
-                data = fill(item, lo, hi)
-                got = _check_window(data, item, lo, hi, size, dtype)
+                if fill_into is not None:
+                    window = self._window((hi - lo) * size, None if at is None else at + lo * size)
+                    fill_into(item, lo, hi, window.view(elements))
+                    data = memoryview(window)
+                else:
+                    data = fill(item, lo, hi)
+                    _check_window(data, item, lo, hi, size, dtype)
                 if digest is not None:
                     digest.update(data)
-                self.settle()
-                if got >= _HANDOFF:
-                    self._pending = self._writer().submit(write, data)
-                else:
-                    write(data)
+                self._hand(write, data)
             if digest is not None:
                 digest.done()
         except BaseException:
@@ -292,7 +309,7 @@ class WriteSession:
         Raises CheckpointFormatError when ``fill`` returns the wrong number of bytes.
         """
         start = run[0].start
-        buf = self._run_buffer(run[-1].end - start)
+        buf = self._window(run[-1].end - start, start)
         requests = [(s.item, 0, s.numel, s.data - start) for s in run]
         try:
             fill_run = getattr(fill, "fill_run", None)
@@ -318,36 +335,56 @@ class WriteSession:
                 else:
                     digests.append((s.item, xxhash.xxh3_128_hexdigest(data), ()))
             self._hashed_many(digests)
-            self.settle()
         except BaseException:
             self._settle_quietly()
             raise
-        if len(view) >= _HANDOFF:
-            self._pending = self._writer().submit(write, run, view)
-        else:
-            write(run, view)
+        self._hand(write, run, view)
 
-    def _run_buffer(self, nbytes: int) -> np.ndarray:
-        """The next of the two buffers runs are filled in, in turn (one may be in flight on the writer thread while
-        the other is filled; ``stream_run`` settles it before the next run takes it), grown to ``nbytes``. Reused:
-        the pages of fresh memory cost more to fault in (0.5 GB/s on a virtual machine) than to fill."""
-        self._flip ^= 1
-        buf = self._buffers[self._flip]
-        if buf is None or len(buf) < nbytes:  # the one replaced, if in flight, lives on with its write
-            size = max(nbytes, min(2 * len(buf) if buf is not None else 0, self._run_bytes))
-            buf = self._buffers[self._flip] = np.empty(size, dtype=np.uint8)
-        return buf[:nbytes]
+    def _hand(self, write: Callable[..., None], *args: Any) -> None:
+        """``write(*args)`` (its last argument a window) on the writer thread, once fewer than ``_IN_FLIGHT``
+        windows are in flight there; a window under ``_HANDOFF`` bytes here, once none is."""
+        if memoryview(args[-1]).nbytes < _HANDOFF:
+            self.settle()
+            write(*args)
+            return
+        try:
+            while len(self._pending) >= _IN_FLIGHT:
+                self._pending.popleft().result()
+        except BaseException:
+            self._settle_quietly()
+            raise
+        self._pending.append(self._writer().submit(write, *args))
+
+    def _window(self, nbytes: int, at: int | None) -> np.ndarray:
+        """The next of the buffers windows are filled in, in turn, as ``nbytes`` bytes (uint8) that lie at ``at``'s
+        offset within a page (``at``: the window's offset in its file; None: anywhere).
+
+        ``_IN_FLIGHT + 1`` buffers: the one taken was last handed to the writer at least ``_IN_FLIGHT`` hand-offs
+        ago, so its write is done (``_hand`` lets no more be in flight). Each is grown to what a window needs and
+        kept: the pages of fresh memory cost more to fault in (0.5 GB/s on a virtual machine) than to fill. Mapped
+        anonymously, so page-aligned; a buffer replaced while in flight lives on with its write."""
+        self._turn = (self._turn + 1) % len(self._buffers)
+        buf = self._buffers[self._turn]
+        shift = 0 if at is None else at % _PAGE
+        need = shift + nbytes
+        if buf is None or len(buf) < need:
+            grown = min(2 * len(buf), self.window_bytes + _PAGE) if buf is not None else 0
+            size = -(-max(need, grown, 1) // _PAGE) * _PAGE
+            buf = self._buffers[self._turn] = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+        return buf[shift:need]
 
     def settle(self) -> None:
-        """Wait for the window in flight, if any, and raise its failure."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        """Wait for the windows in flight, if any, and raise the first failure (once all have ended)."""
+        failure = None
+        while self._pending:
+            e = self._pending.popleft().exception()
+            failure = failure or e
+        if failure is not None:
+            raise failure
 
     def _settle_quietly(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.exception()
+        while self._pending:
+            self._pending.popleft().exception()
 
     # --- lifetime --------------------------------------------------------------------------------
 

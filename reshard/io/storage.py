@@ -304,7 +304,8 @@ class OutputFile:
         bounce, at = memoryview(self._bounce), a0
         while at < a1:
             n = min(len(bounce), a1 - at)
-            bounce[:n] = pages[at - a0:at - a0 + n]
+            # numpy's copy lets go of the GIL, a memoryview's does not: the thread filling the next window reads on
+            np.copyto(np.frombuffer(bounce[:n], dtype=np.uint8), np.frombuffer(pages[at - a0:at - a0 + n], np.uint8))
             done = _written(direct, bounce[:n], at)
             at += done
             if done < n:

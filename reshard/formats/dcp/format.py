@@ -336,7 +336,7 @@ def _write_entries(session: WriteSession, fill: Fill, f: OutputFile, entries: li
                 continue
             (s,) = run
             w = TorchFileWriter(f.path, s.key[0], archive_name="archive", file=f, base=s.start)
-            session.stream_item(fill, s.item, s.numel, s.dtype, lambda data, w=w: w.write(0, data))
+            session.stream_item(fill, s.item, s.numel, s.dtype, lambda data, w=w: w.write(0, data), at=w.entries[0][0])
             w.close()
 
 

@@ -160,7 +160,8 @@ def _write_file(path: Path, tree: Any, sources: _Sources, fill: Fill, target: Ta
             if isinstance(src, Scalar):
                 writer.write(key, src.data)
                 continue
-            session.stream_item(fill, src, numel, target.dtypes[src], lambda data, key=key: writer.write(key, data))
+            session.stream_item(fill, src, numel, target.dtypes[src], lambda data, key=key: writer.write(key, data),
+                                at=writer.entries[key][0])
 
 
 def _config_file(files: _Files) -> Path | None:

@@ -360,7 +360,7 @@ class UcpFormat:
                     src, numel = sources[key]
                     if isinstance(src, Item):
                         session.stream_item(fill, src, numel, target.dtypes[src],
-                                            lambda data, k=key: writer.write(k, data))
+                                            lambda data, k=key: writer.write(k, data), at=writer.entries[key][0])
                     else:
                         writer.write(key, src.data)
             written.append(rel)

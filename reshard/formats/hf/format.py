@@ -236,7 +236,8 @@ class HFFormat:
                         session.stream_run(fill, run, lambda run, data: w.write_run([s.key for s in run], data))
                         continue
                     s = run[0]
-                    session.stream_item(fill, s.item, s.numel, s.dtype, lambda data, name=s.key: w.write(name, data))
+                    session.stream_item(fill, s.item, s.numel, s.dtype, lambda data, name=s.key: w.write(name, data),
+                                        at=s.data)
             written.append(Path(file))
         if only:  # a worker's share: index and configs are written by the call with only=()
             return written

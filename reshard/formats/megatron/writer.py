@@ -225,7 +225,7 @@ class _Writer:
                     w.write(key, src.data)
                     continue
                 self.session.stream_item(self.fill, src, self.t.layout.items[src].numel, self._dtype(src),
-                                         lambda data, key=key: w.write(key, data))
+                                         lambda data, key=key: w.write(key, data), at=w.entries[key][0])
 
 
 _TOP_ORDER = ("args", "checkpoint_version", "iteration", "<models>", "optimizer", "opt_param_scheduler",
