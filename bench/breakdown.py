@@ -7,7 +7,8 @@ checksum that moves bytes timed where it is made and on which thread:
 - the main thread plans, reads the source (``os.preadv``), gathers each window's runs and takes the
   per-tensor checksums (xxh3-128);
 - the session's writer thread (``reshard-write``) takes the file checksums and the zip CRC-32s and hands
-  each window to the kernel (``os.pwrite``);
+  each window to the kernel (``os.pwrite``), a window's whole pages on the file's direct-write thread
+  (``reshard-direct``), while the writer takes its checksum;
 - its sync thread (``reshard-sync``) ``fsync``s each file once it is closed, while the next one is written,
   and records it in the resume journal.
 
@@ -48,7 +49,8 @@ class Timers:
 
     def add(self, step: str, seconds: float) -> None:
         name = threading.current_thread().name
-        thread = "writer" if name.startswith("reshard-write") else "sync" if name.startswith("reshard-sync") else "main"
+        thread = "writer" if name.startswith("reshard-write") else "sync" if name.startswith("reshard-sync") \
+            else "direct" if name.startswith("reshard-direct") else "main"
         with self._lock:
             self.seconds[thread, step] += seconds
             self.calls[thread, step] += 1
@@ -131,7 +133,7 @@ def table(timers: Timers, wall: float, planning: float, read: int, written: int,
     print("| thread | step | seconds | share of wall | calls | rate |")
     print("|---|---|---:|---:|---:|---:|")
     print(f"| main | open, plan and lay out the files (until the first byte) | {planning:.2f} | {planning / wall:.0%} | | |")
-    for thread in ("main", "writer", "sync"):
+    for thread in ("main", "writer", "direct", "sync"):
         timed = 0.0
         for (t, step), sec in sorted(s.items(), key=lambda kv: -kv[1]):
             if t != thread:
@@ -143,7 +145,8 @@ def table(timers: Timers, wall: float, planning: float, read: int, written: int,
         busy = planning if thread == "main" else 0.0
         rest = wall - timed - busy
         what = {"main": "gathering runs into windows, Python per window and tensor, waiting on the other threads",
-                "writer": "idle: waiting for the next window, or not started",
+                "writer": "idle: waiting for the next window or for its direct write, or not started",
+                "direct": "idle: waiting for the next direct write, or not started",
                 "sync": "idle: waiting for the next closed file, or not started"}[thread]
         print(f"| {thread} | rest: {what} | {rest:.2f} | {rest / wall:.0%} | | |")
     print(f"| | **wall** | **{wall:.2f}** | 100% | | {written / wall / 1e9:.2f} GB/s written |")

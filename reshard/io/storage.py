@@ -10,7 +10,8 @@ reaches them. Only a file written out of that order is read back whole at
 ``close``. The manifest gets the checksum without a second pass over the output.
 
 Writes of at least 1 MiB go to the disk directly (``O_DIRECT``), their partial pages at either end through the
-page cache, where the file system allows it (``OutputFile._write_direct``).
+page cache, where the file system allows it (``OutputFile._write_direct``). A direct write runs on a thread of the
+file's own while the caller takes its bytes into the checksum: the disk and the checksum overlap.
 
 ``close`` fsyncs (unless its creator syncs the file itself: ``fsync=False``, as the write session does on a
 thread of its own, ``sync_file``); a failed write raises ``CheckpointFormatError`` naming the file and the
@@ -32,6 +33,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -223,6 +225,7 @@ class OutputFile:
         self._direct: int | bool | None = None if direct else False  # None: not opened yet; False: none
         self._direct_lock = threading.Lock()
         self._bounce: mmap.mmap | None = None
+        self._io: ThreadPoolExecutor | None = None  # the thread direct writes run on while their checksum is taken
         self.read_back = 0
         """Bytes read back from the file to checksum it (the pieces written ahead, or all of it)."""
         if size:
@@ -238,6 +241,23 @@ class OutputFile:
         if self._fd is None:
             raise CheckpointFormatError(f"{self.path}: write after close")
         view = memoryview(data).cast("B")
+        if len(view) < _DIRECT_MIN or self._direct is False:
+            self._write(view, offset)
+            self._hashed(view, offset, written=True)
+            return
+        # a direct write leaves the CPU idle while the disk takes the bytes: the checksum is taken meanwhile
+        if self._io is None:
+            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-direct")
+        writing = self._io.submit(self._write, view, offset)
+        try:
+            ahead = self._hashed(view, offset, written=False)
+        finally:
+            writing.result()
+        if ahead:
+            with self._lock:
+                bisect.insort(self._ahead, (offset, offset + len(view)))
+
+    def _write(self, view: memoryview, offset: int) -> None:
         try:
             if len(view) >= _DIRECT_MIN and self._direct is not False:
                 self._write_direct(view, offset)
@@ -246,21 +266,29 @@ class OutputFile:
         except OSError as e:
             raise CheckpointFormatError(f"{self.path}: cannot write {len(view)} bytes at byte {offset} "
                                         f"({e.strerror})") from None
+
+    def _hashed(self, view: memoryview, offset: int, written: bool) -> bool:
+        """Take the bytes of a write into the file's checksum where they follow the checksummed prefix (after the
+        pieces written ahead that lead up to them); else note them as written ahead, once ``written`` (the pieces
+        ahead are read back from the file). Returns whether they are ahead and not yet noted."""
         end = offset + len(view)
         with self._lock:
             self.size = max(self.size, end)
             if self._rehash or not view:
-                return
+                return False
             if offset < self._done:
                 self._rehash = True
-                return
+                return False
             if offset > self._done:
                 self._catch_up(offset)
             if offset == self._done:
                 self._hash.update(view)
                 self._done = end
-            else:
-                bisect.insort(self._ahead, (offset, end))
+                return False
+            if not written:
+                return True
+            bisect.insort(self._ahead, (offset, end))
+            return False
 
     def _write_direct(self, view: memoryview, offset: int) -> None:
         """Write ``view`` at ``offset``: its whole pages straight to the disk (``O_DIRECT``), bypassing the page
@@ -425,6 +453,9 @@ class OutputFile:
             self._remove()
 
     def _close_direct(self) -> None:
+        io, self._io = self._io, None
+        if io is not None:
+            io.shutdown(wait=True)
         self._no_direct()
         bounce, self._bounce = self._bounce, None
         if bounce is not None:

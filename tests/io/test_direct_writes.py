@@ -202,6 +202,47 @@ def test_a_full_disk_under_a_direct_write_is_named(tmp_path, writes, monkeypatch
     assert not (tmp_path / "a").exists()
 
 
+def test_the_checksum_of_a_direct_write_is_taken_while_the_disk_takes_its_bytes(tmp_path, writes, monkeypatch):
+    """Each direct write holds back until the file's checksum has taken its bytes: that only happens where the two
+    run at once. Written ahead or in order, with small writes between, the checksum is that of the file's bytes."""
+    import threading
+
+    f = OutputFile(tmp_path / "a")
+    hashed = threading.Event()
+
+    class Hash:  # the file's checksum, noting each update
+        def __init__(self, real):
+            self.real = real
+
+        def update(self, data):
+            self.real.update(data)
+            hashed.set()
+
+        def hexdigest(self):
+            return self.real.hexdigest()
+
+    f._hash = Hash(f._hash)
+    real_pwrite, waited = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        if _is_direct(fd) and not waited:
+            waited.append(hashed.wait(10))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    rng = random.Random(3)
+    pieces = [(0, rng.randbytes(2 * MIB + 5)), (2 * MIB + 5, rng.randbytes(100)), (4 * MIB, rng.randbytes(3 * MIB)),
+              (2 * MIB + 105, rng.randbytes(4 * MIB - (2 * MIB + 105)))]  # the third written ahead of the fourth
+    for offset, data in pieces:
+        f.pwrite(data, offset)
+    digest = f.close()
+    assert waited == [True]
+    content = (tmp_path / "a").read_bytes()
+    assert len(content) == 7 * MIB and all(content[o:o + len(d)] == d for o, d in pieces)
+    assert digest == file_digest(tmp_path / "a")
+    assert any(d for d, _, _ in writes)
+
+
 def test_a_part_of_a_shared_file_writes_through_the_page_cache(tmp_path, writes):
     """The finishing part reads the whole file back for its checksum: from memory, where the parts' writes are
     still cached."""
