@@ -10,8 +10,10 @@ same way for every format:
   journals, an entry in the resume journal once the file's bytes are on disk;
 - stored tensors (``stream_item``): copied from ``fill`` window by window, at most
   ``window_bytes`` at a time, with a per-tensor checksum (and the checksums of the byte ranges
-  inside it that hold a logical tensor of their own), one window written on the session's
-  writer thread while the next is filled (progress is the fill's to count: ``PlanFill``);
+  inside it that hold a logical tensor of their own), up to ``_IN_FLIGHT`` windows written on the
+  session's writer thread while the next is filled, in buffers the session reuses, each placed in
+  memory as it lies in its file (``_window``) so that its direct write copies nothing (progress is
+  the fill's to count: ``PlanFill``);
 - runs of small stored tensors (``runs``, ``stream_run``): tensors that lie side by side in a file,
   each smaller than ``_SMALL``, filled into one buffer of at most ``window_bytes`` (a ``PlanFill``
   reads the source runs that lie side by side with one call), checksummed there, and written with
