@@ -364,7 +364,7 @@ class WriteSession:
         ``_IN_FLIGHT + 1`` buffers: the one taken was last handed to the writer at least ``_IN_FLIGHT`` hand-offs
         ago, so its write is done (``_hand`` lets no more be in flight). Each is grown to what a window needs and
         kept: the pages of fresh memory cost more to fault in (0.5 GB/s on a virtual machine) than to fill. Mapped
-        anonymously, so page-aligned; a buffer replaced while in flight lives on with its write."""
+        anonymously, so page-aligned."""
         self._turn = (self._turn + 1) % len(self._buffers)
         buf = self._buffers[self._turn]
         shift = 0 if at is None else at % _PAGE
@@ -478,9 +478,8 @@ def _append_line(journal: Path, line: str, what: Path) -> None:
         os.close(fd)
 
 
-def _check_window(data, item: Item, lo: int, hi: int, size: int, dtype: str) -> int:
+def _check_window(data, item: Item, lo: int, hi: int, size: int, dtype: str) -> None:
     got = memoryview(data).nbytes
     if got != (hi - lo) * size:
         raise CheckpointFormatError(
             f"fill returned {got} bytes for elements [{lo}, {hi}) of {item}, expected {(hi - lo) * size} ({dtype})")
-    return got

@@ -243,17 +243,16 @@ class OutputFile:
         view = memoryview(data).cast("B")
         if len(view) < _DIRECT_MIN or self._direct is False:
             self._write(view, offset)
-            self._hashed(view, offset, written=True)
-            return
-        # a direct write leaves the CPU idle while the disk takes the bytes: the checksum is taken meanwhile
-        if self._io is None:
-            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-direct")
-        writing = self._io.submit(self._write, view, offset)
-        try:
-            ahead = self._hashed(view, offset, written=False)
-        finally:
-            writing.result()
-        if ahead:
+            ahead = self._hashed(view, offset)
+        else:  # a direct write leaves the CPU idle while the disk takes the bytes: the checksum is taken meanwhile
+            if self._io is None:
+                self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-direct")
+            writing = self._io.submit(self._write, view, offset)
+            try:
+                ahead = self._hashed(view, offset)
+            finally:
+                writing.result()
+        if ahead:  # noted once written: the pieces ahead are read back from the file
             with self._lock:
                 bisect.insort(self._ahead, (offset, offset + len(view)))
 
@@ -267,10 +266,9 @@ class OutputFile:
             raise CheckpointFormatError(f"{self.path}: cannot write {len(view)} bytes at byte {offset} "
                                         f"({e.strerror})") from None
 
-    def _hashed(self, view: memoryview, offset: int, written: bool) -> bool:
+    def _hashed(self, view: memoryview, offset: int) -> bool:
         """Take the bytes of a write into the file's checksum where they follow the checksummed prefix (after the
-        pieces written ahead that lead up to them); else note them as written ahead, once ``written`` (the pieces
-        ahead are read back from the file). Returns whether they are ahead and not yet noted."""
+        pieces written ahead that lead up to them); return whether they lie ahead of it instead."""
         end = offset + len(view)
         with self._lock:
             self.size = max(self.size, end)
@@ -285,10 +283,7 @@ class OutputFile:
                 self._hash.update(view)
                 self._done = end
                 return False
-            if not written:
-                return True
-            bisect.insort(self._ahead, (offset, end))
-            return False
+            return True
 
     def _write_direct(self, view: memoryview, offset: int) -> None:
         """Write ``view`` at ``offset``: its whole pages straight to the disk (``O_DIRECT``), bypassing the page

@@ -68,16 +68,18 @@ def test_windows_lie_in_memory_at_their_file_offsets_place_within_a_page(at):
     payload = np.arange(1_000_000, dtype=np.uint16)
     source = Source(payload)
     places: list[tuple[int, int]] = []  # (file offset, address) of each window
+    got: list[bytes] = []
     written = 0
 
     def write(data):
         nonlocal written
         places.append((at + written, np.frombuffer(data, dtype=np.uint8).ctypes.data))
+        got.append(bytes(data))
         written += len(data)
 
     with WriteSession(window_bytes=2 * 250_000 + 6) as session:  # windows of 500,006 bytes: off a page
         session.stream_item(source, "item", len(payload), "bfloat16", write, at=at)
-    assert written == payload.nbytes and len(places) == 4
+    assert written == payload.nbytes and len(places) == 4 and b"".join(got) == payload.tobytes()
     assert all(offset % PAGE == address % PAGE for offset, address in places)
 
 
