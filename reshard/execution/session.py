@@ -183,7 +183,8 @@ class WriteSession:
                     self._pending_items.update({str(it): d for it, d in split.tensors.items()})
                     self._pending_segments += [[label, lo, hi, d] for (label, lo, hi), d in split.segments.items()]
         part = FilePart(path, size, frames=split.frames, crcs=dict(split.crcs), fsync=not self.sync_behind,
-                        on_close=self._closed if split.frames else self._part_closed, settle=self.settle)
+                        on_close=self._closed if split.frames else self._part_closed, settle=self.settle,
+                        direct=self.direct_io)
         with self._lock:
             self._parts[key] = part
         return part

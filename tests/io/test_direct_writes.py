@@ -243,15 +243,50 @@ def test_the_checksum_of_a_direct_write_is_taken_while_the_disk_takes_its_bytes(
     assert any(d for d, _, _ in writes)
 
 
-def test_a_part_of_a_shared_file_writes_through_the_page_cache(tmp_path, writes):
-    """The finishing part reads the whole file back for its checksum: from memory, where the parts' writes are
-    still cached."""
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_part_of_a_shared_file_writes_as_asked(tmp_path, writes, direct):
+    """Directly, as a whole file (two processes writing one file through the page cache contend for its lock), or
+    through the page cache; either way the part's bytes land where they belong and nothing else is written."""
     data = os.urandom(3 * MIB)
-    part = FilePart(tmp_path / "a", 4 * MIB, frames=False)
-    part.pwrite(data, PAGE)
+    part = FilePart(tmp_path / "a", 4 * MIB, frames=False, direct=direct)
+    part.pwrite(data, PAGE + 100)
     part.close()
-    assert writes and not any(d for d, _, _ in writes)
-    assert (tmp_path / "a").read_bytes()[PAGE:PAGE + len(data)] == data
+    assert any(d for d, _, _ in writes) is direct
+    assert sum(n for _, _, n in writes) == len(data)
+    content = (tmp_path / "a").read_bytes()
+    assert len(content) == 4 * MIB and content[PAGE + 100:PAGE + 100 + len(data)] == data
+    assert content.count(0, 0, PAGE + 100) == PAGE + 100 and not any(content[PAGE + 100 + len(data):])
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_workers_write_their_parts_of_a_split_file_as_asked_and_it_equals_one_workers(tmp_path, monkeypatch, wide,
+                                                                                      direct_io):
+    """A one-file destination split between two workers: each share writes its part of the file directly (or, told
+    so, through the page cache), and the file, framed and checksummed by the parent, is one worker's, byte for
+    byte."""
+    if direct_io and not _direct_supported(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    from reshard.api.workers import shares, worker_shares
+    from reshard.execution.workers import write_share
+
+    report = reshard.plan(wide, format="hf")
+    parts = shares(report, 2)
+    assert [p.split and p.split[0][0] for p in parts] == ["model.safetensors"] * 2
+    out = tmp_path / "parts"
+    out.mkdir()
+    used = []
+    real = OutputFile._pages
+    monkeypatch.setattr(OutputFile, "_pages", lambda self, *a: used.append((type(self), self.path.name))
+                        or real(self, *a))
+    for k, share in enumerate(worker_shares(report, parts, out, 4 * MIB, direct_io=direct_io)):
+        used.clear()
+        write_share(share)
+        assert ((FilePart, "model.safetensors") in used) is direct_io, k
+    monkeypatch.undo()
+    reshard.convert(wide, tmp_path / "one", format="hf", workers=1)
+    reshard.convert(wide, tmp_path / "two", format="hf", workers=2, direct_io=direct_io)
+    assert (tmp_path / "two" / "model.safetensors").read_bytes() == (tmp_path / "one" / "model.safetensors").read_bytes()
+    assert reshard.verify(tmp_path / "two")
 
 
 def test_a_conversion_written_directly_equals_one_through_the_page_cache(tmp_path, monkeypatch, wide):
