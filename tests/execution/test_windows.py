@@ -135,3 +135,42 @@ def test_a_failed_write_is_raised_once_every_write_in_flight_has_ended():
         session.settle()  # nothing left in flight
     finally:
         session.close()
+
+
+def test_a_small_window_behind_windows_in_flight_follows_them_without_waiting_for_them():
+    """A layer norm after a large tensor: the small window is handed to the writer thread behind the large one's
+    windows, in order, instead of waiting for them to end first (which left the disk idle until the next window
+    was filled). The large tensor's last write holds back until the small tensor is handed over; the bytes come
+    out in order."""
+    big = np.arange(600_000, dtype=np.uint32)  # 2.4 MB: two windows of 1.2 MB, each handed to the writer
+    small = np.arange(1000, dtype=np.uint16)  # 2 KB: written by the caller where nothing is in flight
+    after = np.arange(700_000, dtype=np.uint32)
+    sources = {"big": Source(big), "small": Source(small), "after": Source(after)}
+    handed = threading.Event()
+    got: list[tuple[str, bytes]] = []
+    held = []
+
+    def write_to(name):
+        def write(data):
+            if name == "big" and len(got) == 1:  # the big tensor's second window
+                held.append(handed.wait(10))
+            got.append((name, bytes(data)))
+        return write
+
+    with WriteSession(window_bytes=4 * 300_000) as session:
+        session.stream_item(sources["big"], "big", len(big), "float32", write_to("big"))
+        session.stream_item(sources["small"], "small", len(small), "bfloat16", write_to("small"))
+        handed.set()
+        session.stream_item(sources["after"], "after", len(after), "float32", write_to("after"))
+    assert held == [True]
+    assert [n for n, _ in got] == ["big", "big", "small", "after", "after", "after"]
+    assert b"".join(d for _, d in got) == big.tobytes() + small.tobytes() + after.tobytes()
+
+
+def test_a_small_window_with_nothing_in_flight_is_written_by_the_caller():
+    small = np.arange(1000, dtype=np.uint16)
+    threads = []
+    with WriteSession(window_bytes=4 * MIB) as session:
+        session.stream_item(Source(small), "small", len(small), "bfloat16",
+                            lambda data: threads.append(threading.current_thread()))
+    assert threads == [threading.current_thread()]
