@@ -277,9 +277,10 @@ class WriteSession:
         """A tensor other processes wrote in pieces: read back from the file through its writer, window by
         window (its CRC, its descriptor), for its checksums."""
         digest = ItemHasher(item, self._segments.get(item, ()), on_done=self._hashed)
-        self.settle()
+        self.settle()  # nothing in flight: the window buffers are free to read into
         for lo in range(0, numel, step):
-            window = ReadBack((min(numel, lo + step) - lo) * size)
+            nbytes = (min(numel, lo + step) - lo) * size
+            window = ReadBack(nbytes, memoryview(self._window(nbytes, None)))
             write(window)
             digest.update(window.data)
         digest.done()

@@ -464,7 +464,7 @@ class SafetensorsWriter:
         if isinstance(data, Skip):
             self._partial.add(name)
         elif isinstance(data, ReadBack):
-            data.data = self._out.pread(n, info.data_offset + done)
+            data.data = self._out.pread(n, info.data_offset + done, data.buffer)
         else:
             self._out.pwrite(memoryview(data).cast("B"), info.data_offset + done)
         self._written[name] = done + n

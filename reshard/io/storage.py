@@ -80,6 +80,16 @@ def _written(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
+def _read_exactly(fd: int, out: memoryview, offset: int, path: Path) -> None:
+    """Fill ``out`` from byte ``offset`` of ``fd``; an error naming ``path`` where the file ends first."""
+    got = 0
+    while got < len(out):
+        n = os.preadv(fd, [out[got:]], offset + got)
+        if not n:
+            raise CheckpointFormatError(f"{path}: ends at byte {offset + got}, expected {offset + len(out)}")
+        got += n
+
+
 def _address(view: memoryview) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
@@ -141,11 +151,13 @@ class ReadBack:
     already (other processes wrote them), and the writer reads them back into ``data``, taking them as written
     (their CRC, the descriptor after the tensor's last byte)."""
 
-    __slots__ = ("data", "nbytes")
+    __slots__ = ("buffer", "data", "nbytes")
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, buffer: memoryview | None = None) -> None:
         self.nbytes = nbytes
-        self.data = b""
+        self.buffer = buffer
+        """Where to read them (at least ``nbytes``), or None for new memory."""
+        self.data: bytes | memoryview = b""
 
 
 class ItemHasher:
@@ -348,22 +360,18 @@ class OutputFile:
             os.close(self._direct)
         self._direct = False
 
-    def pread(self, length: int, offset: int) -> bytes:
-        """Bytes ``[offset, offset + length)`` of the file, as written so far (by any process)."""
+    def pread(self, length: int, offset: int, into: memoryview | bytearray | None = None) -> memoryview:
+        """Bytes ``[offset, offset + length)`` of the file, as written so far (by any process), read into ``into``
+        (a buffer of at least ``length`` bytes, reused by the caller) or into new memory."""
         if self._fd is None:
             raise CheckpointFormatError(f"{self.path}: read after close")
-        out = bytearray()
+        out = memoryview(bytearray(length) if into is None else into).cast("B")[:length]
         try:
-            while len(out) < length:
-                chunk = os.pread(self._fd, length - len(out), offset + len(out))
-                if not chunk:
-                    raise CheckpointFormatError(f"{self.path}: ends at byte {offset + len(out)}, expected "
-                                                f"{offset + length}")
-                out += chunk
+            _read_exactly(self._fd, out, offset, self.path)
         except OSError as e:
             raise CheckpointFormatError(f"{self.path}: cannot read {length} bytes at byte {offset} "
                                         f"({e.strerror})") from None
-        return bytes(out)
+        return out
 
     def settle(self) -> None:
         """Wait for a write to this file still in flight on another thread (the ``settle`` it was made with);
@@ -384,10 +392,15 @@ class OutputFile:
                 bisect.insort(self._ahead, (stop, b))
 
     def _read_into_hash(self, a: int, b: int) -> None:
+        """Take bytes ``[a, b)`` of the file into its checksum, read back through one buffer of at most ``_CHUNK``
+        bytes: memory made anew for every chunk cost more to fault in than to read (a 2.2 GiB read back, 0.5 M page
+        faults)."""
+        if a >= b:
+            return
+        view = memoryview(bytearray(min(_CHUNK, b - a)))
         while a < b:
-            chunk = os.pread(self._fd, min(_CHUNK, b - a), a)
-            if not chunk:  # past the end: the file is shorter than its writes said
-                raise CheckpointFormatError(f"{self.path}: ends at byte {a}, expected {b}")
+            chunk = view[:min(len(view), b - a)]
+            _read_exactly(self._fd, chunk, a, self.path)  # past the end: the file is shorter than its writes said
             self._hash.update(chunk)
             a += len(chunk)
             self.read_back += len(chunk)

@@ -379,7 +379,7 @@ class TorchFileWriter:
             r.written, r.partial = r.written + n, True
             return
         if isinstance(data, ReadBack):
-            data.data = self._out.pread(n, self._base + r.data_offset + r.written)
+            data.data = self._out.pread(n, self._base + r.data_offset + r.written, data.buffer)
             data = data.data
         else:
             self._out.pwrite(data, self._base + r.data_offset + r.written)

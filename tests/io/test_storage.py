@@ -41,6 +41,33 @@ def test_any_write_order_overwrites_and_holes_still_give_the_files_checksum(tmp_
     assert WriteSession().digest(tmp_path / "a") is None  # another session never sees it
 
 
+def test_a_file_read_back_through_small_chunks_gives_its_checksum(tmp_path, monkeypatch):
+    """Written over its checksummed prefix, the file is read back whole for its checksum, through one buffer of a few chunks'
+    size reused (``_CHUNK`` made small here): the same digest as the bytes on disk."""
+    from reshard.io import storage
+
+    monkeypatch.setattr(storage, "_CHUNK", 1000)
+    data = os.urandom(10_500)
+    f = OutputFile(tmp_path / "a", size=len(data))
+    f.pwrite(data[:5000], 0)
+    f.pwrite(data[5000:], 5000)
+    f.pwrite(data[100:200], 100)  # into the checksummed prefix: read back whole at close
+    assert f.close() == file_digest(tmp_path / "a") and f.read_back == len(data)
+
+
+def test_bytes_read_back_land_in_the_buffer_given_and_a_short_file_is_named(tmp_path):
+    data = os.urandom(5000)
+    f = OutputFile(tmp_path / "a", size=len(data))
+    f.pwrite(data, 0)
+    buf = np.zeros(8192, dtype=np.uint8)
+    got = f.pread(3000, 1000, memoryview(buf))
+    assert bytes(got) == data[1000:4000] and np.shares_memory(np.frombuffer(got, dtype=np.uint8), buf)
+    assert bytes(f.pread(10, 4990)) == data[4990:]
+    with pytest.raises(CheckpointFormatError, match=r"a: ends at byte 5000, expected 5010"):
+        f.pread(20, 4990)
+    f.close()
+
+
 def test_a_torch_file_is_checksummed_as_it_streams(tmp_path):
     """Headers and descriptors are read back (a few hundred bytes); tensor bytes are never read back."""
     tree = {"a": TensorSpec("float32", (1000,), key="a"), "b": TensorSpec("bfloat16", (3, 500), key="b"),
