@@ -64,6 +64,40 @@ def test_a_one_file_destination_split_between_workers_is_one_workers_bytes_manif
     assert reshard.verify(tmp_path / "many")
 
 
+SEVERAL = {  # destinations of two to four files, each larger than a fair share of five workers
+    "megatron": {"format": "megatron", "to": "tp=1,pp=2"},
+    "hf": {"format": "hf", "max_shard_size": "40KiB"},
+    "dcp": {"format": "dcp", "to": "dp=2"},
+    "deepspeed": {"format": "deepspeed", "to": "dp=2"},
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(SEVERAL))
+def test_several_split_files_are_finished_side_by_side_with_one_workers_bytes(source, tmp_path, monkeypatch, fmt):
+    """The main process finishes each split file in a thread of its own (reading it back for its checksum, from the
+    disk where the parts were written directly): the bytes and the manifest are one worker's."""
+    import threading
+
+    import reshard.execution.workers as workers_module
+
+    options = SEVERAL[fmt]
+    threads: dict[str, str] = {}
+    real = workers_module.WriteSession
+
+    class Spy(real):
+        def open(self, path, size=None):
+            threads[str(path)] = threading.current_thread().name
+            return super().open(path, size)
+
+    reshard.convert(source, tmp_path / "one", workers=1, **options)
+    monkeypatch.setattr(workers_module, "WriteSession", Spy)
+    reshard.convert(source, tmp_path / "many", workers=5, **options)
+    finishers = {name for name in threads.values() if name.startswith("reshard-finish")}
+    assert len(threads) >= 2 and len(finishers) >= 2, threads
+    assert contents(tmp_path / "many") == contents(tmp_path / "one")
+    assert reshard.verify(tmp_path / "many")
+
+
 @pytest.mark.parametrize("workers", [2, 3, 5])
 def test_split_shares_hold_every_tensor_once_within_a_tenth_of_the_mean(source, workers):
     report = reshard.plan(source, format="megatron", to="tp=1,pp=1")
