@@ -231,8 +231,8 @@ class WriteSession:
         thread while the next ones are filled, of this item or of the next one streamed: both sides
         spend their time in code that releases the GIL, so reading and writing overlap. At most
         ``_IN_FLIGHT`` windows are in flight; a window under ``_HANDOFF`` bytes is written here where
-        none is in flight, else behind them on the writer thread. A file's writer must let the writes in flight end before it closes
-        the file (the files ``open`` makes do, in ``close`` and ``abort``).
+        none is in flight, else behind them on the writer thread. A file's writer must let the writes in
+        flight end before it closes the file (the files ``open`` makes do, in ``close`` and ``abort``).
 
         A fill with ``fill_into`` (``PlanFill``) fills the session's own window buffers, reused; ``at``, the
         file offset of the item's first byte, puts each window at its file offset's place within a page, so

@@ -35,8 +35,8 @@ import threading
 import time
 import traceback
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -178,7 +178,8 @@ def finish_split(write: Write, target: Any, out: Path, results: Sequence[ShareRe
     # The files side by side: each is read back whole, from the disk where its parts were written directly, and
     # reads of several files at once keep the disk busier than one after another (4 files of 560 MiB: 1.15 s
     # against 1.86 s). Reads and checksums let go of the GIL.
-    with ThreadPoolExecutor(max_workers=max(1, min(len(items), _FINISHERS)), thread_name_prefix="reshard-finish") as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(items), _FINISHERS)),
+                            thread_name_prefix="reshard-finish") as pool:
         done = list(pool.map(finish, list(items)))
     return ShareResult(files={k: v for r in done for k, v in r.files.items()}, bytes_read=0, crcs={},
                        items={k: v for r in done for k, v in r.items.items()},

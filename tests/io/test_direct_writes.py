@@ -285,7 +285,8 @@ def test_workers_write_their_parts_of_a_split_file_as_asked_and_it_equals_one_wo
     monkeypatch.undo()
     reshard.convert(wide, tmp_path / "one", format="hf", workers=1)
     reshard.convert(wide, tmp_path / "two", format="hf", workers=2, direct_io=direct_io)
-    assert (tmp_path / "two" / "model.safetensors").read_bytes() == (tmp_path / "one" / "model.safetensors").read_bytes()
+    file = "model.safetensors"
+    assert (tmp_path / "two" / file).read_bytes() == (tmp_path / "one" / file).read_bytes()
     assert reshard.verify(tmp_path / "two")
 
 

@@ -42,8 +42,8 @@ def test_any_write_order_overwrites_and_holes_still_give_the_files_checksum(tmp_
 
 
 def test_a_file_read_back_through_small_chunks_gives_its_checksum(tmp_path, monkeypatch):
-    """Written over its checksummed prefix, the file is read back whole for its checksum, through one buffer of a few chunks'
-    size reused (``_CHUNK`` made small here): the same digest as the bytes on disk."""
+    """Written over its checksummed prefix, the file is read back whole for its checksum, through one buffer of
+    a chunk's size reused (``_CHUNK`` made small here): the same digest as the bytes on disk."""
     from reshard.io import storage
 
     monkeypatch.setattr(storage, "_CHUNK", 1000)
