@@ -149,14 +149,14 @@ class Skip:
 class ReadBack:
     """Handed to a tensor writer's ``write`` in place of bytes: the next ``nbytes`` of the tensor are in the file
     already (other processes wrote them), and the writer reads them back into ``data``, taking them as written
-    (their CRC, the descriptor after the tensor's last byte)."""
+    (their CRC, the descriptor after the tensor's last byte). ``buffer``: where to read them (at least ``nbytes``,
+    reused by the caller), or None for new memory."""
 
     __slots__ = ("buffer", "data", "nbytes")
 
     def __init__(self, nbytes: int, buffer: memoryview | None = None) -> None:
         self.nbytes = nbytes
         self.buffer = buffer
-        """Where to read them (at least ``nbytes``), or None for new memory."""
         self.data: bytes | memoryview = b""
 
 
