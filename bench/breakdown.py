@@ -69,6 +69,7 @@ def instrument(timers: Timers) -> None:
     """Time every byte-moving call a conversion makes, in this process only."""
     import xxhash
 
+    import reshard.io.checksum as checksum
     import reshard.io.torch_write as torch_write
 
     for name, step in (("preadv", "read"), ("pread", "read"), ("pwrite", "write"), ("write", "write"),
@@ -76,6 +77,7 @@ def instrument(timers: Timers) -> None:
         setattr(os, name, timers.wrap(step, getattr(os, name)))
     torch_write.crc32 = timers.wrap("CRC-32 (zip records)", torch_write.crc32)
     real = xxhash.xxh3_128
+    step = "xxh3-128 (manifest checksums)"
 
     class TimedHash:
         def __init__(self, *args) -> None:
@@ -84,12 +86,24 @@ def instrument(timers: Timers) -> None:
         def update(self, data) -> None:
             t0 = time.perf_counter()
             self._h.update(data)
-            timers.add("xxh3-128 (manifest checksums)", time.perf_counter() - t0)
+            timers.add(step, time.perf_counter() - t0)
 
         def hexdigest(self) -> str:
             return self._h.hexdigest()
 
+        def digest(self) -> bytes:
+            return self._h.digest()
+
+        def reset(self) -> None:
+            self._h.reset()
+
+        def copy(self) -> TimedHash:
+            out = TimedHash()
+            out._h = self._h.copy()
+            return out
+
     xxhash.xxh3_128 = TimedHash
+    checksum._digest = timers.wrap(step, checksum._digest)  # a file's blocks, one call each
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from convert_memory import CASES, dir_size, generate, sizes_for
 
-from reshard.io.storage import file_digest
+from reshard.io.checksum import file_digest
 
 RANKS = (1, 2, 4)
 

@@ -82,6 +82,18 @@ def releases(*others: str):
                                    ids=["mcore-installed", *(f"mcore-{v}" for v in others)])
 
 
+@pytest.fixture
+def wide(tmp_path, monkeypatch):
+    """A Megatron checkpoint with tensors of several MiB, so that windows go directly."""
+    import fixtures
+
+    src = tmp_path / "wide"
+    sizes = {"h": 256, "heads": 4, "g": 2, "hd": 64, "f": 512, "vocab": 4096, "layers": 4, "vocab_div": 128}
+    monkeypatch.setitem(fixtures.MODELS, "wide-llama", fixtures.Model("hf-llama", sizes))
+    fixtures.make_fixture(src, format="megatron", to="tp=2,pp=2,dp=1,zero=1", model="wide-llama")
+    return src
+
+
 def logical_values(layout: Layout, states: tuple[str, ...] = ("param",), dtype=np.float32) -> dict:
     """Distinct, position-dependent values for every logical tensor and state.
 

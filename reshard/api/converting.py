@@ -43,7 +43,7 @@ from reshard.formats import get_format
 from reshard.io import json_text
 from reshard.io.location import UrlPath, as_path, is_url
 from reshard.io.upload import check_empty, upload_tree
-from reshard.io.storage import HASH
+from reshard.io.checksum import FILE_HASH
 
 __all__ = ["ConvertResult", "convert"]
 
@@ -258,7 +258,7 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
         sources = logical_sources(target.layout, target.dtypes)
         ranges = segments_of(sources)
         session = WriteSession(journal=tmp, segments=ranges, window_bytes=window, sync_behind=True, direct_io=direct_io)
-        written: dict[Path, str | None] = {Path(rel): e[HASH] for rel, e in kept.items()}
+        written: dict[Path, str | None] = {Path(rel): e[FILE_HASH] for rel, e in kept.items()}
         # across ranks, files are split as between workers: the ranks write into one partial directory on a shared
         # file system, each rank's part of a split file fsynced before rank 0 finishes it
         if ranks is not None:

@@ -16,7 +16,7 @@ from reshard.errors import CheckpointFormatError, ReshardError
 from reshard.execution.executor import ByteReader, SourceReader, uint_dtype
 from reshard.execution.manifest import MANIFEST, VerifyResult, read_manifest, verify_manifest
 from reshard.formats.base import Source
-from reshard.io.storage import HASH
+from reshard.io.checksum import HASH
 
 __all__ = ["VerifyResult", "verify"]
 

@@ -16,7 +16,7 @@ from reshard.errors import CheckpointFormatError
 from reshard.io.bounds import brief
 from reshard.io.fields import expect_int
 from reshard.io.smallfiles import read_json
-from reshard.io.storage import HASH, file_digest
+from reshard.io.checksum import FILE_HASH, HASH, file_digest, plain_digest
 
 __all__ = ["MANIFEST", "VerifyResult", "file_record", "logical_digests", "logical_sources", "read_manifest",
            "segments_of", "tensor_digests", "verify_manifest"]
@@ -145,8 +145,9 @@ def logical_digests(dtypes: Mapping[Item, str], sources, tensors: Mapping[str, M
     return dict(out)
 
 def file_record(path: Path, digest: str | None = None) -> dict[str, Any]:
-    """A manifest entry: size and xxh3-128, the one taken while writing if given, else read from the file."""
-    return {"bytes": path.stat().st_size, HASH: digest or file_digest(path)}
+    """A manifest entry: size and checksum (``FILE_HASH``), the one taken while writing if given, else read from
+    the file."""
+    return {"bytes": path.stat().st_size, FILE_HASH: digest or file_digest(path)}
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path``, every field of the types a conversion writes: ``files``
@@ -172,8 +173,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
         parts = Path(rel).parts
         if not rel or Path(rel).is_absolute() or ".." in parts or "\0" in rel:
             raise bad("a file name", rel, "a path inside the checkpoint")
-        if not isinstance(want, dict) or not isinstance(want.get(HASH, ""), str):
-            raise bad(f"files['{rel}']", want, f"an object with 'bytes' and a '{HASH}' string")
+        if not isinstance(want, dict) or not isinstance(want.get(FILE_HASH, want.get(HASH, "")), str):
+            raise bad(f"files['{rel}']", want, f"an object with 'bytes' and a '{FILE_HASH}' string")
         expect_int(want.get("bytes"), f"files['{rel}'].bytes", manifest_path)
         strings(want.get("tensors") or {}, f"files['{rel}'].tensors")
     logical = manifest.get("logical")
@@ -198,12 +199,14 @@ def verify_manifest(path: Path, explain: Callable[[Path, str, Mapping[str, str]]
         if size != want["bytes"]:
             diffs.append(f"{rel}: {size} bytes, the manifest says {want['bytes']}")
             continue
-        if HASH not in want:
-            diffs.append(f"{rel}: the manifest has no {HASH} checksum")
+        # manifests written before FILE_HASH record the plain xxh3-128 of each file
+        kind = FILE_HASH if FILE_HASH in want else HASH if HASH in want else None
+        if kind is None:
+            diffs.append(f"{rel}: the manifest has no {FILE_HASH} checksum")
             continue
-        got = file_digest(file)
-        if got != want[HASH]:
-            diffs.append(f"{rel}: {HASH} {got} differs from the manifest's {want[HASH]}")
+        got = file_digest(file) if kind == FILE_HASH else plain_digest(file)
+        if got != want[kind]:
+            diffs.append(f"{rel}: {kind} {got} differs from the manifest's {want[kind]}")
             if explain is not None:
                 diffs += explain(path, rel, want.get("tensors") or {})
     listed = set(files) | {MANIFEST}

@@ -27,7 +27,8 @@ from typing import Any
 
 from reshard.errors import CheckpointFormatError
 from reshard.io.smallfiles import read_json
-from reshard.io.storage import HASH, JOURNAL, file_digest, read_journal
+from reshard.io.checksum import FILE_HASH, file_digest
+from reshard.io.storage import JOURNAL, read_journal
 
 __all__ = ["HEADER", "Partial", "partial_path"]
 
@@ -126,7 +127,7 @@ class Partial:
                   and ".." not in Path(e["file"]).parts and "\0" not in e["file"]}
         for rel, e in latest.items():
             f = self.path / rel
-            if f.is_file() and not f.is_symlink() and f.stat().st_size == e["bytes"] and file_digest(f) == e[HASH]:
+            if f.is_file() and not f.is_symlink() and f.stat().st_size == e["bytes"] and file_digest(f) == e[FILE_HASH]:
                 self.kept[rel] = e
         keep = set(self.kept) | {HEADER, JOURNAL}
         for p in sorted(self.path.rglob("*"), key=lambda p: -len(p.parts)):

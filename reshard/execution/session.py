@@ -21,9 +21,10 @@ same way for every format:
   of 10 KiB);
 - files split between processes (``split``): a worker's session writes only its own stored
   tensors of such a file (the others are in ``skip``) into a ``FilePart``, journals nothing and
-  reports the zip record CRCs it took (``part_crcs``); once every worker is done, the parent's
-  session writes the file's framing with those CRCs, reads the file back for its checksum and
-  journals it with the tensor checksums the workers took.
+  reports the zip record CRCs and the blocks of the file's checksum it took (``part_crcs``,
+  ``part_blocks``); once every worker is done, the parent's session writes the file's framing with
+  those CRCs, puts the file's checksum together from those blocks (reading back only the blocks at
+  the seams between parts) and journals it with the tensor checksums the workers took.
 
 Nothing is kept in module globals: two sessions in one process (two conversions in parallel
 threads, the load API inside a training job) never see each other's checksums or journal.
@@ -48,7 +49,8 @@ import xxhash
 from reshard.core.dtypes import itemsize
 from reshard.core.layout import Item
 from reshard.errors import CheckpointFormatError
-from reshard.io.storage import HASH, JOURNAL, FilePart, ItemHasher, OutputFile, ReadBack, Skip, sync_file
+from reshard.io.checksum import FILE_HASH, Taken
+from reshard.io.storage import JOURNAL, FilePart, ItemHasher, OutputFile, ReadBack, Skip, sync_file
 
 __all__ = ["DEFAULT_WINDOW", "Fill", "Slot", "SplitFile", "WriteSession"]
 
@@ -103,10 +105,12 @@ class SplitFile:
     """How a session takes part in writing a file that several processes write side by side."""
 
     frames: bool = False
-    """True: this session finishes the file once the others are done (its framing, its checksum read back,
-    its journal entry): the parent's. False: it writes its stored tensors of it, those not in ``skip``."""
+    """True: this session finishes the file once the others are done (its framing, its checksum, its journal
+    entry): the parent's. False: it writes its stored tensors of it, those not in ``skip``."""
     crcs: Mapping[int, int] = field(default_factory=dict)
     """Finishing: the CRC-32 of each zip record the others wrote, by the byte offset of its data in the file."""
+    blocks: Sequence[Taken] = ()
+    """Finishing: what each of the others took of the file's checksum (``PartBlocks.taken``)."""
     tensors: Mapping[Item, str] = field(default_factory=dict)
     """Finishing: the checksums the others took of the file's stored tensors, journaled with the file."""
     segments: Mapping[tuple[str, int, int], str] = field(default_factory=dict)
@@ -183,9 +187,9 @@ class WriteSession:
                 if self.journal is not None:
                     self._pending_items.update({str(it): d for it, d in split.tensors.items()})
                     self._pending_segments += [[label, lo, hi, d] for (label, lo, hi), d in split.segments.items()]
-        part = FilePart(path, size, frames=split.frames, crcs=dict(split.crcs), fsync=not self.sync_behind,
-                        on_close=self._closed if split.frames else self._part_closed, settle=self.settle,
-                        direct=self.direct_io)
+        part = FilePart(path, size, frames=split.frames, crcs=dict(split.crcs), taken=split.blocks,
+                        fsync=not self.sync_behind, on_close=self._closed if split.frames else self._part_closed,
+                        settle=self.settle, direct=self.direct_io)
         with self._lock:
             self._parts[key] = part
         return part
@@ -215,6 +219,12 @@ class WriteSession:
         by the byte offset of each record's data)."""
         with self._lock:
             return {p: dict(part.crcs) for p, part in self._parts.items() if not part.frames}
+
+    def part_blocks(self) -> dict[str, Taken]:
+        """What this session took of the checksums of the ``split`` files it wrote parts of (by absolute path;
+        ``PartBlocks.taken``)."""
+        with self._lock:
+            return {p: part.blocks.taken() for p, part in self._parts.items() if not part.frames}
 
     def segment_digests(self) -> dict[tuple[str, int, int], str]:
         """The checksums of the ranges named by ``segments``, by (item label, first byte, end byte)."""
@@ -446,7 +456,7 @@ class WriteSession:
         with self._lock:
             self._digests[str(path.absolute())] = digest
             if self.journal is not None and path.absolute().is_relative_to(self.journal):
-                entry = {"file": str(path.absolute().relative_to(self.journal)), "bytes": size, HASH: digest,
+                entry = {"file": str(path.absolute().relative_to(self.journal)), "bytes": size, FILE_HASH: digest,
                          "tensors": dict(self._pending_items), "segments": list(self._pending_segments)}
                 self._pending_items.clear()
                 self._pending_segments.clear()

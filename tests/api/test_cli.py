@@ -110,7 +110,7 @@ def test_verify_with_one_checkpoint_checks_it_against_its_manifest(ckpt, tmp_pat
     bad = runner.invoke(app, ["verify", str(dst)])
     assert bad.exit_code == 1
     lines = bad.stderr.splitlines()
-    assert lines[0].startswith("iter_0000000/mp_rank_00/model_optim_rng.pt: xxh3_128 ")
+    assert lines[0].startswith("iter_0000000/mp_rank_00/model_optim_rng.pt: xxh3_128_64k ")
     assert lines[-2:] == ["stray.txt: not in the manifest", "checkpoint does not match its manifest (2 files checked against reshard.json)"]
     assert all(line.startswith("  ") for line in lines[1:-2])  # what it says of the file's tensors
     assert runner.invoke(app, ["verify", str(ckpt)]).exit_code == 2  # a fixture has no manifest: a user error

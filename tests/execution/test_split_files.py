@@ -1,7 +1,8 @@
 """A destination file larger than a fair share is split between workers at its stored tensors: each writes
-its own tensors into the one file, the parent its framing and checksum; the bytes and the manifest are one
-worker's, shares stay balanced with fewer files than workers, and a worker killed inside its range leaves
-nothing that looks complete, which ``resume`` rewrites with any number of workers."""
+its own tensors into the one file and takes their blocks of its checksum, the parent its framing and the rest
+of the checksum; the bytes and the manifest are one worker's, shares stay balanced with fewer files than
+workers, and a worker killed inside its range leaves nothing that looks complete, which ``resume`` rewrites
+with any number of workers."""
 
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ SEVERAL = {  # destinations of two to four files, each larger than a fair share 
 
 @pytest.mark.parametrize("fmt", sorted(SEVERAL))
 def test_several_split_files_are_finished_side_by_side_with_one_workers_bytes(source, tmp_path, monkeypatch, fmt):
-    """The main process finishes each split file in a thread of its own (reading it back for its checksum, from the
-    disk where the parts were written directly): the bytes and the manifest are one worker's."""
+    """The main process finishes each split file in a thread of its own (reading back the blocks of its checksum no
+    worker took, and its tensors written in pieces, from the disk where the parts were written directly): the bytes
+    and the manifest are one worker's."""
     import threading
 
     import reshard.execution.workers as workers_module
@@ -325,3 +327,34 @@ def test_the_shares_of_a_split_file_take_each_workers_tensors_once_per_file(sour
     for share, part in zip(sent, parts):
         mine = {it for _, its in part.split for it in its}
         assert share.skip == frozenset(held - mine) and not share.skip & mine
+
+
+@pytest.mark.parametrize("options", [{"format": "hf"}, {"format": "megatron", "to": "tp=1,pp=1"},
+                                     {"format": "dcp", "to": "dp=1"}], ids=["hf", "megatron", "dcp"])
+def test_a_split_file_is_finished_reading_back_only_the_blocks_at_its_seams(tmp_path, monkeypatch, wide, options):
+    """The workers take the checksum blocks of the bytes they write; the parent reads back only the blocks that
+    hold its framing or a seam between two workers' tensors (a safetensors header, a zip record's header and
+    descriptor), not the whole file, and the manifest is one worker's."""
+    from reshard.io.checksum import BLOCK
+    from reshard.io.storage import FilePart
+
+    finished = []
+    real = FilePart._checksum
+
+    def checksum(self):
+        digest = real(self)
+        if self.frames:
+            finished.append((self.path.name, self.read_back, self.size))
+        return digest
+
+    reshard.convert(wide, tmp_path / "one", workers=1, **options)
+    monkeypatch.setattr(FilePart, "_checksum", checksum)
+    reshard.convert(wide, tmp_path / "two", workers=2, **options)
+    assert contents(tmp_path / "two") == contents(tmp_path / "one")
+    assert reshard.verify(tmp_path / "two")
+    files = json.loads((tmp_path / "two" / "reshard.json").read_text())["files"]
+    assert finished
+    for name, read_back, size in finished:
+        tensors = len(next(e["tensors"] for rel, e in files.items() if rel.endswith(name)))
+        # at most the blocks at both ends of each tensor, the file's first and its last
+        assert read_back <= min((2 * tensors + 2) * BLOCK, size / 5), (name, read_back, size, tensors)

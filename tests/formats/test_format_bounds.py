@@ -479,14 +479,15 @@ def test_a_resume_header_that_is_not_an_object_is_refused(tmp_path):
 
 def test_a_journal_entry_naming_a_file_outside_the_partial_directory_is_not_kept(tmp_path):
     from reshard.execution.partial import HEADER, Partial, partial_path
-    from reshard.io.storage import HASH, JOURNAL, file_digest
+    from reshard.io.checksum import FILE_HASH, file_digest
+    from reshard.io.storage import JOURNAL
 
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"x")
     dst = tmp_path / "dst"
     partial_path(dst).mkdir()
     (partial_path(dst) / HEADER).write_text("{}")
-    entry = {"file": str(outside), "bytes": 1, HASH: file_digest(outside), "tensors": {}}
+    entry = {"file": str(outside), "bytes": 1, FILE_HASH: file_digest(outside), "tensors": {}}
     (partial_path(dst) / JOURNAL).write_text(json.dumps(entry) + "\n")
     partial = Partial(dst, {}, resume=True, manifest="reshard.json")
     try:

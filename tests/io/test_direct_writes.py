@@ -12,12 +12,11 @@ import random
 import numpy as np
 import pytest
 
-import fixtures
 import reshard
-from fixtures import make_fixture
 from reshard.errors import CheckpointFormatError
 from reshard.io import storage
-from reshard.io.storage import FilePart, OutputFile, file_digest
+from reshard.io.checksum import file_digest
+from reshard.io.storage import FilePart, OutputFile
 
 MIB = 1 << 20
 PAGE = 4096
@@ -314,16 +313,6 @@ def test_a_conversion_written_directly_equals_one_through_the_page_cache(tmp_pat
     for rel in files:
         if rel.name != "reshard.json":
             assert (tmp_path / "direct" / rel).read_bytes() == (tmp_path / "cached" / rel).read_bytes(), rel
-
-
-@pytest.fixture
-def wide(tmp_path, monkeypatch):
-    """A Megatron checkpoint with tensors of several MiB, so that windows go directly."""
-    src = tmp_path / "wide"
-    sizes = {"h": 256, "heads": 4, "g": 2, "hd": 64, "f": 512, "vocab": 4096, "layers": 4, "vocab_div": 128}
-    monkeypatch.setitem(fixtures.MODELS, "wide-llama", fixtures.Model("hf-llama", sizes))
-    make_fixture(src, format="megatron", to="tp=2,pp=2,dp=1,zero=1", model="wide-llama")
-    return src
 
 
 @pytest.mark.parametrize("direct_io", [True, False])

@@ -12,7 +12,8 @@ import pytest
 
 from reshard.errors import CheckpointFormatError
 from reshard.execution.session import WriteSession
-from reshard.io.storage import OutputFile, file_digest
+from reshard.io.checksum import file_digest
+from reshard.io.storage import OutputFile
 from reshard.io.torch_types import TensorSpec
 from reshard.io.torch_write import TorchFileWriter
 
@@ -151,7 +152,7 @@ def test_the_manifest_checksums_every_tensor_and_verify_names_the_one_that_chang
     path.write_bytes(bytes(data))
     result = reshard.verify(tmp_path / "dst")
     assert not result.identical
-    assert result.differences[0].startswith(f"{rel}: xxh3_128 ")
+    assert result.differences[0].startswith(f"{rel}: xxh3_128_64k ")
     assert [d for d in result.differences[1:] if "tensor" in d] == [
         d for d in result.differences[1:] if d.startswith(f"  tensor {label}: xxh3_128 ")] and len(result.differences) == 2
 
