@@ -93,8 +93,8 @@ def convert(
     source bytes it needs. The output is built in a hidden sibling directory
     (``.{name}.reshard-partial``) and renamed to ``dst`` only when complete, with the
     manifest ``reshard.json`` written last: sources, topologies, and per file
-    its size and the xxh3-128 of its bytes and of each stored tensor, taken
-    while writing. A failed run leaves no ``dst``; one that was killed or
+    its size and checksum (``xxh3_128_64k``: ``reshard.io.checksum``) and the
+    xxh3-128 of each stored tensor, taken while writing. A failed run leaves no ``dst``; one that was killed or
     interrupted, or whose worker died, leaves the hidden directory, which ``resume``
     continues (with any number of workers).
 
