@@ -47,18 +47,22 @@ _READ = 8 << 20
 _digest = xxhash.xxh3_128_digest
 
 
-class FileHash:
-    """``FILE_HASH`` of bytes fed in file order from the first."""
+def _bytes(data) -> memoryview:
+    return data if isinstance(data, memoryview) and data.format == "B" else memoryview(data).cast("B")
 
-    __slots__ = ("_block", "_fill", "_outer")
 
-    def __init__(self) -> None:
-        self._outer = xxhash.xxh3_128()  # fed each whole block's digest: memory does not grow with the file
+class _Blocks:
+    """Bytes fed in order from the first byte of a block on, cut into blocks: each whole block's digest goes to
+    ``emit``; the last, partial block's is ``tail``."""
+
+    __slots__ = ("_block", "_emit", "_fill")
+
+    def __init__(self, emit: Callable[[bytes], object]) -> None:
+        self._emit = emit
         self._block = xxhash.xxh3_128()
         self._fill = 0  # bytes of the current block fed so far
 
-    def update(self, data) -> None:
-        view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    def update(self, view: memoryview) -> None:
         n, i = len(view), 0
         if self._fill:
             i = min(BLOCK - self._fill, n)
@@ -66,21 +70,38 @@ class FileHash:
             self._fill += i
             if self._fill < BLOCK:
                 return
-            self._outer.update(self._block.digest())
+            self._emit(self._block.digest())
             self._block.reset()
             self._fill = 0
-        outer = self._outer
+        emit = self._emit
         while n - i >= BLOCK:
-            outer.update(_digest(view[i:i + BLOCK]))
+            emit(_digest(view[i:i + BLOCK]))
             i += BLOCK
         if i < n:
             self._block.update(view[i:])
             self._fill = n - i
 
+    def tail(self) -> bytes | None:
+        return self._block.digest() if self._fill else None
+
+
+class FileHash:
+    """``FILE_HASH`` of bytes fed in file order from the first."""
+
+    __slots__ = ("_blocks", "_outer")
+
+    def __init__(self) -> None:
+        self._outer = xxhash.xxh3_128()  # fed each whole block's digest: memory does not grow with the file
+        self._blocks = _Blocks(self._outer.update)
+
+    def update(self, data) -> None:
+        self._blocks.update(_bytes(data))
+
     def hexdigest(self) -> str:
         outer = self._outer.copy()
-        if self._fill:
-            outer.update(self._block.digest())
+        tail = self._blocks.tail()
+        if tail is not None:
+            outer.update(tail)
         return outer.hexdigest()
 
 
@@ -96,69 +117,52 @@ class PartBlocks:
     one before starts a new run at the next block's start. A write before the end of one made earlier may change
     blocks taken: from then on, none are."""
 
-    __slots__ = ("_block", "_fill", "_high", "_runs", "_spans")
+    __slots__ = ("_high", "_run", "_runs", "_spans")
 
     def __init__(self) -> None:
         self._runs: list[tuple[int, bytearray]] = []
         self._spans: list[list[int]] = []
-        self._block = xxhash.xxh3_128()
-        self._fill = -1  # bytes of the current block fed so far; -1: none is being taken
+        self._run: _Blocks | None = None  # the run under way, from a block's first byte; None: none is
         self._high: int | None = 0  # the furthest any write reached; None: a write went back before it
 
     def update(self, data, offset: int) -> None:
-        view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+        view = _bytes(data)
         n = len(view)
         if not n:
             return
-        spans = self._spans
+        spans = self._spans  # kept whatever happens: another part's blocks these bytes fall in are read back
         if spans and spans[-1][1] == offset:
             spans[-1][1] = offset + n
         else:  # not where the last write ended: the block under way is not whole
             spans.append([offset, offset + n])
-            if self._high is None or offset < self._high:
+            self._run = None
+            if self._high is not None and offset < self._high:
                 self._runs.clear()
                 self._high = None
-                return
-            self._block.reset()
-            self._fill = -1
         if self._high is None:
             return
         self._high = offset + n
-        i = 0
-        if self._fill < 0:  # start at the next block's first byte
-            i = -offset % BLOCK
-            if i >= n:
+        if self._run is None:  # start at the next block's first byte
+            skip = -offset % BLOCK
+            if skip >= n:
                 return
-            self._fill = 0
-            self._runs.append(((offset + i) // BLOCK, bytearray()))
-        elif self._fill:
-            i = min(BLOCK - self._fill, n)
-            self._block.update(view[:i])
-            self._fill += i
-            if self._fill < BLOCK:
-                return
-            self._runs[-1][1].extend(self._block.digest())
-            self._block.reset()
-            self._fill = 0
-        digests = self._runs[-1][1]
-        while n - i >= BLOCK:
-            digests += _digest(view[i:i + BLOCK])
-            i += BLOCK
-        if i < n:
-            self._block.update(view[i:])
-            self._fill = n - i
+            digests = bytearray()
+            self._runs.append(((offset + skip) // BLOCK, digests))
+            self._run = _Blocks(digests.extend)
+            view = view[skip:]
+        self._run.update(view)
 
     def taken(self) -> Taken:
         """The runs of whole blocks' digests and the spans written, as plain values (for another process)."""
         return [(first, bytes(d)) for first, d in self._runs if d], [(a, b) for a, b in self._spans]
 
 
-def blocks_digest(size: int, parts: Sequence[Taken], read: Callable[[int, int, memoryview], None]) -> tuple[str, int]:
+def blocks_digest(size: int, parts: Sequence[Taken], read: Callable[[int, memoryview], None]) -> tuple[str, int]:
     """``FILE_HASH`` of a file of ``size`` bytes from what the processes that wrote it took (``parts``: each one's
-    ``PartBlocks.taken``), the blocks none took read back with ``read(offset, length, into)``. A block holding
-    bytes that two parts wrote is read back too: the later write's bytes are the file's, which may not be those
-    its taker saw (parts may write the same frames, as a DCP archive's). Returns the checksum and the bytes read
-    back."""
+    ``PartBlocks.taken``), the blocks none took read back with ``read(offset, into)`` (filling ``into``). A block
+    holding bytes that two parts wrote is read back too: the later write's bytes are the file's, which may not be
+    those its taker saw (parts may write the same frames, as a DCP archive's). Returns the checksum and the bytes
+    read back."""
     count = -(-size // BLOCK)
     starts = _trusted([r for runs, _ in parts for r in runs], _shared([spans for _, spans in parts]), count)
     firsts = [r[0] for r in starts]
@@ -180,7 +184,7 @@ def blocks_digest(size: int, parts: Sequence[Taken], read: Callable[[int, int, m
         stop = min(stop, k + len(buf) // BLOCK)
         lo, hi = k * BLOCK, min(size, stop * BLOCK)
         view = buf[:hi - lo]
-        read(lo, hi - lo, view)
+        read(lo, view)
         read_back += hi - lo
         for a in range(0, hi - lo, BLOCK):
             outer.update(_digest(view[a:a + BLOCK]))

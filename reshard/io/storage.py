@@ -519,8 +519,8 @@ class FilePart(OutputFile):
         if not self.frames:
             return None
 
-        def read(offset: int, length: int, into: memoryview) -> None:
-            _read_exactly(self._fd, into[:length], offset, self.path)
+        def read(offset: int, into: memoryview) -> None:
+            _read_exactly(self._fd, into, offset, self.path)
 
         size = max(self.size, os.fstat(self._fd).st_size)
         digest, self.read_back = blocks_digest(size, [*self._taken, self.blocks.taken()], read)

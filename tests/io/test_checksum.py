@@ -21,9 +21,10 @@ def definition(data: bytes) -> str:
 
 
 def reader(data: bytes | bytearray, log: list | None = None):
-    def read(offset: int, length: int, into: memoryview) -> None:
+    def read(offset: int, into: memoryview) -> None:
+        length = len(into)
         assert offset % BLOCK == 0 and (length % BLOCK == 0 or offset + length == len(data))
-        into[:length] = data[offset:offset + length]
+        into[:] = data[offset:offset + length]
         if log is not None:
             log.append((offset, length))
     return read
@@ -153,3 +154,18 @@ def test_a_manifest_from_before_the_block_checksum_still_verifies(tmp_path):
     (tmp_path / "dst" / rel).write_bytes(bytes(data))
     result = reshard.verify(tmp_path / "dst")
     assert not result.identical and result.differences[0].startswith(f"{rel}: xxh3_128 ")
+
+
+def test_a_part_that_wrote_over_its_own_bytes_still_makes_others_blocks_it_wrote_read_back():
+    """After writing back over its own bytes a part takes no blocks, but the bytes it goes on to write still count:
+    another part's block they land in is read back."""
+    data = bytearray(random.Random(5).randbytes(8 * BLOCK))
+    first, second = PartBlocks(), PartBlocks()
+    second.update(data[4 * BLOCK:], 4 * BLOCK)
+    first.update(data[:2 * BLOCK], 0)
+    first.update(data[10:20], 10)
+    data[5 * BLOCK + 1:5 * BLOCK + 9] = bytes(8)
+    first.update(data[5 * BLOCK + 1:5 * BLOCK + 9], 5 * BLOCK + 1)
+    log: list = []
+    digest, _ = blocks_digest(len(data), [first.taken(), second.taken()], reader(data, log))
+    assert digest == definition(bytes(data)) and (5 * BLOCK, BLOCK) in log
