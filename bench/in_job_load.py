@@ -10,7 +10,10 @@ the bytes of its own shards of the model and of the optimizer state, nothing els
 Prints a markdown table, one row per rank: the load's wall time, the bytes it read, its share (the elements its
 shards hold, in the checkpoint's dtypes: what it must read at least), their ratio, and its read calls.
 
-    python bench/in_job_load.py [--tiny] [--keep DIR]
+With ``--device cuda`` the job is one NCCL rank on the GPU (NCCL takes one rank per GPU): the model and its Adam
+state live on the GPU and are filled through pinned staging buffers, copies overlapped with the reads.
+
+    python bench/in_job_load.py [--tiny] [--keep DIR] [--device cuda]
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def generate(src: Path, sizes: dict[str, int]) -> None:
     warm(src)
 
 
-def _rank(rank: int, port: int, src: str, sizes: dict[str, int], out: str) -> None:
+def _rank(rank: int, port: int, src: str, sizes: dict[str, int], out: str, world: int, device: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -54,11 +57,11 @@ def _rank(rank: int, port: int, src: str, sizes: dict[str, int], out: str) -> No
     from reshard.torch import load_into
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     config = LlamaConfig(hidden_size=sizes["h"], intermediate_size=sizes["f"], num_attention_heads=sizes["heads"],
                          num_key_value_heads=sizes["g"], head_dim=sizes["hd"], num_hidden_layers=sizes["layers"],
                          vocab_size=sizes["vocab"], tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).float()
+    model = LlamaForCausalLM(config).float().to(device)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -66,6 +69,8 @@ def _rank(rank: int, port: int, src: str, sizes: dict[str, int], out: str) -> No
     dist.barrier()
     t0 = time.perf_counter()
     report = load_into(model, optimizer, src)
+    if device == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     row = {"rank": rank, "seconds": seconds, "read": report.bytes_read, "share": report.share, "reads": report.reads}
     Path(out, f"rank{rank}.json").write_text(json.dumps(row))
@@ -77,7 +82,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a checkpoint of a few MiB (a smoke test)")
     ap.add_argument("--keep", type=Path, help="write the checkpoint under this directory and keep it")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the model lives: cpu, 4 gloo ranks; cuda, one NCCL rank on the GPU")
     args = ap.parse_args()
+    world = 1 if args.device == "cuda" else WORLD
     import importlib
 
     import torch.multiprocessing as mp
@@ -97,14 +105,16 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.start_processes(_rank, args=(port, str(src), sizes, str(out)), nprocs=WORLD, start_method="fork")
-        rows = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        mp.start_processes(_rank, args=(port, str(src), sizes, str(out), world, args.device), nprocs=world,
+                           start_method="fork")
+        rows = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     finally:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)
     mib = 1 << 20
     print(f"Megatron tp=2,pp=2 checkpoint of {total / mib:.0f} MiB (bf16 weights, fp32 masters and Adam moments) "
-          f"loaded into a transformers Llama under FSDP2 at {WORLD} ranks; {platform.machine()}, "
+          f"loaded into a transformers Llama under FSDP2 at {world} rank{'s' if world > 1 else ''}"
+          f"{' on the GPU' if args.device == 'cuda' else ''}; {platform.machine()}, "
           f"{os.cpu_count()} cores.\n")
     print("| rank | load (s) | read (MiB) | share (MiB) | read / share | reads |")
     print("|---|---|---|---|---|---|")
