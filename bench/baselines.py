@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -33,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine import describe
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -135,8 +136,8 @@ def main() -> None:
                     outputs[name] = dir_size(dest)
         shutil.rmtree(out, ignore_errors=True)
         med = {name: statistics.median(r["wall"] for r in rs) for name, rs in got.items()}
-        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}; "
-              f"{'page cache dropped before every run' if cold else 'warm page cache'}")
+        print(describe())
+        print('page cache dropped before every run' if cold else 'warm page cache')
         print(f"sources: hf {dir_size(hf) / 2**30:.2f} GiB in {len(shards)} safetensors shards; dcp (FSDP2 dp=4) "
               f"{dir_size(dcp) / 2**30:.2f} GiB\n")
         print("| run | wall s | × floor | peak RSS GiB | read GiB | read / needed | written / output |")

@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -41,6 +40,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine import describe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rank_load import warm  # noqa: E402
@@ -158,7 +159,7 @@ def main() -> None:
                 "_out = {'read': m.bytes_read, 'share': sum(t.numel() * t.element_size() for t in m.tensors.values())}"))
         cp_seconds = statistics.median(t for t, _ in cp_runs)
         out_size = dir_size(dst)
-        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+        print(describe())
         into = f"Megatron {target}" if args.source in TARGET_FORMAT else target
         print(f"checkpoint: {NAMES[args.source]} {source_topo} -> {into}, {size / 2**30:.2f} GiB "
               f"({STATES.get(args.source, 'bf16 weights, fp32 master copy, Adam')})\n")

@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from machine import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS, RANK = 8, 3
@@ -138,8 +139,8 @@ def main() -> None:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)
     mib = 2**20
-    print(f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
-          f"rank {RANK} of {RANKS} loads 1/{RANKS} of every tensor (FSDP2 Shard(0)).\n")
+    print(describe())
+    print(f"rank {RANK} of {RANKS} loads 1/{RANKS} of every tensor (FSDP2 Shard(0)).\n")
     print("| chunk size | checkpoint | share | reshard.load time | reshard RSS growth | dcp.load time "
           "| dcp.load RSS growth | time ratio (reshard / dcp) | RSS ratio (dcp / reshard) |")
     print("|---|---|---|---|---|---|---|---|---|")

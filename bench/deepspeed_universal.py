@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from machine import describe
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -136,7 +137,7 @@ def main() -> None:
                 shutil.rmtree(out, ignore_errors=True)
         gib = 2**30
         floor = runs[0][1]["seconds"]
-        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+        print(describe())
         print(f"checkpoint: DeepSpeed ZeRO-2 dp=2, {source / gib:.2f} GiB (bf16 weights, fp32 master, Adam); "
               f"{'page cache dropped before each run' if cold else 'warm page cache (not root)'}\n")
         print("| run | wall s | x floor | peak RSS GiB | read GiB | read / needed | written GiB | output GiB "

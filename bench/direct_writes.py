@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -29,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine import describe
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -101,7 +102,7 @@ def main() -> None:
                                           convert(src, out, target, fmt, WAYS[way]))
         shutil.rmtree(tmp / "out", ignore_errors=True)
     conds = {"freed": "freed page cache", "found": "as found"}
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+    print(describe())
     print(f"checkpoint: {args.source} -> {target}, {size / 2**30:.2f} GiB; one worker; medians of {args.repeat} "
           "rounds, interleaved\n")
     print("| writes | condition | wall s | user s | system s | vs cp -r && sync | rounds (wall s) |")

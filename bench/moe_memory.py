@@ -31,12 +31,13 @@ from __future__ import annotations
 import argparse
 import filecmp
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine import describe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_memory import child, dir_size  # noqa: E402  (the same fresh-interpreter measurement)
@@ -112,7 +113,7 @@ def main() -> None:
         runs = [("HF -> Megatron " + args.to, *convert(src, meg, "megatron", args.to, args.budget)),
                 ("Megatron -> HF", *convert(meg, back, "hf", None, args.budget))]
         tensors = len(reshard.open_checkpoint(src).layout.tensors)
-        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+        print(describe())
         mtp = sizes["hf_layers"] - sizes["layers"]
         print(f"checkpoint: DeepSeek-V3 shape, {sizes['layers']} layers ({sizes['dense']} dense{f', + {mtp} MTP' if mtp else ''}) x "
               f"{sizes['experts']} routed experts (top-{TOPK}) + {sizes['shared']} shared, MLA, "

@@ -4,12 +4,13 @@ what ``plan_405b.py`` and ``plan_moe.py`` share; and how that time grows with th
 from __future__ import annotations
 
 import gc
-import platform
 import resource
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from machine import describe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -44,7 +45,7 @@ def report(spec_name: str, src_text: str, dst_text: str, sizes: Mapping[str, int
         rows.append(("validate", time.perf_counter() - t3, detail))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     elements = sum(c.numel for c in p.copies)
-    print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
+    print(describe())
     print(f"{src_text}  ->  {dst_text}")
     print(f"elements planned: {elements:,} ({elements * 4 / 2**40:.2f} TiB at 4 bytes)\n")
     print("| step | seconds | detail |")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -35,6 +34,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from machine import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -170,8 +171,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         floor = min(med["read every file whole (readinto one buffer)"], med["safetensors load_file + clone, every file"])
-        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
-              f"torch {torch.__version__}")
+        print(describe())
         print(f"checkpoint: Hugging Face Llama-shaped, {len(files)} safetensors shards, {total / 2**20:.0f} MiB; "
               f"{'caches dropped before each run' if args.cold else 'warm cache'}\n")
         print("| run | wall s | vs reading everything | read MiB | read / share | read calls |")

@@ -27,12 +27,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+
+from machine import describe
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -217,7 +218,7 @@ def main() -> None:
                     times[run, kind].append(seconds)
         shutil.rmtree(tmp / "out", ignore_errors=True)
         med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+        print(describe())
         print(f"checkpoints: many = {args.tensors:,} tensors, few = 64 tensors; {sizes['many'] / 2**20:.0f} and "
               f"{sizes['few'] / 2**20:.0f} MiB fp32\n")
         print("| conversion | checkpoint | tensors | wall s | MiB/s | time per byte vs few |")

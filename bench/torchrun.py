@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -35,6 +34,8 @@ from pathlib import Path
 from convert_memory import CASES, dir_size, generate, sizes_for
 
 from reshard.io.checksum import file_digest
+
+from machine import describe
 
 RANKS = (1, 2, 4)
 
@@ -103,7 +104,7 @@ def main() -> None:
         alone = times["alone"]
         ranks = {n: times[f"ranks{n}"] for n in counts}
         cp_s = statistics.median(cp_runs)
-        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+        print(describe())
         print(f"checkpoint: Megatron (distributed optimizer) {source_topo} -> {target}, {size / 2**30:.2f} GiB, "
               f"{written} files written\n")
         print("| run | wall s | vs 1 rank | convert s | vs 1 rank |")
