@@ -112,8 +112,8 @@ def convert(
       sizes: model sizes the source's metadata lacks.
       workers: processes writing byte-balanced shares of the destination files side by
         side, from the plan made once here; ``"auto"`` (the default): as many as help,
-        at most one per core, per destination file and per 64 MiB of destination bytes,
-        and as many as the memory budget holds.
+        at most one per core, per stored tensor and per 512 MiB of destination bytes
+        (``MIN_SHARE_BYTES``), and as many as the memory budget holds.
       memory_budget: bytes (or ``"512MiB"``, ``"1GiB"``) the conversion may hold,
         shared by the main process and the workers; it sets the window each writer asks
         for at a time. Default (None or ``"auto"``): three quarters of the memory
