@@ -25,7 +25,7 @@ import numpy as np
 from reshard.errors import ReshardError
 
 __all__ = ["CudaCopies", "HostSink", "StagedSink", "ThreadCopies", "copies_for", "fill_threads", "run_windows",
-           "sink_for"]
+           "sink_for", "usable_cores"]
 
 THREADS = 2
 """Threads filling windows at once, by default (at most the cores this process may use). Measured on a
@@ -33,15 +33,19 @@ THREADS = 2
 see bench/rank_load.py."""
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, where the system has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def fill_threads(threads: int | None) -> int:
     """The threads a load fills its windows on: ``threads``, checked, or by default ``THREADS`` at most the cores
     this process may use."""
     if threads is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            cores = os.cpu_count() or 1
-        return max(1, min(THREADS, cores))
+        return max(1, min(THREADS, usable_cores()))
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ReshardError(f"threads must be an integer of at least 1, got {threads!r}")
     return threads

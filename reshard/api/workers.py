@@ -19,13 +19,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import os
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from reshard.api.sinks import usable_cores
 from reshard.core.dtypes import itemsize
 from reshard.core.layout import Item
 from reshard.errors import ReshardError
@@ -234,13 +234,6 @@ def _part_bytes(weight: list[tuple[Item, int]], its: tuple[Item, ...], p: Portio
     piece = {it: (hi - lo) * sizes[it] for _, it, lo, hi in p.pieces}
     mine = set(its)
     return sum(piece.get(it, n) for it, n in weight if it in mine)
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def worker_count(report: PlanReport, workers: int | str, files: Collection[str]) -> int:
