@@ -8,7 +8,8 @@ rounds each:
 
 - every shard read whole (``readinto`` one reused buffer);
 - ``safetensors.torch.load_file`` of every shard plus a ``clone()`` of every tensor;
-- ``reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron")`` on 1 and 2 threads;
+- ``reshard.load(src, to="tp=2,pp=2", rank=3, format="megatron")`` on 1 and 2 threads (the default), and on 4 and 8
+  where this process may use that many cores;
 - new memory of the rank's share alone (``numpy.empty``, as the load allocates, and a write per page): what the
   load's returned tensors cost before a byte is read, and the whole-file reads into one reused buffer do not;
 - where CUDA is present, also onto the GPU: ``load_file(device="cuda")`` of every shard, and the rank's share by
@@ -116,6 +117,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     import reshard
+    from reshard.api.sinks import usable_cores
 
     base = args.keep or Path(tempfile.mkdtemp(prefix="reshard-bench-", dir=os.environ.get("TMPDIR")))
     src = base / "hf"
@@ -155,6 +157,7 @@ def main() -> None:
                 "safetensors load_file + clone, every file": safetensors_clone,
                 "reshard.load rank 3 of tp=2,pp=2, 1 thread": load(1),
                 "reshard.load rank 3 of tp=2,pp=2, 2 threads": load(2),
+                **{f"reshard.load rank 3 of tp=2,pp=2, {n} threads": load(n) for n in (4, 8) if usable_cores() >= n},
                 "new memory for the share alone (no read: numpy empty, a write per page)": fresh}
         if torch.cuda.is_available():
             runs.update(cuda_runs(torch, load_file, src, files))
