@@ -262,7 +262,7 @@ def _run(report: PlanReport, src: str | Path, dst: Path, *, workers, memory_budg
         # across ranks, files are split as between workers: the ranks write into one partial directory on a shared
         # file system, each rank's part of a split file fsynced before rank 0 finishes it
         if ranks is not None:
-            parts = shares(report, ranks.size, todo)
+            parts = shares(report, ranks.size, todo, locality=True)
         else:  # the shares the budget was worked out for, unless resume left fewer files to write
             parts = planned if todo == every else shares(report, count, todo)
         if len(parts) <= 1 and ranks is None:

@@ -75,6 +75,25 @@ def test_two_workers_write_what_one_writes_manifest_included(hf_shards, one_work
     assert two.bytes_read - two.gap_bytes == reshard.plan(hf_shards, format="megatron", to=TO).needed_bytes()
 
 
+def test_workers_on_one_host_skip_the_component_graph_that_ranks_break_ties_by(hf_shards, one_worker, tmp_path,
+                                                                                monkeypatch):
+    """Components keep files together only between torchrun ranks (maybe on other hosts): workers on one host
+    share its disk, and a conversion with them never makes the graph, nor imports networkx (some 0.1 s)."""
+    code = (f"import sys, reshard\n"
+            f"reshard.convert({str(hf_shards)!r}, {str(tmp_path / 'two')!r}, format='megatron', to={TO!r}, workers=2)\n"
+            f"print('networkx' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(TESTS.parent)})
+    assert out.stdout.split() == ["False"]
+    assert contents(tmp_path / "two") == contents(one_worker)
+    report = reshard.plan(hf_shards, format="megatron", to=TO)
+    made = []
+    monkeypatch.setattr(type(report), "work_units", lambda self: made.append(1) or [([], sorted(file_bytes(self)))])
+    assert [p.files for p in shares(report, 2, split=False)] == [p.files for p in
+                                                                 shares(report, 2, split=False, locality=True)]
+    assert len(made) == 1  # by the ranks' shares alone
+
+
 def test_a_worker_plans_nothing_and_imports_no_entry_point(hf_shards, one_worker, tmp_path):
     """A worker gets its slice of the plan made by the parent: run in a fresh interpreter, it writes its
     files without importing ``reshard.api`` (where opening and planning a checkpoint live)."""
