@@ -8,11 +8,9 @@ the real stream, pinned buffers and the caching allocator do the copies."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
+from test_load_into import _hf, _net, _save_trained, _step
 
 import reshard
 import reshard.api.loading
@@ -71,27 +69,12 @@ def test_a_load_onto_the_gpu_waits_for_work_queued_before_it(sources, monkeypatc
             assert raw(tensor) == raw(host.tensors[item]), item
 
 
-def _net(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Embedding(11, 6), torch.nn.Linear(6, 4), torch.nn.LayerNorm(4),
-                               torch.nn.Linear(4, 11, bias=False))
-
-
-def _step(net, opt) -> None:
-    x = (torch.arange(6).reshape(2, 3) % 11).to(next(net.parameters()).device)
-    net(x).float().pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
-
-
 @pytest.mark.parametrize("window", [16 << 20, 8], ids=["default windows", "8-byte windows"])
 def test_a_module_on_the_gpu_loads_safetensors_cast_as_on_the_host(tmp_path, monkeypatch, window):
     """bf16 in the file, float32 in the module: the staging buffer holds the stored bits, the copy casts."""
     monkeypatch.setattr(reshard.torch.loading, "_WINDOW", window)
     saved = {k: v.to(torch.bfloat16).contiguous() for k, v in _net(0).state_dict().items()}
-    (tmp_path / "hf").mkdir()
-    save_file(saved, tmp_path / "hf" / "model.safetensors")
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "tiny-net"}))
+    _hf(tmp_path / "hf", saved)
     host, gpu = _net(1), _net(1).cuda()
     load_into(host, None, tmp_path / "hf")
     report = load_into(gpu, None, tmp_path / "hf", threads=3)
@@ -103,16 +86,10 @@ def test_a_module_on_the_gpu_loads_safetensors_cast_as_on_the_host(tmp_path, mon
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_module_and_adam_on_the_gpu_load_a_dcp_checkpoint_as_on_the_host(tmp_path, monkeypatch):
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     monkeypatch.setattr(reshard.torch.loading, "_WINDOW", 64)
-    net = _net(0)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    for _ in range(3):
-        _step(net, opt)
-    msd, osd = get_state_dict(net, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "dcp")
+    _save_trained(tmp_path / "dcp", 3, lr=1e-2)
     loaded = {}
     for device in ("cpu", "cuda"):
         mine = _net(1).to(device)
@@ -144,11 +121,8 @@ def test_an_fsdp2_module_on_the_gpu_loads_its_shards(sources, tmp_path, monkeypa
     from torch.distributed.fsdp import fully_shard
 
     monkeypatch.setattr(reshard.torch.loading, "_WINDOW", 4096)
-    net = _net(0)
-    saved = {k: v.contiguous() for k, v in net.state_dict().items()}
-    (tmp_path / "hf").mkdir()
-    save_file(saved, tmp_path / "hf" / "model.safetensors")
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "tiny-net"}))
+    saved = {k: v.contiguous() for k, v in _net(0).state_dict().items()}
+    _hf(tmp_path / "hf", saved)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
         gpu = _net(1).cuda()

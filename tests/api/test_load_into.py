@@ -32,10 +32,25 @@ def _hf(path, tensors: dict) -> None:
 
 
 def _step(net, opt) -> None:
-    x = torch.arange(6).reshape(2, 3) % 11
+    x = (torch.arange(6).reshape(2, 3) % 11).to(next(net.parameters()).device)
     net(x).float().pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
+
+
+def _save_trained(path, steps: int, **adam) -> torch.nn.Module:
+    """``_net(0)`` after ``steps`` steps of Adam (``adam``: its options), saved with its optimizer by ``dcp.save`` at
+    ``path``; returns the net."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    net = _net(0)
+    opt = torch.optim.Adam(net.parameters(), **adam)
+    for _ in range(steps):
+        _step(net, opt)
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return net
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -61,13 +76,7 @@ def test_adam_state_and_step_load_as_dcp_load_gives_them(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    net = _net(0)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    for _ in range(3):
-        _step(net, opt)
-    msd, osd = get_state_dict(net, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "dcp")
-
+    net = _save_trained(tmp_path / "dcp", 3, lr=1e-2)
     mine = _net(1)
     my_opt = torch.optim.Adam(mine.parameters(), lr=1e-2)
     report = load_into(mine, my_opt, tmp_path / "dcp")
@@ -155,14 +164,7 @@ def test_an_optimizer_is_refused_when_the_checkpoint_has_only_weights(tmp_path):
 def test_a_model_that_does_not_match_is_refused_before_the_optimizer_is_touched(tmp_path):
     """DCP's state dict of an optimizer makes its state (a step of zeros): a model that cannot take the
     checkpoint is refused before that, so the job's optimizer still has no state and its params their values."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    net = _net(0)
-    opt = torch.optim.Adam(net.parameters())
-    _step(net, opt)
-    msd, osd = get_state_dict(net, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "dcp")
+    _save_trained(tmp_path / "dcp", 1)
     mine = _net(1)
     mine[1] = torch.nn.Linear(6, 5)
     mine[2] = torch.nn.LayerNorm(5)
