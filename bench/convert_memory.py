@@ -14,6 +14,9 @@ a fresh interpreter:
   against ``cp -r``);
 - ``reshard.load`` of rank 3 of 8 at tp=2,pp=2,dp=2 (DeepSpeed: dp=8; Hugging Face: of 4 at
   tp=2,pp=2), what a rank of a resized job reads;
+- the disk's own write speed: as many bytes as the source written directly (``O_DIRECT``, as reshard writes) from
+  one page-aligned buffer of 8 MiB on 1 and on 2 threads, and fsynced, with no reading and no checksums: the least
+  time any writer of those bytes takes here, against which more workers are measured;
 - with ``--rss-scale S``, one more conversion of a checkpoint S times as large, for peak
   memory at a second size.
 
@@ -110,6 +113,43 @@ def convert(src: Path, dst: Path, workers: int, target: str, fmt: str | None = N
     return seconds, rss, figures
 
 
+def disk_floor(path: Path, nbytes: int, threads: int) -> float:
+    """Seconds to write ``nbytes`` into a new file at ``path`` directly (``O_DIRECT``) from one page-aligned buffer of
+    8 MiB per thread, ``threads`` writing interleaved blocks, then fsync it; through the page cache where the
+    file system refuses direct writes. The file is removed after."""
+    import mmap
+    import threading
+
+    block = 8 << 20
+    blocks = -(-nbytes // block)
+    os.sync()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | os.O_DIRECT, 0o644)
+    except OSError:
+        fd = os.open(path, flags, 0o644)
+    buffers = [mmap.mmap(-1, block) for _ in range(threads)]
+    for b in buffers:
+        b.write(os.urandom(4096) * (block // 4096))
+
+    def write(k: int) -> None:
+        for i in range(k, blocks, threads):
+            os.pwrite(fd, buffers[k], i * block)
+
+    try:
+        t0 = time.perf_counter()
+        workers = [threading.Thread(target=write, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        os.fsync(fd)
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
 def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -143,6 +183,7 @@ def main() -> None:
         cp_runs: list[tuple[float, int]] = []
         conv: dict[int, list[tuple[float, float, dict]]] = {w: [] for w in counts}
         loads: list[tuple[float, float, dict]] = []
+        floors: dict[int, list[float]] = {1: [], 2: []}
         for _ in range(args.repeat):
             shutil.rmtree(copy, ignore_errors=True)
             os.sync()
@@ -150,6 +191,8 @@ def main() -> None:
             subprocess.run(["cp", "-r", str(src), str(copy)], check=True)
             os.sync()
             cp_runs.append((time.perf_counter() - t0, dir_size(copy)))
+            for threads, runs in floors.items():
+                runs.append(disk_floor(base / "floor.bin", size, threads))
             for workers in counts:
                 conv[workers].append(convert(src, dst, workers, target, TARGET_FORMAT.get(args.source)))
             loads.append(child(
@@ -166,6 +209,10 @@ def main() -> None:
         print("| run | wall s | vs cp -r | peak RSS GiB | read GiB | read / needed | written / output |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         print(f"| cp -r | {cp_seconds:.1f} | 1.00 | | {size / 2**30:.2f} | 1.00 | 1.00 |")
+        for threads, runs in floors.items():
+            seconds = statistics.median(runs)
+            print(f"| disk: the same bytes written directly, {threads} thread{'s' if threads > 1 else ''} | "
+                  f"{seconds:.1f} | {seconds / cp_seconds:.2f} | | | | |")
         for workers, rs in conv.items():
             seconds = statistics.median(r[0] for r in rs)
             rss = max(r[1] for r in rs)
@@ -179,9 +226,16 @@ def main() -> None:
         print(f"| reshard.load rank {load_rank} of {ranks} ({load_topo}) | {seconds:.1f} | {seconds / cp_seconds:.2f} | "
               f"{max(r[1] for r in loads):.2f} | {f['read'] / 2**30:.2f} | {f['read'] / f['share']:.2f} | |")
         print(f"\nmedians of {args.repeat} rounds (cp -r: {', '.join(f'{t:.1f}' for t, _ in cp_runs)} s; "
-              f"--workers {counts[0]}: {', '.join(f'{r[0]:.1f}' for r in conv[counts[0]])} s); peak RSS is the largest "
+              f"--workers {counts[0]}: {', '.join(f'{r[0]:.1f}' for r in conv[counts[0]])} s; disk, 1 and 2 threads: "
+              f"{', '.join(f'{t:.2f}' for t in floors[1])} and {', '.join(f'{t:.2f}' for t in floors[2])} s, "
+              f"{size / min(map(statistics.median, floors.values())) / 1e9:.2f} GB/s at best); peak RSS is the largest "
               "seen, with N workers the main process plus N x the largest worker's peak (an upper bound); "
               f"the load's needed bytes are its share, {f['share'] / 2**30:.2f} GiB")
+        one, floor = statistics.median(r[0] for r in conv[counts[0]]), min(map(statistics.median, floors.values()))
+        for workers in counts[1:]:
+            print(f"--workers {workers} / --workers {counts[0]}: "
+                  f"{statistics.median(r[0] for r in conv[workers]) / one:.2f}; the disk alone, writing the same bytes "
+                  f"with nothing to read or check, takes {floor / one:.2f} of --workers {counts[0]}'s wall")
         if args.rss_scale:
             big = base / f"src-x{args.rss_scale:g}"
             generate(big, sizes_for(args.scale * args.rss_scale, args.tiny), args.source)
