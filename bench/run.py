@@ -1,7 +1,7 @@
 """Every benchmark in one run, each printing its markdown table.
 
 - ``breakdown.py``: where one conversion's wall time goes (planning, reads, checksums, CRC-32, writes, fsync,
-  the rest), per thread;
+  the rest), per thread, with the CPU time of each: Megatron -> Megatron, and Hugging Face -> Megatron;
 - ``baselines.py``: reshard against ``cp -r && sync``, ``safetensors`` load + save, DCP's ``dcp_to_torch_save``
   and ``dcp.load``, page cache dropped before each run where it can be (not with ``--tiny``);
 - ``direct_writes.py``: a conversion's output written directly to the disk (``O_DIRECT``, reshard's way) against
@@ -70,6 +70,8 @@ def main() -> None:
         ("DeepSpeed conversion", ["convert_memory.py", "--source", "deepspeed", *small, *curve]),
         ("Hugging Face to Megatron conversion", ["convert_memory.py", "--source", "hf", *small, *curve]),
         ("Where a conversion's time goes", ["breakdown.py", *(["--tiny"] if args.tiny else [])]),
+        ("Where a Hugging Face to Megatron conversion's time goes",
+         ["breakdown.py", "--source", "hf", *(["--tiny"] if args.tiny else [])]),
         ("Writing directly or through the page cache", ["direct_writes.py", *(["--tiny"] if args.tiny else [])]),
         ("Moving bytes unchanged: read and write, or copy_file_range",
          ["copy_paths.py", *(["--tiny"] if args.tiny else [])]),
@@ -81,7 +83,7 @@ def main() -> None:
         ("One rank's load against reading everything", ["rank_load.py", *small]),
     ]
     if not args.tiny:  # seconds and most of a GiB: no smoke test
-        steps.insert(5, ("Planning a DeepSeek-V3-shaped mixture of experts", ["plan_moe.py", "--validate", "--curve"]))
+        steps.insert(6, ("Planning a DeepSeek-V3-shaped mixture of experts", ["plan_moe.py", "--validate", "--curve"]))
         steps.append(("DeepSeek-V3's full tensor count at its training layout", [
             "moe_memory.py", "--layers", "61", "--mtp", "1", "--budget", "1GiB",
             "--to", "tp=1,pp=16,dp=64,ep=64,stages=4+4+4+4+4+4+4+4+4+4+4+4+4+3+3+3"]))

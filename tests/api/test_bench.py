@@ -27,9 +27,13 @@ def test_the_benchmark_runs_and_reads_each_needed_byte_once():
             assert float(read_ratio) <= 1.05 and float(rss) < 1.0, (title, run)  # each byte once, within 1 GiB
         assert float(rows["reshard convert --workers 1"][5]) <= 1.1, title  # the output written once
         assert float(rows[load_row][4]) <= 1.1, title  # a rank reads its share
+        assert all(float(rows[f"disk: the same bytes written directly, {n}"][1]) > 0 for n in ("1 thread", "2 threads"))
+        assert "--workers 2 / --workers 1: " in sections[title] and "the disk alone" in sections[title]
     assert "**total (resolve + plan)**" in sections["Planning a 405B-shaped checkpoint"]
-    breakdown = sections["Where a conversion's time goes"]
-    assert all(f"| {thread} | rest: " in breakdown for thread in ("main", "writer", "sync")) and "**wall**" in breakdown
+    for title in ("Where a conversion's time goes", "Where a Hugging Face to Megatron conversion's time goes"):
+        breakdown = sections[title]
+        assert all(f"| {thread} | rest: " in breakdown for thread in ("main", "writer", "sync")), title
+        assert "| CPU s |" in breakdown and "**wall**" in breakdown, title
     copies = sections["Moving bytes unchanged: read and write, or copy_file_range"]
     assert all(f"| {way} |" in copies for way in ("read + write, xxh3 of the buffer", "copy_file_range, no checksum"))
     small = sections["Many small tensors against a few large ones"]
