@@ -168,7 +168,8 @@ def main() -> None:
             shutil.rmtree(base, ignore_errors=True)
 
 
-def table(timers: Timers, wall: float, planning: tuple[float, float], read: int, written: int, title: str, cold: bool) -> None:
+def table(timers: Timers, wall: float, planning: tuple[float, float], read: int, written: int, title: str,
+          cold: bool) -> None:
     s = timers.seconds
     planning, planning_cpu = planning
     print(f"{title}, one worker, {'page cache dropped' if cold else 'warm page cache'}: "

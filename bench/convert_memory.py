@@ -114,9 +114,10 @@ def convert(src: Path, dst: Path, workers: int, target: str, fmt: str | None = N
 
 
 def disk_floor(path: Path, nbytes: int, threads: int) -> float:
-    """Seconds to write ``nbytes`` into a new file at ``path`` directly (``O_DIRECT``) from one page-aligned buffer of
-    8 MiB per thread, ``threads`` writing interleaved blocks, then fsync it; through the page cache where the
-    file system refuses direct writes. The file is removed after."""
+    """Seconds to write ``nbytes`` (rounded up to whole 8 MiB blocks, as direct writes need) into a new file at
+    ``path`` directly (``O_DIRECT``) from one page-aligned buffer of 8 MiB per thread, ``threads`` writing
+    interleaved blocks, then fsync it; through the page cache where the file system refuses direct writes. The
+    file is removed after."""
     import mmap
     import threading
 
@@ -201,6 +202,7 @@ def main() -> None:
                 f"format={TARGET_FORMAT.get(args.source)!r})\n"
                 "_out = {'read': m.bytes_read, 'share': sum(t.numel() * t.element_size() for t in m.tensors.values())}"))
         cp_seconds = statistics.median(t for t, _ in cp_runs)
+        floor = min(map(statistics.median, floors.values()))  # the faster of 1 and 2 threads
         out_size = dir_size(dst)
         print(describe())
         into = f"Megatron {target}" if args.source in TARGET_FORMAT else target
@@ -228,10 +230,10 @@ def main() -> None:
         print(f"\nmedians of {args.repeat} rounds (cp -r: {', '.join(f'{t:.1f}' for t, _ in cp_runs)} s; "
               f"--workers {counts[0]}: {', '.join(f'{r[0]:.1f}' for r in conv[counts[0]])} s; disk, 1 and 2 threads: "
               f"{', '.join(f'{t:.2f}' for t in floors[1])} and {', '.join(f'{t:.2f}' for t in floors[2])} s, "
-              f"{size / min(map(statistics.median, floors.values())) / 1e9:.2f} GB/s at best); peak RSS is the largest "
+              f"{size / floor / 1e9:.2f} GB/s at best); peak RSS is the largest "
               "seen, with N workers the main process plus N x the largest worker's peak (an upper bound); "
               f"the load's needed bytes are its share, {f['share'] / 2**30:.2f} GiB")
-        one, floor = statistics.median(r[0] for r in conv[counts[0]]), min(map(statistics.median, floors.values()))
+        one = statistics.median(r[0] for r in conv[counts[0]])
         for workers in counts[1:]:
             print(f"--workers {workers} / --workers {counts[0]}: "
                   f"{statistics.median(r[0] for r in conv[workers]) / one:.2f}; the disk alone, writing the same bytes "
