@@ -27,12 +27,21 @@ _NO_ARG = b"()}]0N2Rabdelostu\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94\x9
 _WIDTHS = MappingProxyType({1: b"hK\x82", 2: b"M\x83", 4: b"Jj\x84", 8: b"G"})
 
 
+_RUN_OPS = frozenset(_NO_ARG + b"".join(_WIDTHS.values()))
+"""Every opcode ``_RUN`` steps over."""
+
+_RUN_LENGTH = 4096
+"""The most opcodes one match of ``_RUN`` steps over. Unbounded, a greedy repeat keeps a backtracking point per
+opcode it steps over (1.7 GiB for 15 million), and the possessive ``*+`` that keeps none is new in Python 3.11; so
+runs are stepped over in matches of at most this many: 15 million opcodes in 0.25 s, against 0.22 s with ``*+``."""
+
+
 def _run_pattern() -> re.Pattern[bytes]:
     def one_of(ops: bytes) -> bytes:
         return b"[" + b"".join(re.escape(bytes((op,))) for op in ops) + b"]"
 
     parts = [one_of(_NO_ARG)] + [one_of(ops) + b"." * width for width, ops in _WIDTHS.items()]
-    return re.compile(b"(?:" + b"|".join(parts) + b")*+", re.DOTALL)
+    return re.compile(b"(?:" + b"|".join(parts) + b"){0,%d}" % _RUN_LENGTH, re.DOTALL)
 
 
 _RUN = _run_pattern()
@@ -72,6 +81,6 @@ def check_memoize_pickle(data: bytes) -> None:
             i += 2
         elif op == _STOP:
             return
-        else:
+        elif op not in _RUN_OPS or match(data, i).end() == i:  # not a run cut at _RUN_LENGTH: an argument past the end
             break
     check_pickle(data)  # something this loop does not decide: the careful walk decides, and names it

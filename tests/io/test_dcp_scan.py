@@ -47,6 +47,18 @@ def test_a_dcp_metadata_pickle_is_decided_without_the_careful_walk(monkeypatch):
     check_memoize_pickle(data)
 
 
+def test_a_run_longer_than_one_match_is_stepped_over_without_the_careful_walk(monkeypatch):
+    """Runs are matched at most ``_RUN_LENGTH`` opcodes at a time (Python 3.10 has no possessive repeat): a longer
+    one is matched again, not handed to ``check_pickle``; one cut off by its argument still is, and refused."""
+    run = (b"N" + b"h\x01" + b"J\x00\x00\x00\x00") * dcp_scan._RUN_LENGTH  # three times the bound
+    data = b"\x80\x04\x95" + struct.pack("<Q", 2 + len(run)) + b"]\x94" + run + b"0" * (3 * len(run) // 7) + b"."
+    assert same_verdict(data) == "passed"
+    monkeypatch.setattr(dcp_scan, "check_pickle", lambda d: pytest.fail("handed to check_pickle"))
+    check_memoize_pickle(data)
+    monkeypatch.undo()
+    assert same_verdict(b"\x80\x04" + run + b"J\x00\x00").startswith("refused")
+
+
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 def test_pickles_of_every_protocol_get_the_same_verdict(protocol):
     value = {"a": [1, 2.5, -(2**70), None, True, b"x" * 300, "y" * 70_000, (1, 2, 3, 4)], "b": {1, 2},
