@@ -198,7 +198,9 @@ class _Unpickler(pickle.Unpickler):
         if module == "torch" and name in ("strided", "sparse_coo", "contiguous_format", "preserve_format",
                                           "channels_last"):
             return _Layout(name)
-        if module == "pathlib" and name in ("PosixPath", "WindowsPath", "Path", "PurePosixPath", "PureWindowsPath"):
+        # Python 3.13 pickles pathlib's classes from pathlib._local (FileSystemWriter keeps the checkpoint's path)
+        if module in ("pathlib", "pathlib._local") and name in ("PosixPath", "WindowsPath", "Path", "PurePosixPath",
+                                                                  "PureWindowsPath"):
             return _FUNCTIONS[("pathlib", "Path")]
         raise _Bad(f"the pickle references {module}.{name}, which a DCP .metadata never holds and reshard "
                    "will not load (allowed: DCP's metadata dataclasses, torch.Size, torch dtypes, pathlib paths)")

@@ -508,6 +508,17 @@ def test_transform_descriptors_that_are_not_a_list_of_strings_are_refused(dcp_di
         f"{path}: the storage of 'w' has transform_descriptors 7, expected a list of strings"))
 
 
+def test_a_metadata_pickled_on_python_3_13_names_its_paths_from_pathlib_local_and_is_read(dcp_dir):
+    """torch's FileSystemWriter keeps the checkpoint's path in ``.metadata``; Python 3.13 pickles pathlib's classes
+    as ``pathlib._local``'s, so every DCP checkpoint saved there names them."""
+    before = read_metadata(dcp_dir)
+    data = re.sub(rb"cpathlib(\._local)?\nPosixPath\n", b"cpathlib._local\nPosixPath\n",
+                  pickle.dumps(pickle.loads((dcp_dir / ".metadata").read_bytes()), protocol=2))
+    assert b"cpathlib._local\nPosixPath\n" in data
+    (dcp_dir / ".metadata").write_bytes(data)
+    assert read_metadata(dcp_dir) == before
+
+
 def test_a_metadata_pickle_cannot_change_a_function_for_later_files():
     """BUILD on torch.Size with slot state {'__defaults__': ((1, 2),)}: the next torch.Size() would be (1, 2)."""
     data = b"\x80\x02ctorch\nSize\nN}X\x0c\x00\x00\x00__defaults__K\x01K\x02\x86\x85s\x86b."
