@@ -62,6 +62,8 @@ class TorchPickler:
             self.get(self.memo[id(obj)])
         elif obj is None or t in (bool, int, float, str, bytes):
             self.save_atom(obj)
+        elif t is tuple and not obj:  # never memoized, as pickle writes it (a 0-d tensor's size and stride: two
+            w(b")")  # EMPTY_TUPLEs): the bytes do not hang on which empty tuple object the tree holds
         elif t is tuple or t is TorchSize:
             if t is TorchSize:
                 self.save_global(("torch", "Size"))

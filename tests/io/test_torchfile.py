@@ -288,6 +288,24 @@ def test_writer_layout_is_what_torch_save_writes(tmp_path, monkeypatch):
     assert meta["opt"]["state"][0]["exp_avg"].shape == (768, 1024)
 
 
+def test_empty_tuples_are_never_memoized_as_torch_save_writes_them(tmp_path):
+    """A 0-d tensor's size and stride (Adam's ``step``) and any empty tuple: one EMPTY_TUPLE each and no memo entry,
+    as pickle writes them, so that the bytes do not depend on which empty tuple object the tree holds."""
+    import pickletools
+
+    step = torch.tensor(3.0)
+    write_torch_file(tmp_path / "mine.pt", {"step": TensorSpec("float32", (), key="s"), "x": (), "y": (1, ())},
+                     {"s": raw(step)})
+    torch.save({"step": step, "x": (), "y": (1, ())}, tmp_path / "theirs.pt")
+    for name in ("mine", "theirs"):
+        data = zipfile.ZipFile(tmp_path / f"{name}.pt").read(f"{name}/data.pkl")
+        ops = [op.name for op, _, _ in pickletools.genops(data)]
+        empty = [k for k, op in enumerate(ops) if op == "EMPTY_TUPLE"]
+        assert len(empty) == 5, name  # size, stride, OrderedDict's arguments, x, y's second
+        assert not [k for k in empty if ops[k + 1] in ("BINPUT", "LONG_BINPUT", "MEMOIZE")], name
+    assert torch.equal(torch.load(tmp_path / "mine.pt", weights_only=True)["step"], step)
+
+
 def _torch_tree(tree, tensors):
     """The tree of real tensors torch.save gets for ``tree``: specs swapped for tensors, our types for torch's."""
     if isinstance(tree, TensorSpec):
