@@ -153,7 +153,7 @@ def convert(
                    direct_io=direct_io)
     if is_url(dst):
         return _to_url(src, as_path(dst), options, resume=resume, distributed=distributed, started=started)
-    dst = as_path(dst)
+    dst = _destination(as_path(dst))
     ranks = join_ranks(distributed)
     if ranks is None:
         return _convert(src, dst, to=to, format=format, spec=spec, sizes=sizes, workers=workers,
@@ -470,6 +470,22 @@ def _finished(path: Path, report: PlanReport) -> dict[str, dict[str, Any]]:
         raise CheckpointFormatError(f"{path}: holds a finished conversion that fails its manifest: "
                                     f"{'; '.join(result.differences[:5])}; remove it to convert again")
     return manifest["files"]
+
+def _destination(dst: Path) -> Path:
+    """Where a conversion to ``dst`` writes: ``dst``, or the directory a symbolic link at ``dst`` stands for (the
+    finished output is renamed onto its path, which would replace the link, not fill the directory). Refuses a
+    link to nothing and a path through a link loop up front, before any planning or writing."""
+    try:
+        os.stat(dst)
+    except FileNotFoundError:
+        if dst.is_symlink():
+            raise CheckpointFormatError(f"{dst}: a symbolic link to nothing ({os.readlink(dst)}); reshard writes "
+                                        "through a link only into a directory that exists") from None
+        return dst
+    except OSError as e:  # ELOOP, EACCES, ...
+        raise CheckpointFormatError(f"{dst}: cannot be resolved ({e.strerror})") from None
+    return dst.resolve() if dst.is_symlink() and dst.is_dir() else dst
+
 
 def _check_destination(src: Path, dst: Path) -> None:
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):

@@ -7,6 +7,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
+import reshard
 from reshard.cli.main import app
 from reshard.fixtures import make_fixture
 
@@ -232,6 +233,26 @@ def test_symbolic_link_loops_are_named(tmp_path):
     victim.symlink_to("model_optim_rng.pt")
     stderr = convert_fails(src, tmp_path / "dst", "--to", "tp=1")
     assert "mp_rank_01/model_optim_rng.pt: a symbolic link loop" in stderr
+
+
+def test_a_destination_that_is_a_link_fills_the_directory_it_names_or_is_refused_before_anything_is_written(tmp_path):
+    """The output is renamed onto the destination's path when done: onto a link, that would replace the link (and
+    failed, once the conversion was written). A link to a directory is written through; a link to nothing, or a
+    path through a loop (which Python 3.13's ``resolve`` no longer reports), is refused before planning."""
+    src = tmp_path / "src"
+    make_fixture(src, format="megatron", to="tp=2")
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "out").symlink_to("disk")
+    result = reshard.convert(src, tmp_path / "out", to="tp=1")
+    assert (tmp_path / "out").is_symlink() and result.path == tmp_path / "disk"
+    assert reshard.verify(tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "out", "src"]  # no partial directory left
+    (tmp_path / "dangling").symlink_to("nowhere")
+    assert "dangling: a symbolic link to nothing (nowhere)" in convert_fails(src, tmp_path / "dangling", "--to", "tp=1")
+    (tmp_path / "loop").symlink_to("loop")
+    with pytest.raises(reshard.ReshardError, match="loop/sub: cannot be resolved"):
+        reshard.convert(src, tmp_path / "loop" / "sub", to="tp=1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "disk", "loop", "out", "src"]
 
 
 def test_a_destination_inside_the_source_is_refused(tmp_path):
