@@ -10,6 +10,7 @@ trainer disables bucketing elsewhere).
 from __future__ import annotations
 
 import mcore_moe_jobs as moe
+import pytest
 import torch
 from conftest import require
 from mcore_dist_moe_jobs import same_chunks
@@ -27,6 +28,7 @@ def _object(ckpt, key: str):
     return read_torch_file(ckpt / s.relative_path, offset=s.offset, length=s.length)
 
 
+@pytest.mark.interop
 def test_real_vpp_dp_reshardable_state_is_written_as_megatron_core_saves_it_and_read_back_per_parameter(tmp_path):
     """megatron-core trains one step at tp 1, pp 1, dp 2 (bf16, buckets of 4000 elements) and saves torch_dist ->
     torch_dist at pp 2, vpp 2 (a grad buffer per model chunk, gbuf_idx_1 keys), which megatron-core resumes
