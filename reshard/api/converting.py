@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -101,7 +102,8 @@ def convert(
     Args:
       src: a checkpoint directory in any supported format, or an fsspec URL (``s3://bucket/ckpt``) of one,
         read with range requests.
-      dst: the directory to create; must not exist, or be empty. An fsspec URL (``s3://bucket/ckpt``) too: the
+      dst: the directory to create; must not exist, or be empty (a symbolic link to such a directory is written
+        through, the link kept; a link to nothing is refused). An fsspec URL (``s3://bucket/ckpt``) too: the
         checkpoint is assembled in a local temporary directory (``TMPDIR``: it needs the space of the output),
         then each file is uploaded in parts (S3: a multipart upload of 64 MiB parts), the manifest last, and the
         local copy removed; one process (with its workers), no ``resume``.
@@ -476,7 +478,7 @@ def _destination(dst: Path) -> Path:
     finished output is renamed onto its path, which would replace the link, not fill the directory). Refuses a
     link to nothing and a path through a link loop up front, before any planning or writing."""
     try:
-        os.stat(dst)
+        target = os.stat(dst)  # follows links
     except FileNotFoundError:
         if dst.is_symlink():
             raise CheckpointFormatError(f"{dst}: a symbolic link to nothing ({os.readlink(dst)}); reshard writes "
@@ -484,7 +486,7 @@ def _destination(dst: Path) -> Path:
         return dst
     except OSError as e:  # ELOOP, EACCES, ...
         raise CheckpointFormatError(f"{dst}: cannot be resolved ({e.strerror})") from None
-    return dst.resolve() if dst.is_symlink() and dst.is_dir() else dst
+    return dst.resolve() if stat.S_ISDIR(target.st_mode) and dst.is_symlink() else dst
 
 
 def _check_destination(src: Path, dst: Path) -> None:
